@@ -1,0 +1,3 @@
+from multihead.cli import entry
+
+entry()

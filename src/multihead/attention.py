@@ -1,0 +1,328 @@
+"""MultiHeadAttention: one layer for MHA, GQA and MQA.
+
+The forward reads as the formula: project, split into heads, (rotate), attend, merge, project back::
+
+    q = x W_Q   -> (b, h, s, d)        k = c W_K, v = c W_V -> (b, g, t, d)      (c = x, or the context)
+    o = attend(q, k, v)  -> (b, h, s, d)   # head i uses KV head i // (h / g)
+    y = Concat(o_1 .. o_h) W_O  -> (b, s, d_model)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead.config import AttentionConfig, RopeConfig
+from multihead.errors import MultiheadError
+from multihead.kernels import KernelChoice, attend, check_backend, explain
+from multihead.masks import MaskSpec, build_mask
+from multihead.rope import RotaryEmbedding
+
+StepHook = Callable[[str, Tensor], None]
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with n_heads query heads sharing n_kv_heads key/value heads.
+
+    ::
+
+        MHA  n_kv_heads = n_heads      GQA  1 < n_kv_heads < n_heads      MQA  n_kv_heads = 1
+
+    Call it as ``attn(x)`` (self-attention), ``attn(x, context)`` (cross-attention), with ``causal=True``,
+    ``mask=keep`` (bool, True = may attend; or a float mask added to the scores), ``key_padding_mask=valid``
+    ((b, t) bool, True = a real token) and ``return_weights=True`` for the per-head weights (b, n_heads, s, t).
+    Keyword arguments of the constructor are those of :class:`AttentionConfig`, plus ``device`` and ``dtype``.
+    """
+
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        value_dim: int | None = None,
+        bias: bool = True,
+        dropout: float = 0.0,
+        scale: float | None = None,
+        rope: RopeConfig | float | None = None,
+        window: int | None = None,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        config = AttentionConfig(
+            d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, kv_dim=kv_dim,
+            value_dim=value_dim, bias=bias, dropout=dropout, scale=scale,
+            rope=rope,  # type: ignore[arg-type]  # a float base is accepted and becomes a RopeConfig
+            window=window,
+        )
+        self.config = config
+        assert config.kv_dim is not None and config.value_dim is not None
+        factory: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.q_proj = nn.Linear(config.d_model, config.q_dim, bias=bias, **factory)
+        self.k_proj = nn.Linear(config.kv_dim, config.k_dim, bias=bias, **factory)
+        self.v_proj = nn.Linear(config.value_dim, config.k_dim, bias=bias, **factory)
+        self.o_proj = nn.Linear(config.q_dim, config.d_model, bias=bias, **factory)
+        self.rotary = (
+            RotaryEmbedding(config.head_dim, config.rope.base)  # type: ignore[arg-type]
+            if config.rope is not None
+            else None
+        )
+        self.backend = check_backend(backend)
+        self._step_hooks: list[StepHook] = []
+
+    @classmethod
+    def from_config(
+        cls,
+        config: AttentionConfig,
+        *,
+        backend: str = "auto",
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> MultiHeadAttention:
+        return cls(**config.to_dict(), backend=backend, device=device, dtype=dtype)
+
+    # Shorthands for the config's numbers.
+    @property
+    def n_heads(self) -> int:
+        return self.config.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        assert self.config.n_kv_heads is not None
+        return self.config.n_kv_heads
+
+    @property
+    def head_dim(self) -> int:
+        assert self.config.head_dim is not None
+        return self.config.head_dim
+
+    # ------------------------------------------------------------------ forward
+    def forward(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        value: Tensor | None = None,
+        mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        causal: bool = False,
+        positions: Tensor | None = None,
+        return_weights: bool = False,
+        backend: str | None = None,
+    ) -> Any:
+        """x (b, s, d_model) -> (b, s, d_model), or (output, weights (b, n_heads, s, t)) with return_weights.
+
+        Args:
+            x: queries' input (b, s, d_model).
+            context: keys' and values' input (b, t, kv_dim) for cross-attention; None for self-attention.
+            value: a separate input for the values (b, t, value_dim), as torch.nn.MultiheadAttention allows.
+            mask: bool (True = may attend) or float (added to the scores), broadcastable to (b, n_heads, s, t).
+            key_padding_mask: (b, t) bool, True = a real token.
+            causal: query i sees keys up to t - s + i (bottom-right aligned).
+            positions: RoPE positions of the tokens, (s,) or (b, s); default 0 .. s - 1.
+            return_weights: also return the per-head attention weights (never averaged over heads).
+            backend: "auto", "sdpa" or "math" for this call; default the layer's ``backend``.
+        """
+        q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions)
+        dropout_p = self.config.dropout if self.training else 0.0
+        out, weights = attend(
+            q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
+            backend=self.backend if backend is None else backend, need_weights=return_weights,
+        )  # (b, h, s, d)
+        if weights is not None:
+            self._emit("weights", weights)
+        self._emit("attention", out)
+        b, s = x.shape[0], x.shape[1]
+        merged = out.transpose(1, 2).reshape(b, s, self.config.q_dim)  # (b, s, h*d)
+        self._emit("merged", merged)
+        y = self.o_proj(merged)  # (b, s, d_model)
+        self._emit("output", y)
+        return (y, weights) if return_weights else y
+
+    def explain(
+        self,
+        x: Tensor,
+        context: Tensor | None = None,
+        *,
+        value: Tensor | None = None,
+        mask: Tensor | None = None,
+        key_padding_mask: Tensor | None = None,
+        causal: bool = False,
+        positions: Tensor | None = None,
+        return_weights: bool = False,
+        backend: str | None = None,
+    ) -> KernelChoice:
+        """Which kernel a call with these arguments runs, and why (the projections run, attention does not)."""
+        with torch.no_grad():
+            q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions)
+        dropout_p = self.config.dropout if self.training else 0.0
+        return explain(
+            q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
+            backend=self.backend if backend is None else backend, need_weights=return_weights,
+        )
+
+    def _prepare(
+        self,
+        x: Tensor,
+        context: Tensor | None,
+        value: Tensor | None,
+        mask: Tensor | None,
+        key_padding_mask: Tensor | None,
+        causal: bool,
+        positions: Tensor | None,
+    ) -> tuple[Tensor, Tensor, Tensor, MaskSpec]:
+        """Validate the inputs, project and split into heads: q (b, h, s, d), k and v (b, g, t, d), the mask."""
+        cfg = self.config
+        b, s = self._check_input("x", x, cfg.d_model, "d_model")
+        kv_in = x
+        if context is not None:
+            bc, t = self._check_input("context", context, cfg.kv_dim, "kv_dim")  # type: ignore[arg-type]
+            if bc != b:
+                raise MultiheadError(f"context has batch {bc} but x has batch {b}")
+            kv_in = context
+        else:
+            t = s
+        v_in = kv_in
+        if value is not None:
+            if context is None:
+                raise MultiheadError("value was given without context: pass context (keys' input) with it")
+            bv, tv = self._check_input("value", value, cfg.value_dim, "value_dim")  # type: ignore[arg-type]
+            if (bv, tv) != (b, t):
+                raise MultiheadError(f"value has (batch, length) {(bv, tv)} but context has {(b, t)}")
+            v_in = value
+        elif cfg.value_dim != cfg.kv_dim:
+            raise MultiheadError(
+                f"this layer projects values from a separate input of width value_dim ({cfg.value_dim}) != "
+                f"kv_dim ({cfg.kv_dim}): pass value=..."
+            )
+        if self.rotary is not None and context is not None:
+            raise MultiheadError("rope is for self-attention: a layer with rope cannot take a context")
+        spec = build_mask(
+            batch=b, n_heads=cfg.n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
+            causal=causal, window=cfg.window,
+        )
+        h, g, d = cfg.n_heads, self.n_kv_heads, self.head_dim
+        self._emit("input", x)
+        q = self.q_proj(x)  # (b, s, h*d)
+        k = self.k_proj(kv_in)  # (b, t, g*d)
+        v = self.v_proj(v_in)  # (b, t, g*d)
+        self._emit("q_proj", q)
+        self._emit("k_proj", k)
+        self._emit("v_proj", v)
+        q = q.view(b, s, h, d).transpose(1, 2)  # (b, h, s, d)
+        k = k.view(b, t, g, d).transpose(1, 2)  # (b, g, t, d)
+        v = v.view(b, t, g, d).transpose(1, 2)  # (b, g, t, d)
+        if self.rotary is not None:
+            q, k = self.rotary(q, k, self._positions(positions, b, s, x.device))
+        elif positions is not None:
+            raise MultiheadError("positions were given but this layer has no rope: they would be ignored")
+        self._emit("q_heads", q)
+        self._emit("k_heads", k)
+        self._emit("v_heads", v)
+        return q, k, v, spec
+
+    @staticmethod
+    def _check_input(name: str, x: Tensor, width: int, width_name: str) -> tuple[int, int]:
+        if not isinstance(x, Tensor):
+            raise MultiheadError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+        if x.ndim != 3:
+            raise MultiheadError(
+                f"{name} must have 3 dimensions (b, length, {width_name}), got shape {tuple(x.shape)}"
+            )
+        if x.shape[-1] != width:
+            raise MultiheadError(
+                f"{name} has width {x.shape[-1]} (shape {tuple(x.shape)}) but the layer's {width_name} is {width}"
+            )
+        if not x.is_floating_point():
+            raise MultiheadError(f"{name} has dtype {x.dtype}: it must be a floating-point tensor")
+        return x.shape[0], x.shape[1]
+
+    @staticmethod
+    def _positions(positions: Tensor | None, b: int, s: int, device: torch.device) -> Tensor:
+        if positions is None:
+            return torch.arange(s, device=device)[None]  # (1, s)
+        if positions.ndim == 1:
+            positions = positions[None]
+        if positions.ndim != 2 or positions.shape[-1] != s or positions.shape[0] not in (1, b):
+            raise MultiheadError(f"positions of shape {tuple(positions.shape)} must be (s,) or (b, s) = {(b, s)}")
+        return positions
+
+    # ------------------------------------------------------------------ observing the steps
+    def _emit(self, step: str, tensor: Tensor) -> None:
+        for hook in self._step_hooks:
+            hook(step, tensor)
+
+    @contextmanager
+    def observe(self, hook: StepHook) -> Iterator[None]:
+        """Call ``hook(step, tensor)`` at each step of forward while the block runs.
+
+        Steps, in order: input, q_proj, k_proj, v_proj, q_heads, k_heads, v_heads (after RoPE), weights (with
+        return_weights), attention, merged, output.
+        """
+        self._step_hooks.append(hook)
+        try:
+            yield
+        finally:
+            self._step_hooks.remove(hook)
+
+    # ------------------------------------------------------------------ conversion
+    @classmethod
+    def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
+        """A layer computing exactly the function of a ``torch.nn.MultiheadAttention``.
+
+        The result is always batch-first: for a module with ``batch_first=False`` transpose inputs (s, b, e) to
+        (b, s, e). Masks map as ``mask = ~attn_mask`` for torch's bool masks (True = masked there, True = may attend
+        here), float masks are the same, and ``key_padding_mask = ~torch_key_padding_mask``. Keys and values of
+        torch's ``forward(query, key, value)`` are ``attn(query, key, value=value)`` here (or ``attn(query, key)``
+        when key is value). ``add_bias_kv`` and ``add_zero_attn`` have no equivalent and raise.
+        """
+        if not isinstance(m, nn.MultiheadAttention):
+            raise MultiheadError(f"from_torch takes a torch.nn.MultiheadAttention, got {type(m).__name__}")
+        if m.bias_k is not None or m.bias_v is not None:
+            raise MultiheadError("nn.MultiheadAttention with add_bias_kv=True has no equivalent here "
+                                 "(it appends a learned key and value to every sequence)")
+        if m.add_zero_attn:
+            raise MultiheadError("nn.MultiheadAttention with add_zero_attn=True has no equivalent here "
+                                 "(it appends a zero key and value to every sequence)")
+        e = m.embed_dim
+        has_bias = m.in_proj_bias is not None
+        ref = m.out_proj.weight
+        layer = cls(
+            d_model=e, n_heads=m.num_heads, kv_dim=m.kdim, value_dim=m.vdim, bias=has_bias, dropout=m.dropout,
+            device=ref.device, dtype=ref.dtype,
+        )
+        with torch.no_grad():
+            if m._qkv_same_embed_dim:
+                assert m.in_proj_weight is not None
+                wq, wk, wv = m.in_proj_weight.chunk(3)
+            else:
+                wq, wk, wv = m.q_proj_weight, m.k_proj_weight, m.v_proj_weight
+            layer.q_proj.weight.copy_(wq)
+            layer.k_proj.weight.copy_(wk)
+            layer.v_proj.weight.copy_(wv)
+            layer.o_proj.weight.copy_(m.out_proj.weight)
+            if has_bias:
+                assert m.in_proj_bias is not None
+                bq, bk, bv = m.in_proj_bias.chunk(3)
+                layer.q_proj.bias.copy_(bq)
+                layer.k_proj.bias.copy_(bk)
+                layer.v_proj.bias.copy_(bv)
+                layer.o_proj.bias.copy_(m.out_proj.bias)
+        layer.train(m.training)
+        return layer
+
+    def extra_repr(self) -> str:
+        c = self.config
+        parts = [f"d_model={c.d_model}", f"n_heads={c.n_heads}", f"n_kv_heads={c.n_kv_heads}",
+                 f"head_dim={c.head_dim}", c.variant]
+        if c.window is not None:
+            parts.append(f"window={c.window}")
+        return ", ".join(parts)

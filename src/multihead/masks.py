@@ -1,0 +1,166 @@
+"""One mask convention for the whole package: boolean True means "may attend".
+
+What decides which keys a query sees is gathered into a :class:`MaskSpec` and kept structural (``causal``,
+``window``) as long as possible, so that a fused kernel can use its own causal path; a dense tensor is made only when
+a kernel needs one.
+
+- ``mask``: a bool tensor (True = may attend) or a float tensor added to the scores (``-inf`` forbids a key),
+  shaped ``(s, t)``, ``(1, s, t)`` or ``(b|1, h|1, s, t)``.
+- ``key_padding_mask``: ``(b, t)`` bool, True = a real token (the opposite of torch.nn.MultiheadAttention's, where
+  True means padding: pass ``~torch_mask``).
+- ``causal``: query i of s sees keys up to ``t - s + i`` (bottom-right alignment, what a KV cache needs; for s == t it
+  is the usual lower triangle).
+- ``window``: with causal, query i sees at most the last ``window`` keys: ``t - s + i - window < j <= t - s + i``.
+
+A query row with no allowed key yields zeros (in the output and in the weights), never NaN.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from multihead.errors import MultiheadError
+
+
+def causal_keep(s: int, t: int, *, window: int | None = None, device: torch.device | str | None = None) -> Tensor:
+    """The (s, t) bool mask of causal attention aligned bottom-right, with an optional sliding window.
+
+    Query i sits at position ``p = t - s + i`` among the keys; it may attend to key j iff ``j <= p`` and, with a
+    window, ``j > p - window``.
+    """
+    q_pos = torch.arange(t - s, t, device=device).unsqueeze(-1)  # (s, 1)
+    k_pos = torch.arange(t, device=device).unsqueeze(0)  # (1, t)
+    keep = k_pos <= q_pos  # (s, t)
+    if window is not None:
+        keep = keep & (k_pos > q_pos - window)
+    return keep
+
+
+@dataclass(frozen=True)
+class MaskSpec:
+    """Which keys each query may see, for queries (b, h, s) over keys (b, g, t).
+
+    ``keep`` (bool) and ``bias`` (float) are already validated and broadcastable to (b, h, s, t).
+    """
+
+    batch: int
+    n_heads: int
+    s: int
+    t: int
+    causal: bool = False
+    window: int | None = None
+    keep: Tensor | None = None
+    bias: Tensor | None = None
+
+    @property
+    def is_empty(self) -> bool:
+        """True when every query may attend to every key."""
+        return not self.causal and self.keep is None and self.bias is None
+
+    @property
+    def is_plain_causal(self) -> bool:
+        """True when the mask is exactly the square lower triangle (what fused kernels' is_causal flag means)."""
+        return self.causal and self.window is None and self.keep is None and self.bias is None and self.s == self.t
+
+    @property
+    def may_have_empty_rows(self) -> bool:
+        """False when the structure guarantees every query at least one key (so no guard is needed)."""
+        return self.keep is not None or self.bias is not None or (self.causal and self.s > self.t)
+
+    def dense(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+        """Materialise the mask for a kernel: (keep, bias, has_key).
+
+        ``keep`` is bool (True = may attend) or None for "all", ``bias`` is a float tensor in ``dtype`` or None.
+        Rows with no allowed key are opened up (all keys allowed, bias 0) so that no kernel sees an empty row, and
+        ``has_key`` (bool, ``(.., s, 1)``) says which rows were empty so their output can be zeroed afterwards; it is
+        None when no row can be empty.
+        """
+        keep = self.keep
+        if self.causal:
+            structural = causal_keep(self.s, self.t, window=self.window, device=device)  # (s, t)
+            keep = structural if keep is None else keep & structural
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        if not self.may_have_empty_rows:
+            return keep, bias, None
+        allowed = keep
+        if bias is not None:
+            finite = bias != float("-inf")
+            allowed = finite if allowed is None else allowed & finite
+        assert allowed is not None
+        has_key = allowed.any(dim=-1, keepdim=True)  # (.., s, 1)
+        if keep is not None:
+            keep = keep | ~has_key
+        if bias is not None:
+            bias = bias.masked_fill(~has_key, 0.0)
+        return keep, bias, has_key
+
+
+def _check_broadcast(name: str, shape: tuple[int, ...], target: tuple[int, ...], legend: str) -> None:
+    if len(shape) > len(target) or any(a not in (1, b) for a, b in zip(reversed(shape), reversed(target))):
+        raise MultiheadError(f"{name} of shape {tuple(shape)} does not broadcast to {legend} = {tuple(target)}")
+
+
+def build_mask(
+    *,
+    batch: int,
+    n_heads: int,
+    s: int,
+    t: int,
+    mask: Tensor | None = None,
+    key_padding_mask: Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+) -> MaskSpec:
+    """Validate the mask arguments of one attention call and gather them into a :class:`MaskSpec`."""
+    if not isinstance(causal, bool):
+        raise MultiheadError(f"causal ({causal!r}) must be True or False")
+    if window is not None and not causal:
+        raise MultiheadError(
+            f"window ({window}) is a causal sliding window (each query sees the last {window} keys up to itself): "
+            "call with causal=True, or pass an explicit mask for another pattern"
+        )
+    target = (batch, n_heads, s, t)
+    legend = "(b, n_heads, s, t)"
+    keep: Tensor | None = None
+    bias: Tensor | None = None
+    if mask is not None:
+        if not isinstance(mask, Tensor):
+            raise MultiheadError(f"mask must be a torch.Tensor, got {type(mask).__name__}")
+        if mask.ndim not in (2, 3, 4):
+            raise MultiheadError(
+                f"mask has {mask.ndim} dimensions (shape {tuple(mask.shape)}): give (s, t), (1, s, t) or "
+                f"(b|1, n_heads|1, s, t) = {target}"
+            )
+        if mask.ndim == 3 and mask.shape[0] != 1:
+            raise MultiheadError(
+                f"mask of shape {tuple(mask.shape)} is ambiguous: a 3-D mask would broadcast its first dimension "
+                f"against n_heads, not the batch; use mask[:, None] for a per-batch mask (b, 1, s, t) or give "
+                f"{legend} = {target}"
+            )
+        _check_broadcast("mask", tuple(mask.shape), target, legend)
+        if mask.dtype == torch.bool:
+            keep = mask
+        elif mask.is_floating_point():
+            bias = mask
+        else:
+            raise MultiheadError(
+                f"mask has dtype {mask.dtype}: use a bool mask (True = may attend) or a float mask added to the scores"
+            )
+    if key_padding_mask is not None:
+        if not isinstance(key_padding_mask, Tensor):
+            raise MultiheadError(f"key_padding_mask must be a torch.Tensor, got {type(key_padding_mask).__name__}")
+        if key_padding_mask.dtype != torch.bool:
+            raise MultiheadError(
+                f"key_padding_mask has dtype {key_padding_mask.dtype}: it must be bool, True = a real token "
+                "(torch.nn.MultiheadAttention's is the opposite: pass ~its_mask)"
+            )
+        if tuple(key_padding_mask.shape) != (batch, t):
+            raise MultiheadError(
+                f"key_padding_mask of shape {tuple(key_padding_mask.shape)} must be (b, t) = {(batch, t)}"
+            )
+        pad = key_padding_mask[:, None, None, :]  # (b, 1, 1, t)
+        keep = pad if keep is None else keep & pad
+    return MaskSpec(batch=batch, n_heads=n_heads, s=s, t=t, causal=causal, window=window, keep=keep, bias=bias)
