@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import to_np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from multihead import AttentionConfig, MultiHeadAttention
+from conftest import to_np
+from multihead import MultiHeadAttention
 from multihead.errors import divisors
 from multihead.reference import Weights, multihead_attention
 

@@ -249,11 +249,12 @@ class MultiHeadAttention(nn.Module):
     def _positions(positions: Tensor | None, b: int, s: int, device: torch.device) -> Tensor:
         if positions is None:
             return torch.arange(s, device=device)[None]  # (1, s)
-        if positions.ndim == 1:
-            positions = positions[None]
-        if positions.ndim != 2 or positions.shape[-1] != s or positions.shape[0] not in (1, b):
+        if not isinstance(positions, Tensor):
+            raise MultiheadError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
+        batched = positions if positions.ndim != 1 else positions[None]  # (b|1, s)
+        if batched.ndim != 2 or batched.shape[-1] != s or batched.shape[0] not in (1, b):
             raise MultiheadError(f"positions of shape {tuple(positions.shape)} must be (s,) or (b, s) = {(b, s)}")
-        return positions
+        return batched
 
     # ------------------------------------------------------------------ observing the steps
     def _emit(self, step: str, tensor: Tensor) -> None:

@@ -119,18 +119,21 @@ class AttentionConfig:
             or not math.isfinite(self.scale)
             or self.scale <= 0
         ):
-            raise MultiheadError(f"scale ({self.scale!r}) must be a positive finite float, or None for head_dim ** -0.5")
+            raise MultiheadError(
+                f"scale ({self.scale!r}) must be a positive finite float, or None for head_dim ** -0.5"
+            )
         if self.rope is not None:
             if isinstance(self.rope, (int, float)) and not isinstance(self.rope, bool):
                 object.__setattr__(self, "rope", RopeConfig(base=float(self.rope)))
             if not isinstance(self.rope, RopeConfig):
                 raise MultiheadError(f"rope ({self.rope!r}) must be None, a base such as 10000.0, or a RopeConfig")
-            if self.head_dim % 2 != 0:
+            if self.head_dim is not None and self.head_dim % 2 != 0:
                 raise MultiheadError(f"rope needs an even head_dim (got head_dim {self.head_dim}): rotary embeddings "
                                      "rotate pairs of dimensions")
-        if self.window is not None:
-            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-                raise MultiheadError(f"window ({self.window!r}) must be a positive int (the number of keys a query "
+        if self.window is not None and (
+            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
+        ):
+            raise MultiheadError(f"window ({self.window!r}) must be a positive int (the number of keys a query "
                                      "may see), or None for no window")
 
     # Derived values, named as the formula names them.

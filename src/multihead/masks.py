@@ -99,7 +99,8 @@ class MaskSpec:
 
 
 def _check_broadcast(name: str, shape: tuple[int, ...], target: tuple[int, ...], legend: str) -> None:
-    if len(shape) > len(target) or any(a not in (1, b) for a, b in zip(reversed(shape), reversed(target))):
+    pairs = zip(reversed(shape), reversed(target), strict=False)
+    if len(shape) > len(target) or any(a not in (1, b) for a, b in pairs):
         raise MultiheadError(f"{name} of shape {tuple(shape)} does not broadcast to {legend} = {tuple(target)}")
 
 

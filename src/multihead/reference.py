@@ -42,11 +42,11 @@ class Weights:
         names = ("q", "k", "v", "o")
         ws = {f"w{n}": arr(getattr(layer, f"{n}_proj").weight) for n in names}
         bs = {f"b{n}": arr(getattr(layer, f"{n}_proj").bias) for n in names}
-        return cls(**ws, **bs)
+        return cls(**ws, **bs)  # type: ignore[arg-type]
 
 
 def _linear(x: Array, w: Array, b: Array | None) -> Array:
-    y = x @ w.T
+    y: Array = x @ w.T
     return y if b is None else y + b
 
 
@@ -119,10 +119,10 @@ def multihead_attention(
     all_weights = np.zeros((b, h, s, t))
     for i in range(h):
         kv = i // per_group
-        q_i = _linear(x, weights.wq[i * d:(i + 1) * d], None if weights.bq is None else weights.bq[i * d:(i + 1) * d])
-        k_i = _linear(c, weights.wk[kv * d:(kv + 1) * d], None if weights.bk is None else weights.bk[kv * d:(kv + 1) * d])
-        v_i = _linear(vin, weights.wv[kv * d:(kv + 1) * d],
-                      None if weights.bv is None else weights.bv[kv * d:(kv + 1) * d])
+        qs, ks = slice(i * d, (i + 1) * d), slice(kv * d, (kv + 1) * d)  # rows of head i and of its KV head
+        q_i = _linear(x, weights.wq[qs], None if weights.bq is None else weights.bq[qs])  # (b, s, d)
+        k_i = _linear(c, weights.wk[ks], None if weights.bk is None else weights.bk[ks])  # (b, t, d)
+        v_i = _linear(vin, weights.wv[ks], None if weights.bv is None else weights.bv[ks])  # (b, t, d)
         if config.rope is not None:
             q_i = _rope(q_i, pos, config.rope.base)
             k_i = _rope(k_i, pos, config.rope.base)

@@ -1,0 +1,111 @@
+"""Properties of the layer a user relies on beyond the oracle: variants, weights, dropout, explain, config."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import AttentionConfig, MultiHeadAttention
+
+
+@pytest.mark.parametrize("n_kv_heads", [6, 3, 2, 1], ids=["mha", "gqa3", "gqa2", "mqa"])
+def test_gqa_equals_mha_with_each_kv_head_copied_to_its_group(n_kv_heads: int) -> None:
+    """head i reads KV head i // (n_heads / n_kv_heads): an MHA layer with the K/V rows copied so computes the same."""
+    h, d, d_model = 6, 4, 24
+    gqa = MultiHeadAttention(d_model=d_model, n_heads=h, n_kv_heads=n_kv_heads, head_dim=d)
+    mha = MultiHeadAttention(d_model=d_model, n_heads=h, head_dim=d)
+    group = h // n_kv_heads
+    with torch.no_grad():
+        for name in ("q_proj", "o_proj"):
+            getattr(mha, name).load_state_dict(getattr(gqa, name).state_dict())
+        for name in ("k_proj", "v_proj"):
+            src, dst = getattr(gqa, name), getattr(mha, name)
+            copied = src.weight.view(n_kv_heads, d, d_model).repeat_interleave(group, 0)  # (h, d, d_model)
+            dst.weight.copy_(copied.reshape(h * d, d_model))
+            dst.bias.copy_(src.bias.view(n_kv_heads, d).repeat_interleave(group, 0).reshape(h * d))
+    x = torch.randn(2, 7, d_model)
+    for backend in ("sdpa", "math"):
+        torch.testing.assert_close(gqa(x, causal=True, backend=backend), mha(x, causal=True, backend=backend))
+
+
+def test_k_and_v_projections_are_n_kv_heads_wide() -> None:
+    layer = MultiHeadAttention(d_model=4096, n_heads=32, n_kv_heads=8, device="meta")
+    assert layer.q_proj.weight.shape == (4096, 4096)
+    assert layer.k_proj.weight.shape == (1024, 4096)
+    assert layer.v_proj.weight.shape == (1024, 4096)
+    assert layer.o_proj.weight.shape == (4096, 4096)
+    assert layer.config.variant == "GQA"
+
+
+def test_explicit_head_dim_like_gemma() -> None:
+    layer = MultiHeadAttention(d_model=3072, n_heads=16, head_dim=256, bias=False, device="meta")
+    assert layer.q_proj.weight.shape == (4096, 3072)
+    assert layer.o_proj.weight.shape == (3072, 4096)
+    assert layer.config.softmax_scale == 256**-0.5
+
+
+def test_weights_are_per_head_rows_sum_to_one_and_reproduce_the_output() -> None:
+    layer = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
+    x = torch.randn(3, 6, 16)
+    y, w = layer(x, causal=True, return_weights=True)
+    assert w.shape == (3, 4, 6, 6)
+    torch.testing.assert_close(w.sum(-1), torch.ones(3, 4, 6))
+    assert (w.triu(1) == 0).all()
+    # y = W_O(concat_i w_i v_g(i)): the weights returned are the ones used
+    v = layer.v_proj(x).view(3, 6, 2, 4).transpose(1, 2).repeat_interleave(2, 1)
+    merged = (w @ v).transpose(1, 2).reshape(3, 6, 16)
+    torch.testing.assert_close(layer.o_proj(merged), y)
+    assert not torch.allclose(w[:, 0], w[:, 1])  # heads differ: never averaged
+
+
+def test_dropout_only_in_training_and_weights_are_those_used() -> None:
+    layer = MultiHeadAttention(d_model=16, n_heads=4, dropout=0.5)
+    x = torch.randn(2, 8, 16)
+    layer.eval()
+    torch.testing.assert_close(layer(x), layer(x))
+    _, w_eval = layer(x, return_weights=True)
+    layer.train()
+    y, w = layer(x, return_weights=True)
+    dropped = w == 0
+    assert 0.3 < dropped.float().mean() < 0.7
+    torch.testing.assert_close(w[~dropped], 2 * w_eval[~dropped])
+    v = layer.v_proj(x).view(2, 8, 4, 4).transpose(1, 2)
+    torch.testing.assert_close(layer.o_proj((w @ v).transpose(1, 2).reshape(2, 8, 16)), y)
+    assert not torch.allclose(layer(x), layer(x))  # the fused path drops too
+
+
+def test_config_builds_the_layer_and_fills_defaults_once() -> None:
+    config = AttentionConfig(d_model=768, n_heads=12)
+    assert (config.head_dim, config.n_kv_heads, config.kv_dim, config.variant) == (64, 12, 768, "MHA")
+    layer = config.build()
+    assert layer.config == config
+    assert AttentionConfig(d_model=768, n_heads=24).head_dim == 32  # doubling the heads halves d_k
+    assert AttentionConfig(d_model=64, n_heads=8, n_kv_heads=1).variant == "MQA"
+
+
+def test_explain_names_the_kernel_and_why() -> None:
+    layer = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
+    x = torch.randn(1, 5, 16)
+    plain = layer.explain(x, causal=True)
+    assert plain.backend == "sdpa" and plain.kernel == "flash"  # PyTorch's CPU flash kernel
+    assert "causal" in plain.mask and "no dense mask" in plain.reason
+    weights = layer.explain(x, return_weights=True)
+    assert weights.backend == "math" and "weights requested" in weights.reason
+    dense = layer.explain(x, mask=torch.ones(5, 5, dtype=torch.bool))
+    assert dense.backend == "sdpa" and "dense" in dense.reason
+    cross = MultiHeadAttention(d_model=16, n_heads=4, kv_dim=16).explain(x, torch.randn(1, 3, 16), causal=True)
+    assert "bottom-right" in cross.mask and "s != t" in cross.reason
+    asked = layer.explain(x, backend="math")
+    assert asked.backend == "math" and "faster" in asked.reason
+
+
+def test_observe_reports_each_step_in_order() -> None:
+    layer = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
+    steps: list[tuple[str, tuple[int, ...]]] = []
+    with layer.observe(lambda name, t: steps.append((name, tuple(t.shape)))):
+        layer(torch.randn(1, 3, 16), return_weights=True)
+    assert [n for n, _ in steps] == ["input", "q_proj", "k_proj", "v_proj", "q_heads", "k_heads", "v_heads",
+                                     "weights", "attention", "merged", "output"]
+    assert dict(steps)["k_heads"] == (1, 2, 3, 4)
+    layer(torch.randn(1, 3, 16))
+    assert len(steps) == 11  # the hook is gone after the block
