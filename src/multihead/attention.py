@@ -48,6 +48,7 @@ class MultiHeadAttention(nn.Module):
         kv_dim: int | None = None,
         value_dim: int | None = None,
         bias: bool = True,
+        out_bias: bool | None = None,
         dropout: float = 0.0,
         scale: float | None = None,
         rope: RopeConfig | float | None = None,
@@ -59,7 +60,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         config = AttentionConfig(
             d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, kv_dim=kv_dim,
-            value_dim=value_dim, bias=bias, dropout=dropout, scale=scale,
+            value_dim=value_dim, bias=bias, out_bias=out_bias, dropout=dropout, scale=scale,
             rope=rope,  # type: ignore[arg-type]  # a float base is accepted and becomes a RopeConfig
             window=window,
         )
@@ -69,7 +70,7 @@ class MultiHeadAttention(nn.Module):
         self.q_proj = nn.Linear(config.d_model, config.q_dim, bias=bias, **factory)
         self.k_proj = nn.Linear(config.kv_dim, config.k_dim, bias=bias, **factory)
         self.v_proj = nn.Linear(config.value_dim, config.k_dim, bias=bias, **factory)
-        self.o_proj = nn.Linear(config.q_dim, config.d_model, bias=bias, **factory)
+        self.o_proj = nn.Linear(config.q_dim, config.d_model, bias=bool(config.out_bias), **factory)
         self.rotary = (
             RotaryEmbedding(config.head_dim, config.rope.base)  # type: ignore[arg-type]
             if config.rope is not None

@@ -6,13 +6,17 @@ User errors (bad flags, impossible configurations) print one line on stderr and 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
+
+if TYPE_CHECKING:
+    from multihead.presets import ModelConfig
 
 
 class CliError(Exception):
@@ -32,6 +36,10 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
     return value
+
+
+def _layers(n: int) -> str:
+    return f"{n} layer" + ("" if n == 1 else "s")
 
 
 def _fmt(n: int) -> str:
@@ -87,8 +95,187 @@ def _run_shapes(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- model sources
+def _add_model_flags(p: argparse.ArgumentParser, *, seq_default: int = 4096) -> None:
+    src = p.add_argument_group("model (one of --preset, --config, or --d-model with --heads)")
+    src.add_argument("--preset", help="a named real model (exact name; see `multihead presets`)")
+    src.add_argument("--config", metavar="CONFIG_JSON", help="a Hugging Face config.json, or a folder holding one")
+    src.add_argument("--d-model", type=_positive, help="model width d_model")
+    src.add_argument("--heads", type=_positive, help="query heads n_heads")
+    src.add_argument("--kv-heads", type=_positive, help="key/value heads (default: --heads, MHA)")
+    src.add_argument("--head-dim", type=_positive, help="width of a head (default d_model / heads)")
+    src.add_argument("--layers", type=_positive, help="number of layers (default 1)")
+    src.add_argument("--window", type=_positive, help="sliding window (causal): keys a query may see")
+    src.add_argument("--bias", action="store_true", help="projections with biases (default: none)")
+    p.add_argument("--seq", type=_positive, default=seq_default, help=f"context length (default {seq_default})")
+    p.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    p.add_argument("--dtype", default="bf16", help="element type of the cache and activations: fp32, fp16, bf16, "
+                   "int8, fp8 (default bf16)")
+    p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
+                   help="causal attention (default: the model's; decoders are causal, encoders not)")
+    p.add_argument("--device-memory", metavar="SIZE", help="memory for the KV cache, e.g. 80GB or 24GiB: "
+                   "prints the longest context that fits")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def _model_from_args(args: argparse.Namespace) -> ModelConfig:
+    from multihead.presets import from_hf_config, from_hf_dict, preset
+
+    raw = [f for f in ("d_model", "heads", "kv_heads", "head_dim", "window") if getattr(args, f) is not None]
+    chosen = [name for name, given in (("--preset", args.preset), ("--config", args.config),
+                                       ("--d-model/--heads", raw or args.bias)) if given]
+    if len(chosen) != 1:
+        raise CliError(
+            "give exactly one model: --preset NAME, --config config.json, or --d-model and --heads"
+            + (f" (got {' and '.join(chosen)})" if chosen else "")
+        )
+    if args.preset is not None:
+        model = preset(args.preset)
+    elif args.config is not None:
+        model = from_hf_config(args.config)
+    else:
+        if args.d_model is None or args.heads is None:
+            raise CliError("--d-model and --heads are both needed to describe a model by its sizes")
+        cfg: dict[str, Any] = {"hidden_size": args.d_model, "num_attention_heads": args.heads,
+                               "num_hidden_layers": args.layers or 1, "num_key_value_heads": args.kv_heads,
+                               "head_dim": args.head_dim, "sliding_window": args.window,
+                               "attention_bias": bool(args.bias), "position_embedding_type": "none"}
+        model = from_hf_dict(cfg, name=f"d_model {args.d_model}, {args.heads} heads")
+    if args.layers is not None and (args.preset is not None or args.config is not None):
+        model = dataclasses.replace(model, n_layers=args.layers)
+    return model
+
+
+def _causal(args: argparse.Namespace, model: ModelConfig) -> bool:
+    return model.causal if args.causal is None else bool(args.causal)
+
+
+# ---------------------------------------------------------------------------------------------- count
+def _add_count(sub: Any) -> None:
+    p = sub.add_parser("count", help="parameters, FLOPs, KV-cache and attention memory of a configuration")
+    _add_model_flags(p)
+    p.set_defaults(run=_run_count)
+
+
+def _run_count(args: argparse.Namespace) -> int:
+    from multihead import cost
+    from multihead.units import format_bytes, format_count, parse_bytes
+
+    model = _model_from_args(args)
+    cost.dtype_bytes(args.dtype)
+    causal = _causal(args, model)
+    a = model.attention
+    r = cost.report(a, n_layers=model.n_layers, seq=args.seq, batch=args.batch, dtype=args.dtype, causal=causal)
+    r["model"] = model.name
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    if memory is not None:
+        r["device_memory_bytes"] = memory
+        r["max_context_in_device_memory"] = cost.max_context(
+            a, memory_bytes=memory, batch=args.batch, n_layers=model.n_layers, dtype=args.dtype)
+    if args.json:
+        print(json.dumps(r, indent=2))
+        return 0
+    dk_note = f" (= {a.d_model} / {a.n_heads})" if a.head_dim == a.d_model // a.n_heads else " (explicit)"
+    rows = [
+        ("model", f"{model.name}: {_layers(model.n_layers)}, {'causal' if causal else 'bidirectional'}"),
+        ("d_model", f"{a.d_model}"),
+        ("heads", f"{a.n_heads} query, {a.n_kv_heads} key/value ({a.variant})"),
+        ("d_k = head_dim", f"{a.head_dim}{dk_note}"),
+        ("parameters per layer", f"{r['params_per_layer']:,}"
+         + "  (" + ", ".join(f"{k} {v:,}" for k, v in r["params_per_layer_by_projection"].items()) + ")"),
+        ("parameters, all layers", f"{r['params_total']:,}"),
+        (f"FLOPs forward (b {args.batch}, s {args.seq})", f"{format_count(r['flops_forward'], 'FLOP')}"
+         f"  ({r['flops_forward']:,}; attention core {format_count(r['flops_attention_core'], 'FLOP')})"),
+        ("FLOPs backward", f"{format_count(r['flops_backward'], 'FLOP')}"),
+        ("KV cache per token", f"{format_bytes(r['kv_cache_bytes_per_token'])} all layers, "
+         f"{r['kv_cache_bytes_per_token_per_layer']:,} B per layer ({args.dtype})"),
+        (f"KV cache for {args.seq} tokens x {args.batch}", f"{format_bytes(r['kv_cache_bytes_total'])}"
+         f"  ({r['kv_cache_bytes_total']:,} B" + (f"; window {a.window} caps it at {r['kv_cache_tokens']} tokens"
+                                                  if a.window is not None and a.window < args.seq else "") + ")"),
+        ("attention matrix per layer", f"{format_bytes(r['attention_matrix_bytes_per_layer'])} on the math path "
+         f"(b*h*s*t); {format_bytes(r['fused_attention_bytes_per_layer'])} fused"),
+    ]
+    if memory is not None:
+        fit = r["max_context_in_device_memory"]
+        rows.append((f"context that fits in {format_bytes(memory)}",
+                     "any (the window caps the cache)" if fit is None else f"{fit:,} tokens (KV cache alone)"))
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k:<{width}}  {v}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- compare
+def _add_compare(sub: Any) -> None:
+    p = sub.add_parser("compare", help="the same model as MHA, GQA and MQA: KV-cache memory side by side, and a plot")
+    _add_model_flags(p, seq_default=8192)
+    p.add_argument("--plot", default="multihead-compare.png", metavar="PNG",
+                   help="where to write the plot of cache memory against context (default multihead-compare.png)")
+    p.add_argument("--no-plot", action="store_true", help="print the table only")
+    p.set_defaults(run=_run_compare)
+
+
+def _run_compare(args: argparse.Namespace) -> int:
+    from multihead.compare import compare_variants, plot_variants
+    from multihead.units import format_bytes, parse_bytes
+
+    model = _model_from_args(args)
+    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    rows = compare_variants(model, seq=args.seq, batch=args.batch, dtype=args.dtype, memory_bytes=memory)
+    plot_path = None if args.no_plot else plot_variants(model, rows, args.plot, batch=args.batch, dtype=args.dtype,
+                                                         memory_bytes=memory, seq=args.seq)
+    if args.json:
+        print(json.dumps({"model": model.name, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
+                          "device_memory_bytes": memory, "variants": [dataclasses.asdict(r) for r in rows],
+                          "plot": plot_path}, indent=2))
+        return 0
+    print(f"{model.name}: {_layers(model.n_layers)}, {model.attention.n_heads} query heads, head_dim "
+          f"{model.attention.head_dim}; KV cache for {args.seq} tokens x batch {args.batch} in {args.dtype}")
+    header = ["variant", "kv heads", "q per kv", "KV / token", "KV cache", "vs MHA", "params / layer"]
+    if memory is not None:
+        header.append(f"context in {format_bytes(memory)}")
+    table = [header]
+    for r in rows:
+        line = [r.variant + (" *" if r.is_model else ""), str(r.n_kv_heads), str(r.group_size),
+                format_bytes(r.kv_bytes_per_token), format_bytes(r.kv_cache_bytes), f"{r.ratio_to_mha:.3f}",
+                f"{r.params_per_layer:,}"]
+        if memory is not None:
+            line.append("any" if r.max_context is None else f"{r.max_context:,}")
+        table.append(line)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(row, widths,
+                                                                                                strict=True))))
+    print("* the model's own configuration")
+    if plot_path:
+        print(f"plot: {plot_path}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- presets
+def _add_presets(sub: Any) -> None:
+    p = sub.add_parser("presets", help="list the named real-model configurations")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_presets)
+
+
+def _run_presets(args: argparse.Namespace) -> int:
+    from multihead.presets import PRESET_NAMES, preset
+
+    models = [preset(n) for n in PRESET_NAMES]
+    if args.json:
+        print(json.dumps({m.name: {"attention": m.attention.to_dict(), "n_layers": m.n_layers, "causal": m.causal,
+                                   "max_context": m.max_context, "source": m.source} for m in models}, indent=2))
+        return 0
+    for m in models:
+        a = m.attention
+        print(f"{m.name:<18} d_model {a.d_model:>5}  heads {a.n_heads:>3}/{a.n_kv_heads:<3} ({a.variant})  "
+              f"head_dim {a.head_dim:>3}  layers {m.n_layers:>3}  {m.source}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
-_COMMANDS: list[Callable[[Any], None]] = [_add_shapes]
+_COMMANDS: list[Callable[[Any], None]] = [_add_shapes, _add_count, _add_compare, _add_presets]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -14,6 +14,8 @@ The three variants are one integer, ``n_kv_heads``::
 
 A config validates itself when it is made and never silently rewrites a value that was given: ``None`` fields are
 filled with their documented default once, and a contradiction raises :class:`MultiheadError` with the numbers.
+Being filled, they are kept by ``dataclasses.replace``: ``replace(config, n_heads=64)`` keeps head_dim and n_kv_heads;
+make a new ``AttentionConfig`` to derive them again.
 """
 
 from __future__ import annotations
@@ -63,7 +65,8 @@ class AttentionConfig:
         kv_dim: width of the context that keys (and values) are projected from in cross-attention;
             ``None`` means ``d_model``.
         value_dim: width of a separate value input (as torch's ``vdim``); ``None`` means ``kv_dim``.
-        bias: whether the four projections have biases.
+        bias: whether the projections have biases (all four, unless out_bias says otherwise for W_O).
+        out_bias: whether W_O has a bias; ``None`` means ``bias`` (Qwen2 has q/k/v biases and none on W_O).
         dropout: dropout probability on the attention weights, applied in training only; in [0, 1).
         scale: the factor on q·k; ``None`` means ``head_dim ** -0.5``.
         rope: rotary embeddings on q and k (a :class:`RopeConfig`, or its base as a float); ``None`` for none.
@@ -77,6 +80,7 @@ class AttentionConfig:
     kv_dim: int | None = None
     value_dim: int | None = None
     bias: bool = True
+    out_bias: bool | None = None
     dropout: float = 0.0
     scale: float | None = None
     rope: RopeConfig | None = None
@@ -109,6 +113,11 @@ class AttentionConfig:
         if self.value_dim is None:
             object.__setattr__(self, "value_dim", self.kv_dim)
         _check_positive_int("value_dim", self.value_dim)
+        for name in ("bias", "out_bias"):
+            if not isinstance(getattr(self, name), bool) and not (name == "out_bias" and self.out_bias is None):
+                raise MultiheadError(f"{name} ({getattr(self, name)!r}) must be True or False")
+        if self.out_bias is None:
+            object.__setattr__(self, "out_bias", self.bias)
         if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
             raise MultiheadError(f"dropout ({self.dropout!r}) must be a float in [0, 1)")
         if not 0.0 <= self.dropout < 1.0:

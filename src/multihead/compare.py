@@ -1,0 +1,97 @@
+"""One model as MHA, GQA and MQA side by side: what the number of KV heads does to the cache."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from multihead import cost
+from multihead.errors import divisors
+from multihead.presets import ModelConfig
+
+
+@dataclass(frozen=True)
+class Variant:
+    variant: str
+    n_kv_heads: int
+    group_size: int
+    kv_bytes_per_token: int
+    kv_cache_bytes: int
+    ratio_to_mha: float
+    params_per_layer: int
+    max_context: int | None
+    is_model: bool
+
+
+def compare_variants(
+    model: ModelConfig, *, seq: int, batch: int = 1, dtype: str = "bf16", memory_bytes: int | None = None
+) -> list[Variant]:
+    """The model's attention with every valid KV head count (each divisor of n_heads), MHA first, MQA last."""
+    base = model.attention
+    counts = sorted(divisors(base.n_heads), reverse=True)
+    rows = []
+    mha_bytes = None
+    for g in counts:
+        a = dataclasses.replace(base, n_kv_heads=g)
+        total = cost.kv_cache_bytes(a, context=seq, batch=batch, n_layers=model.n_layers, dtype=dtype)
+        mha_bytes = total if mha_bytes is None else mha_bytes
+        rows.append(Variant(
+            variant=a.variant if a.variant != "GQA" else f"GQA-{g}",
+            n_kv_heads=g,
+            group_size=base.n_heads // g,
+            kv_bytes_per_token=cost.kv_cache_bytes_per_token_per_layer(a, dtype) * model.n_layers,
+            kv_cache_bytes=total,
+            ratio_to_mha=total / mha_bytes if mha_bytes else 0.0,
+            params_per_layer=cost.parameters(a).total,
+            max_context=None if memory_bytes is None else cost.max_context(
+                a, memory_bytes=memory_bytes, batch=batch, n_layers=model.n_layers, dtype=dtype),
+            is_model=g == base.n_kv_heads,
+        ))
+    return rows
+
+
+def plot_variants(
+    model: ModelConfig,
+    rows: list[Variant],
+    path: str | Path,
+    *,
+    batch: int,
+    dtype: str,
+    seq: int,
+    memory_bytes: int | None = None,
+) -> str:
+    """A PNG of KV-cache memory against context length, a line per variant and one for the device memory."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    top = max(seq, model.max_context or 0, 1024) * 2
+    contexts = [2**k for k in range(6, top.bit_length() + 1)]
+    fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
+    gib = 2**30
+    for r in rows:
+        a = dataclasses.replace(model.attention, n_kv_heads=r.n_kv_heads)
+        ys = [cost.kv_cache_bytes(a, context=c, batch=batch, n_layers=model.n_layers, dtype=dtype) / gib
+              for c in contexts]
+        ax.plot(contexts, ys, marker="o", markersize=3, linewidth=2.5 if r.is_model else 1.5,
+                label=f"{r.variant} ({r.n_kv_heads} KV head{'s' if r.n_kv_heads > 1 else ''})"
+                + (" - the model" if r.is_model else ""))
+    if memory_bytes is not None:
+        ax.axhline(memory_bytes / gib, color="black", linestyle="--",
+                   label=f"device memory {memory_bytes / gib:.1f} GiB")
+    ax.axvline(seq, color="grey", linestyle=":", label=f"context {seq}")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("KV cache (GiB)")
+    ax.set_title(f"{model.name}: KV cache, {model.n_layers} layers, batch {batch}, {dtype}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8, loc="lower right")
+    fig.tight_layout()
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(out)
+    plt.close(fig)
+    return str(out)

@@ -1,0 +1,288 @@
+"""What an attention configuration costs: parameters, FLOPs, KV-cache and attention-matrix memory.
+
+Pure functions of an :class:`AttentionConfig`; each docstring carries its formula. Legend: b batch, s query length,
+t key length, h = n_heads, g = n_kv_heads, d = head_dim, D = d_model. Query heads and KV heads are counted apart
+everywhere: K and V are g heads wide, and g alone sets the size of the cache.
+
+FLOPs count matrix multiplications, 2 per multiply-add (the convention of the FlashAttention and Chinchilla papers
+and of ``torch.utils.flop_counter``); biases, scaling, masking and softmax are elementwise and not counted.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from multihead.config import AttentionConfig
+from multihead.errors import MultiheadError
+
+# Bytes of one element. int8 and fp8 caches also keep scales in practice; those are not counted here.
+DTYPE_BYTES: dict[str, int] = {
+    "fp32": 4, "float32": 4,
+    "fp16": 2, "float16": 2,
+    "bf16": 2, "bfloat16": 2,
+    "int8": 1,
+    "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1,
+}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a named dtype (fp32, fp16, bf16, int8, fp8; torch spellings such as float16 too)."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise MultiheadError(f"dtype {dtype!r} is unknown: choose one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
+
+
+def _dims(config: AttentionConfig) -> tuple[int, int, int, int, int, int]:
+    assert config.n_kv_heads is not None and config.head_dim is not None
+    assert config.kv_dim is not None and config.value_dim is not None
+    return config.n_heads, config.n_kv_heads, config.head_dim, config.d_model, config.kv_dim, config.value_dim
+
+
+def _check_sizes(**sizes: int | None) -> None:
+    for name, value in sizes.items():
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise MultiheadError(f"{name} ({value!r}) must be a non-negative int")
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class ParamCount:
+    """Parameters of one layer's projections (weights and biases)."""
+
+    q_proj: int
+    k_proj: int
+    v_proj: int
+    o_proj: int
+    weights: int
+    biases: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.biases
+
+
+def parameters(config: AttentionConfig) -> ParamCount:
+    """Parameters of one attention layer.
+
+    ::
+
+        W_Q: D * h*d  (+ h*d bias)      W_K: kv_dim * g*d  (+ g*d)      W_V: value_dim * g*d  (+ g*d)
+        W_O: h*d * D  (+ D bias)
+
+    For MHA with d = D / h and no biases this is 4 D^2 (67,108,864 for D = 4096).
+    """
+    h, g, d, D, kv_dim, value_dim = _dims(config)
+    qb = h * d if config.bias else 0
+    kb = g * d if config.bias else 0
+    ob = D if config.out_bias else 0
+    wq, wk, wv, wo = D * h * d, kv_dim * g * d, value_dim * g * d, h * d * D
+    return ParamCount(q_proj=wq + qb, k_proj=wk + kb, v_proj=wv + kb, o_proj=wo + ob,
+                      weights=wq + wk + wv + wo, biases=qb + 2 * kb + ob)
+
+
+# ---------------------------------------------------------------------------------------------- FLOPs
+def attended_pairs(s: int, t: int, *, causal: bool = False, window: int | None = None) -> int:
+    """The number of (query, key) pairs that may attend, for one sequence and one head.
+
+    Causal attention is aligned bottom-right: query i sits at position p = t - s + i and sees keys
+    max(0, p - window + 1) .. p, that is min(p + 1, window) keys when p >= 0 and none otherwise. So::
+
+        pairs = s * t                                        (not causal)
+        pairs = F(t) - F(max(0, t - s)),  F(n) = sum_{u=1..n} min(u, window)    (causal)
+
+    For s == t without a window, F(t) = t (t + 1) / 2: slightly more than half of s * t, never exactly half.
+    """
+    _check_sizes(s=s, t=t)
+    if not causal:
+        if window is not None:
+            raise MultiheadError(f"window ({window}) is a causal sliding window: pass causal=True with it")
+        return s * t
+    w = math.inf if window is None else window
+
+    def f(n: int) -> int:
+        if n <= w:
+            return n * (n + 1) // 2
+        wi = int(w)
+        return wi * (wi + 1) // 2 + (n - wi) * wi
+
+    return f(t) - f(max(0, t - s))
+
+
+@dataclass(frozen=True)
+class FlopCount:
+    """Forward FLOPs of one attention layer, by matmul."""
+
+    q_proj: int
+    k_proj: int
+    v_proj: int
+    scores: int
+    values: int
+    o_proj: int
+
+    @property
+    def projections(self) -> int:
+        return self.q_proj + self.k_proj + self.v_proj + self.o_proj
+
+    @property
+    def attention(self) -> int:
+        """The attention core: Q K^T and P V."""
+        return self.scores + self.values
+
+    @property
+    def forward(self) -> int:
+        return self.projections + self.attention
+
+    @property
+    def backward(self) -> int:
+        """Two matmuls of the same size per forward matmul (gradients of both operands): 2x forward.
+
+        Fused kernels that recompute the scores in the backward pass (FlashAttention) spend one more Q K^T,
+        i.e. 2.5x the forward attention core.
+        """
+        return 2 * self.forward
+
+    @property
+    def forward_backward(self) -> int:
+        return self.forward + self.backward
+
+
+def flops(
+    config: AttentionConfig,
+    *,
+    s: int,
+    t: int | None = None,
+    batch: int = 1,
+    causal: bool = False,
+    exact_mask: bool = True,
+) -> FlopCount:
+    """Forward FLOPs of one layer for ``batch`` sequences of s queries over t keys (t = s for self-attention).
+
+    ::
+
+        q_proj = 2 b s D (h d)          k_proj = 2 b t kv_dim (g d)      v_proj = 2 b t value_dim (g d)
+        scores = 2 b h d P              values = 2 b h d P               o_proj = 2 b s (h d) D
+
+    where P = attended_pairs(s, t, causal, window): causal and sliding-window attention are counted exactly, pair by
+    pair. With ``exact_mask=False``, P = s t: what a dense kernel multiplies (and what torch's FlopCounterMode reports,
+    since it does not see masks). Each query head does its own Q K^T, so the core scales with h, not g.
+    """
+    t = s if t is None else t
+    _check_sizes(s=s, t=t, batch=batch)
+    h, g, d, D, kv_dim, value_dim = _dims(config)
+    if config.window is not None and not causal:
+        raise MultiheadError(f"this config has a sliding window ({config.window}), which is causal: pass causal=True")
+    pairs = attended_pairs(s, t, causal=causal, window=config.window) if exact_mask else s * t
+    return FlopCount(
+        q_proj=2 * batch * s * D * h * d,
+        k_proj=2 * batch * t * kv_dim * g * d,
+        v_proj=2 * batch * t * value_dim * g * d,
+        scores=2 * batch * h * d * pairs,
+        values=2 * batch * h * d * pairs,
+        o_proj=2 * batch * s * h * d * D,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- memory
+def kv_cache_bytes_per_token_per_layer(config: AttentionConfig, dtype: str = "bf16") -> int:
+    """Bytes one token adds to one layer's cache: 2 (K and V) * g * d * bytes(dtype).
+
+    It depends on n_kv_heads, not n_heads: GQA with g = h / 8 caches 8x less than MHA.
+    """
+    _, g, d, *_ = _dims(config)
+    return 2 * g * d * dtype_bytes(dtype)
+
+
+def cached_tokens(config: AttentionConfig, context: int) -> int:
+    """Tokens each sequence keeps in the cache: the context, capped by the sliding window if there is one."""
+    _check_sizes(context=context)
+    return context if config.window is None else min(context, config.window)
+
+
+def kv_cache_bytes(
+    config: AttentionConfig, *, context: int, batch: int = 1, n_layers: int = 1, dtype: str = "bf16"
+) -> int:
+    """The KV cache: per-token bytes * min(context, window) * batch * n_layers."""
+    _check_sizes(batch=batch, n_layers=n_layers)
+    return kv_cache_bytes_per_token_per_layer(config, dtype) * cached_tokens(config, context) * batch * n_layers
+
+
+def max_context(
+    config: AttentionConfig, *, memory_bytes: int, batch: int = 1, n_layers: int = 1, dtype: str = "bf16"
+) -> int | None:
+    """The longest context whose KV cache fits in memory_bytes; None when any context fits (a window caps it)."""
+    _check_sizes(memory_bytes=memory_bytes, batch=batch, n_layers=n_layers)
+    per_token = kv_cache_bytes_per_token_per_layer(config, dtype) * batch * n_layers
+    if per_token == 0:
+        return None
+    fits = memory_bytes // per_token
+    if config.window is not None and fits >= config.window:
+        return None
+    return fits
+
+
+def attention_matrix_bytes(config: AttentionConfig, *, s: int, t: int | None = None, batch: int = 1,
+                           dtype: str = "fp32") -> int:
+    """The score/weight matrix the math path materialises for one layer: b * h * s * t * bytes(dtype).
+
+    It grows with the square of the context: the reason fused kernels exist.
+    """
+    t = s if t is None else t
+    _check_sizes(s=s, t=t, batch=batch)
+    return batch * config.n_heads * s * t * dtype_bytes(dtype)
+
+
+def fused_attention_bytes(config: AttentionConfig, *, s: int, batch: int = 1) -> int:
+    """What a fused (flash) kernel keeps instead: one float32 log-sum-exp per query and head, b * h * s * 4."""
+    _check_sizes(s=s, batch=batch)
+    return batch * config.n_heads * s * 4
+
+
+# ---------------------------------------------------------------------------------------------- one report
+def report(
+    config: AttentionConfig,
+    *,
+    n_layers: int = 1,
+    seq: int = 2048,
+    batch: int = 1,
+    dtype: str = "bf16",
+    causal: bool = True,
+) -> dict[str, Any]:
+    """Every figure above for one configuration, as one JSON-ready dict (what ``multihead count --json`` prints)."""
+    _check_sizes(n_layers=n_layers)
+    p = parameters(config)
+    f = flops(config, s=seq, batch=batch, causal=causal)
+    dense = flops(config, s=seq, batch=batch, causal=causal, exact_mask=False)
+    per_token = kv_cache_bytes_per_token_per_layer(config, dtype)
+    return {
+        "config": config.to_dict(),
+        "variant": config.variant,
+        "head_dim": config.head_dim,
+        "n_heads": config.n_heads,
+        "n_kv_heads": config.n_kv_heads,
+        "n_layers": n_layers,
+        "seq": seq,
+        "batch": batch,
+        "dtype": dtype,
+        "causal": causal,
+        "params_per_layer": p.total,
+        "params_per_layer_by_projection": {k: v for k, v in asdict(p).items() if k.endswith("proj")},
+        "params_total": p.total * n_layers,
+        "flops_forward": f.forward * n_layers,
+        "flops_forward_per_layer": f.forward,
+        "flops_forward_by_part_per_layer": asdict(f),
+        "flops_attention_core": f.attention * n_layers,
+        "flops_backward": f.backward * n_layers,
+        "flops_forward_dense_mask": dense.forward * n_layers,
+        "attended_pairs": attended_pairs(seq, seq, causal=causal, window=config.window),
+        "kv_cache_bytes_per_token_per_layer": per_token,
+        "kv_cache_bytes_per_token": per_token * n_layers,
+        "kv_cache_tokens": cached_tokens(config, seq),
+        "kv_cache_bytes_total": kv_cache_bytes(config, context=seq, batch=batch, n_layers=n_layers, dtype=dtype),
+        "attention_matrix_bytes_per_layer": attention_matrix_bytes(config, s=seq, batch=batch, dtype=dtype),
+        "fused_attention_bytes_per_layer": fused_attention_bytes(config, s=seq, batch=batch),
+    }

@@ -1,0 +1,45 @@
+"""Reading and writing sizes for people: bytes with units, large counts."""
+
+from __future__ import annotations
+
+import re
+
+from multihead.errors import MultiheadError
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+}
+
+
+def parse_bytes(text: str) -> int:
+    """'80GB' -> 80 * 10**9, '24GiB' -> 24 * 2**30, '1e9' -> 10**9 (decimal and binary units; bare = bytes)."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _UNITS:
+        raise MultiheadError(
+            f"size {text!r} is not understood: write a number with one of the units B, KB, MB, GB, TB "
+            "(powers of 1000) or KiB, MiB, GiB, TiB (powers of 1024), e.g. 80GB or 24GiB"
+        )
+    value = float(m.group(1)) * _UNITS[unit]
+    if value < 0:
+        raise MultiheadError(f"size {text!r} must not be negative")
+    return int(value)
+
+
+def format_bytes(n: float) -> str:
+    """Binary units: 524288 -> '512.0 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def format_count(n: float, unit: str = "") -> str:
+    """1.23e12 -> '1.23 T' (with the unit after the prefix)."""
+    for prefix, scale in (("P", 1e15), ("T", 1e12), ("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {prefix}{unit}"
+    return f"{n:.0f} {unit}".rstrip()
