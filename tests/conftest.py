@@ -24,3 +24,27 @@ def _seed() -> None:
 
 def to_np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().double().numpy()
+
+
+@pytest.fixture(scope="session")
+def smollm2():  # type: ignore[no-untyped-def]
+    """Our SmolLM2 (float32) and its tokenizer, loaded once."""
+    from multihead.models import load_llama
+
+    return load_llama()
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():  # type: ignore[no-untyped-def]
+    """The reference: Hugging Face transformers' LlamaForCausalLM and tokenizer read from the same GGUF file."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    from tests_support import smollm2_gguf
+
+    logging.set_verbosity_error()
+    path = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model.eval(), tokenizer

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from multihead.cli import main
 
@@ -144,3 +145,41 @@ def test_presets_lists_them_all(capsys: pytest.CaptureFixture[str]) -> None:
     data = _json(["presets"], capsys)
     assert list(data) == list(PRESET_NAMES)
     assert data["gemma-7b"]["attention"]["head_dim"] == 256
+
+
+def test_embed_json_equals_the_library(capsys: pytest.CaptureFixture[str]) -> None:
+    from multihead.models import load_sentence_encoder
+
+    data = _json(["embed", "A man is eating food.", "The sky is blue."], capsys)
+    got = torch.tensor([e["embedding"] for e in data["embeddings"]])
+    want = load_sentence_encoder().embed(["A man is eating food.", "The sky is blue."])
+    assert data["dim"] == 384
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=0)
+
+
+def test_generate_streams_and_json_matches_the_library(smollm2, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
+    from multihead.models.generate import generate_ids
+
+    model, tok = smollm2
+    data = _json(["generate", "The capital of France is", "--max-new-tokens", "8"], capsys)
+    want = [t for s in generate_ids(model, [tok.encode("The capital of France is")], max_new_tokens=8) for t in s]
+    assert data["tokens"] == want[: len(data["tokens"])] and data["new_tokens"] == len(data["tokens"])
+    assert main(["generate", "The capital of France is", "--max-new-tokens", "8"]) == 0
+    assert capsys.readouterr().out.rstrip("\n") == tok.decode(want)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["generate", "hi", "--max-new-tokens", "0"], r"--max-new-tokens \(0\) must be at least 1"),
+    (["generate", "hi", "--max-new-tokens", "-2"], r"--max-new-tokens \(-2\) must be at least 1"),
+    (["generate", "hi", "--greedy", "--temperature", "0.7"], "--greedy cannot be combined"),
+    (["generate", "hi", "--top-p", "1.5"], r"top_p \(1.5\) must be in \(0, 1\]"),
+    (["generate", "hi", "--model", "/nonexistent.gguf"], "does not exist"),
+    (["embed", "hi", "--model", "/nonexistent"], "does not exist"),
+    (["embed"], "the following arguments are required: TEXT"),
+])
+def test_model_commands_report_bad_input_in_one_line(argv: list[str], message: str,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert re.search(message, err), err

@@ -70,7 +70,7 @@ CALL_ERRORS: list[tuple[Callable[[], Any], str]] = [
     (lambda: _layer()(X, backend="flash3"), r"backend 'flash3' is unknown"),
     (lambda: _layer()(X, backend="sdpa", return_weights=True), r"backend 'sdpa' cannot return attention weights"),
     (lambda: _layer(rope=10000.0, kv_dim=16)(X, X), r"rope is for self-attention"),
-    (lambda: _layer()(X, positions=torch.arange(5)), r"positions were given but this layer has no rope"),
+    (lambda: _layer()(X, positions=torch.arange(5)), r"positions were given but this layer has no rope or cache"),
     (lambda: _layer(rope=10000.0)(X, positions=torch.arange(4)),
      r"positions of shape \(4,\) must be \(s,\) or \(b, s\) = \(2, 5\)"),
     (lambda: _layer(value_dim=6)(X, X), r"value_dim \(6\) != kv_dim \(16\): pass value="),

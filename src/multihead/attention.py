@@ -9,13 +9,16 @@ The forward reads as the formula: project, split into heads, (rotate), attend, m
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
+from multihead.cache import LayerCache
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.kernels import KernelChoice, attend, check_backend, explain
@@ -88,7 +91,8 @@ class MultiHeadAttention(nn.Module):
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> MultiHeadAttention:
-        return cls(**config.to_dict(), backend=backend, device=device, dtype=dtype)
+        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
+        return cls(**fields, backend=backend, device=device, dtype=dtype)
 
     # Shorthands for the config's numbers.
     @property
@@ -116,6 +120,7 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         positions: Tensor | None = None,
+        cache: LayerCache | None = None,
         return_weights: bool = False,
         backend: str | None = None,
     ) -> Any:
@@ -128,11 +133,15 @@ class MultiHeadAttention(nn.Module):
             mask: bool (True = may attend) or float (added to the scores), broadcastable to (b, n_heads, s, t).
             key_padding_mask: (b, t) bool, True = a real token.
             causal: query i sees keys up to t - s + i (bottom-right aligned).
-            positions: RoPE positions of the tokens, (s,) or (b, s); default 0 .. s - 1.
+            positions: positions of the tokens, (s,) or (b, s), for RoPE and the cache; default 0 .. s - 1, or the
+                next positions of each sequence in the cache.
+            cache: one layer of a :class:`~multihead.cache.KVCache` (``cache.layer(i)``): the new keys and values
+                are written at ``positions`` and the queries attend to everything cached up to their own position
+                (needs causal=True). The caller advances the cache after the step (``cache.advance(s)``).
             return_weights: also return the per-head attention weights (never averaged over heads).
             backend: "auto", "sdpa" or "math" for this call; default the layer's ``backend``.
         """
-        q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions)
+        q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions, cache)
         dropout_p = self.config.dropout if self.training else 0.0
         out, weights = attend(
             q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
@@ -158,12 +167,16 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
         positions: Tensor | None = None,
+        cache: LayerCache | None = None,
         return_weights: bool = False,
         backend: str | None = None,
     ) -> KernelChoice:
-        """Which kernel a call with these arguments runs, and why (the projections run, attention does not)."""
+        """Which kernel a call with these arguments runs, and why (the projections run, attention does not).
+
+        With a cache this writes the new keys and values into it, as the call would.
+        """
         with torch.no_grad():
-            q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions)
+            q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions, cache)
         dropout_p = self.config.dropout if self.training else 0.0
         return explain(
             q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
@@ -179,6 +192,7 @@ class MultiHeadAttention(nn.Module):
         key_padding_mask: Tensor | None,
         causal: bool,
         positions: Tensor | None,
+        cache: LayerCache | None,
     ) -> tuple[Tensor, Tensor, Tensor, MaskSpec]:
         """Validate the inputs, project and split into heads: q (b, h, s, d), k and v (b, g, t, d), the mask."""
         cfg = self.config
@@ -206,6 +220,9 @@ class MultiHeadAttention(nn.Module):
             )
         if self.rotary is not None and context is not None:
             raise MultiheadError("rope is for self-attention: a layer with rope cannot take a context")
+        if cache is not None:
+            self._check_cache_call(cache, context, mask, key_padding_mask, causal)
+            positions = cache.cache.next_positions(s) if positions is None else positions
         spec = build_mask(
             batch=b, n_heads=cfg.n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
             causal=causal, window=cfg.window,
@@ -221,14 +238,40 @@ class MultiHeadAttention(nn.Module):
         q = q.view(b, s, h, d).transpose(1, 2)  # (b, h, s, d)
         k = k.view(b, t, g, d).transpose(1, 2)  # (b, g, t, d)
         v = v.view(b, t, g, d).transpose(1, 2)  # (b, g, t, d)
-        if self.rotary is not None:
-            q, k = self.rotary(q, k, self._positions(positions, b, s, x.device))
+        if self.rotary is not None or cache is not None:
+            pos = self._positions(positions, b, s, x.device)  # (b|1, s)
+            if self.rotary is not None:
+                q, k = self.rotary(q, k, pos)
+            if cache is not None:
+                pos = pos.expand(b, s)
+                k, v = cache.write(k, v, pos)  # (b, g, t, d): everything cached, the new tokens included
+                spec = replace(spec, t=k.shape[2], q_positions=pos)
         elif positions is not None:
-            raise MultiheadError("positions were given but this layer has no rope: they would be ignored")
+            raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
         self._emit("q_heads", q)
         self._emit("k_heads", k)
         self._emit("v_heads", v)
         return q, k, v, spec
+
+    def _check_cache_call(self, cache: LayerCache, context: Tensor | None, mask: Tensor | None,
+                          key_padding_mask: Tensor | None, causal: bool) -> None:
+        if not isinstance(cache, LayerCache):
+            raise MultiheadError(f"cache must be one layer of a KVCache (cache.layer(i)), got {type(cache).__name__}")
+        if context is not None:
+            raise MultiheadError("a KV cache holds this layer's own past keys: it cannot be used with a context")
+        if not causal:
+            raise MultiheadError("a KV cache is for causal decoding: call with causal=True")
+        if mask is not None or key_padding_mask is not None:
+            raise MultiheadError(
+                "mask and key_padding_mask cannot be combined with a KV cache: the cache's per-sequence lengths "
+                "already keep padding out (write a padded prompt, then cache.advance(s, lengths=real_lengths))"
+            )
+        c = cache.cache
+        if (c.n_kv_heads, c.head_dim) != (self.n_kv_heads, self.head_dim):
+            raise MultiheadError(
+                f"the cache holds n_kv_heads {c.n_kv_heads} of head_dim {c.head_dim} but this layer has "
+                f"n_kv_heads {self.n_kv_heads} of head_dim {self.head_dim}"
+            )
 
     @staticmethod
     def _check_input(name: str, x: Tensor, width: int, width_name: str) -> tuple[int, int]:

@@ -9,7 +9,7 @@ import argparse
 import dataclasses
 import json
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from multihead.config import AttentionConfig
@@ -274,8 +274,110 @@ def _run_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- embed
+def _add_embed(sub: Any) -> None:
+    p = sub.add_parser("embed", help="sentence embeddings with all-MiniLM-L6-v2 running on multihead's layer")
+    p.add_argument("texts", nargs="+", metavar="TEXT", help="one or more texts")
+    p.add_argument("--model", metavar="DIR", help="a sentence-transformers folder (default: the installed MiniLM)")
+    p.add_argument("--json", action="store_true", help="print one JSON object with the vectors")
+    p.set_defaults(run=_run_embed)
+
+
+def _run_embed(args: argparse.Namespace) -> int:
+    from multihead.models import load_sentence_encoder
+
+    encoder = load_sentence_encoder(args.model)
+    _, _, truncated = encoder.tokenize(args.texts)
+    vectors = encoder.embed(args.texts)
+    for text, cut in zip(args.texts, truncated, strict=True):
+        if cut:
+            print(f"multihead: note: {text[:40]!r}... is longer than {encoder.max_length} tokens and was truncated "
+                  "(as the model was trained)", file=sys.stderr)
+    if args.json:
+        print(json.dumps({"model": str(args.model or "all-MiniLM-L6-v2"), "dim": vectors.shape[1],
+                          "embeddings": [{"text": t, "truncated": c, "embedding": v.tolist()}
+                                         for t, c, v in zip(args.texts, truncated, vectors, strict=True)]}))
+        return 0
+    for text, v in zip(args.texts, vectors, strict=True):
+        head = ", ".join(f"{x:+.4f}" for x in v[:6].tolist())
+        print(f"{text[:50]!r:<54} [{head}, ...] ({v.shape[0]} dims)")
+    if len(args.texts) > 1:
+        sims = vectors @ vectors.T
+        print("cosine similarity:")
+        for i in range(len(args.texts)):
+            print("  " + " ".join(f"{x:6.3f}" for x in sims[i].tolist()))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- generate
+def _add_generate(sub: Any) -> None:
+    p = sub.add_parser("generate", help="generate text with SmolLM2 running on multihead's layer and KV cache")
+    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument("--model", metavar="PATH", help="a Llama GGUF file or Hugging Face folder (default: SmolLM2)")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
+    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the top tokens with this mass")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights (default float32)")
+    p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    p.set_defaults(run=_run_generate)
+
+
+def _run_generate(args: argparse.Namespace) -> int:
+    import time
+
+    import torch
+
+    from multihead.models import load_llama
+    from multihead.models.generate import Sampling, generate_ids
+
+    if args.max_new_tokens < 1:
+        raise CliError(f"--max-new-tokens ({args.max_new_tokens}) must be at least 1")
+    sampled = args.temperature is not None or args.top_p is not None or args.seed is not None
+    if args.greedy and sampled:
+        raise CliError("--greedy cannot be combined with --temperature, --top-p or --seed")
+    sampling = Sampling(temperature=args.temperature if args.temperature is not None else (1.0 if sampled else 0.0),
+                        top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed)
+    model, tok = load_llama(args.model, dtype=getattr(torch, args.dtype))
+    text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    prompt = tok.encode(text)
+    out: list[int] = []
+
+    def produced() -> Iterator[int]:
+        for step in generate_ids(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                                 stop_ids=tok.stop_ids):
+            t = step[0]
+            if t is None:
+                return
+            out.append(t)
+            if t in tok.stop_ids:
+                return
+            yield t
+
+    start = time.perf_counter()
+    if args.json:
+        for _ in produced():
+            pass
+    else:
+        for piece in tok.stream(produced()):
+            print(piece, end="", flush=True)
+        print()
+    seconds = time.perf_counter() - start
+    if args.json:
+        shown = [t for t in out if t not in tok.stop_ids]
+        print(json.dumps({"prompt": args.prompt, "chat": args.chat, "prompt_tokens": len(prompt),
+                          "text": tok.decode(shown), "tokens": out, "new_tokens": len(out),
+                          "stopped": bool(out) and out[-1] in tok.stop_ids, "seconds": round(seconds, 3),
+                          "tokens_per_second": round(len(out) / seconds, 2) if seconds > 0 else None}))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
-_COMMANDS: list[Callable[[Any], None]] = [_add_shapes, _add_count, _add_compare, _add_presets]
+_COMMANDS: list[Callable[[Any], None]] = [
+    _add_shapes, _add_count, _add_compare, _add_presets, _add_embed, _add_generate,
+]
 
 
 def build_parser() -> argparse.ArgumentParser:

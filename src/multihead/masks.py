@@ -39,6 +39,21 @@ def causal_keep(s: int, t: int, *, window: int | None = None, device: torch.devi
     return keep
 
 
+def positions_keep(q_positions: Tensor, t: int, *, window: int | None = None) -> Tensor:
+    """The (b, 1, s, t) bool mask of causal attention by absolute positions (a KV cache's view).
+
+    Query i of sequence b at position p = q_positions[b, i] may attend to cache slot j iff ``j <= p`` and, with a
+    window, ``j > p - window``. Slots past a sequence's length lie beyond every query's position, so they are
+    never seen.
+    """
+    q_pos = q_positions[:, None, :, None]  # (b, 1, s, 1)
+    k_pos = torch.arange(t, device=q_positions.device)  # (t,)
+    keep = k_pos <= q_pos  # (b, 1, s, t)
+    if window is not None:
+        keep = keep & (k_pos > q_pos - window)
+    return keep
+
+
 @dataclass(frozen=True)
 class MaskSpec:
     """Which keys each query may see, for queries (b, h, s) over keys (b, g, t).
@@ -54,6 +69,7 @@ class MaskSpec:
     window: int | None = None
     keep: Tensor | None = None
     bias: Tensor | None = None
+    q_positions: Tensor | None = None  # (b, s): with a KV cache, causal by absolute positions instead of alignment
 
     @property
     def is_empty(self) -> bool:
@@ -63,12 +79,15 @@ class MaskSpec:
     @property
     def is_plain_causal(self) -> bool:
         """True when the mask is exactly the square lower triangle (what fused kernels' is_causal flag means)."""
-        return self.causal and self.window is None and self.keep is None and self.bias is None and self.s == self.t
+        return (self.causal and self.window is None and self.keep is None and self.bias is None and self.s == self.t
+                and self.q_positions is None)
 
     @property
     def may_have_empty_rows(self) -> bool:
         """False when the structure guarantees every query at least one key (so no guard is needed)."""
-        return self.keep is not None or self.bias is not None or (self.causal and self.s > self.t)
+        if self.keep is not None or self.bias is not None:
+            return True
+        return self.causal and self.q_positions is None and self.s > self.t
 
     def dense(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Materialise the mask for a kernel: (keep, bias, has_key).
@@ -80,7 +99,10 @@ class MaskSpec:
         """
         keep = self.keep
         if self.causal:
-            structural = causal_keep(self.s, self.t, window=self.window, device=device)  # (s, t)
+            if self.q_positions is not None:
+                structural = positions_keep(self.q_positions, self.t, window=self.window)  # (b, 1, s, t)
+            else:
+                structural = causal_keep(self.s, self.t, window=self.window, device=device)  # (s, t)
             keep = structural if keep is None else keep & structural
         bias = self.bias.to(dtype) if self.bias is not None else None
         if not self.may_have_empty_rows:
@@ -114,6 +136,7 @@ def build_mask(
     key_padding_mask: Tensor | None = None,
     causal: bool = False,
     window: int | None = None,
+    q_positions: Tensor | None = None,
 ) -> MaskSpec:
     """Validate the mask arguments of one attention call and gather them into a :class:`MaskSpec`."""
     if not isinstance(causal, bool):
@@ -164,4 +187,5 @@ def build_mask(
             )
         pad = key_padding_mask[:, None, None, :]  # (b, 1, 1, t)
         keep = pad if keep is None else keep & pad
-    return MaskSpec(batch=batch, n_heads=n_heads, s=s, t=t, causal=causal, window=window, keep=keep, bias=bias)
+    return MaskSpec(batch=batch, n_heads=n_heads, s=s, t=t, causal=causal, window=window, keep=keep, bias=bias,
+                    q_positions=q_positions)

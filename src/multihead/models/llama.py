@@ -1,0 +1,136 @@
+"""A Llama-style decoder on MultiHeadAttention: RMSNorm, RoPE, SwiGLU, grouped-query attention, a KV cache.
+
+::
+
+    h = embed(tokens)
+    for each layer:   h = h + attn(rms_norm(h), causal, rope, cache)      (n_heads query heads, n_kv_heads KV heads)
+                      h = h + W_down(silu(W_gate rms_norm(h)) * W_up rms_norm(h))
+    logits = lm_head(rms_norm(h))                                         (lm_head tied to embed, or its own)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention import MultiHeadAttention
+from multihead.cache import KVCache
+from multihead.config import AttentionConfig, RopeConfig
+from multihead.errors import MultiheadError
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int
+    d_model: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int | None = None
+    rope_base: float = 10000.0
+    rms_eps: float = 1e-5
+    max_context: int = 2048
+    tie_embeddings: bool = True
+    bos_id: int | None = None
+    eos_id: int | None = None
+
+    def attention(self) -> AttentionConfig:
+        return AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
+                               head_dim=self.head_dim, bias=False, rope=RopeConfig(self.rope_base))
+
+
+class RMSNorm(nn.Module):
+    """x / sqrt(mean(x^2) + eps) * weight, normalised in float32."""
+
+    def __init__(self, dim: int, eps: float, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: Tensor) -> Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        out: Tensor = self.weight * normed.to(x.dtype)
+        return out
+
+
+class LlamaBlock(nn.Module):
+    def __init__(self, config: LlamaConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        f: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.attn_norm = RMSNorm(config.d_model, config.rms_eps, **f)
+        self.attn = MultiHeadAttention.from_config(config.attention(), **f)
+        self.ffn_norm = RMSNorm(config.d_model, config.rms_eps, **f)
+        self.gate_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False, **f)
+        self.up_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False, **f)
+        self.down_proj = nn.Linear(config.ffn_dim, config.d_model, bias=False, **f)
+
+    def forward(self, h: Tensor, *, positions: Tensor | None, cache: KVCache | None, index: int,
+                key_padding_mask: Tensor | None) -> Tensor:
+        a = self.attn(self.attn_norm(h), causal=True, positions=positions, key_padding_mask=key_padding_mask,
+                      cache=None if cache is None else cache.layer(index))
+        h = h + a
+        x = self.ffn_norm(h)
+        out: Tensor = h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
+
+
+class LlamaModel(nn.Module):
+    """Tokens (b, s) -> logits (b, s, vocab)."""
+
+    def __init__(self, config: LlamaConfig, *, device: torch.device | str | None = None,
+                 dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.config = config
+        f: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.embed = nn.Embedding(config.vocab_size, config.d_model, **f)
+        self.layers = nn.ModuleList(LlamaBlock(config, **f) for _ in range(config.n_layers))
+        self.norm = RMSNorm(config.d_model, config.rms_eps, **f)
+        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False, **f)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def new_cache(self, batch: int, max_len: int) -> KVCache:
+        """A cache for this model: n_layers layers of (batch, n_kv_heads, max_len, head_dim) in the model's dtype."""
+        if max_len > self.config.max_context:
+            raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
+        a = self.config.attention()
+        assert a.head_dim is not None
+        return KVCache(batch=batch, n_kv_heads=self.config.n_kv_heads, head_dim=a.head_dim, max_len=max_len,
+                       n_layers=self.config.n_layers, dtype=self.dtype, device=self.device)
+
+    def forward(self, tokens: Tensor, *, positions: Tensor | None = None, cache: KVCache | None = None,
+                key_padding_mask: Tensor | None = None) -> Tensor:
+        """Logits (b, s, vocab). With a cache, the tokens continue each cached sequence at ``positions``
+        (default: the cache's next positions); the caller then calls ``cache.advance``."""
+        self._check_tokens(tokens)
+        if cache is not None and positions is None:
+            positions = cache.next_positions(tokens.shape[1])
+        h = self.embed(tokens)  # (b, s, d_model)
+        for i, layer in enumerate(self.layers):
+            h = layer(h, positions=positions, cache=cache, index=i, key_padding_mask=key_padding_mask)
+        h = self.norm(h)
+        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight)  # (b, s, vocab)
+
+    def _check_tokens(self, tokens: Tensor) -> None:
+        if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
+            shape = tuple(tokens.shape) if isinstance(tokens, Tensor) else type(tokens).__name__
+            raise MultiheadError(f"tokens must be an integer tensor (b, s), got {shape}")
+        if tokens.shape[1] > self.config.max_context:
+            raise MultiheadError(
+                f"{tokens.shape[1]} tokens exceed the model's context of {self.config.max_context}"
+            )

@@ -1,0 +1,122 @@
+"""Tokenizers for the real models, built with the ``tokenizers`` library: from a tokenizer.json, or from the
+vocabulary and merges stored in a GGUF file's metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+from multihead.errors import MultiheadError
+
+# GGUF token types (llama.cpp): 1 normal, 2 unknown, 3 control, 4 user-defined, 5 unused, 6 byte.
+_CONTROL, _USER_DEFINED = 3, 4
+
+
+@dataclass
+class TextTokenizer:
+    """Text <-> token ids, with the model's special tokens and chat template."""
+
+    tokenizer: Tokenizer
+    bos_id: int | None = None
+    eos_id: int | None = None
+    add_bos: bool = False
+    chat_template: str | None = None
+    stop_ids: set[int] = field(default_factory=set)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        if self.add_bos and self.bos_id is not None:
+            ids = [self.bos_id, *ids]
+        return ids
+
+    def decode(self, ids: Sequence[int], *, skip_special: bool = False) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=skip_special))
+
+    def apply_chat_template(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = True) -> str:
+        """Render the model's own chat template (Jinja, as stored with the model)."""
+        if not self.chat_template:
+            raise MultiheadError("this model has no chat template: use the prompt as it is (without --chat)")
+        import jinja2
+
+        env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+        template = env.from_string(self.chat_template)
+        bos = self.tokenizer.id_to_token(self.bos_id) if self.bos_id is not None else ""
+        eos = self.tokenizer.id_to_token(self.eos_id) if self.eos_id is not None else ""
+        return str(template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                   bos_token=bos, eos_token=eos))
+
+    def stream(self, ids: Iterable[int]) -> Iterator[str]:
+        """Decode ids one at a time, yielding text as soon as it is complete (never half a UTF-8 character)."""
+        seen: list[int] = []
+        emitted = ""
+        for i in ids:
+            seen.append(i)
+            text = self.decode(seen)
+            if text.endswith("\ufffd"):
+                continue
+            yield text[len(emitted):]
+            emitted = text
+
+
+def from_tokenizer_json(path: str | Path, **kwargs: object) -> TextTokenizer:
+    p = Path(path)
+    if not p.is_file():
+        raise MultiheadError(f"tokenizer file {str(p)!r} does not exist")
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as err:  # the library raises plain Exception subclasses for malformed files
+        raise MultiheadError(f"tokenizer file {str(p)!r} could not be read: {err}") from None
+    return TextTokenizer(tok, **kwargs)  # type: ignore[arg-type]
+
+
+def from_gguf_metadata(
+    *,
+    model: str,
+    pre: str | None,
+    tokens: list[str],
+    token_types: list[int],
+    merges: list[str],
+    bos_id: int | None,
+    eos_id: int | None,
+    add_bos: bool,
+    chat_template: str | None,
+) -> TextTokenizer:
+    """A byte-level BPE tokenizer (GGUF ``tokenizer.ggml.model == "gpt2"``) from the file's vocabulary and merges.
+
+    The pre-tokenizer follows llama.cpp's for the named ``pre`` type: ``smollm`` (and ``qwen2``, ``deepseek-llm``...
+    are not supported here) splits every digit on its own before the GPT-2 split.
+    """
+    if model != "gpt2":
+        raise MultiheadError(f"GGUF tokenizer model {model!r} is not supported: only byte-level BPE ('gpt2') is")
+    vocab = {t: i for i, t in enumerate(tokens)}
+    pairs = [tuple(m.split(" ", 1)) for m in merges]
+    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
+    tok = Tokenizer(bpe)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("smollm",):
+        tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    elif pre in (None, "default", "gpt2", "gpt-2"):
+        tok.pre_tokenizer = byte_level
+    else:
+        raise MultiheadError(f"GGUF pre-tokenizer {pre!r} is not supported: supported are smollm and gpt2")
+    tok.decoder = decoders.ByteLevel()
+    special = [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(token_types)
+               if kind == _CONTROL]
+    user = [AddedToken(tokens[i], special=False, normalized=False) for i, kind in enumerate(token_types)
+            if kind == _USER_DEFINED]
+    tok.add_special_tokens(special)
+    if user:
+        tok.add_tokens(user)
+    stop = {i for i in (eos_id,) if i is not None}
+    # ChatML models end a turn with <|im_end|>: stop there too.
+    if "<|im_end|>" in vocab:
+        stop.add(vocab["<|im_end|>"])
+    return TextTokenizer(tok, bos_id=bos_id, eos_id=eos_id, add_bos=add_bos, chat_template=chat_template,
+                         stop_ids=stop)

@@ -1,0 +1,94 @@
+"""KVCache: cached decoding equals the uncached forward; per-sequence lengths; bytes; overflow; compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import AttentionConfig, KVCache, MultiHeadAttention, MultiheadError, cost
+
+
+def _layer(window: int | None = None) -> MultiHeadAttention:
+    return MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2, rope=10000.0, window=window, bias=False).eval()
+
+
+@pytest.mark.parametrize("window", [None, 3])
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_cached_decoding_equals_the_uncached_forward_at_every_step(window: int | None, backend: str) -> None:
+    layer = _layer(window)
+    x = torch.randn(2, 11, 32)
+    full = layer(x, causal=True, backend=backend)
+    cache = KVCache(batch=2, n_kv_heads=2, head_dim=8, max_len=16)
+    prompt = 5
+    y = layer(x[:, :prompt], causal=True, cache=cache.layer(0), backend=backend)
+    cache.advance(prompt)
+    torch.testing.assert_close(y, full[:, :prompt], atol=1e-5, rtol=1e-5)
+    for i in range(prompt, 11):
+        y = layer(x[:, i:i + 1], causal=True, cache=cache.layer(0), backend=backend)
+        cache.advance(1)
+        torch.testing.assert_close(y, full[:, i:i + 1], atol=1e-5, rtol=1e-5)
+    assert cache.used == 11 and cache.lengths.tolist() == [11, 11]
+
+
+def test_sequences_of_different_lengths_decode_together() -> None:
+    layer = _layer()
+    lengths = [3, 6]
+    a, b = torch.randn(1, 3 + 4, 32), torch.randn(1, 6 + 4, 32)
+    alone = [layer(a, causal=True), layer(b, causal=True)]
+    cache = KVCache(batch=2, n_kv_heads=2, head_dim=8, max_len=12)
+    padded = torch.zeros(2, 6, 32)
+    padded[0, :3], padded[1] = a[0, :3], b[0, :6]
+    y = layer(padded, causal=True, cache=cache.layer(0))
+    cache.advance(6, lengths=lengths)
+    torch.testing.assert_close(y[0, :3], alone[0][0, :3], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(y[1], alone[1][0, :6], atol=1e-5, rtol=1e-5)
+    for step in range(4):
+        x = torch.stack([a[0, 3 + step], b[0, 6 + step]])[:, None]  # (2, 1, 32): each sequence's next token
+        y = layer(x, causal=True, cache=cache.layer(0))
+        cache.advance(1)
+        torch.testing.assert_close(y[0, 0], alone[0][0, 3 + step], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y[1, 0], alone[1][0, 6 + step], atol=1e-5, rtol=1e-5)
+    assert cache.lengths.tolist() == [7, 10]
+
+
+def test_cache_bytes_equal_the_cost_prediction_and_stay_kv_heads_wide() -> None:
+    config = AttentionConfig(d_model=576, n_heads=9, n_kv_heads=3, bias=False)
+    cache = KVCache(batch=4, n_kv_heads=3, head_dim=64, max_len=1024, n_layers=30, dtype=torch.bfloat16)
+    assert cache.k.shape == (30, 4, 3, 1024, 64)
+    assert cache.bytes == cost.kv_cache_bytes(config, context=1024, batch=4, n_layers=30, dtype="bf16")
+
+
+def test_overflow_raises_and_reset_reuses_the_buffers() -> None:
+    layer = _layer()
+    cache = KVCache(batch=1, n_kv_heads=2, head_dim=8, max_len=4)
+    layer(torch.randn(1, 3, 32), causal=True, cache=cache.layer(0))
+    cache.advance(3)
+    with pytest.raises(MultiheadError, match=r"KV cache overflow: 2 more token\(s\) after 3 .* max_len is 4"):
+        layer(torch.randn(1, 2, 32), causal=True, cache=cache.layer(0))
+    assert cache.used == 3  # nothing was lost: the failed call wrote nothing
+    buffer = cache.k.data_ptr()
+    cache.reset()
+    assert cache.used == 0 and cache.lengths.tolist() == [0] and cache.k.data_ptr() == buffer
+
+
+@pytest.mark.parametrize(("call", "message"), [
+    (lambda layer, c: layer(torch.randn(1, 2, 32), cache=c.layer(0)), "needs|causal=True"),
+    (lambda layer, c: layer(torch.randn(1, 2, 32), causal=True, cache=c), "one layer of a KVCache"),
+    (lambda layer, c: layer(torch.randn(1, 2, 32), causal=True, cache=c.layer(0),
+                            key_padding_mask=torch.ones(1, 2, dtype=torch.bool)), "cannot be combined"),
+    (lambda layer, c: layer(torch.randn(2, 2, 32), causal=True, cache=c.layer(0)), r"do not fit this cache"),
+    (lambda layer, c: c.layer(3), r"layer 3 is out of range for a cache of 1 layer"),
+    (lambda layer, c: c.advance(2, lengths=[5]), r"lengths \[5\] must lie between 0 and the 2 positions"),
+    (lambda layer, c: KVCache(batch=0, n_kv_heads=2, head_dim=8, max_len=4), r"KVCache batch \(0\) must be"),
+])
+def test_bad_cache_use_raises(call, message: str) -> None:  # type: ignore[no-untyped-def]
+    layer = _layer()
+    cache = KVCache(batch=1, n_kv_heads=2, head_dim=8, max_len=8)
+    with pytest.raises(MultiheadError, match=message):
+        call(layer, cache)
+
+
+def test_cache_of_the_wrong_width_is_refused() -> None:
+    cache = KVCache(batch=1, n_kv_heads=4, head_dim=8, max_len=8)
+    with pytest.raises(MultiheadError, match=r"cache holds n_kv_heads 4 of head_dim 8 but this layer has n_kv_heads 2"):
+        _layer()(torch.randn(1, 2, 32), causal=True, cache=cache.layer(0))
