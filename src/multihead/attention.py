@@ -222,6 +222,7 @@ class MultiHeadAttention(nn.Module):
             raise MultiheadError("rope is for self-attention: a layer with rope cannot take a context")
         if cache is not None:
             self._check_cache_call(cache, context, mask, key_padding_mask, causal)
+            at_cache_end = positions is None  # the new tokens continue each sequence at its cached length
             positions = cache.cache.next_positions(s) if positions is None else positions
         spec = build_mask(
             batch=b, n_heads=cfg.n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
@@ -245,7 +246,11 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 pos = pos.expand(b, s)
                 k, v = cache.write(k, v, pos)  # (b, g, t, d): everything cached, the new tokens included
-                spec = replace(spec, t=k.shape[2], q_positions=pos)
+                if b == 1 and at_cache_end and not torch.compiler.is_compiling():
+                    # one sequence at its cached length: its queries are the last s of t, plain bottom-right causal
+                    spec = replace(spec, t=k.shape[2])
+                else:
+                    spec = replace(spec, t=k.shape[2], q_positions=pos)
         elif positions is not None:
             raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
         self._emit("q_heads", q)

@@ -83,7 +83,7 @@ def sdpa_attention(
     gqa = k.shape[1] != q.shape[1]
     if spec.is_empty or spec.is_plain_causal:
         return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=spec.causal, scale=scale, enable_gqa=gqa
+            q, k, v, dropout_p=dropout_p, is_causal=spec.is_plain_causal, scale=scale, enable_gqa=gqa
         )
     keep, bias, has_key = spec.dense(q.device, q.dtype)
     attn_mask: Tensor | None

@@ -73,12 +73,18 @@ class MaskSpec:
 
     @property
     def is_empty(self) -> bool:
-        """True when every query may attend to every key."""
-        return not self.causal and self.keep is None and self.bias is None
+        """True when every query may attend to every key (a single bottom-right aligned causal query sees all)."""
+        if self.keep is not None or self.bias is not None:
+            return False
+        if not self.causal:
+            return True
+        return self.s == 1 and self.q_positions is None and (self.window is None or self.window >= self.t)
 
     @property
     def is_plain_causal(self) -> bool:
         """True when the mask is exactly the square lower triangle (what fused kernels' is_causal flag means)."""
+        if self.is_empty:
+            return False
         return (self.causal and self.window is None and self.keep is None and self.bias is None and self.s == self.t
                 and self.q_positions is None)
 

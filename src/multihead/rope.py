@@ -26,11 +26,18 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.head_dim = head_dim
         self.base = base
+        self._inv_freq: dict[tuple[torch.device, torch.dtype], Tensor] = {}
 
     def inv_freq(self, device: torch.device, dtype: torch.dtype) -> Tensor:
-        """base ** (-2j / d) for j = 0 .. d/2 - 1."""
-        exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float64) / self.head_dim
-        return (1.0 / (self.base**exponents)).to(dtype)  # (d/2,)
+        """base ** (-2j / d) for j = 0 .. d/2 - 1 (kept per device and dtype: a few numbers, never cast)."""
+        key = (device, dtype)
+        found = self._inv_freq.get(key)
+        if found is None:
+            exponents = torch.arange(0, self.head_dim, 2, device=device, dtype=torch.float64) / self.head_dim
+            found = (1.0 / (self.base**exponents)).to(dtype)  # (d/2,)
+            if device.type != "meta" and not torch.compiler.is_compiling():
+                self._inv_freq[key] = found
+        return found
 
     def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """cos and sin of the angles for positions (b|1, s): each (b|1, 1, s, d), in float32 (float64 on request)."""

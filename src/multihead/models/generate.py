@@ -91,11 +91,11 @@ def generate_ids(
     gen = sampling.generator()
 
     with torch.no_grad():
-        logits = model(tokens, cache=cache, positions=cache.next_positions(longest))  # (b, s, vocab)
+        logits = model(tokens, cache=cache)  # (b, s, vocab): each sequence from position 0
         cache.advance(longest, lengths=lengths)
         last = logits[torch.arange(b, device=device), torch.tensor(lengths, device=device) - 1]  # (b, vocab)
         done = [False] * b
-        call = step if step is not None else (lambda t, pos: model(t, cache=cache, positions=pos))
+        call = step if step is not None else (lambda t, pos: model(t, cache=cache))
         for n in range(max_new_tokens):
             nxt = sample(last, sampling, gen)  # (b,)
             ids = nxt.tolist()

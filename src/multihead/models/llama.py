@@ -118,7 +118,7 @@ class LlamaModel(nn.Module):
         (default: the cache's next positions); the caller then calls ``cache.advance``."""
         self._check_tokens(tokens)
         if cache is not None and positions is None:
-            positions = cache.next_positions(tokens.shape[1])
+            cache.next_positions(tokens.shape[1])  # fail early, before any layer writes, if they would not fit
         h = self.embed(tokens)  # (b, s, d_model)
         for i, layer in enumerate(self.layers):
             h = layer(h, positions=positions, cache=cache, index=i, key_padding_mask=key_padding_mask)
