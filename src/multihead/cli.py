@@ -374,9 +374,78 @@ def _run_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- heads
+def _add_heads(sub: Any) -> None:
+    p = sub.add_parser("heads", help="what each head of a real model does: scores, labels, pictures, an HTML report")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, a .gguf file or a model folder")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", help="the text to analyse (default: the shipped public-domain passage)")
+    text.add_argument("--file", help="a UTF-8 text file to analyse")
+    p.add_argument("--out", default="multihead-heads", help="folder for the report and pictures "
+                   "(default multihead-heads)")
+    p.add_argument("--ablate", action="store_true", help="zero each head in turn and measure the change in loss")
+    p.add_argument("--convert", action="store_true", help="mean-pool K/V into fewer KV heads (MHA -> GQA) and "
+                   "measure the change")
+    p.add_argument("--tokens", type=_positive, default=64, help="tokens shown in the pictures (default 64)")
+    p.add_argument("--top", type=_positive, default=3, help="heads listed per score (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a record per head)")
+    p.set_defaults(run=_run_heads)
+
+
+def _run_heads(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multihead.heads.adapters import load_head_model
+    from multihead.heads.analysis import analyse
+    from multihead.heads.report import prepare_out_dir, result_json, write_all
+
+    text = args.text
+    if args.file is not None:
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CliError(f"cannot read --file {args.file!r}: {err}") from None
+    if text is not None and not text.strip():
+        raise CliError("the text is empty: give some text to analyse")
+    prepare_out_dir(args.out)  # fail before the long work if the report cannot be written
+    model = load_head_model(args.model)
+    report = analyse(model, text, display_tokens=args.tokens, ablate=args.ablate, convert=args.convert,
+                     progress=not args.json)
+    files = write_all(report, args.out)
+    if args.json:
+        print(json.dumps({**result_json(report), "files": files}))
+        return 0
+    scores = report.scores
+    print(f"{report.model}: {report.n_layers} layers x {report.n_heads} query heads ({report.n_kv_heads} KV heads), "
+          f"{'causal' if report.causal else 'bidirectional'}")
+    names = ["previous_token", "induction", "duplicate_token", "first_token", "self", "local", "entropy"]
+    if not report.causal:
+        names.insert(1, "next_token")
+    print(f"{'score':<16} top heads (layer.head = score)")
+    for name in names:
+        tops = "  ".join(f"{layer}.{head} = {value:.2f}" for layer, head, value in scores.top(name, args.top))
+        print(f"{name:<16} {tops}")
+    counts: dict[str, int] = {}
+    for row in scores.labels:
+        for label in row:
+            counts[label] = counts.get(label, 0) + 1
+    print("labels: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
+    summary = report.ablation_summary()
+    if summary:
+        top = ", ".join(f"{r['layer']}.{r['head']} ({r['delta']:+.4f})" for r in summary["most_important"][:5])
+        print(f"ablation ({report.metric_name}, baseline {report.baseline:.4f}): most important {top}; "
+              f"{summary['share_below_1_percent']:.0%} of heads change it by less than 1%")
+    for converted in report.conversion:
+        print(f"GQA by mean-pooling to {converted['n_kv_heads']} KV heads: {report.metric_name} "
+              f"{converted['metric']:.4f} ({converted['delta']:+.4f})")
+    print(f"report: {files['html']}")
+    print(f"pictures: {files['grid_png']}, {files['heads_png']}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
 _COMMANDS: list[Callable[[Any], None]] = [
-    _add_shapes, _add_count, _add_compare, _add_presets, _add_embed, _add_generate,
+    _add_heads, _add_shapes, _add_count, _add_compare, _add_presets, _add_embed, _add_generate,
 ]
 
 

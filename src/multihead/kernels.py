@@ -48,10 +48,8 @@ def resolve_backend(backend: str, *, need_weights: bool) -> tuple[str, str]:
     return "sdpa", "fused SDPA is the default"
 
 
-def math_attention(
-    q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0
-) -> tuple[Tensor, Tensor]:
-    """The readable path: (out (b, h, s, d), weights (b, h, s, t)).
+def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float) -> Tensor:
+    """softmax(q k^T * scale + mask) per query head: (b, h, s, t), rows with no allowed key all zero.
 
     Query heads are viewed as g groups of r = h / g heads, so each group multiplies its own KV head without copying
     it. Low-precision scores are normalised in float32, as fused kernels do.
@@ -70,9 +68,19 @@ def math_attention(
     weights = torch.softmax(scores.to(work), dim=-1).to(q.dtype)  # (b, h, s, t)
     if has_key is not None:
         weights = weights * has_key
+    return weights
+
+
+def math_attention(
+    q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """The readable path: (out (b, h, s, d), weights (b, h, s, t))."""
+    b, h, s, d = q.shape
+    g, t = k.shape[1], k.shape[2]
+    weights = attention_weights(q, k, spec, scale=scale)  # (b, h, s, t)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
-    out = (weights.view(b, g, r * s, t) @ v).view(b, h, s, d)  # (b, h, s, d)
+    out = (weights.view(b, g, (h // g) * s, t) @ v).view(b, h, s, d)  # (b, h, s, d)
     return out, weights
 
 

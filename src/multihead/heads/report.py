@@ -1,0 +1,269 @@
+"""Pictures and a self-contained HTML report of a head analysis.
+
+The HTML page needs no network: its script and styles are inline, the data is one JSON block. Text from the
+analysed passage only ever reaches the page through ``textContent`` or canvas ``fillText``, and the JSON block
+escapes ``<``, ``>`` and ``&``, so a passage containing ``<script>`` is shown as text and never runs.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from multihead.errors import MultiheadError
+from multihead.heads.analysis import HeadReport
+from multihead.heads.scores import SCORE_NAMES
+
+
+def prepare_out_dir(out: str | Path) -> Path:
+    """The output folder, created if needed; a clear error when it cannot be written."""
+    path = Path(out)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / ".multihead-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise MultiheadError(f"cannot write to the output folder {str(path)!r}: {err.strerror or err}") from None
+    return path
+
+
+def _plt() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def write_grid_png(report: HeadReport, path: Path) -> Path:
+    """Every head's pattern over the displayed tokens: one mosaic of layers (rows) x heads (columns)."""
+    plt = _plt()
+    rows, cols = report.n_layers, report.n_heads
+    n = len(report.tokens)
+    gap = max(2, n // 16)
+    mosaic = np.full((rows * (n + gap) - gap, cols * (n + gap) - gap), np.nan, dtype=np.float32)
+    for layer in range(rows):
+        for head in range(cols):
+            y, x = layer * (n + gap), head * (n + gap)
+            mosaic[y:y + n, x:x + n] = report.patterns[layer][head]
+    fig, ax = plt.subplots(figsize=(cols * 1.25 + 1.5, rows * 1.0 + 1.2), dpi=80)
+    ax.imshow(mosaic, cmap="viridis", vmin=0.0, vmax=1.0, interpolation="nearest")
+    ax.set_xticks([h * (n + gap) + n / 2 for h in range(cols)],
+                  [f"H{h} (kv {report.scores.kv_head(h)})" for h in range(cols)], fontsize=7)
+    ax.xaxis.tick_top()
+    ax.set_yticks([layer * (n + gap) + n / 2 for layer in range(rows)], [f"L{layer}" for layer in range(rows)],
+                  fontsize=7)
+    for layer in range(rows):
+        for head in range(cols):
+            ax.text(head * (n + gap) + n - 1, layer * (n + gap) + 1, report.scores.labels[layer][head],
+                    fontsize=5, color="white", ha="right", va="top")
+    ax.set_title(f"{report.model}: attention pattern of every head over {n} tokens (query rows, key columns)",
+                 fontsize=10, pad=18)
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def chosen_heads(report: HeadReport) -> list[tuple[str, int, int, float]]:
+    """The strongest head of each score that has a clear one: (score, layer, head, value)."""
+    chosen = []
+    for name in ("previous_token", "induction", "duplicate_token", "first_token", "next_token", "local"):
+        layer, head, value = report.scores.top(name, 1)[0]
+        if value > 0.2:
+            chosen.append((name, layer, head, value))
+    return chosen
+
+
+def write_heads_png(report: HeadReport, path: Path, max_tokens: int = 32) -> Path:
+    """The chosen heads over the tokens, with the tokens on the axes."""
+    plt = _plt()
+    chosen = chosen_heads(report)
+    n = min(max_tokens, len(report.tokens))
+    labels = [t.replace("\n", "\\n") for t in report.tokens[:n]]
+    fig, axes = plt.subplots(1, max(1, len(chosen)), figsize=(5.2 * max(1, len(chosen)), 5.6), dpi=80,
+                             squeeze=False)
+    for ax, (name, layer, head, value) in zip(axes[0], chosen, strict=False):
+        ax.imshow(report.patterns[layer][head][:n, :n], cmap="viridis", vmin=0, vmax=1)
+        ax.set_title(f"{name} {value:.2f}: layer {layer} head {head}", fontsize=9)
+        ax.set_xticks(range(n), labels, rotation=90, fontsize=6)
+        ax.set_yticks(range(n), labels, fontsize=6)
+        ax.set_xlabel("key")
+        ax.set_ylabel("query")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def _json_for_html(data: Any) -> str:
+    """JSON that is safe inside a <script> element: no '<', '>' or '&' survive as themselves."""
+    text = json.dumps(data, separators=(",", ":"))
+    return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+
+
+def report_data(report: HeadReport) -> dict[str, Any]:
+    patterns = np.stack(report.patterns)  # (L, H, n, n)
+    quantised = np.clip(np.rint(patterns * 255.0), 0, 255).astype(np.uint8)
+    return {
+        "model": report.model,
+        "causal": report.causal,
+        "n_layers": report.n_layers,
+        "n_heads": report.n_heads,
+        "n_kv_heads": report.n_kv_heads,
+        "tokens": report.tokens,
+        "text": report.text,
+        "score_names": list(SCORE_NAMES),
+        "heads": report.scores.records(),
+        "patterns_u8": base64.b64encode(quantised.tobytes()).decode("ascii"),
+        "ablation": report.ablation,
+        "ablation_summary": report.ablation_summary(),
+        "conversion": report.conversion,
+        "metric": report.metric_name,
+        "baseline": report.baseline,
+    }
+
+
+def write_html(report: HeadReport, path: Path) -> Path:
+    html = _TEMPLATE.replace("/*DATA*/", _json_for_html(report_data(report)))
+    path.write_text(html, encoding="utf-8")
+    return path
+
+
+def write_all(report: HeadReport, out: str | Path) -> dict[str, str]:
+    folder = prepare_out_dir(out)
+    return {
+        "html": str(write_html(report, folder / "report.html")),
+        "grid_png": str(write_grid_png(report, folder / "heads-grid.png")),
+        "heads_png": str(write_heads_png(report, folder / "chosen-heads.png")),
+        "json": str(_write_json(report, folder / "heads.json")),
+    }
+
+
+def _write_json(report: HeadReport, path: Path) -> Path:
+    path.write_text(json.dumps(result_json(report), indent=1), encoding="utf-8")
+    return path
+
+
+def result_json(report: HeadReport) -> dict[str, Any]:
+    return {"model": report.model, "n_layers": report.n_layers, "n_heads": report.n_heads,
+            "n_kv_heads": report.n_kv_heads, "tokens": len(report.tokens), "heads": report.scores.records(),
+            "ablation": report.ablation, "ablation_summary": report.ablation_summary(),
+            "conversion": report.conversion, "metric": report.metric_name, "baseline": report.baseline}
+
+
+_TEMPLATE = r"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta http-equiv="Content-Security-Policy" content="default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; img-src data:">
+<title>multihead: what each head does</title>
+<style>
+body{font:14px/1.4 system-ui,sans-serif;margin:16px;color:#222;background:#fafafa}
+h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:18px 0 6px}
+#controls label{margin-right:12px} select{font-size:14px}
+.row{display:flex;gap:18px;flex-wrap:wrap;align-items:flex-start}
+canvas{background:#fff;border:1px solid #ccc}
+table{border-collapse:collapse;font-size:12px;background:#fff}
+th,td{border:1px solid #ddd;padding:2px 6px;text-align:right} th{cursor:pointer;background:#eee}
+td.l{text-align:left} tr.sel{background:#ffe9a8}
+#tokens span{display:inline-block;margin:1px;padding:0 2px;border-radius:3px;white-space:pre}
+.note{color:#666;font-size:12px}
+</style></head><body>
+<h1 id="title"></h1><div class="note" id="subtitle"></div>
+<div id="controls"><label>layer <select id="layer"></select></label><label>head <select id="head"></select></label>
+<span id="headinfo"></span></div>
+<div class="row"><div><h2>pattern over the tokens</h2><canvas id="pattern" width="620" height="620"></canvas></div>
+<div><h2>every head (click one)</h2><canvas id="grid"></canvas></div></div>
+<h2>tokens, shaded by the weight the last selected query puts on them</h2><div id="tokens"></div>
+<h2>ablation</h2><div class="note" id="ablnote"></div><canvas id="ablation" width="900" height="220"></canvas>
+<h2>the text</h2><div id="text" style="white-space:pre-wrap;background:#fff;border:1px solid #ddd;padding:6px"></div>
+<h2>scores</h2><div class="note">Click a column to sort; click a row to select the head.</div><table id="scores"></table>
+<script type="application/json" id="data">/*DATA*/</script>
+<script>
+"use strict";
+const D = JSON.parse(document.getElementById("data").textContent);
+const raw = atob(D.patterns_u8); const P = new Uint8Array(raw.length);
+for (let i = 0; i < raw.length; i++) P[i] = raw.charCodeAt(i);
+const n = D.tokens.length, L = D.n_layers, H = D.n_heads;
+let layer = 0, head = 0, query = n - 1;
+function w(l, h, i, j) { return P[((l * H + h) * n + i) * n + j] / 255; }
+function color(v) { const c = Math.round(255 * (1 - v)); return "rgb(" + c + "," + Math.round(c * 0.9 + 25) + ",255)"; }
+function rec(l, h) { return D.heads[l * H + h]; }
+function el(tag, text) { const e = document.createElement(tag); if (text !== undefined) e.textContent = text; return e; }
+document.getElementById("text").textContent = D.text;
+document.getElementById("title").textContent = "multihead: what each head of " + D.model + " does";
+document.getElementById("subtitle").textContent = L + " layers, " + H + " query heads, " + D.n_kv_heads +
+  " KV heads, " + n + " tokens shown" + (D.causal ? ", causal" : ", bidirectional");
+const ls = document.getElementById("layer"), hs = document.getElementById("head");
+for (let l = 0; l < L; l++) ls.appendChild(el("option", String(l)));
+for (let h = 0; h < H; h++) hs.appendChild(el("option", h + " (kv " + Math.floor(h / (H / D.n_kv_heads)) + ")"));
+ls.onchange = () => select(+ls.value, head); hs.onchange = () => select(layer, hs.selectedIndex);
+function drawPattern() {
+  const c = document.getElementById("pattern"), g = c.getContext("2d"), m = 90, cell = (c.width - m) / n;
+  g.clearRect(0, 0, c.width, c.height);
+  for (let i = 0; i < n; i++) for (let j = 0; j < n; j++) { g.fillStyle = color(w(layer, head, i, j)); g.fillRect(m + j * cell, m + i * cell, cell, cell); }
+  g.fillStyle = "#222"; g.font = Math.max(6, Math.min(11, cell)) + "px monospace"; g.textBaseline = "middle";
+  for (let i = 0; i < n; i++) {
+    const t = D.tokens[i].replace(/\n/g, "\\n").slice(0, 10);
+    g.textAlign = "right"; g.fillText(t, m - 3, m + (i + 0.5) * cell);
+    g.save(); g.translate(m + (i + 0.5) * cell, m - 3); g.rotate(-Math.PI / 2); g.textAlign = "left"; g.fillText(t, 0, 0); g.restore();
+  }
+}
+function drawGrid() {
+  const c = document.getElementById("grid"), s = 26, g = c.getContext("2d");
+  c.width = H * s + 30; c.height = L * s + 16; g.clearRect(0, 0, c.width, c.height);
+  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) {
+    const x0 = 30 + h * s, y0 = 16 + l * s, k = (s - 2) / n;
+    for (let i = 0; i < n; i += Math.max(1, Math.floor(n / 24))) for (let j = 0; j < n; j += Math.max(1, Math.floor(n / 24))) {
+      g.fillStyle = color(w(l, h, i, j)); g.fillRect(x0 + j * k, y0 + i * k, Math.max(1, k * Math.max(1, Math.floor(n / 24))), Math.max(1, k * Math.max(1, Math.floor(n / 24))));
+    }
+    if (l === layer && h === head) { g.strokeStyle = "#e33"; g.lineWidth = 2; g.strokeRect(x0 - 1, y0 - 1, s, s); }
+  }
+  g.fillStyle = "#222"; g.font = "9px sans-serif"; g.textAlign = "right";
+  for (let l = 0; l < L; l++) g.fillText("L" + l, 26, 16 + l * s + s / 2);
+  g.textAlign = "center"; for (let h = 0; h < H; h++) g.fillText("H" + h, 30 + h * s + s / 2, 10);
+  c.onclick = (e) => { const r = c.getBoundingClientRect(); const h = Math.floor((e.clientX - r.left - 30) / s), l = Math.floor((e.clientY - r.top - 16) / s);
+    if (l >= 0 && l < L && h >= 0 && h < H) select(l, h); };
+}
+function drawTokens() {
+  const box = document.getElementById("tokens"); box.textContent = "";
+  for (let j = 0; j < n; j++) { const sp = el("span", D.tokens[j]); sp.style.background = color(w(layer, head, query, j));
+    sp.title = "weight " + w(layer, head, query, j).toFixed(3); sp.onclick = () => { query = j; drawTokens(); }; box.appendChild(sp); }
+}
+function drawAblation() {
+  const c = document.getElementById("ablation"), g = c.getContext("2d"), note = document.getElementById("ablnote");
+  g.clearRect(0, 0, c.width, c.height);
+  if (!D.ablation.length) { note.textContent = "No ablation in this report (run with --ablate)."; c.style.display = "none"; return; }
+  const S = D.ablation_summary; note.textContent = "Change in " + D.metric + " when one head's output is zeroed (baseline " +
+    Number(D.baseline).toFixed(4) + "); " + (100 * S.share_below_1_percent).toFixed(0) + "% of heads change it by less than 1%. Bars: every head, layer by layer; the selected head is red.";
+  const maxd = Math.max(1e-9, ...D.ablation.map(r => Math.abs(r.delta))), bw = c.width / D.ablation.length, mid = c.height / 2;
+  D.ablation.forEach((r, k) => { g.fillStyle = (r.layer === layer && r.head === head) ? "#e33" : (r.layer % 2 ? "#58a" : "#8bd");
+    const hgt = (r.delta / maxd) * (mid - 4); g.fillRect(k * bw, mid - Math.max(0, hgt), Math.max(1, bw - 0.5), Math.abs(hgt)); });
+  g.strokeStyle = "#999"; g.beginPath(); g.moveTo(0, mid); g.lineTo(c.width, mid); g.stroke();
+}
+let sortKey = "layer", sortDir = 1;
+function drawTable() {
+  const t = document.getElementById("scores"); t.textContent = "";
+  const cols = ["layer", "head", "kv_head", "label"].concat(D.score_names);
+  const hr = el("tr"); cols.forEach(k => { const th = el("th", k); th.onclick = () => { sortDir = sortKey === k ? -sortDir : (k === "layer" || k === "head" ? 1 : -1); sortKey = k; drawTable(); }; hr.appendChild(th); }); t.appendChild(hr);
+  const rows = D.heads.slice().sort((a, b) => (a[sortKey] > b[sortKey] ? 1 : a[sortKey] < b[sortKey] ? -1 : 0) * sortDir);
+  rows.forEach(r => { const tr = el("tr"); if (r.layer === layer && r.head === head) tr.className = "sel";
+    cols.forEach(k => { const v = r[k]; const td = el("td", typeof v === "number" && !Number.isInteger(v) ? v.toFixed(3) : String(v)); if (k === "label") td.className = "l"; tr.appendChild(td); });
+    tr.onclick = () => select(r.layer, r.head); t.appendChild(tr); });
+}
+function select(l, h) {
+  layer = l; head = h; ls.value = String(l); hs.selectedIndex = h; const r = rec(l, h);
+  document.getElementById("headinfo").textContent = "label: " + r.label + " | previous " + r.previous_token.toFixed(2) +
+    " | induction " + r.induction.toFixed(2) + " | first " + r.first_token.toFixed(2) + " | entropy " + r.entropy.toFixed(2);
+  drawPattern(); drawGrid(); drawTokens(); drawAblation(); drawTable();
+}
+let best = 0; D.heads.forEach((r, k) => { if (r.previous_token > D.heads[best].previous_token) best = k; });
+select(D.heads[best].layer, D.heads[best].head);
+document.body.setAttribute("data-ready", "1");
+</script></body></html>
+"""
