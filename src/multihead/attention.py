@@ -157,7 +157,7 @@ class MultiHeadAttention(nn.Module):
             self._emit("weights", weights)
         self._emit("attention", out)
         b, s = x.shape[0], x.shape[1]
-        merged = out.transpose(1, 2).reshape(b, s, self.config.q_dim)  # (b, s, h*d)
+        merged = out.transpose(1, 2).reshape(b, s, out.shape[1] * out.shape[3])  # (b, s, h*d)
         self._emit("merged", merged)
         y = self.o_proj(merged)  # (b, s, d_model)
         self._emit("output", y)
@@ -234,7 +234,6 @@ class MultiHeadAttention(nn.Module):
             batch=b, n_heads=cfg.n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
             causal=causal, window=cfg.window,
         )
-        h, g, d = cfg.n_heads, self.n_kv_heads, self.head_dim
         self._emit("input", x)
         q = self.q_proj(x)  # (b, s, h*d)
         k = self.k_proj(kv_in)  # (b, t, g*d)
@@ -242,6 +241,18 @@ class MultiHeadAttention(nn.Module):
         self._emit("q_proj", q)
         self._emit("k_proj", k)
         self._emit("v_proj", v)
+        # Head counts come from the projections' widths: all heads here, or this rank's share when the projections
+        # are sharded by heads across processes (multihead.parallel).
+        d = self.head_dim
+        h, g = q.shape[-1] // d, k.shape[-1] // d
+        if h != cfg.n_heads and any(m is not None and m.ndim == 4 and m.shape[1] > 1 for m in (spec.keep, spec.bias)):
+            raise MultiheadError(f"this layer holds {h} of {cfg.n_heads} heads (sharded): give masks without a "
+                                 "per-head dimension (size 1 there)")
+        if cache is not None and (cache.cache.n_kv_heads, cache.cache.head_dim) != (g, d):
+            raise MultiheadError(
+                f"the cache holds n_kv_heads {cache.cache.n_kv_heads} of head_dim {cache.cache.head_dim} but this "
+                f"layer has n_kv_heads {g} of head_dim {d}"
+            )
         q = q.view(b, s, h, d).transpose(1, 2)  # (b, h, s, d)
         k = k.view(b, t, g, d).transpose(1, 2)  # (b, g, t, d)
         v = v.view(b, t, g, d).transpose(1, 2)  # (b, g, t, d)
@@ -276,12 +287,6 @@ class MultiHeadAttention(nn.Module):
             raise MultiheadError(
                 "mask and key_padding_mask cannot be combined with a KV cache: the cache's per-sequence lengths "
                 "already keep padding out (write a padded prompt, then cache.advance(s, lengths=real_lengths))"
-            )
-        c = cache.cache
-        if (c.n_kv_heads, c.head_dim) != (self.n_kv_heads, self.head_dim):
-            raise MultiheadError(
-                f"the cache holds n_kv_heads {c.n_kv_heads} of head_dim {c.head_dim} but this layer has "
-                f"n_kv_heads {self.n_kv_heads} of head_dim {self.head_dim}"
             )
 
     @staticmethod

@@ -274,12 +274,25 @@ def _run_presets(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- tensor parallel
+def _add_tp(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=_positive, default=1, metavar="N",
+                   help="split the heads over N processes (run under torchrun --nproc-per-node N)")
+
+
+def _is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 # ---------------------------------------------------------------------------------------------- embed
 def _add_embed(sub: Any) -> None:
     p = sub.add_parser("embed", help="sentence embeddings with all-MiniLM-L6-v2 running on multihead's layer")
     p.add_argument("texts", nargs="+", metavar="TEXT", help="one or more texts")
     p.add_argument("--model", metavar="DIR", help="a sentence-transformers folder (default: the installed MiniLM)")
     p.add_argument("--json", action="store_true", help="print one JSON object with the vectors")
+    _add_tp(p)
     p.set_defaults(run=_run_embed)
 
 
@@ -287,6 +300,13 @@ def _run_embed(args: argparse.Namespace) -> int:
     from multihead.models import load_sentence_encoder
 
     encoder = load_sentence_encoder(args.model)
+    if args.tp > 1:
+        from multihead import parallel
+
+        parallel.shard_bert(encoder.encoder, parallel.init(args.tp))
+        if not _is_rank0():
+            encoder.embed(args.texts)  # every rank takes part in each all-reduce; rank 0 prints
+            return 0
     _, _, truncated = encoder.tokenize(args.texts)
     vectors = encoder.embed(args.texts)
     for text, cut in zip(args.texts, truncated, strict=True):
@@ -322,6 +342,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights (default float32)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
+    _add_tp(p)
     p.set_defaults(run=_run_generate)
 
 
@@ -341,6 +362,12 @@ def _run_generate(args: argparse.Namespace) -> int:
     sampling = Sampling(temperature=args.temperature if args.temperature is not None else (1.0 if sampled else 0.0),
                         top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed)
     model, tok = load_llama(args.model, dtype=getattr(torch, args.dtype))
+    quiet = False
+    if args.tp > 1:
+        from multihead import parallel
+
+        parallel.shard_llama(model, parallel.init(args.tp))
+        quiet = not _is_rank0()
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt = tok.encode(text)
     out: list[int] = []
@@ -357,9 +384,11 @@ def _run_generate(args: argparse.Namespace) -> int:
             yield t
 
     start = time.perf_counter()
-    if args.json:
+    if args.json or quiet:
         for _ in produced():
             pass
+        if quiet:
+            return 0
     else:
         for piece in tok.stream(produced()):
             print(piece, end="", flush=True)

@@ -11,7 +11,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -104,12 +104,16 @@ class LlamaModel(nn.Module):
         return self.embed.weight.device
 
     def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A cache for this model: n_layers layers of (batch, n_kv_heads, max_len, head_dim) in the model's dtype."""
+        """A cache for this model: n_layers layers of (batch, n_kv_heads, max_len, head_dim) in the model's dtype
+        (this rank's KV heads only, when the model is split over processes)."""
         if max_len > self.config.max_context:
             raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
         a = self.config.attention()
         assert a.head_dim is not None
-        return KVCache(batch=batch, n_kv_heads=self.config.n_kv_heads, head_dim=a.head_dim, max_len=max_len,
+        block = cast(LlamaBlock, self.layers[0])
+        w = block.attn.k_proj.weight
+        local_kv_heads = int((w.to_local() if hasattr(w, "to_local") else w).shape[0]) // a.head_dim
+        return KVCache(batch=batch, n_kv_heads=local_kv_heads, head_dim=a.head_dim, max_len=max_len,
                        n_layers=self.config.n_layers, dtype=self.dtype, device=self.device)
 
     def forward(self, tokens: Tensor, *, positions: Tensor | None = None, cache: KVCache | None = None,
