@@ -472,9 +472,70 @@ def _run_heads(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- experiment
+def _add_experiment(sub: Any) -> None:
+    p = sub.add_parser("experiment", help="experiments on heads (heads-vs-width: many small heads or one wide head)")
+    p.add_argument("name", choices=["heads-vs-width"], help="which experiment")
+    p.add_argument("--d-model", type=_positive, default=64, help="model width (default 64)")
+    p.add_argument("--layers", type=_positive, default=2, help="layers (default 2)")
+    p.add_argument("--steps", type=_positive, default=500, help="training steps per model (default 500)")
+    p.add_argument("--seeds", type=_positive, default=3, help="seeds per configuration (default 3)")
+    p.add_argument("--pairs", type=_positive, default=8, help="key-value pairs per sequence (default 8)")
+    p.add_argument("--batch", type=_positive, default=64, help="sequences per step (default 64)")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    p.add_argument("--workers", type=_positive, default=2, help="training processes side by side (default 2)")
+    p.add_argument("--heads", default=None, help="comma-separated head counts (default 1,2,4,8,16, plus GQA and MQA)")
+    p.add_argument("--out", default="multihead-experiment", help="folder for the plot and the JSON")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_experiment)
+
+
+def _run_experiment(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multihead.experiments.heads_vs_width import Settings, TaskConfig, Variant, default_variants, plot, run
+    from multihead.heads.report import prepare_out_dir
+
+    settings = Settings(d_model=args.d_model, n_layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr,
+                        seeds=tuple(range(args.seeds)), workers=args.workers, task=TaskConfig(n_pairs=args.pairs))
+    variants = default_variants(args.d_model)
+    if args.heads:
+        try:
+            counts = [int(h) for h in args.heads.split(",")]
+        except ValueError:
+            raise CliError(f"--heads {args.heads!r} must be comma-separated integers, e.g. 1,4,16") from None
+        variants = [Variant(f"MHA h={h}", h, h) for h in counts]
+    out = prepare_out_dir(args.out)
+    result = run(settings, variants, progress=not args.json)
+    png = plot(result, str(Path(out) / "heads-vs-width.png"))
+    (Path(out) / "heads-vs-width.json").write_text(json.dumps(result))
+    if args.json:
+        slim = {**result, "rows": [{k: v for k, v in r.items() if k != "runs"} | {
+            "heads": [run_["heads"] for run_ in r["runs"]]} for r in result["rows"]], "plot": png}
+        print(json.dumps(slim))
+        return 0
+    print(f"MQAR, {settings.task.n_pairs} pairs, d_model {settings.d_model}, {settings.n_layers} layers, "
+          f"{settings.steps} steps, {len(settings.seeds)} seeds ({result['seconds']} s)")
+    print(f"{'variant':<13} {'d_k':>4} {'attn params':>11} {'attn FLOPs':>11} {'KV B/token':>10} "
+          f"{'loss':>13} {'accuracy':>13} {'prev heads':>10} {'ind heads':>9}")
+    for r in result["rows"]:
+        prev = statistics_mean([run_["heads"]["previous_token_heads"] for run_ in r["runs"]])
+        ind = statistics_mean([run_["heads"]["induction_heads"] for run_ in r["runs"]])
+        print(f"{r['variant']:<13} {r['head_dim']:>4} {r['attention_params_per_layer']:>11,} "
+              f"{r['attention_flops_per_layer']:>11,} {r['kv_cache_bytes_per_token']:>10,} "
+              f"{r['loss_mean']:>6.3f} ± {r['loss_std']:<4.3f} {r['accuracy_mean']:>6.3f} ± {r['accuracy_std']:<4.3f} "
+              f"{prev:>10.1f} {ind:>9.1f}")
+    print(f"plot: {png}")
+    return 0
+
+
+def statistics_mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else 0.0
+
+
 # ---------------------------------------------------------------------------------------------- main
 _COMMANDS: list[Callable[[Any], None]] = [
-    _add_heads, _add_shapes, _add_count, _add_compare, _add_presets, _add_embed, _add_generate,
+    _add_heads, _add_shapes, _add_count, _add_compare, _add_presets, _add_embed, _add_generate, _add_experiment,
 ]
 
 

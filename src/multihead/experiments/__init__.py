@@ -1,0 +1,1 @@
+"""Experiments that test claims about attention heads with multihead's own layer."""
