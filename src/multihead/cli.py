@@ -533,9 +533,34 @@ def statistics_mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
 
 
+# ---------------------------------------------------------------------------------------------- check
+def _add_check(sub: Any) -> None:
+    p = sub.add_parser("check", help="the correctness harness on this machine: 2x rule, empty rows, cache, determinism")
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    p.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated dtypes (default: all three)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_check)
+
+
+def _run_check(args: argparse.Namespace) -> int:
+    from multihead.check import run_checks
+
+    results = run_checks(device=args.device, dtypes=[d.strip() for d in args.dtype.split(",") if d.strip()])
+    failed = [r for r in results if not r.passed]
+    if args.json:
+        print(json.dumps({"device": args.device, "passed": not failed,
+                          "results": [dataclasses.asdict(r) for r in results]}))
+    else:
+        for r in results:
+            print(f"{'ok  ' if r.passed else 'FAIL'} {r.dtype:<9} {r.backend:<5} {r.check:<14} {r.detail}")
+        print(f"{len(results) - len(failed)} passed, {len(failed)} failed")
+    return 1 if failed else 0
+
+
 # ---------------------------------------------------------------------------------------------- main
 _COMMANDS: list[Callable[[Any], None]] = [
     _add_heads, _add_shapes, _add_count, _add_compare, _add_presets, _add_embed, _add_generate, _add_experiment,
+    _add_check,
 ]
 
 

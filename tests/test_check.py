@@ -1,0 +1,50 @@
+"""multihead check: passes on a correct layer, fails (exit 1) on a broken kernel, refuses bad arguments (exit 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from multihead import kernels
+from multihead.check import run_checks
+from multihead.cli import main
+
+
+def test_every_check_passes_here(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--dtype", "float32,bfloat16", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["passed"] and len(data["results"]) == 2 * 2 * 4
+    assert {r["check"] for r in data["results"]} == {"2x rule", "empty rows", "cache", "deterministic"}
+
+
+def test_a_broken_kernel_fails_the_harness(monkeypatch: pytest.MonkeyPatch,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    real = kernels.sdpa_attention
+
+    def noisy(*args, **kwargs):  # type: ignore[no-untyped-def]
+        out = real(*args, **kwargs)
+        return out + 1e-3 * torch.rand_like(out)  # wrong, and different on every call
+
+    monkeypatch.setattr(kernels, "sdpa_attention", noisy)
+    results = {(r.check, r.backend): r.passed for r in run_checks(dtypes=["float32"])}
+    assert not results[("2x rule", "sdpa")] and not results[("deterministic", "sdpa")]
+    assert results[("2x rule", "math")]
+    assert main(["check", "--dtype", "float32"]) == 1
+    assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["check", "--dtype", "float8"], "dtype 'float8' is unknown"),
+    (["check", "--device", "tpu"], "device 'tpu' is not supported"),
+])
+def test_bad_check_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no GPU")
+def test_cuda_without_a_gpu_says_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--device", "cuda"]) == 2
+    assert "no CUDA device is available" in capsys.readouterr().err
