@@ -47,7 +47,8 @@ def _plain(layer: MultiHeadAttention, x: torch.Tensor, keep: torch.Tensor | None
     if keep is not None:
         allowed = allowed & keep
     out = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1) @ v
-    return layer.o_proj(out.transpose(1, 2).reshape(b, s, h * d))
+    y: torch.Tensor = layer.o_proj(out.transpose(1, 2).reshape(b, s, h * d))
+    return y
 
 
 def _two_x(backend: str, dtype: torch.dtype, device: str) -> tuple[bool, str]:
