@@ -27,6 +27,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from decode import machine  # noqa: E402
 
 from multihead import KVCache, MultiHeadAttention, cost  # noqa: E402
+from multihead.check import plain_layer  # noqa: E402
 
 
 def alternate(a: Callable[[], object], b: Callable[[], object], repeats: int) -> tuple[float, float]:
@@ -41,21 +42,6 @@ def alternate(a: Callable[[], object], b: Callable[[], object], repeats: int) ->
         b()
         tb.append(time.perf_counter() - t)
     return statistics.median(ta), statistics.median(tb)
-
-
-def eager_repeat_kv(layer: MultiHeadAttention, x: torch.Tensor, causal: bool) -> torch.Tensor:
-    """The common Hugging Face eager path: K/V repeated to every query head, the full score matrix, softmax."""
-    b, s, _ = x.shape
-    h, g, d = layer.n_heads, layer.n_kv_heads, layer.head_dim
-    q = layer.q_proj(x).view(b, s, h, d).transpose(1, 2)
-    k = layer.k_proj(x).view(b, s, g, d).transpose(1, 2).repeat_interleave(h // g, 1)
-    v = layer.v_proj(x).view(b, s, g, d).transpose(1, 2).repeat_interleave(h // g, 1)
-    scores = q @ k.transpose(-2, -1) * layer.config.softmax_scale
-    if causal:
-        scores = scores.masked_fill(torch.ones(s, s, dtype=torch.bool).triu(1), float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v
-    y: torch.Tensor = layer.o_proj(out.transpose(1, 2).reshape(b, s, h * d))
-    return y
 
 
 def p1(repeats: int) -> str:
@@ -83,7 +69,7 @@ def p2(repeats: int) -> list[str]:
         anchor(x, x, x, attn_mask=mask, is_causal=True, need_weights=False)[0].sum().backward()
 
     def step_eager() -> None:
-        eager_repeat_kv(ours, x, True).sum().backward()
+        plain_layer(ours, x, None, True).sum().backward()
 
     t_ours, t_anchor = alternate(step_ours, step_anchor, repeats)
     t_ours2, t_eager = alternate(step_ours, step_eager, repeats)

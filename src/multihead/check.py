@@ -33,8 +33,9 @@ class CheckResult:
     detail: str
 
 
-def _plain(layer: MultiHeadAttention, x: torch.Tensor, keep: torch.Tensor | None, causal: bool) -> torch.Tensor:
-    """Projections and softmax(q k^T * scale) v with K/V repeated, written with plain ops in x's dtype."""
+def plain_layer(layer: MultiHeadAttention, x: torch.Tensor, keep: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    """Projections and softmax(q k^T * scale) v with K/V repeated, written with plain ops in x's dtype: the common
+    Hugging Face eager path, the 2x rule's yardstick and the benchmarks' anchor."""
     b, s, _ = x.shape
     h, g, d = layer.n_heads, layer.n_kv_heads, layer.head_dim
     q = layer.q_proj(x).view(b, s, h, d).transpose(1, 2)
@@ -66,7 +67,7 @@ def _two_x(backend: str, dtype: torch.dtype, device: str) -> tuple[bool, str]:
                                           mask=None if keep is None else keep.cpu().numpy(), causal=causal)
             with torch.no_grad():
                 ours = layer(x, mask=keep, causal=causal, backend=backend).double().cpu().numpy()
-                plain = _plain(layer, x, keep, causal).double().cpu().numpy()
+                plain = plain_layer(layer, x, keep, causal).double().cpu().numpy()
             err, base = float(np.abs(ours - want).max()), float(np.abs(plain - want).max())
             ratio = err / max(base, 1e-12)
             worst = max(worst, ratio)
