@@ -54,6 +54,7 @@ class KVCache(nn.Module):
         self.max_len = max_len
         self.n_layers = n_layers
         self._used = 0  # the longest sequence, known on the host: overflow is checked without a device sync
+        self._next: tuple[int, int, Tensor] | None = None  # (s, lengths' version, positions): one tensor per step
 
     @property
     def batch(self) -> int:
@@ -89,7 +90,14 @@ class KVCache(nn.Module):
                 f"KV cache overflow: {s} more token(s) after {self._used} would need {self._used + s} positions "
                 f"but max_len is {self.max_len}: make a cache with a larger max_len, or reset() it"
             )
-        return self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
+        if torch.compiler.is_compiling():
+            return self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
+        found = self._next
+        if found is not None and found[0] == s and found[1] == self.lengths._version:
+            return found[2]  # every layer of a step gets the same tensor (RoPE's cos/sin are then made once)
+        positions = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
+        self._next = (s, self.lengths._version, positions)
+        return positions
 
     def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """Store k and v (b, g, s, d) of one layer at positions (b, s); return that layer's whole cache.

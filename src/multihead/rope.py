@@ -27,6 +27,9 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.base = base
         self._inv_freq: dict[tuple[torch.device, torch.dtype], Tensor] = {}
+        # the last cos/sin, reused while the same positions tensor comes back unchanged (the layers of one model
+        # share this module and one decoding step's positions)
+        self._last: tuple[Tensor, int, torch.dtype, Tensor, Tensor] | None = None
 
     def inv_freq(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """base ** (-2j / d) for j = 0 .. d/2 - 1 (kept per device and dtype: a few numbers, never cast)."""
@@ -42,9 +45,17 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """cos and sin of the angles for positions (b|1, s): each (b|1, 1, s, d), in float32 (float64 on request)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
+        compiling = torch.compiler.is_compiling()
+        last = self._last
+        if (not compiling and last is not None and last[0] is positions and last[1] == positions._version
+                and last[2] == work):
+            return last[3], last[4]
         angles = positions.to(work)[..., None] * self.inv_freq(positions.device, work)  # (b, s, d/2)
         angles = torch.cat([angles, angles], dim=-1)[:, None]  # (b, 1, s, d)
-        return angles.cos(), angles.sin()
+        cos, sin = angles.cos(), angles.sin()
+        if not compiling and not positions.requires_grad:
+            self._last = (positions, positions._version, work, cos, sin)
+        return cos, sin
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

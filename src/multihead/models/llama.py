@@ -21,6 +21,7 @@ from multihead.attention import MultiHeadAttention
 from multihead.cache import KVCache
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
+from multihead.linear import Linear, linear
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
+        if x.dtype == self.weight.dtype == torch.float32:
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op, the same formula
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out: Tensor = self.weight * normed.to(x.dtype)
@@ -68,9 +71,9 @@ class LlamaBlock(nn.Module):
         self.attn_norm = RMSNorm(config.d_model, config.rms_eps, **f)
         self.attn = MultiHeadAttention.from_config(config.attention(), **f)
         self.ffn_norm = RMSNorm(config.d_model, config.rms_eps, **f)
-        self.gate_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False, **f)
-        self.up_proj = nn.Linear(config.d_model, config.ffn_dim, bias=False, **f)
-        self.down_proj = nn.Linear(config.ffn_dim, config.d_model, bias=False, **f)
+        self.gate_proj = Linear(config.d_model, config.ffn_dim, bias=False, **f)
+        self.up_proj = Linear(config.d_model, config.ffn_dim, bias=False, **f)
+        self.down_proj = Linear(config.ffn_dim, config.d_model, bias=False, **f)
 
     def forward(self, h: Tensor, *, positions: Tensor | None, cache: KVCache | None, index: int,
                 key_padding_mask: Tensor | None) -> Tensor:
@@ -93,7 +96,10 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model, **f)
         self.layers = nn.ModuleList(LlamaBlock(config, **f) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_eps, **f)
-        self.lm_head = None if config.tie_embeddings else nn.Linear(config.d_model, config.vocab_size, bias=False, **f)
+        shared = cast(LlamaBlock, self.layers[0]).attn.rotary
+        for block in self.layers:  # one RoPE module: a step's cos/sin are computed once for all layers
+            cast(LlamaBlock, block).attn.rotary = shared
+        self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, bias=False, **f)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -128,7 +134,7 @@ class LlamaModel(nn.Module):
             h = layer(h, positions=positions, cache=cache, index=i, key_padding_mask=key_padding_mask)
         h = self.norm(h)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(h, weight)  # (b, s, vocab)
+        return linear(h, weight)  # (b, s, vocab)
 
     def _check_tokens(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):

@@ -1,0 +1,66 @@
+"""``Linear``: torch.nn.Linear with a faster path for the few-row products of decoding on the CPU.
+
+Decoding multiplies one token (a few rows) by every weight matrix: a matrix-vector product, bound by reading the
+weights from memory. For these shapes on the CPU, torch's ``F.linear`` runs a BLAS gemv/gemm that keeps to one core
+here, while a batched product over ``n`` row blocks of the weight is spread over the intra-op threads::
+
+    W (out, in) viewed as (n, out / n, in);   y = (W @ x^T) -> (n, out / n, m) -> (m, out)
+
+Same weights, same parameters and state_dict, no copy of W. The product is the same sum in a different order
+(float32 rounding differs at the last bits). Measured on the 2-core machine of benchmarks/RESULTS.md, float32, the 210
+matrices of SmolLM2-135M at one row: 63 ms with F.linear, 33 ms split in 2; 1536 x 576 at 1-64 rows: 0.4-0.8x the time
+of F.linear; from about 128 rows the two are level and F.linear is kept. bfloat16 showed no gain (its gemm already uses
+both cores), so the path is float32 only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+MAX_ROWS = 64  # at most this many rows (tokens x batch) take the split product
+
+
+def _split_count(out_features: int) -> int:
+    """Row blocks for the split product: the intra-op thread count when it divides out_features, else 1."""
+    n = torch.get_num_threads()
+    return n if n > 1 and out_features % n == 0 else 1
+
+
+# under torch.compile the thread count is read once, when the graph is traced (set_num_threads before compiling)
+split_count: Callable[[int], int] = torch.compiler.assume_constant_result(_split_count)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)``, split over the CPU threads for at most MAX_ROWS float32 rows."""
+    rows = x.numel() // x.shape[-1] if x.ndim and x.shape[-1] else 0
+    if (
+        x.device.type != "cpu"
+        or not 0 < rows <= MAX_ROWS
+        or x.dtype != torch.float32
+        or weight.dtype != torch.float32
+        or type(weight) not in (Tensor, nn.Parameter)  # tensor subclasses (DTensor shards) keep their own dispatch
+        or type(x) is not Tensor
+        or weight.ndim != 2
+        or not weight.is_contiguous()
+    ):
+        return F.linear(x, weight, bias)
+    out_features, in_features = weight.shape
+    n = split_count(out_features)
+    if n == 1:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(rows, in_features)  # (m, in)
+    blocks = torch.bmm(weight.view(n, out_features // n, in_features), flat.t().expand(n, in_features, rows))
+    # (n, out/n, m) -> (m, out), contiguous like F.linear's result (a copy of m x out numbers when m > 1)
+    y = blocks.permute(2, 0, 1).reshape(rows, out_features).contiguous().view(*x.shape[:-1], out_features)
+    return y if bias is None else y + bias
+
+
+class Linear(nn.Linear):
+    """torch.nn.Linear (same parameters, state_dict and hooks) computing :func:`linear`."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return linear(x, self.weight, self.bias)
