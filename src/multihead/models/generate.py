@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from multihead.cache import KVCache
 from multihead.errors import MultiheadError
 from multihead.models.llama import LlamaModel
 
@@ -50,6 +51,31 @@ def sample(logits: Tensor, sampling: Sampling, generator: torch.Generator | None
 
 StepFn = Callable[[Tensor, Tensor], Tensor]
 
+CACHE_BUCKET = 256  # compiled decoding rounds the cache up to a multiple of this, so one graph serves many lengths
+
+
+def compiled_step(model: LlamaModel, cache: KVCache) -> StepFn:
+    """One decoding step of ``model`` compiled with torch.compile (static shapes), writing ``cache``.
+
+    The compiled function is kept on the model and reused for every cache of the same shape: the first call for a
+    new (batch, cache length) compiles (minutes on a small CPU; torch keeps compiled kernels on disk, so a new
+    process is faster), later steps reuse the graph.
+    """
+    fn = getattr(model, "_compiled_decode", None)
+    if fn is None:
+        def decode(tokens: Tensor, positions: Tensor, c: KVCache) -> Tensor:
+            out: Tensor = model(tokens, positions=positions, cache=c)
+            return out
+
+        fn = torch.compile(decode, dynamic=False)
+        model._compiled_decode = fn  # type: ignore[assignment]
+
+    def step(tokens: Tensor, positions: Tensor) -> Tensor:
+        out: Tensor = fn(tokens, positions, cache)
+        return out
+
+    return step
+
 
 def generate_ids(
     model: LlamaModel,
@@ -59,11 +85,14 @@ def generate_ids(
     sampling: Sampling = Sampling(),
     stop_ids: set[int] | frozenset[int] = frozenset(),
     step: StepFn | None = None,
+    compile: bool = False,
 ) -> Iterator[list[int | None]]:
     """Yield, at each step, the new token of every prompt (None once a prompt has stopped).
 
     The prompts are written into one cache right-padded; each sequence then continues from its own length.
     ``step(tokens, positions)`` may replace the model call (a compiled function, say); it must write the cache.
+    ``compile=True`` runs the decoding steps through :func:`compiled_step` (the prompt itself runs eagerly), with
+    the cache rounded up to a multiple of CACHE_BUCKET positions so that later calls reuse the compiled graph.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise MultiheadError(f"max_new_tokens ({max_new_tokens!r}) must be a positive int")
@@ -87,7 +116,12 @@ def generate_ids(
     tokens = torch.zeros(b, longest, dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         tokens[i, :len(p)] = torch.tensor(list(p), dtype=torch.long)
-    cache = model.new_cache(b, total)
+    if compile and step is not None:
+        raise MultiheadError("give either step or compile=True, not both")
+    size = min(-(-total // CACHE_BUCKET) * CACHE_BUCKET, model.config.max_context) if compile else total
+    cache = model.new_cache(b, size)
+    if compile:
+        step = compiled_step(model, cache)
     gen = sampling.generator()
 
     with torch.no_grad():
