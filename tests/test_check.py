@@ -13,10 +13,20 @@ from multihead.cli import main
 
 
 def test_every_check_passes_here(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["check", "--dtype", "float32,bfloat16", "--json"]) == 0
+    # flex compiles a kernel per shape (minutes for the whole harness on 2 cores): its outputs are tested against
+    # the oracle in test_flex.py, and its empty-row check below
+    assert main(["check", "--dtype", "float32,bfloat16", "--backend", "sdpa,math", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["passed"] and len(data["results"]) == 2 * 2 * 4
     assert {r["check"] for r in data["results"]} == {"2x rule", "empty rows", "cache", "deterministic"}
+
+
+def test_the_flex_backend_is_checked_too(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multihead import check
+
+    monkeypatch.setattr(check, "CHECKS", {"empty rows": check.CHECKS["empty rows"]})
+    (result,) = run_checks(dtypes=["float32"], backends=("flex",))
+    assert result.passed and result.backend == "flex" and "no NaN" in result.detail
 
 
 def test_a_broken_kernel_fails_the_harness(monkeypatch: pytest.MonkeyPatch,
@@ -28,16 +38,17 @@ def test_a_broken_kernel_fails_the_harness(monkeypatch: pytest.MonkeyPatch,
         return out + 1e-3 * torch.rand_like(out)  # wrong, and different on every call
 
     monkeypatch.setattr(kernels, "sdpa_attention", noisy)
-    results = {(r.check, r.backend): r.passed for r in run_checks(dtypes=["float32"])}
+    results = {(r.check, r.backend): r.passed for r in run_checks(dtypes=["float32"], backends=("sdpa", "math"))}
     assert not results[("2x rule", "sdpa")] and not results[("deterministic", "sdpa")]
     assert results[("2x rule", "math")]
-    assert main(["check", "--dtype", "float32"]) == 1
+    assert main(["check", "--dtype", "float32", "--backend", "sdpa"]) == 1
     assert "FAIL" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["check", "--dtype", "float8"], "dtype 'float8' is unknown"),
     (["check", "--device", "tpu"], "device 'tpu' is not supported"),
+    (["check", "--backend", "cudnn"], "backend 'cudnn' is unknown: choose from sdpa, math, flex"),
 ])
 def test_bad_check_arguments(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(argv) == 2

@@ -22,6 +22,7 @@ from multihead.cache import LayerCache
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.kernels import KernelChoice, attend, attention_weights, check_backend, explain
+from multihead.linear import Linear
 from multihead.masks import MaskSpec, build_mask
 from multihead.rope import RotaryEmbedding
 
@@ -70,10 +71,10 @@ class MultiHeadAttention(nn.Module):
         self.config = config
         assert config.kv_dim is not None and config.value_dim is not None
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.q_proj = nn.Linear(config.d_model, config.q_dim, bias=bias, **factory)
-        self.k_proj = nn.Linear(config.kv_dim, config.k_dim, bias=bias, **factory)
-        self.v_proj = nn.Linear(config.value_dim, config.k_dim, bias=bias, **factory)
-        self.o_proj = nn.Linear(config.q_dim, config.d_model, bias=bool(config.out_bias), **factory)
+        self.q_proj = Linear(config.d_model, config.q_dim, bias=bias, **factory)
+        self.k_proj = Linear(config.kv_dim, config.k_dim, bias=bias, **factory)
+        self.v_proj = Linear(config.value_dim, config.k_dim, bias=bias, **factory)
+        self.o_proj = Linear(config.q_dim, config.d_model, bias=bool(config.out_bias), **factory)
         self.rotary = (
             RotaryEmbedding(config.head_dim, config.rope.base)  # type: ignore[arg-type]
             if config.rope is not None
@@ -120,6 +121,7 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
+        documents: Tensor | None = None,
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
         return_weights: bool = False,
@@ -134,15 +136,18 @@ class MultiHeadAttention(nn.Module):
             mask: bool (True = may attend) or float (added to the scores), broadcastable to (b, n_heads, s, t).
             key_padding_mask: (b, t) bool, True = a real token.
             causal: query i sees keys up to t - s + i (bottom-right aligned).
+            documents: (b, s) integer document ids of sequences packed together (self-attention): a token sees
+                only its own document's tokens.
             positions: positions of the tokens, (s,) or (b, s), for RoPE and the cache; default 0 .. s - 1, or the
                 next positions of each sequence in the cache.
             cache: one layer of a :class:`~multihead.cache.KVCache` (``cache.layer(i)``): the new keys and values
                 are written at ``positions`` and the queries attend to everything cached up to their own position
                 (needs causal=True). The caller advances the cache after the step (``cache.advance(s)``).
             return_weights: also return the per-head attention weights (never averaged over heads).
-            backend: "auto", "sdpa" or "math" for this call; default the layer's ``backend``.
+            backend: "auto", "sdpa", "math" or "flex" for this call; default the layer's ``backend``.
         """
-        q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions, cache)
+        q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions, cache,
+                                          documents)
         dropout_p = self.config.dropout if self.training else 0.0
         out, weights = attend(
             q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
@@ -155,6 +160,7 @@ class MultiHeadAttention(nn.Module):
             weights = None
         elif weights is not None:
             self._emit("weights", weights)
+        del q, k, v  # free the projections before merging: a long sequence's peak is q, k, v and the output
         self._emit("attention", out)
         b, s = x.shape[0], x.shape[1]
         merged = out.transpose(1, 2).reshape(b, s, out.shape[1] * out.shape[3])  # (b, s, h*d)
@@ -172,6 +178,7 @@ class MultiHeadAttention(nn.Module):
         mask: Tensor | None = None,
         key_padding_mask: Tensor | None = None,
         causal: bool = False,
+        documents: Tensor | None = None,
         positions: Tensor | None = None,
         cache: LayerCache | None = None,
         return_weights: bool = False,
@@ -182,7 +189,8 @@ class MultiHeadAttention(nn.Module):
         With a cache this writes the new keys and values into it, as the call would.
         """
         with torch.no_grad():
-            q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions, cache)
+            q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions, cache,
+                                          documents)
         dropout_p = self.config.dropout if self.training else 0.0
         return explain(
             q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
@@ -199,6 +207,7 @@ class MultiHeadAttention(nn.Module):
         causal: bool,
         positions: Tensor | None,
         cache: LayerCache | None,
+        documents: Tensor | None = None,
     ) -> tuple[Tensor, Tensor, Tensor, MaskSpec]:
         """Validate the inputs, project and split into heads: q (b, h, s, d), k and v (b, g, t, d), the mask."""
         cfg = self.config
@@ -224,6 +233,10 @@ class MultiHeadAttention(nn.Module):
                 f"this layer projects values from a separate input of width value_dim ({cfg.value_dim}) != "
                 f"kv_dim ({cfg.kv_dim}): pass value=..."
             )
+        if documents is not None and context is not None:
+            raise MultiheadError("documents are for self-attention over packed sequences: they cannot take a context")
+        if documents is not None and cache is not None:
+            raise MultiheadError("documents cannot be combined with a KV cache (decode one document per sequence)")
         if self.rotary is not None and context is not None:
             raise MultiheadError("rope is for self-attention: a layer with rope cannot take a context")
         if cache is not None:
@@ -232,7 +245,7 @@ class MultiHeadAttention(nn.Module):
             positions = cache.cache.next_positions(s) if positions is None else positions
         spec = build_mask(
             batch=b, n_heads=cfg.n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
-            causal=causal, window=cfg.window,
+            causal=causal, window=cfg.window, documents=documents,
         )
         self._emit("input", x)
         q = self.q_proj(x)  # (b, s, h*d)

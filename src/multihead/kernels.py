@@ -8,7 +8,13 @@ Backends:
 - ``"sdpa"``: PyTorch's fused ``scaled_dot_product_attention`` with GQA passed natively (``enable_gqa``); it picks
   flash / memory-efficient / cuDNN / math kernels underneath. The default.
 - ``"math"``: the readable path written with matmul and softmax; it returns the per-head weights (b, h, s, t).
-- ``"auto"``: ``"sdpa"``, except when weights are requested (only ``"math"`` materialises them).
+- ``"flex"``: PyTorch's flex attention with a block mask made from the mask's structure (causal with s != t,
+  sliding windows, key padding, packed documents, a cache's positions): masked blocks are skipped and no dense mask
+  is made (:mod:`multihead.flex`). Compiled on first use for each shape.
+- ``"auto"``: chosen per call from the inputs: ``"math"`` when weights are requested (only it materialises them);
+  ``"flex"`` on a GPU when the mask has structure that SDPA could only take as a dense tensor (long enough for blocks
+  to be skipped, no dropout); ``"sdpa"`` otherwise. On the CPU ``"auto"`` keeps SDPA, whose CPU flash kernel takes
+  the mask without materialising scores, because flex attention must be compiled for each new shape there.
 
 ``explain`` says which backend (and which SDPA kernel) will run for given inputs and why not a faster one.
 """
@@ -21,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead import flex
 from multihead.errors import MultiheadError
 from multihead.masks import MaskSpec
 
-BACKENDS = ("auto", "sdpa", "math")
+BACKENDS = ("auto", "sdpa", "math", "flex")
 
 
 def check_backend(backend: str) -> str:
@@ -33,19 +40,72 @@ def check_backend(backend: str) -> str:
     return backend
 
 
-def resolve_backend(backend: str, *, need_weights: bool) -> tuple[str, str]:
+def structure(spec: MaskSpec) -> str | None:
+    """What in the mask a block-sparse kernel can use and SDPA cannot take as a flag, or None."""
+    if spec.is_empty or spec.is_plain_causal:
+        return None
+    parts = []
+    if spec.causal:
+        if spec.window is not None:
+            parts.append(f"sliding window {spec.window}")
+        if spec.q_positions is not None:
+            parts.append("causal by cache positions")
+        elif spec.s != spec.t:
+            parts.append("causal with s != t")
+    if spec.documents is not None:
+        parts.append("packed documents")
+    if spec.keep is not None and spec.keep.ndim == 4 and spec.keep.shape[1:3] == (1, 1):
+        parts.append("key padding")
+    if (spec.keep is not None and spec.keep.shape[-2] != 1) or spec.bias is not None:
+        return None  # a dense (s, t) mask of the user's: it is one tensor for every kernel
+    return ", ".join(parts) if parts else None
+
+
+def resolve_backend(
+    backend: str,
+    *,
+    need_weights: bool,
+    spec: MaskSpec | None = None,
+    device: torch.device | None = None,
+    dropout_p: float = 0.0,
+    needs_grad: bool = False,
+) -> tuple[str, str]:
     """The backend that runs, and why."""
     check_backend(backend)
     if need_weights:
-        if backend == "sdpa":
+        if backend in ("sdpa", "flex"):
             raise MultiheadError(
-                "backend 'sdpa' cannot return attention weights (fused kernels never materialise them): "
+                f"backend {backend!r} cannot return attention weights (fused kernels never materialise them): "
                 "use backend='math' or 'auto' with return_weights=True"
             )
         return "math", "weights requested: only the math path materialises the (b, h, s, t) weights"
     if backend == "math":
         return "math", "math path asked for explicitly"
-    return "sdpa", "fused SDPA is the default"
+    if backend == "flex":
+        if dropout_p > 0.0:
+            raise MultiheadError(f"backend 'flex' has no dropout (dropout_p {dropout_p}): use 'sdpa', or eval()")
+        if not flex.available():
+            raise MultiheadError(f"backend 'flex' needs torch >= 2.5 with flex attention (this is {torch.__version__})")
+        if needs_grad and device is not None and device.type == "cpu":
+            raise MultiheadError("backend 'flex' has no backward on the CPU (PyTorch's flex attention): run under "
+                                 "torch.no_grad() or choose backend 'sdpa' for training on the CPU")
+        return "flex", "flex attention asked for explicitly"
+    if backend == "sdpa":
+        return "sdpa", "SDPA asked for explicitly"
+    found = structure(spec) if spec is not None else None
+    if found is None:
+        return "sdpa", "fused SDPA is the default"
+    assert spec is not None
+    if dropout_p > 0.0:
+        return "sdpa", f"the mask has structure ({found}) but flex attention has no dropout"
+    if device is None or device.type != "cuda":
+        return "sdpa", (f"the mask has structure ({found}); on the CPU flex attention compiles for each new shape, "
+                        "so SDPA's CPU kernel takes the mask (backend='flex' for the block-sparse kernel)")
+    if spec.s < flex.BLOCK:
+        return "sdpa", f"the mask has structure ({found}) but {spec.s} queries are fewer than one block"
+    if not flex.available():
+        return "sdpa", f"the mask has structure ({found}) but this torch has no flex attention"
+    return "flex", f"the mask has structure ({found}): flex attention skips the masked blocks, no dense mask"
 
 
 def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float) -> Tensor:
@@ -124,10 +184,14 @@ def attend(
 
     Returns (out (b, h, s, d), weights (b, h, s, t) or None). Weights are those multiplied into v, after dropout.
     """
-    chosen, _ = resolve_backend(backend, need_weights=need_weights)
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    chosen, _ = resolve_backend(backend, need_weights=need_weights, spec=spec, device=q.device, dropout_p=dropout_p,
+                                needs_grad=needs_grad)
     if chosen == "math":
         out, weights = math_attention(q, k, v, spec, scale=scale, dropout_p=dropout_p)
         return out, (weights if need_weights else None)
+    if chosen == "flex":
+        return flex.flex_attention(q, k, v, spec, scale=scale), None
     return sdpa_attention(q, k, v, spec, scale=scale, dropout_p=dropout_p), None
 
 
@@ -161,6 +225,8 @@ def _describe_mask(spec: MaskSpec) -> str:
         parts.append(f"bool {tuple(spec.keep.shape)}")
     if spec.bias is not None:
         parts.append(f"float {tuple(spec.bias.shape)}")
+    if spec.documents is not None:
+        parts.append("packed documents")
     return "; ".join(parts)
 
 
@@ -176,8 +242,13 @@ def explain(
     need_weights: bool = False,
 ) -> KernelChoice:
     """Which kernel :func:`attend` runs for these inputs, without running it."""
-    chosen, reason = resolve_backend(backend, need_weights=need_weights)
+    chosen, reason = resolve_backend(backend, need_weights=need_weights, spec=spec, device=q.device,
+                                     dropout_p=dropout_p)
     mask_text = _describe_mask(spec)
+    if chosen == "flex":
+        skipped = flex.sparsity(spec, q.device)
+        return KernelChoice("flex", "flex_attention", reason + f"; {skipped:.0%} of the 128 x 128 blocks skipped",
+                            mask_text)
     if chosen == "math":
         if need_weights:
             reason += "; without return_weights the fused SDPA path runs"
@@ -207,4 +278,6 @@ def explain(
             "; the mask is passed as a dense tensor, which keeps some fused kernels out"
             + (" (causal with s != t or a window has no flag in SDPA)" if spec.causal else "")
         )
+        if kernel == "math":
+            reason += "; PyTorch's math kernel materialises the scores: backend='flex' avoids it"
     return KernelChoice("sdpa", kernel, reason, mask_text)

@@ -11,6 +11,8 @@ a kernel needs one.
 - ``causal``: query i of s sees keys up to ``t - s + i`` (bottom-right alignment, what a KV cache needs; for s == t it
   is the usual lower triangle).
 - ``window``: with causal, query i sees at most the last ``window`` keys: ``t - s + i - window < j <= t - s + i``.
+- ``documents``: ``(b, s)`` integer ids of the documents packed into each sequence (self-attention): a token sees
+  only tokens of its own document. Combines with the rest (``causal=True`` for packed causal training).
 
 A query row with no allowed key yields zeros (in the output and in the weights), never NaN.
 """
@@ -70,11 +72,12 @@ class MaskSpec:
     keep: Tensor | None = None
     bias: Tensor | None = None
     q_positions: Tensor | None = None  # (b, s): with a KV cache, causal by absolute positions instead of alignment
+    documents: Tensor | None = None  # (b, s) document ids, s == t: a token sees its own document only
 
     @property
     def is_empty(self) -> bool:
         """True when every query may attend to every key (a single bottom-right aligned causal query sees all)."""
-        if self.keep is not None or self.bias is not None:
+        if self.keep is not None or self.bias is not None or self.documents is not None:
             return False
         if not self.causal:
             return True
@@ -86,7 +89,7 @@ class MaskSpec:
         if self.is_empty:
             return False
         return (self.causal and self.window is None and self.keep is None and self.bias is None and self.s == self.t
-                and self.q_positions is None)
+                and self.q_positions is None and self.documents is None)
 
     @property
     def may_have_empty_rows(self) -> bool:
@@ -110,6 +113,9 @@ class MaskSpec:
             else:
                 structural = causal_keep(self.s, self.t, window=self.window, device=device)  # (s, t)
             keep = structural if keep is None else keep & structural
+        if self.documents is not None:
+            same = self.documents[:, None, :, None] == self.documents[:, None, None, :]  # (b, 1, s, t)
+            keep = same if keep is None else keep & same
         bias = self.bias.to(dtype) if self.bias is not None else None
         if not self.may_have_empty_rows:
             return keep, bias, None
@@ -143,6 +149,7 @@ def build_mask(
     causal: bool = False,
     window: int | None = None,
     q_positions: Tensor | None = None,
+    documents: Tensor | None = None,
 ) -> MaskSpec:
     """Validate the mask arguments of one attention call and gather them into a :class:`MaskSpec`."""
     if not isinstance(causal, bool):
@@ -193,5 +200,14 @@ def build_mask(
             )
         pad = key_padding_mask[:, None, None, :]  # (b, 1, 1, t)
         keep = pad if keep is None else keep & pad
+    if documents is not None:
+        if not isinstance(documents, Tensor):
+            raise MultiheadError(f"documents must be a torch.Tensor, got {type(documents).__name__}")
+        if documents.dtype.is_floating_point or documents.dtype.is_complex or documents.dtype == torch.bool:
+            raise MultiheadError(f"documents has dtype {documents.dtype}: it must hold integer document ids")
+        if s != t:
+            raise MultiheadError(f"documents are for self-attention over packed sequences: s ({s}) must equal t ({t})")
+        if tuple(documents.shape) != (batch, s):
+            raise MultiheadError(f"documents of shape {tuple(documents.shape)} must be (b, s) = {(batch, s)}")
     return MaskSpec(batch=batch, n_heads=n_heads, s=s, t=t, causal=causal, window=window, keep=keep, bias=bias,
-                    q_positions=q_positions)
+                    q_positions=q_positions, documents=documents)

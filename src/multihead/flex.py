@@ -1,0 +1,216 @@
+"""The block-sparse backend: PyTorch's flex attention, driven by the structure of a :class:`MaskSpec`.
+
+A structured mask (causal aligned bottom-right, a sliding window, key padding, packed documents, a KV cache's
+positions) is turned into a ``mask_mod`` and a ``BlockMask``: blocks of 128 x 128 (query, key) pairs that are fully
+masked are skipped, never computed, and no (s, t) mask is made. A float mask becomes a ``score_mod`` that adds it.
+
+- Block masks are cached: a call with the same structure (and the same mask tensors, unchanged) reuses the block
+  mask of the previous one, so the layers of a model share one per step.
+- The kernel is ``torch.compile(flex_attention)``, made once per process; torch caches the compiled kernels per
+  shape and mask function. Without compiling, flex attention runs a dense reference (O(s * t) memory), so this
+  backend always compiles; inside a region that is already being compiled it calls flex attention directly.
+- Rows with no allowed key give zeros, as everywhere in multihead (flex attention's own convention too).
+- Dropout is not supported by flex attention: dispatch never picks it with dropout, and asking for it explicitly
+  raises.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from multihead.masks import MaskSpec
+
+BLOCK = 128  # flex attention's default block size (queries x keys)
+_CACHE_SIZE = 32
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
+
+
+def available() -> bool:
+    """True when this torch has flex attention (torch >= 2.5)."""
+    try:
+        import torch.nn.attention.flex_attention  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _full(x: Tensor, b: int, h: int, s: int, t: int) -> Tensor:
+    """A mask tensor broadcast to (b, h, s, t) as a view (no copy), for indexing by (b, h, q, kv)."""
+    while x.ndim < 4:
+        x = x.unsqueeze(0)
+    return x.expand(b, h, s, t)
+
+
+def _tensor_key(x: Tensor | None) -> tuple[Any, ...]:
+    if x is None:
+        return (None,)
+    return (id(x), x._version, x.data_ptr(), tuple(x.shape), x.dtype)
+
+
+def mask_mod(spec: MaskSpec) -> MaskMod | None:
+    """The mask of ``spec`` as a flex-attention mask_mod(b, h, q_idx, kv_idx) -> bool, or None for "all keys".
+
+    A float mask is not part of it (see :func:`score_mod`), except that its -inf entries forbid those keys.
+    """
+    parts: list[MaskMod] = []
+    b, h, s, t = spec.batch, spec.n_heads, spec.s, spec.t
+    window = spec.window
+    if spec.causal and not spec.is_empty:
+        if spec.q_positions is not None:
+            qp = spec.q_positions.expand(b, s)
+
+            def causal(bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+                p = qp[bi, qi]
+                ok = ki <= p
+                return ok & (ki > p - window) if window is not None else ok
+        else:
+            offset = t - s
+
+            def causal(bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+                p = qi + offset
+                ok = ki <= p
+                return ok & (ki > p - window) if window is not None else ok
+        parts.append(causal)
+    if spec.documents is not None:
+        doc = spec.documents
+
+        def same_document(bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            return doc[bi, qi] == doc[bi, ki]
+        parts.append(same_document)
+    if spec.keep is not None:
+        keep = _full(spec.keep, b, h, s, t)
+
+        def kept(bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            return keep[bi, hi, qi, ki]
+        parts.append(kept)
+    if spec.bias is not None:
+        bias = _full(spec.bias, b, h, s, t)
+
+        def finite(bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+            return bias[bi, hi, qi, ki] != float("-inf")
+        parts.append(finite)
+    if not parts:
+        return None
+    if len(parts) == 1:
+        return parts[0]
+
+    def combined(bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        ok = parts[0](bi, hi, qi, ki)
+        for part in parts[1:]:
+            ok = ok & part(bi, hi, qi, ki)
+        return ok
+    return combined
+
+
+def score_mod(spec: MaskSpec, dtype: torch.dtype) -> ScoreMod | None:
+    """A float mask as a flex-attention score_mod that adds it to the scaled scores (masked keys stay masked by the
+    mask_mod, so -inf never reaches the kernel's arithmetic)."""
+    if spec.bias is None:
+        return None
+    bias = _full(spec.bias, spec.batch, spec.n_heads, spec.s, spec.t)
+
+    def add_bias(score: Tensor, bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        value = bias[bi, hi, qi, ki]
+        return score + torch.where(value == float("-inf"), torch.zeros_like(value), value).to(score.dtype)
+    return add_bias
+
+
+def _depends_on_heads(spec: MaskSpec) -> bool:
+    return any(m is not None and m.ndim == 4 and m.shape[1] > 1 for m in (spec.keep, spec.bias))
+
+
+def _depends_on_batch(spec: MaskSpec) -> bool:
+    per_batch = [spec.q_positions, spec.documents]
+    per_batch += [m for m in (spec.keep, spec.bias) if m is not None and m.ndim == 4 and m.shape[0] > 1]
+    return any(m is not None and m.shape[0] > 1 for m in per_batch)
+
+
+_block_masks: OrderedDict[tuple[Any, ...], tuple[list[weakref.ref[Tensor]], Any]] = OrderedDict()
+
+
+def block_mask(spec: MaskSpec, device: torch.device) -> Any:
+    """The BlockMask of ``spec`` (cached while the same structure and mask tensors come back unchanged), or None
+    when every query may see every key."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    mod = mask_mod(spec)
+    if mod is None:
+        return None
+    tensors = [x for x in (spec.q_positions, spec.documents, spec.keep, spec.bias) if x is not None]
+    key = (spec.batch, spec.n_heads, spec.s, spec.t, spec.causal, spec.window, str(device),
+           *(k for x in (spec.q_positions, spec.documents, spec.keep, spec.bias) for k in _tensor_key(x)))
+    compiling = torch.compiler.is_compiling()
+    if not compiling:
+        found = _block_masks.get(key)
+        if found is not None and all(r() is x for r, x in zip(found[0], tensors, strict=True)):
+            _block_masks.move_to_end(key)
+            return found[1]
+    b = spec.batch if _depends_on_batch(spec) else None
+    h = spec.n_heads if _depends_on_heads(spec) else None
+    # evaluated eagerly the mask function runs over the whole (s, t) grid at once; past 4096 x 4096 the compiled
+    # version works block by block
+    make = create_block_mask if compiling or spec.s * spec.t < 4096 * 4096 else _compiled_create_block_mask()
+    made = make(mod, b, h, spec.s, spec.t, device=device, BLOCK_SIZE=BLOCK)
+    if not compiling:
+        _block_masks[key] = ([weakref.ref(x) for x in tensors], made)
+        while len(_block_masks) > _CACHE_SIZE:
+            _block_masks.popitem(last=False)
+    return made
+
+
+_compiled: Callable[..., Any] | None = None
+_compiled_masks: Callable[..., Any] | None = None
+
+
+def _compiled_create_block_mask() -> Callable[..., Any]:
+    global _compiled_masks
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    if _compiled_masks is None:
+        _compiled_masks = torch.compile(create_block_mask)
+    return _compiled_masks
+
+
+def _kernel() -> Callable[..., Any]:
+    global _compiled
+    from torch.nn.attention.flex_attention import flex_attention
+
+    if torch.compiler.is_compiling():
+        return flex_attention
+    if _compiled is None:
+        _compiled = torch.compile(flex_attention, dynamic=False)
+    return _compiled
+
+
+RECOMPILE_LIMIT = 256  # kernels kept per process (each shape and mask kind is one); past it, an error, not a fallback
+
+
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float) -> Tensor:
+    """softmax(q k^T * scale + mask) v by flex attention: q (b, h, s, d), k and v (b, g, t, d) -> (b, h, s, d)."""
+    mask = block_mask(spec, q.device)
+    kernel = _kernel()
+    args = dict(score_mod=score_mod(spec, q.dtype), block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    if torch.compiler.is_compiling():
+        out: Tensor = kernel(q, k, v, **args)
+        return out
+    # torch.compile's default of 8 kernels per function would silently fall back to flex attention's eager path,
+    # which materialises the (s, t) scores: allow many more, and fail loudly past them
+    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+        out = kernel(q, k, v, **args)
+    return out
+
+
+def sparsity(spec: MaskSpec, device: torch.device) -> float:
+    """The share of (query block, key block) pairs that flex attention skips for this mask (0 for no mask)."""
+    mask = block_mask(spec, device)
+    if mask is None:
+        return 0.0
+    return float(mask.sparsity()) / 100.0

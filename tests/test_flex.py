@@ -1,0 +1,174 @@
+"""The block-sparse backend (flex attention) and the dispatch that chooses it, on the CPU.
+
+Flex attention is compiled for each shape on first use, so these tests share a few shapes. The expected outputs come
+from the float64 oracle (multihead.reference) given the equivalent dense mask.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import to_np
+from multihead import KVCache, MultiHeadAttention, flex
+from multihead.errors import MultiheadError
+from multihead.kernels import resolve_backend
+from multihead.masks import build_mask, causal_keep
+from multihead.reference import Weights, multihead_attention
+
+pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no flex attention")
+
+B, S, D_MODEL = 2, 256, 64
+ATOL, RTOL = 3e-5, 3e-4
+
+
+def _layer(n_heads: int = 4, n_kv_heads: int = 2, window: int | None = None, rope: float | None = None
+           ) -> MultiHeadAttention:
+    torch.manual_seed(0)
+    return MultiHeadAttention(d_model=D_MODEL, n_heads=n_heads, n_kv_heads=n_kv_heads, window=window, rope=rope)
+
+
+def _documents() -> torch.Tensor:
+    """Two sequences packing 3 and 2 documents (ids restart per sequence)."""
+    docs = torch.zeros(B, S, dtype=torch.long)
+    docs[0, 100:], docs[0, 180:] = 1, 2
+    docs[1, 40:] = 1
+    return docs
+
+
+def _document_keep(docs: torch.Tensor) -> np.ndarray:
+    return (docs[:, None, :, None] == docs[:, None, None, :]).numpy()  # (b, 1, s, s)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "padding", "documents", "bool-mask", "float-mask"])
+def test_flex_equals_oracle(case: str) -> None:
+    window = 48 if case == "window" else None
+    layer = _layer(window=window)
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, D_MODEL, generator=gen)
+    kwargs: dict = {"causal": case in ("causal", "window", "documents", "padding")}
+    ref: dict = {"causal": kwargs["causal"]}
+    if case == "padding":
+        lengths = torch.tensor([S, 97])
+        kwargs["key_padding_mask"] = ref["key_padding_mask"] = torch.arange(S)[None] < lengths[:, None]
+        ref["key_padding_mask"] = ref["key_padding_mask"].numpy()
+    if case == "documents":
+        kwargs["documents"] = _documents()
+        ref["mask"] = _document_keep(kwargs["documents"])
+    if case == "bool-mask":
+        keep = torch.rand(B, 1, S, S, generator=gen) < 0.5
+        keep[:, :, 7] = False  # a query with no key: zeros, not NaN
+        kwargs["mask"], ref["mask"] = keep, keep.numpy()
+    if case == "float-mask":
+        bias = torch.randn(1, 4, S, S, generator=gen).masked_fill(torch.rand(1, 4, S, S, generator=gen) < 0.3,
+                                                                   float("-inf"))
+        kwargs["mask"], ref["mask"] = bias, bias.double().numpy()
+    want, _ = multihead_attention(layer.config, Weights.of(layer), to_np(x), None, **ref)
+    with torch.no_grad():  # flex attention has no backward on the CPU
+        got = layer(x, backend="flex", **kwargs)
+    assert not torch.isnan(got).any()
+    np.testing.assert_allclose(to_np(got), want, atol=ATOL, rtol=RTOL)
+
+
+def test_flex_decodes_from_a_cache_with_different_lengths() -> None:
+    """Per-sequence cache positions become a block mask: decoding equals the uncached forward for each sequence."""
+    layer = _layer(rope=10000.0)
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(B, S, D_MODEL, generator=gen)
+    lengths = [S - 3, S - 60]
+    cache = KVCache(batch=B, n_kv_heads=2, head_dim=16, max_len=S)
+    with torch.no_grad():
+        layer(x[:, : S - 3], causal=True, cache=cache.layer(0), backend="flex")
+        cache.advance(S - 3, lengths=lengths)
+        step = torch.stack([x[0, S - 3], x[1, S - 60]])[:, None]  # each sequence's next token
+        got = layer(step, causal=True, cache=cache.layer(0), backend="flex")  # (b, 1, d_model)
+        for i, n in enumerate(lengths):
+            alone = layer(x[i : i + 1, : n + 1], causal=True, backend="math")[0, -1]
+            torch.testing.assert_close(got[i, 0], alone, atol=ATOL, rtol=RTOL)
+
+
+def _blocks_with_a_key(keep: torch.Tensor) -> int:
+    s, t = keep.shape
+    blocks = keep.reshape(s // flex.BLOCK, flex.BLOCK, t // flex.BLOCK, flex.BLOCK)
+    return int(blocks.any(dim=(1, 3)).sum())
+
+
+@pytest.mark.parametrize("window", [None, 128, 300])
+def test_block_mask_skips_exactly_the_fully_masked_blocks(window: int | None) -> None:
+    s = t = 1024
+    spec = build_mask(batch=1, n_heads=1, s=s, t=t, causal=True, window=window)
+    keep = causal_keep(s, t, window=window)
+    want = 1.0 - _blocks_with_a_key(keep) / (s // flex.BLOCK) ** 2
+    assert flex.sparsity(spec, torch.device("cpu")) == pytest.approx(want)
+    assert want > 0.4  # causal alone skips 28 of 64 blocks; windows skip more
+
+
+def test_block_masks_are_cached_while_their_tensors_are_unchanged() -> None:
+    keep = torch.arange(S)[None] < torch.tensor([S, 130])[:, None]
+    spec = build_mask(batch=B, n_heads=4, s=S, t=S, key_padding_mask=keep, causal=True)
+    first = flex.block_mask(spec, torch.device("cpu"))
+    assert flex.block_mask(spec, torch.device("cpu")) is first  # the next layer reuses it
+    keep[1, 130:200] = True  # changed in place: a new block mask, and the result follows the new mask
+    again = build_mask(batch=B, n_heads=4, s=S, t=S, key_padding_mask=keep, causal=True)
+    assert flex.block_mask(again, torch.device("cpu")) is not first
+    layer = _layer()
+    x = torch.randn(B, S, D_MODEL)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x, key_padding_mask=keep, causal=True, backend="flex"),
+                                   layer(x, key_padding_mask=keep, causal=True, backend="math"), atol=ATOL, rtol=RTOL)
+
+
+def test_documents_on_every_backend_equal_the_dense_mask() -> None:
+    layer = _layer()
+    x = torch.randn(B, S, D_MODEL)
+    docs = _documents()
+    dense = torch.from_numpy(_document_keep(docs))
+    for backend in ("sdpa", "math"):
+        torch.testing.assert_close(layer(x, documents=docs, causal=True, backend=backend),
+                                   layer(x, mask=dense, causal=True, backend="math"), atol=ATOL, rtol=RTOL)
+
+
+def test_auto_dispatch_explains_its_choice() -> None:
+    window = build_mask(batch=1, n_heads=4, s=512, t=512, causal=True, window=64)
+    plain = build_mask(batch=1, n_heads=4, s=512, t=512, causal=True)
+    short = build_mask(batch=1, n_heads=4, s=16, t=16, causal=True, window=4)
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    chosen, why = resolve_backend("auto", need_weights=False, spec=window, device=cuda)
+    assert chosen == "flex" and "sliding window 64" in why
+    assert resolve_backend("auto", need_weights=False, spec=plain, device=cuda)[0] == "sdpa"  # SDPA's causal flag
+    assert resolve_backend("auto", need_weights=False, spec=short, device=cuda)[0] == "sdpa"  # under one block
+    assert resolve_backend("auto", need_weights=False, spec=window, device=cuda, dropout_p=0.1)[0] == "sdpa"
+    chosen, why = resolve_backend("auto", need_weights=False, spec=window, device=cpu)
+    assert chosen == "sdpa" and "backend='flex'" in why
+    layer = _layer(window=64)
+    x = torch.randn(1, 512, D_MODEL)
+    choice = layer.explain(x, causal=True, backend="flex")
+    assert layer.explain(x, causal=True).backend == "sdpa"  # auto, on the CPU
+    assert choice.backend == "flex" and "blocks skipped" in choice.reason
+
+
+def test_flex_refuses_what_it_cannot_do() -> None:
+    layer = _layer()
+    x = torch.randn(1, 8, D_MODEL)
+    with pytest.raises(MultiheadError, match="cannot return attention weights"):
+        layer(x, backend="flex", return_weights=True)
+    drop = MultiHeadAttention(d_model=D_MODEL, n_heads=4, dropout=0.1).train()
+    with pytest.raises(MultiheadError, match=r"no dropout \(dropout_p 0.1\)"):
+        drop(x, backend="flex")
+    with pytest.raises(MultiheadError, match="no backward on the CPU"):
+        layer(x, backend="flex")  # parameters require grad, grad mode is on
+
+
+@pytest.mark.parametrize(("kwargs", "message"), [
+    ({"documents": torch.zeros(2, 8)}, r"documents has dtype torch.float32: it must hold integer document ids"),
+    ({"documents": torch.zeros(1, 8, dtype=torch.long)}, r"documents of shape \(1, 8\) must be \(b, s\) = \(2, 8\)"),
+    ({"documents": torch.zeros(2, 8, dtype=torch.long), "context": torch.randn(2, 8, D_MODEL)},
+     "documents are for self-attention"),
+])
+def test_bad_documents_are_named(kwargs: dict, message: str) -> None:
+    layer = _layer()
+    x = torch.randn(2, 8, D_MODEL)
+    context = kwargs.pop("context", None)
+    with pytest.raises(MultiheadError, match=message):
+        layer(x, context, **kwargs)
