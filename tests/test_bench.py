@@ -1,0 +1,64 @@
+"""multihead bench: the peak-memory measure (P4) is right, a long forward holds no (s, t) matrix, the CLI works."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+
+from multihead import MultiHeadAttention, bench
+from multihead.cli import main
+
+linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS is read from /proc")
+
+
+@linux
+def test_peak_memory_measure_sees_what_is_allocated() -> None:
+    mib = 2**20
+
+    def two_live() -> torch.Tensor:
+        a = torch.ones(16 * mib)  # 64 MiB
+        b = torch.ones(16 * mib)
+        del a
+        return b
+
+    assert 60 * mib < bench.peak_extra_bytes(lambda: torch.ones(16 * mib), torch.device("cpu")) < 70 * mib
+    assert 124 * mib < bench.peak_extra_bytes(two_live, torch.device("cpu")) < 140 * mib
+
+
+@linux
+def test_a_long_causal_forward_holds_q_k_v_and_the_output_only() -> None:
+    """8192 tokens: an (s, t) float32 matrix per head would be 256 MiB, Q, K, V and the output are 96 MiB."""
+    tokens, d_model = 8192, 768
+    layer = MultiHeadAttention(d_model=d_model, n_heads=12, bias=False).eval()
+    x = torch.randn(1, tokens, d_model)
+    with torch.no_grad():
+        layer(x[:, :256], causal=True)
+        extra = bench.peak_extra_bytes(lambda: layer(x, causal=True), torch.device("cpu"))
+    qkvo = 4 * tokens * d_model * 4
+    assert extra <= 1.25 * qkvo, f"peak {extra / 2**20:.0f} MiB > 1.25 x {qkvo / 2**20:.0f} MiB"
+
+
+@linux
+def test_bench_cli_prints_the_chosen_benchmark(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--only", "p4", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    (result,) = data["results"]
+    assert result["name"] == "P4" and result["met"] and result["target"] == "<= 1.25x"
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["bench", "--only", "P9"], "unknown benchmark(s) P9; choose from P1, P2, P3, P4, P5, G1, G2, G3, G4"),
+    (["bench", "--repeats", "0"], "--repeats (0) must be at least 1"),
+])
+def test_bad_bench_flags(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message given where there is no GPU")
+def test_gpu_benchmarks_without_a_gpu_say_so(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["bench", "--only", "G1"]) == 2
+    assert "torch.cuda.is_available() is False" in capsys.readouterr().err
