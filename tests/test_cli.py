@@ -174,6 +174,7 @@ def test_generate_streams_and_json_matches_the_library(smollm2, capsys: pytest.C
     (["generate", "hi", "--greedy", "--temperature", "0.7"], "--greedy cannot be combined"),
     (["generate", "hi", "--top-p", "1.5"], r"top_p \(1.5\) must be in \(0, 1\]"),
     (["generate", "hi", "--model", "/nonexistent.gguf"], "does not exist"),
+    (["generate", "hi", "--compile", "--tp", "2"], r"--compile cannot be combined with --tp"),
     (["embed", "hi", "--model", "/nonexistent"], "does not exist"),
     (["embed"], "the following arguments are required: TEXT"),
 ])

@@ -143,6 +143,33 @@ def test_decode_under_compile_reuses_one_graph() -> None:
     assert counter.frame_count == 1, f"compiled {counter.frame_count} times over 64 decode steps"
 
 
+def test_generate_with_compile_gives_the_eager_tokens_from_one_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """compile=True: the same tokens as eager decoding, one graph for every step and for a second call whose cache
+    falls in the same bucket. (The graph is traced by dynamo and run without inductor's code generation, which
+    takes minutes on 2 cores; benchmarks/decode.py --compile times the real thing.)"""
+    from torch._dynamo.testing import CompileCounter
+
+    from multihead.models import generate as gen
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    real_compile = torch.compile
+    monkeypatch.setattr(gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter, fullgraph=True))
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                         max_context=512)
+    model = LlamaModel(config).eval()
+    prompts = [[1, 2, 3, 4, 5], [7, 8]]
+    eager = list(gen.generate_ids(model, prompts, max_new_tokens=40))
+    compiled = list(gen.generate_ids(model, prompts, max_new_tokens=40, compile=True))
+    again = list(gen.generate_ids(model, [[9, 10, 11]], max_new_tokens=20, compile=True))
+    assert compiled == eager
+    assert again == list(gen.generate_ids(model, [[9, 10, 11]], max_new_tokens=20))
+    assert counter.frame_count == 2, "one graph for batch 2 and one for batch 1, each reused across its steps"
+    with pytest.raises(MultiheadError, match="either step or compile=True"):
+        next(gen.generate_ids(model, prompts, max_new_tokens=2, compile=True, step=lambda t, p: t))
+
+
 # ---------------------------------------------------------------------------------------------- bad input
 def test_missing_truncated_and_corrupt_gguf_files(tmp_path: Path) -> None:
     with pytest.raises(MultiheadError, match="does not exist"):
