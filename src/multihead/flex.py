@@ -199,7 +199,8 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: fl
     kernel = _kernel()
     args = dict(score_mod=score_mod(spec, q.dtype), block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if torch.compiler.is_compiling():
-        out: Tensor = kernel(q, k, v, **args)
+        # inductor's CPU flex template fails to lower inputs that are views of a projection's 2-D output
+        out: Tensor = kernel(q.contiguous(), k.contiguous(), v.contiguous(), **args)
         return out
     # torch.compile's default of 8 kernels per function would silently fall back to flex attention's eager path,
     # which materialises the (s, t) scores: allow many more, and fail loudly past them
