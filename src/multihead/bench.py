@@ -279,8 +279,11 @@ def run_cpu(repeats: int = 5, only: tuple[str, ...] = CPU_BENCHMARKS) -> list[Re
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-def _cuda_time(fn: Callable[[], object], repeats: int) -> float:
-    """Median seconds of fn on the GPU, timed with CUDA events after a warm-up."""
+def _cuda_time(fn: Callable[[], object], repeats: int, device: str = "cuda") -> float:
+    """Median seconds of fn on the GPU, timed with CUDA events after a warm-up (on the CPU, with the clock: the
+    GPU benchmarks' code is exercised there at a tiny size)."""
+    if device != "cuda":
+        return alternate(fn, lambda: None, repeats)[0]
     fn()
     torch.cuda.synchronize()
     times = []
@@ -294,7 +297,7 @@ def _cuda_time(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _best_sdpa(fn: Callable[[], object], repeats: int) -> tuple[float, str]:
+def _best_sdpa(fn: Callable[[], object], repeats: int, device: str) -> tuple[float, str]:
     """The fastest of PyTorch's fused SDPA backends for fn (each tried alone), and its name."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -302,7 +305,7 @@ def _best_sdpa(fn: Callable[[], object], repeats: int) -> tuple[float, str]:
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         try:
             with sdpa_kernel([backend]):
-                t = _cuda_time(fn, repeats)
+                t = _cuda_time(fn, repeats, device)
         except RuntimeError:  # the backend does not support these inputs
             continue
         if t < best:
@@ -310,12 +313,12 @@ def _best_sdpa(fn: Callable[[], object], repeats: int) -> tuple[float, str]:
     return best, name
 
 
-def _prefill(repeats: int, backward: bool) -> Result:
+def _prefill(repeats: int, backward: bool, device: str = "cuda", tiny: int = 1) -> Result:
     from multihead.kernels import attend
     from multihead.masks import build_mask
 
-    b, h, s, d = 8, 16, 2048, 128  # 16k tokens per batch, FlashAttention's benchmark shape
-    dev, dt = "cuda", torch.bfloat16
+    b, h, s, d = 8 // tiny, 16 // tiny, 2048 // tiny, 128  # 16k tokens per batch, FlashAttention's benchmark shape
+    dev, dt = device, torch.bfloat16
     q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dt, requires_grad=backward) for _ in range(3))
     grad = torch.randn(b, h, s, d, device=dev, dtype=dt)
     spec = build_mask(batch=b, n_heads=h, s=s, t=s, causal=True)
@@ -330,8 +333,8 @@ def _prefill(repeats: int, backward: bool) -> Result:
         return out.backward(grad) if backward else out
 
     flops = 4 * b * h * s * s * d / 2 * (3.5 if backward else 1.0)  # causal half; backward 2.5x the forward
-    t_ours = _cuda_time(ours, repeats)
-    t_best, best = _best_sdpa(sdpa, repeats)
+    t_ours = _cuda_time(ours, repeats, dev)
+    t_best, best = _best_sdpa(sdpa, repeats, dev)
     r = t_best / t_ours
     name, what = ("G2", "forward + backward") if backward else ("G1", "prefill forward")
     return Result(name, f"{what} b8 h16 s2048 d128 causal bf16", f"best SDPA backend ({best})",
@@ -339,9 +342,9 @@ def _prefill(repeats: int, backward: bool) -> Result:
                   ">= 0.95x", r >= 0.95)
 
 
-def _decode(repeats: int) -> Result:
-    b, h, g, d, cached = 8, 32, 8, 128, 32768
-    dev, dt = "cuda", torch.bfloat16
+def _decode(repeats: int, device: str = "cuda", tiny: int = 1) -> Result:
+    b, h, g, d, cached = 8 // tiny, 32 // tiny, 8 // tiny, 128, 32768 // tiny
+    dev, dt = device, torch.bfloat16
     layer = MultiHeadAttention(d_model=h * d, n_heads=h, n_kv_heads=g, bias=False, device=dev, dtype=dt).eval()
     cache = KVCache(batch=b, n_kv_heads=g, head_dim=d, max_len=cached + 1, dtype=dt, device=dev)
     cache.advance(cached)
@@ -353,12 +356,12 @@ def _decode(repeats: int) -> Result:
     spec = build_mask(batch=b, n_heads=h, s=1, t=cached + 1, causal=True)
     k, v = cache.k[0], cache.v[0]
     with torch.no_grad():
-        t_core = _cuda_time(lambda: attend(q, k, v, spec, scale=d**-0.5), repeats)
-        t_layer = _cuda_time(lambda: layer(x, causal=True, cache=cache.layer(0)), repeats)
+        t_core = _cuda_time(lambda: attend(q, k, v, spec, scale=d**-0.5), repeats, dev)
+        t_layer = _cuda_time(lambda: layer(x, causal=True, cache=cache.layer(0)), repeats, dev)
     kv_bytes = k.nbytes + v.nbytes
     src = torch.empty(kv_bytes // 2, device=dev, dtype=dt)
     dst = torch.empty_like(src)
-    t_copy = _cuda_time(lambda: dst.copy_(src), repeats)
+    t_copy = _cuda_time(lambda: dst.copy_(src), repeats, dev)
     copy_rate = 2 * src.nbytes / t_copy  # read + write
     rate = kv_bytes / t_core
     return Result("G3", f"GQA decode b8 32/8 heads d128, {cached} cached (layer step {t_layer * 1e6:.0f} us)",
@@ -366,9 +369,9 @@ def _decode(repeats: int) -> Result:
                   f"{rate / copy_rate:.0%} of copy", ">= 4.0 TB/s", rate >= 4.0e12)
 
 
-def _masked_prefill(repeats: int) -> Result:
-    b, h, g, d, s = 4, 32, 8, 128, 4096
-    dev, dt = "cuda", torch.bfloat16
+def _masked_prefill(repeats: int, device: str = "cuda", tiny: int = 1) -> Result:
+    b, h, g, d, s = 4, 32 // tiny, 8 // tiny, 128, 4096 // tiny
+    dev, dt = device, torch.bfloat16
     layer = MultiHeadAttention(d_model=h * d, n_heads=h, n_kv_heads=g, bias=False, device=dev, dtype=dt).eval()
     x = torch.randn(b, s, h * d, device=dev, dtype=dt)
     lengths = torch.tensor([s, s * 3 // 4, s // 2, s // 4], device=dev)
@@ -376,27 +379,30 @@ def _masked_prefill(repeats: int) -> Result:
     dense = torch.ones(s, s, dtype=torch.bool, device=dev).tril()[None, None] & valid[:, None, None, :]
     with torch.no_grad():
         chosen = layer.explain(x, key_padding_mask=valid, causal=True)
-        t_ours = _cuda_time(lambda: layer(x, key_padding_mask=valid, causal=True), repeats)
-        t_dense = _cuda_time(lambda: layer(x, mask=dense, backend="sdpa"), repeats)
+        t_ours = _cuda_time(lambda: layer(x, key_padding_mask=valid, causal=True), repeats, dev)
+        t_dense = _cuda_time(lambda: layer(x, mask=dense, backend="sdpa"), repeats, dev)
     r = t_dense / t_ours
     return Result("G4", f"GQA prefill b4 s4096 32/8 heads, padding + causal (auto: {chosen.backend})",
                   "SDPA with the dense bool mask", _ms(t_ours), _ms(t_dense), f"{r:.2f}x faster", ">= 2.5x faster",
                   r >= 2.5)
 
 
-def run_gpu(repeats: int = 20, only: tuple[str, ...] = GPU_BENCHMARKS) -> list[Result]:
-    if not torch.cuda.is_available():
+def run_gpu(repeats: int = 20, only: tuple[str, ...] = GPU_BENCHMARKS, *, device: str = "cuda",
+            tiny: int = 1) -> list[Result]:
+    """G1-G4 on the GPU. ``device="cpu", tiny=8`` runs the same code at 1/8 of the sizes on the CPU (the tests do,
+    so that the GPU script cannot break unseen); those figures mean nothing against the targets."""
+    if device == "cuda" and not torch.cuda.is_available():
         raise MultiheadError("the GPU benchmarks need CUDA, and torch.cuda.is_available() is False here")
     results: list[Result] = []
     for name in only:
         if name == "G1":
-            results.append(_prefill(repeats, backward=False))
+            results.append(_prefill(repeats, backward=False, device=device, tiny=tiny))
         elif name == "G2":
-            results.append(_prefill(repeats, backward=True))
+            results.append(_prefill(repeats, backward=True, device=device, tiny=tiny))
         elif name == "G3":
-            results.append(_decode(repeats))
+            results.append(_decode(repeats, device=device, tiny=tiny))
         elif name == "G4":
-            results.append(_masked_prefill(repeats))
+            results.append(_masked_prefill(repeats, device=device, tiny=tiny))
     return results
 
 
