@@ -337,7 +337,7 @@ def _prefill(repeats: int, backward: bool, device: str = "cuda", tiny: int = 1) 
     t_best, best = _best_sdpa(sdpa, repeats, dev)
     r = t_best / t_ours
     name, what = ("G2", "forward + backward") if backward else ("G1", "prefill forward")
-    return Result(name, f"{what} b8 h16 s2048 d128 causal bf16", f"best SDPA backend ({best})",
+    return Result(name, f"{what} b{b} h{h} s{s} d{d} causal bf16", f"best SDPA backend ({best})",
                   f"{flops / t_ours / 1e12:.0f} TFLOP/s", f"{flops / t_best / 1e12:.0f} TFLOP/s", f"{r:.2f}x",
                   ">= 0.95x", r >= 0.95)
 
@@ -364,7 +364,7 @@ def _decode(repeats: int, device: str = "cuda", tiny: int = 1) -> Result:
     t_copy = _cuda_time(lambda: dst.copy_(src), repeats, dev)
     copy_rate = 2 * src.nbytes / t_copy  # read + write
     rate = kv_bytes / t_core
-    return Result("G3", f"GQA decode b8 32/8 heads d128, {cached} cached (layer step {t_layer * 1e6:.0f} us)",
+    return Result("G3", f"GQA decode b{b} {h}/{g} heads d{d}, {cached} cached (layer step {t_layer * 1e6:.0f} us)",
                   "device copy rate (read + write)", f"{rate / 1e12:.2f} TB/s", f"{copy_rate / 1e12:.2f} TB/s",
                   f"{rate / copy_rate:.0%} of copy", ">= 4.0 TB/s", rate >= 4.0e12)
 
@@ -382,7 +382,7 @@ def _masked_prefill(repeats: int, device: str = "cuda", tiny: int = 1) -> Result
         t_ours = _cuda_time(lambda: layer(x, key_padding_mask=valid, causal=True), repeats, dev)
         t_dense = _cuda_time(lambda: layer(x, mask=dense, backend="sdpa"), repeats, dev)
     r = t_dense / t_ours
-    return Result("G4", f"GQA prefill b4 s4096 32/8 heads, padding + causal (auto: {chosen.backend})",
+    return Result("G4", f"GQA prefill b{b} s{s} {h}/{g} heads, padding + causal (auto: {chosen.backend})",
                   "SDPA with the dense bool mask", _ms(t_ours), _ms(t_dense), f"{r:.2f}x faster", ">= 2.5x faster",
                   r >= 2.5)
 
