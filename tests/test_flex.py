@@ -144,7 +144,8 @@ def test_auto_dispatch_explains_its_choice() -> None:
     layer = _layer(window=64)
     x = torch.randn(1, 512, D_MODEL)
     choice = layer.explain(x, causal=True, backend="flex")
-    assert layer.explain(x, causal=True).backend == "sdpa"  # auto, on the CPU
+    auto = layer.explain(x, causal=True)  # on the CPU: SDPA, and what flex would skip (9 of 16 blocks)
+    assert auto.backend == "sdpa" and "flex attention would skip 56% of the 128 x 128 blocks" in auto.reason
     assert choice.backend == "flex" and "blocks skipped" in choice.reason
 
 

@@ -280,4 +280,7 @@ def explain(
         )
         if kernel == "math":
             reason += "; PyTorch's math kernel materialises the scores: backend='flex' avoids it"
+        if structure(spec) is not None and flex.available() and spec.s >= flex.BLOCK:
+            reason += (f"; flex attention would skip {flex.sparsity(spec, q.device):.0%} of the 128 x 128 blocks "
+                       "(see benchmarks/RESULTS.md for when that pays on the CPU)")
     return KernelChoice("sdpa", kernel, reason, mask_text)
