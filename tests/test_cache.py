@@ -92,3 +92,17 @@ def test_cache_of_the_wrong_width_is_refused() -> None:
     cache = KVCache(batch=1, n_kv_heads=4, head_dim=8, max_len=8)
     with pytest.raises(MultiheadError, match=r"cache holds n_kv_heads 4 of head_dim 8 but this layer has n_kv_heads 2"):
         _layer()(torch.randn(1, 2, 32), causal=True, cache=cache.layer(0))
+
+
+def test_next_positions_is_one_tensor_per_step_and_follows_every_change() -> None:
+    cache = KVCache(batch=2, n_kv_heads=1, head_dim=4, max_len=16)
+    cache.advance(3, lengths=[3, 1])
+    first = cache.next_positions(1)
+    assert cache.next_positions(1) is first  # the layers of one step share it
+    assert first.tolist() == [[3], [1]]
+    first.add_(5)  # a caller changed it in place: not served again
+    assert cache.next_positions(1).tolist() == [[3], [1]]
+    cache.advance(1)
+    assert cache.next_positions(2).tolist() == [[4, 5], [2, 3]]
+    cache.reset()
+    assert cache.next_positions(1).tolist() == [[0], [0]]

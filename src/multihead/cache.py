@@ -54,7 +54,8 @@ class KVCache(nn.Module):
         self.max_len = max_len
         self.n_layers = n_layers
         self._used = 0  # the longest sequence, known on the host: overflow is checked without a device sync
-        self._next: tuple[int, int, Tensor] | None = None  # (s, lengths' version, positions): one tensor per step
+        # (s, lengths' version, positions, their version): one positions tensor per step, remade if either changed
+        self._next: tuple[int, int, Tensor, int] | None = None
 
     @property
     def batch(self) -> int:
@@ -93,10 +94,11 @@ class KVCache(nn.Module):
         if torch.compiler.is_compiling():
             return self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
         found = self._next
-        if found is not None and found[0] == s and found[1] == self.lengths._version:
+        if (found is not None and found[0] == s and found[1] == self.lengths._version
+                and found[2]._version == found[3]):
             return found[2]  # every layer of a step gets the same tensor (RoPE's cos/sin are then made once)
         positions = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
-        self._next = (s, self.lengths._version, positions)
+        self._next = (s, self.lengths._version, positions, positions._version)
         return positions
 
     def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
