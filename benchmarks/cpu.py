@@ -11,13 +11,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-from pathlib import Path
 
 import torch
+from results import publish
 
 from multihead import bench
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -35,10 +33,7 @@ def main() -> None:
         "",
         bench.table(results),
     ]) + "\n"
-    print(text)
-    if args.record:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
-            f.write("\n" + text)
+    publish(text, args.record)
 
 
 if __name__ == "__main__":

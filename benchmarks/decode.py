@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
-import platform
 import statistics
 import sys
 import time
@@ -22,21 +21,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import publish
+
+from multihead import bench
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
-
-
-def machine() -> str:
-    """The CPU's model name, from /proc/cpuinfo where there is one."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 def copy_rate(nbytes: int = 512 * 2**20) -> float:
@@ -124,7 +115,7 @@ def main() -> None:
                          f"{o / (read / weight_bytes):.0%} |")
     header = [
         f"### SmolLM2-135M greedy decode, batch 1, {n} new tokens ({datetime.date.today()})",
-        f"machine: {machine()}, {os.cpu_count()} cores, torch {torch.__version__}; copy rate {rate / 1e9:.1f} GB/s "
+        f"machine: {bench.machine()}, torch {torch.__version__}; copy rate {rate / 1e9:.1f} GB/s "
         f"(one direction), read rate {read / 1e9:.1f} GB/s; median of {args.rounds} alternating rounds",
         *[f"{note}" for note in notes],
         "",
@@ -133,10 +124,7 @@ def main() -> None:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     text = "\n".join(header + lines) + "\n"
-    print(text)
-    if args.record:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
-            f.write("\n" + text)
+    publish(text, args.record)
 
 
 if __name__ == "__main__":

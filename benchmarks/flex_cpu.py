@@ -11,15 +11,13 @@ import argparse
 import datetime
 import os
 import time
-from pathlib import Path
 
 import torch
+from results import publish
 
 from multihead import bench, flex
 from multihead.kernels import attend
 from multihead.masks import build_mask
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def main() -> None:
@@ -53,10 +51,7 @@ def main() -> None:
         "|---|---|---|---|---|---|",
         *rows,
     ]) + "\n"
-    print(text)
-    if args.record:
-        with open(ROOT / "benchmarks" / "RESULTS.md", "a", encoding="utf-8") as f:
-            f.write("\n" + text)
+    publish(text, args.record)
 
 
 if __name__ == "__main__":
