@@ -168,6 +168,24 @@ def test_generate_streams_and_json_matches_the_library(smollm2, capsys: pytest.C
     assert capsys.readouterr().out.rstrip("\n") == tok.decode(want)
 
 
+def test_generate_compile_flag_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """--compile decodes through the compiled step (traced by dynamo here, without inductor's minutes of code
+    generation; benchmarks/decode.py --compile runs the real thing) and streams the eager tokens."""
+    from torch._dynamo.testing import CompileCounter
+
+    from multihead.models import generate as gen
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    real_compile = torch.compile
+    monkeypatch.setattr(gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter))
+    argv = ["generate", "The capital of France is", "--max-new-tokens", "6", "--json"]
+    plain = _json(argv, capsys)
+    compiled = _json([*argv, "--compile"], capsys)
+    assert compiled["tokens"] == plain["tokens"] and counter.frame_count == 1
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["generate", "hi", "--max-new-tokens", "0"], r"--max-new-tokens \(0\) must be at least 1"),
     (["generate", "hi", "--max-new-tokens", "-2"], r"--max-new-tokens \(-2\) must be at least 1"),
