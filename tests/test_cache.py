@@ -106,3 +106,22 @@ def test_next_positions_is_one_tensor_per_step_and_follows_every_change() -> Non
     assert cache.next_positions(2).tolist() == [[4, 5], [2, 3]]
     cache.reset()
     assert cache.next_positions(1).tolist() == [[0], [0]]
+
+
+def test_the_slice_write_of_equal_lengths_equals_the_indexed_write() -> None:
+    """Sequences of one length take a slice copy; any other positions the indexed write: same slots either way."""
+    torch.manual_seed(0)
+    fast, slow = (KVCache(batch=2, n_kv_heads=2, head_dim=4, max_len=8) for _ in range(2))
+    for step in range(3):
+        k, v = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)
+        pos = fast.next_positions(2)
+        fast.write(0, k, v, pos)  # the step's own positions: slice
+        slow.write(0, k, v, slow.next_positions(2).clone())  # a copy: indexed
+        fast.advance(2)
+        slow.advance(2)
+        assert torch.equal(fast.k, slow.k) and torch.equal(fast.v, slow.v), step
+    stale = fast.next_positions(1)
+    fast.advance(1)  # positions taken before the advance still name their own slots
+    k = torch.randn(2, 2, 1, 4)
+    fast.write(0, k, k, stale)
+    assert torch.equal(fast.k[0, :, :, 6], k[:, :, 0])

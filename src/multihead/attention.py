@@ -274,7 +274,7 @@ class MultiHeadAttention(nn.Module):
             if self.rotary is not None:
                 q, k = self.rotary(q, k, pos)
             if cache is not None:
-                pos = pos.expand(b, s)
+                pos = pos if pos.shape[0] == b else pos.expand(b, s)  # the same tensor: the cache knows it
                 k, v = cache.write(k, v, pos)  # (b, g, t, d): everything cached, the new tokens included
                 if b == 1 and at_cache_end and not torch.compiler.is_compiling():
                     # one sequence at its cached length: its queries are the last s of t, plain bottom-right causal

@@ -54,6 +54,7 @@ class KVCache(nn.Module):
         self.max_len = max_len
         self.n_layers = n_layers
         self._used = 0  # the longest sequence, known on the host: overflow is checked without a device sync
+        self._uniform = True  # every sequence holds _used tokens (known on the host)
         # (s, lengths' version, positions, their version): one positions tensor per step, remade if either changed
         self._next: tuple[int, int, Tensor, int] | None = None
 
@@ -83,6 +84,7 @@ class KVCache(nn.Module):
         """Forget every sequence (the buffers are reused, not reallocated)."""
         self.lengths.zero_()
         self._used = 0
+        self._uniform = True
 
     def next_positions(self, s: int) -> Tensor:
         """Positions (b, s) of the next s tokens of each sequence; raises if they would not fit."""
@@ -115,10 +117,21 @@ class KVCache(nn.Module):
             )
         if not 0 <= layer < self.n_layers:
             raise MultiheadError(f"layer {layer} is out of range for a cache of {self.n_layers} layer(s)")
-        rows = torch.arange(b, device=positions.device)[:, None]  # (b, 1)
-        self.k[layer].transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(self.k.dtype)  # (b, s, g, d) slots
-        self.v[layer].transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(self.v.dtype)
-        t = self.max_len if torch.compiler.is_compiling() else min(self.max_len, self._used + s)
+        compiling = torch.compiler.is_compiling()
+        step = self._next
+        if (not compiling and self._uniform and step is not None and positions is step[2]
+                and positions._version == step[3] and step[1] == self.lengths._version):
+            # every sequence continues at the same length: one slice of slots, no index arithmetic
+            keys, values = self.k.select(0, layer), self.v.select(0, layer)  # (b, g, max_len, d)
+            keys.narrow(2, self._used, s).copy_(k)
+            values.narrow(2, self._used, s).copy_(v)
+            t = min(self.max_len, self._used + s)
+            return keys.narrow(2, 0, t), values.narrow(2, 0, t)
+        else:
+            rows = torch.arange(b, device=positions.device)[:, None]  # (b, 1)
+            self.k[layer].transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(self.k.dtype)  # (b, s, g, d)
+            self.v[layer].transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(self.v.dtype)
+        t = self.max_len if compiling else min(self.max_len, self._used + s)
         return self.k[layer, :, :, :t], self.v[layer, :, :, :t]  # (b, g, t, d)
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
@@ -137,6 +150,7 @@ class KVCache(nn.Module):
             )
         self.lengths.copy_(new.to(self.lengths.device))
         self._used = longest
+        self._uniform = int(new.min()) == longest
 
     def layer(self, index: int) -> LayerCache:
         """A view of one layer of this cache, to pass to ``MultiHeadAttention(..., cache=...)``."""

@@ -45,29 +45,39 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: Tensor, dtype: torch.dtype = torch.float32) -> tuple[Tensor, Tensor]:
         """cos and sin of the angles for positions (b|1, s): each (b|1, 1, s, d), in float32 (float64 on request)."""
         work = torch.float64 if dtype == torch.float64 else torch.float32
+        angles = positions.to(work)[..., None] * self.inv_freq(positions.device, work)  # (b, s, d/2)
+        angles = torch.cat([angles, angles], dim=-1)[:, None]  # (b, 1, s, d)
+        return angles.cos(), angles.sin()
+
+    def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+        """cos and the signed sin ([-sin, sin] by halves) in ``dtype``, (b|1, 1, s, d), for :meth:`rotate`.
+
+        Computed in float32 (float64 for float64) and then cast; kept while the same positions tensor comes back
+        unchanged (the layers of a model share this module and one decoding step's positions).
+        """
         compiling = torch.compiler.is_compiling()
         last = self._last
         if (not compiling and last is not None and last[0] is positions and last[1] == positions._version
-                and last[2] == work):
+                and last[2] == dtype):
             return last[3], last[4]
-        angles = positions.to(work)[..., None] * self.inv_freq(positions.device, work)  # (b, s, d/2)
-        angles = torch.cat([angles, angles], dim=-1)[:, None]  # (b, 1, s, d)
-        cos, sin = angles.cos(), angles.sin()
+        cos, sin = self.cos_sin(positions, dtype)
+        half = self.head_dim // 2
+        signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
+        cos, signed = cos.to(dtype), signed.to(dtype)
         if not compiling and not positions.requires_grad:
-            self._last = (positions, positions._version, work, cos, sin)
-        return cos, sin
+            self._last = (positions, positions._version, dtype, cos, signed)
+        return cos, signed
 
     @staticmethod
-    def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        """x (b, n, s, d) rotated; cos and sin (b|1, 1, s, d)."""
-        half = x.shape[-1] // 2
-        rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)  # (b, n, s, d)
-        return x * cos.to(x.dtype) + rotated * sin.to(x.dtype)
+    def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+        """x (b, n, s, d) rotated: x cos + rotate_half(x) sin, where rotate_half(x) = [-x2, x1] is written as
+        roll(x, d/2) = [x2, x1] times the signed sin [-sin, sin] (the same products, bit for bit)."""
+        return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
     def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
         """q (b, h, s, d) and k (b, g, s, d) rotated at positions (b|1, s)."""
-        cos, sin = self.cos_sin(positions, q.dtype)
-        return self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+        cos, signed_sin = self.tables(positions, q.dtype)
+        return self.rotate(q, cos, signed_sin), self.rotate(k, cos, signed_sin)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"
