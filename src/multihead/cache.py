@@ -127,10 +127,9 @@ class KVCache(nn.Module):
             values.narrow(2, self._used, s).copy_(v)
             t = min(self.max_len, self._used + s)
             return keys.narrow(2, 0, t), values.narrow(2, 0, t)
-        else:
-            rows = torch.arange(b, device=positions.device)[:, None]  # (b, 1)
-            self.k[layer].transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(self.k.dtype)  # (b, s, g, d)
-            self.v[layer].transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(self.v.dtype)
+        rows = torch.arange(b, device=positions.device)[:, None]  # (b, 1)
+        self.k[layer].transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(self.k.dtype)  # (b, s, g, d) slots
+        self.v[layer].transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(self.v.dtype)
         t = self.max_len if compiling else min(self.max_len, self._used + s)
         return self.k[layer, :, :, :t], self.v[layer, :, :, :t]  # (b, g, t, d)
 
