@@ -45,6 +45,8 @@ from multihead.attention import MultiHeadAttention
 from multihead.cache import KVCache
 from multihead.check import plain_layer
 from multihead.errors import MultiheadError
+from multihead.kernels import attend
+from multihead.masks import build_mask
 
 CPU_BENCHMARKS = ("P1", "P2", "P3", "P4", "P5")
 GPU_BENCHMARKS = ("G1", "G2", "G3", "G4")
@@ -245,15 +247,11 @@ def p4_isolated() -> Result:
 def p5(repeats: int) -> Result:
     torch.manual_seed(0)
     b, h, s, d = 4, 12, 1024, 64
-    layer = MultiHeadAttention(d_model=h * d, n_heads=h)
     q, k, v = (torch.randn(b, h, s, d) for _ in range(3))
     a, m = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    from multihead.kernels import attend
-    from multihead.masks import build_mask
-
     spec = build_mask(batch=b, n_heads=h, s=s, t=s)
     with torch.no_grad():
-        t_attn, t_mm = alternate(lambda: attend(q, k, v, spec, scale=layer.config.softmax_scale),
+        t_attn, t_mm = alternate(lambda: attend(q, k, v, spec, scale=d**-0.5),
                                  lambda: a @ m, repeats)
     attn_rate = 4 * b * h * s * s * d / t_attn  # QK^T and PV, 2 FLOPs per multiply-add
     mm_rate = 2 * 2048**3 / t_mm
@@ -279,7 +277,7 @@ def run_cpu(repeats: int = 5, only: tuple[str, ...] = CPU_BENCHMARKS) -> list[Re
 
 
 # ---------------------------------------------------------------------------------------------- GPU
-def _cuda_time(fn: Callable[[], object], repeats: int, device: str = "cuda") -> float:
+def _device_time(fn: Callable[[], object], repeats: int, device: str = "cuda") -> float:
     """Median seconds of fn on the GPU, timed with CUDA events after a warm-up (on the CPU, with the clock: the
     GPU benchmarks' code is exercised there at a tiny size)."""
     if device != "cuda":
@@ -305,7 +303,7 @@ def _best_sdpa(fn: Callable[[], object], repeats: int, device: str) -> tuple[flo
     for backend in (SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION):
         try:
             with sdpa_kernel([backend]):
-                t = _cuda_time(fn, repeats, device)
+                t = _device_time(fn, repeats, device)
         except RuntimeError:  # the backend does not support these inputs
             continue
         if t < best:
@@ -314,9 +312,6 @@ def _best_sdpa(fn: Callable[[], object], repeats: int, device: str) -> tuple[flo
 
 
 def _prefill(repeats: int, backward: bool, device: str = "cuda", tiny: int = 1) -> Result:
-    from multihead.kernels import attend
-    from multihead.masks import build_mask
-
     b, h, s, d = 8 // tiny, 16 // tiny, 2048 // tiny, 128  # 16k tokens per batch, FlashAttention's benchmark shape
     dev, dt = device, torch.bfloat16
     q, k, v = (torch.randn(b, h, s, d, device=dev, dtype=dt, requires_grad=backward) for _ in range(3))
@@ -333,7 +328,7 @@ def _prefill(repeats: int, backward: bool, device: str = "cuda", tiny: int = 1) 
         return out.backward(grad) if backward else out
 
     flops = 4 * b * h * s * s * d / 2 * (3.5 if backward else 1.0)  # causal half; backward 2.5x the forward
-    t_ours = _cuda_time(ours, repeats, dev)
+    t_ours = _device_time(ours, repeats, dev)
     t_best, best = _best_sdpa(sdpa, repeats, dev)
     r = t_best / t_ours
     name, what = ("G2", "forward + backward") if backward else ("G1", "prefill forward")
@@ -350,18 +345,15 @@ def _decode(repeats: int, device: str = "cuda", tiny: int = 1) -> Result:
     cache.advance(cached)
     x = torch.randn(b, 1, h * d, device=dev, dtype=dt)
     q = torch.randn(b, h, 1, d, device=dev, dtype=dt)
-    from multihead.kernels import attend
-    from multihead.masks import build_mask
-
     spec = build_mask(batch=b, n_heads=h, s=1, t=cached + 1, causal=True)
     k, v = cache.k[0], cache.v[0]
     with torch.no_grad():
-        t_core = _cuda_time(lambda: attend(q, k, v, spec, scale=d**-0.5), repeats, dev)
-        t_layer = _cuda_time(lambda: layer(x, causal=True, cache=cache.layer(0)), repeats, dev)
+        t_core = _device_time(lambda: attend(q, k, v, spec, scale=d**-0.5), repeats, dev)
+        t_layer = _device_time(lambda: layer(x, causal=True, cache=cache.layer(0)), repeats, dev)
     kv_bytes = k.nbytes + v.nbytes
     src = torch.empty(kv_bytes // 2, device=dev, dtype=dt)
     dst = torch.empty_like(src)
-    t_copy = _cuda_time(lambda: dst.copy_(src), repeats, dev)
+    t_copy = _device_time(lambda: dst.copy_(src), repeats, dev)
     copy_rate = 2 * src.nbytes / t_copy  # read + write
     rate = kv_bytes / t_core
     return Result("G3", f"GQA decode b{b} {h}/{g} heads d{d}, {cached} cached (layer step {t_layer * 1e6:.0f} us)",
@@ -379,8 +371,8 @@ def _masked_prefill(repeats: int, device: str = "cuda", tiny: int = 1) -> Result
     dense = torch.ones(s, s, dtype=torch.bool, device=dev).tril()[None, None] & valid[:, None, None, :]
     with torch.no_grad():
         chosen = layer.explain(x, key_padding_mask=valid, causal=True)
-        t_ours = _cuda_time(lambda: layer(x, key_padding_mask=valid, causal=True), repeats, dev)
-        t_dense = _cuda_time(lambda: layer(x, mask=dense, backend="sdpa"), repeats, dev)
+        t_ours = _device_time(lambda: layer(x, key_padding_mask=valid, causal=True), repeats, dev)
+        t_dense = _device_time(lambda: layer(x, mask=dense, backend="sdpa"), repeats, dev)
     r = t_dense / t_ours
     return Result("G4", f"GQA prefill b{b} s{s} {h}/{g} heads, padding + causal (auto: {chosen.backend})",
                   "SDPA with the dense bool mask", _ms(t_ours), _ms(t_dense), f"{r:.2f}x faster", ">= 2.5x faster",

@@ -110,7 +110,7 @@ def mask_mod(spec: MaskSpec) -> MaskMod | None:
     return combined
 
 
-def score_mod(spec: MaskSpec, dtype: torch.dtype) -> ScoreMod | None:
+def score_mod(spec: MaskSpec) -> ScoreMod | None:
     """A float mask as a flex-attention score_mod that adds it to the scaled scores (masked keys stay masked by the
     mask_mod, so -inf never reaches the kernel's arithmetic)."""
     if spec.bias is None:
@@ -197,7 +197,7 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: fl
     """softmax(q k^T * scale + mask) v by flex attention: q (b, h, s, d), k and v (b, g, t, d) -> (b, h, s, d)."""
     mask = block_mask(spec, q.device)
     kernel = _kernel()
-    args = dict(score_mod=score_mod(spec, q.dtype), block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    args = dict(score_mod=score_mod(spec), block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if torch.compiler.is_compiling():
         # inductor's CPU flex template fails to lower inputs that are views of a projection's 2-D output
         out: Tensor = kernel(q.contiguous(), k.contiguous(), v.contiguous(), **args)
