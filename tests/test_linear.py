@@ -6,8 +6,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
-from multihead.linear import MAX_ROWS, Linear, linear, split_count
+from multihead.linear import MAX_ROWS, MIN_WEIGHT, Linear, linear, split_count
+
+
+class _Ops(TorchDispatchMode):
+    """Records the aten ops a call runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        self.names.append(func.__name__)
+        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(autouse=True)
@@ -22,24 +35,32 @@ def two_threads():
 @pytest.mark.parametrize("bias", [False, True])
 def test_split_product_equals_f_linear(rows: int, bias: bool) -> None:
     torch.manual_seed(0)
-    layer = Linear(96, 192, bias=bias)
-    x = torch.randn(1, rows, 96)
+    layer = Linear(384, 192, bias=bias)
+    assert layer.weight.numel() >= MIN_WEIGHT
+    x = torch.randn(1, rows, 384)
     assert split_count(192) == 2
-    got = layer(x)
+    with _Ops() as ops:
+        got = layer(x)
+    assert ("bmm.default" in ops.names) == (rows <= MAX_ROWS)  # the split product ran, up to MAX_ROWS rows
     assert got.shape == (1, rows, 192)
     torch.testing.assert_close(got, F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
 
 
 def test_uneven_widths_other_dtypes_and_gradients_fall_back_or_agree() -> None:
     torch.manual_seed(0)
-    odd = Linear(8, 7)  # 7 rows do not split in 2: plain F.linear
-    x = torch.randn(2, 8)
+    odd = Linear(65536, 7)  # 7 rows do not split in 2: plain F.linear
+    x = torch.randn(2, 65536)
     assert torch.equal(odd(x), F.linear(x, odd.weight, odd.bias))
+    small = Linear(64, 72)  # under MIN_WEIGHT: plain F.linear
+    x = torch.randn(1, 64)
+    with _Ops() as ops:
+        assert torch.equal(small(x), F.linear(x, small.weight, small.bias))
+    assert "bmm.default" not in ops.names
     w64 = torch.randn(6, 8, dtype=torch.float64)
     x64 = torch.randn(1, 8, dtype=torch.float64)
     assert torch.equal(linear(x64, w64), F.linear(x64, w64))  # float32 only
-    layer = Linear(16, 32)
-    x = torch.randn(1, 16, requires_grad=True)
+    layer = Linear(512, 128)
+    x = torch.randn(1, 512, requires_grad=True)
     layer(x).square().sum().backward()
     want = torch.autograd.grad(F.linear(x, layer.weight, layer.bias).square().sum(), [x, layer.weight])
     assert x.grad is not None and layer.weight.grad is not None
@@ -59,7 +80,7 @@ def test_it_is_an_nn_linear_with_its_hooks_and_state_dict() -> None:
 
 def test_the_result_is_laid_out_like_f_linears() -> None:
     """Kernels downstream (SDPA's flash path) need a contiguous last dimension, as F.linear gives."""
-    layer = Linear(16, 32)
+    layer = Linear(512, 128)
     for rows in (1, 5):
-        y = layer(torch.randn(1, rows, 16))
-        assert y.is_contiguous() and y.stride() == F.linear(torch.randn(1, rows, 16), layer.weight).stride()
+        y = layer(torch.randn(1, rows, 512))
+        assert y.is_contiguous() and y.stride() == F.linear(torch.randn(1, rows, 512), layer.weight).stride()

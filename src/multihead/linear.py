@@ -10,7 +10,8 @@ Same weights, same parameters and state_dict, no copy of W. The product is the s
 (float32 rounding differs at the last bits). Measured on the 2-core machine of benchmarks/RESULTS.md, float32, the 210
 matrices of SmolLM2-135M at one row: 63 ms with F.linear, 33 ms split in 2; 1536 x 576 at 1-64 rows: 0.4-0.8x the time
 of F.linear; from about 128 rows the two are level and F.linear is kept. bfloat16 showed no gain (its gemm already uses
-both cores), so the path is float32 only.
+both cores), so the path is float32 only. Weights under MIN_WEIGHT elements stay with F.linear: they sit in cache and
+the split's own dispatch costs more than it saves (72 x 64 at one row: 20 us split, 5 us plain).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 MAX_ROWS = 64  # at most this many rows (tokens x batch) take the split product
+MIN_WEIGHT = 65536  # weights of fewer elements (256 KiB in float32) sit in cache: the split's own overhead dominates
 
 
 def _split_count(out_features: int) -> int:
@@ -36,26 +38,32 @@ split_count: Callable[[int], int] = torch.compiler.assume_constant_result(_split
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, split over the CPU threads for at most MAX_ROWS float32 rows."""
-    rows = x.numel() // x.shape[-1] if x.ndim and x.shape[-1] else 0
-    if (
-        x.device.type != "cpu"
-        or not 0 < rows <= MAX_ROWS
+    in_features = x.shape[-1] if x.ndim else 0
+    rows = x.numel() // in_features if in_features else 0
+    if (  # cheapest tests first: this runs for every projection of every step
+        not 0 < rows <= MAX_ROWS
+        or weight.numel() < MIN_WEIGHT
         or x.dtype != torch.float32
         or weight.dtype != torch.float32
+        or x.device.type != "cpu"
         or type(weight) not in (Tensor, nn.Parameter)  # tensor subclasses (DTensor shards) keep their own dispatch
         or type(x) is not Tensor
         or weight.ndim != 2
         or not weight.is_contiguous()
     ):
         return F.linear(x, weight, bias)
-    out_features, in_features = weight.shape
+    out_features = weight.shape[0]
     n = split_count(out_features)
     if n == 1:
         return F.linear(x, weight, bias)
-    flat = x.reshape(rows, in_features)  # (m, in)
-    blocks = torch.bmm(weight.view(n, out_features // n, in_features), flat.t().expand(n, in_features, rows))
-    # (n, out/n, m) -> (m, out), contiguous like F.linear's result (a copy of m x out numbers when m > 1)
-    y = blocks.permute(2, 0, 1).reshape(rows, out_features).contiguous().view(*x.shape[:-1], out_features)
+    # x^T as (in, m) with unit stride along in: MKL takes a fast path for this layout (a (in, 1) column with other
+    # strides measured 3-5x slower)
+    xt = x.reshape(rows, in_features).t().expand(n, in_features, rows)
+    blocks = torch.bmm(weight.view(n, out_features // n, in_features), xt)  # (n, out/n, m)
+    if rows == 1:
+        y = blocks.view(*x.shape[:-1], out_features)  # already the contiguous row F.linear gives
+    else:  # (n, out/n, m) -> (m, out), contiguous like F.linear's result (reshape alone can give a strided view)
+        y = blocks.permute(2, 0, 1).reshape(rows, out_features).contiguous().view(*x.shape[:-1], out_features)
     return y if bias is None else y + bias
 
 
