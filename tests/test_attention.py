@@ -6,6 +6,8 @@ import pytest
 import torch
 
 from multihead import AttentionConfig, MultiHeadAttention
+from multihead.kernels import attend
+from multihead.masks import build_mask
 
 
 @pytest.mark.parametrize("n_kv_heads", [6, 3, 2, 1], ids=["mha", "gqa3", "gqa2", "mqa"])
@@ -26,6 +28,67 @@ def test_gqa_equals_mha_with_each_kv_head_copied_to_its_group(n_kv_heads: int) -
     x = torch.randn(2, 7, d_model)
     for backend in ("sdpa", "math"):
         torch.testing.assert_close(gqa(x, causal=True, backend=backend), mha(x, causal=True, backend=backend))
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "shared", "per_head", "float_per_head", "padding", "positions"])
+def test_a_gqa_decode_step_folds_query_heads_and_equals_the_math_path(mask_kind: str) -> None:
+    """One query per head: SDPA gets the query heads of a group as rows (b, g, h/g, d); masks fold with them."""
+    torch.manual_seed(0)
+    b, h, g, t, d = 2, 6, 2, 9, 4
+    q = torch.randn(b, h, 1, d, dtype=torch.float64)
+    k, v = torch.randn(b, g, t, d, dtype=torch.float64), torch.randn(b, g, t, d, dtype=torch.float64)
+    kw: dict = {}
+    if mask_kind == "shared":
+        kw["mask"] = torch.rand(b, 1, 1, t) < 0.6
+    elif mask_kind == "per_head":
+        kw["mask"] = torch.rand(b, h, 1, t) < 0.6
+        kw["mask"][0, 3] = False  # a head with no key at all: zeros
+    elif mask_kind == "float_per_head":
+        kw["mask"] = torch.randn(1, h, 1, t, dtype=torch.float64)
+    elif mask_kind == "padding":
+        kw["key_padding_mask"] = torch.arange(t)[None] < torch.tensor([[4], [9]])
+    spec = build_mask(batch=b, n_heads=h, s=1, t=t, causal=mask_kind == "positions", **kw)
+    if mask_kind == "positions":
+        from dataclasses import replace
+
+        spec = replace(spec, q_positions=torch.tensor([[3], [8]]))  # a cache's sequences at different lengths
+    seen: list[tuple[int, ...]] = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        seen.append(tuple(query.shape))
+        return real(query, *args, **kwargs)  # type: ignore[arg-type]
+
+    import multihead.kernels as kernels
+
+    old, kernels.F.scaled_dot_product_attention = kernels.F.scaled_dot_product_attention, spy
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # 4 folded work items share evenly among 2 threads: folded
+    try:
+        got, _ = attend(q, k, v, spec, scale=0.5, backend="sdpa")
+    finally:
+        kernels.F.scaled_dot_product_attention = old
+        torch.set_num_threads(threads)
+    want, _ = attend(q, k, v, spec, scale=0.5, backend="math")
+    assert seen == [(b, g, h // g, d)]
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+def test_decode_steps_fold_where_it_measured_faster() -> None:
+    from multihead.kernels import _folds
+
+    spec = build_mask(batch=1, n_heads=9, s=1, t=64)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        def folds(b: int, h: int, g: int, s: int = 1) -> bool:
+            return _folds(torch.zeros(b, h, s, 8), torch.zeros(b, g, 64, 8), spec)
+
+        assert folds(1, 32, 8) and folds(1, 8, 1) and folds(2, 9, 3)
+        assert not folds(1, 9, 3)  # 3 work items for 2 threads: slower folded (SmolLM2's decode)
+        assert not folds(1, 8, 8) and not folds(1, 32, 8, s=2)  # MHA; prefill
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_k_and_v_projections_are_n_kv_heads_wide() -> None:

@@ -21,6 +21,7 @@ Backends:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -147,12 +148,23 @@ def math_attention(
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0
 ) -> Tensor:
-    """PyTorch's fused kernel with native GQA: out (b, h, s, d)."""
-    gqa = k.shape[1] != q.shape[1]
+    """PyTorch's fused kernel with native GQA: out (b, h, s, d).
+
+    A GQA decode step on the CPU (one query per head) can run with the query heads of each group folded into the
+    query dimension, (b, h, 1, d) -> (b, g, h/g, d): the kernel then reads each KV head once instead of once per
+    query head (FlashAttention does the same swap on the GPU), but has b * g work items to share among the threads
+    instead of b * h. See :func:`_folds` for when it is done. Same result.
+    """
+    b, h, s, d = q.shape
+    g = k.shape[1]
+    fold = _folds(q, k, spec)
+    run_q = q.reshape(b, g, h // g, d) if fold else q
+    gqa = g != h and not fold
     if spec.is_empty or spec.is_plain_causal:
-        return F.scaled_dot_product_attention(
-            q, k, v, dropout_p=dropout_p, is_causal=spec.is_plain_causal, scale=scale, enable_gqa=gqa
+        out = F.scaled_dot_product_attention(
+            run_q, k, v, dropout_p=dropout_p, is_causal=spec.is_plain_causal, scale=scale, enable_gqa=gqa
         )
+        return out.view(b, h, s, d) if fold else out
     keep, bias, has_key = spec.dense(q.device, q.dtype)
     attn_mask: Tensor | None
     if bias is None:
@@ -161,12 +173,48 @@ def sdpa_attention(
         attn_mask = bias
     else:
         attn_mask = bias.masked_fill(~keep, float("-inf"))
+    if fold and attn_mask is not None:
+        attn_mask = _fold_mask(attn_mask, h, g)
     out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-    )  # (b, h, s, d)
+        run_q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
+    )  # (b, h, s, d), or (b, g, h/g, d) folded
+    if fold:
+        out = out.view(b, h, s, d)
     if has_key is not None:
         out = out * has_key
     return out
+
+
+def _intra_op_threads() -> int:
+    return torch.get_num_threads()
+
+
+# under torch.compile the thread count is read once, when the graph is traced
+intra_op_threads: Callable[[], int] = torch.compiler.assume_constant_result(_intra_op_threads)
+
+
+def _folds(q: Tensor, k: Tensor, spec: MaskSpec) -> bool:
+    """Whether SDPA runs a GQA decode step with the query heads folded into rows (see :func:`sdpa_attention`).
+
+    On the CPU, when the folded work items (b * g) share evenly among the threads, or are at least two per thread, or
+    each KV head serves at least 4 query heads. Measured with SDPA's CPU flash kernel on the 2-core machine of
+    benchmarks/RESULTS.md (float32, head_dim 64, time folded / not folded): 32/8 heads, 4096 keys 0.73; 8/1, 2048
+    keys 0.71; 16/2 0.40, 12/4 0.91, 9/3 at batch 2 0.88, 15/5 1.00 (1024 keys); but 9/3 at batch 1 (3 items for 2
+    threads) 1.07-1.24 slower for 4096-64 keys, so it stays unfolded there.
+    """
+    g, h = k.shape[1], q.shape[1]
+    if g == h or q.shape[2] != 1 or q.device.type != "cpu" or spec.is_plain_causal:
+        return False
+    items, threads = q.shape[0] * g, intra_op_threads()
+    return h // g >= 4 or items % threads == 0 or items >= 2 * threads
+
+
+def _fold_mask(mask: Tensor, h: int, g: int) -> Tensor:
+    """A mask broadcastable to (b, h, 1, t), made to broadcast to the folded (b, g, h/g, t)."""
+    mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    if mask.shape[1] == 1:
+        return mask  # the same for every head: its single query row broadcasts over the folded rows
+    return mask.reshape(mask.shape[0], g, h // g, mask.shape[3])  # head i = group i // (h/g), member i % (h/g)
 
 
 def attend(
@@ -271,6 +319,8 @@ def explain(
             kernel = SDPBackend(code).name.lower().removesuffix("_attention")
         except (RuntimeError, ValueError, TypeError):  # private API: report it as unknown rather than fail
             kernel = "unknown"
+    if _folds(q, k, spec):
+        reason += f"; one query per head: the {q.shape[1] // k.shape[1]} query heads of each KV head run as its rows"
     if spec.is_empty or spec.is_plain_causal:
         reason += "; no dense mask is made" + (" (the kernel's own causal path)" if spec.causal else "")
     else:
