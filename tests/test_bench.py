@@ -71,3 +71,16 @@ def test_the_gpu_benchmarks_code_runs_on_the_cpu_at_a_tiny_size() -> None:
     for r in results:
         assert "nan" not in r.ours.lower() and r.ratio and r.target
     assert "auto: sdpa" in results[3].what  # on the CPU the masked prefill keeps SDPA; on CUDA auto picks flex
+
+
+@linux
+def test_page_faults_count_fresh_memory_and_the_table_shows_the_notes() -> None:
+    pages = 16 * 2**20 * 4 // 4096
+    fresh = bench.page_faults(lambda: torch.ones(16 * 2**20))  # 64 MiB: above glibc's largest mmap threshold
+    assert fresh is not None and fresh >= 0.9 * pages
+    none = bench.page_faults(lambda: 1 + 1)
+    assert none is not None and none < 16
+    r = bench.Result("P9", "what", "anchor", "1 ms", "2 ms", "0.50x", "<= 1x", True, bench.faults_note(
+        lambda: 1 + 1, lambda: torch.ones(16 * 2**20)))
+    assert r.note.startswith("page faults per call: multihead ") and f"anchor {fresh // 1000}" in r.note
+    assert bench.table([r]).endswith(f"- P9 against anchor: {r.note}")

@@ -1,7 +1,11 @@
 """``multihead bench``: the speed of multihead against its anchors, measured side by side on the user's machine.
 
 Every comparison runs multihead and its anchor in one process, alternating, and reports the ratio of the medians
-(absolute times on shared machines are noisy; the ratio is what is compared with the target).
+(absolute times on shared machines are noisy; the ratio is what is compared with the target). P1-P3 also give the
+page faults per call of each side: with glibc's malloc an eager anchor's large temporaries (the (s, t) scores,
+repeated K/V) are mapped afresh and fault their pages in, often at every call; on the machine of
+benchmarks/RESULTS.md that was 98,000 faults per P2 eager step, and P3's anchor ran at about 5 or about 18 ms per step
+from one process to the next as the allocator's state differed. The faults say which state a run saw.
 
 CPU, float32 (P1-P5):
 
@@ -64,6 +68,7 @@ class Result:
     ratio: str
     target: str
     met: bool
+    note: str = ""
 
 
 def machine() -> str:
@@ -105,6 +110,28 @@ def alternate(a: Callable[[], object], b: Callable[[], object], repeats: int,
     return statistics.median(ta), statistics.median(tb)
 
 
+def page_faults(fn: Callable[[], object], repeats: int = 3) -> int | None:
+    """Median minor page faults of one call of fn (pages the allocator handed out fresh), or None where unknown."""
+    try:
+        import resource
+    except ImportError:  # not on Windows
+        return None
+    counts = []
+    for _ in range(repeats):
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        fn()
+        counts.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+    return int(statistics.median(counts))
+
+
+def faults_note(ours: Callable[[], object], anchor: Callable[[], object]) -> str:
+    """Page faults per call of each side: large fresh allocations fault their pages in, which costs time (glibc's
+    malloc maps big blocks afresh, so an eager anchor's (s, t) scores or repeated K/V can cost more in faults than
+    in arithmetic, and how much depends on the allocator's state)."""
+    a, b = page_faults(ours), page_faults(anchor)
+    return "" if a is None or b is None else f"page faults per call: multihead {a:,}, anchor {b:,}"
+
+
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.1f} ms"
 
@@ -117,9 +144,10 @@ def p1(repeats: int) -> Result:
     x = torch.randn(4, 1024, 768)
     with torch.no_grad():
         t_ours, t_anchor = alternate(lambda: ours(x), lambda: anchor(x, x, x, need_weights=False), repeats)
+        note = faults_note(lambda: ours(x), lambda: anchor(x, x, x, need_weights=False))
     r = t_ours / t_anchor
     return Result("P1", "inference d768 h12 b4 s1024", "nn.MultiheadAttention (fast path)", _ms(t_ours),
-                  _ms(t_anchor), f"{r:.2f}x time", "<= 0.70x", r <= 0.70)
+                  _ms(t_anchor), f"{r:.2f}x time", "<= 0.70x", r <= 0.70, note)
 
 
 def p2(repeats: int) -> list[Result]:
@@ -143,9 +171,9 @@ def p2(repeats: int) -> list[Result]:
     r1, r2 = t_ours / t_anchor, t_ours2 / t_eager
     what = "train step d768 h12 b4 s512 causal"
     return [Result("P2", what, "nn.MultiheadAttention", _ms(t_ours), _ms(t_anchor), f"{r1:.2f}x time", "<= 1.0x",
-                   r1 <= 1.0),
+                   r1 <= 1.0, faults_note(step_ours, step_anchor)),
             Result("P2", what, "eager, K/V repeated", _ms(t_ours2), _ms(t_eager), f"{r2:.2f}x time", "<= 0.5x",
-                   r2 <= 0.5)]
+                   r2 <= 0.5, faults_note(step_ours, step_eager))]
 
 
 def p3(repeats: int) -> Result:
@@ -173,9 +201,11 @@ def p3(repeats: int) -> Result:
 
     with torch.no_grad():
         t_ours, t_rep = alternate(ours, repeated, repeats * 20)
+        note = faults_note(ours, repeated)
     r = t_rep / t_ours
     return Result("P3", "GQA decode step 9/3 heads d64, 4096 cached", "K/V repeated per step",
-                  f"{t_ours * 1e6:.0f} us", f"{t_rep * 1e6:.0f} us", f"{r:.2f}x faster", ">= 3x faster", r >= 3.0)
+                  f"{t_ours * 1e6:.0f} us", f"{t_rep * 1e6:.0f} us", f"{r:.2f}x faster", ">= 3x faster", r >= 3.0,
+                  note)
 
 
 def _rss() -> int:
@@ -404,7 +434,8 @@ def table(results: list[Result]) -> str:
     for r in results:
         lines.append(f"| {r.name} | {r.what} | {r.anchor} | {r.ours} | {r.theirs} | {r.ratio} | {r.target} | "
                      f"{'yes' if r.met else 'NO'} |")
-    return "\n".join(lines)
+    notes = [f"- {r.name} against {r.anchor}: {r.note}" for r in results if r.note]
+    return "\n".join(lines + (["", *notes] if notes else []))
 
 
 def as_dicts(results: list[Result]) -> list[dict[str, Any]]:
