@@ -160,6 +160,9 @@ def test_explain_names_the_kernel_and_why() -> None:
     assert "bottom-right" in cross.mask and "s != t" in cross.reason
     asked = layer.explain(x, backend="math")
     assert asked.backend == "math" and "faster" in asked.reason
+    training = MultiHeadAttention(d_model=16, n_heads=4, dropout=0.1).train().explain(x, causal=True)
+    said = "materialising the (s, t) scores: its CPU fused kernel takes no dropout" in training.reason
+    assert said == (training.kernel == "math")  # torch 2.13's CPU flash kernel takes no dropout: the math one runs
 
 
 def test_observe_reports_each_step_in_order() -> None:

@@ -210,8 +210,16 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: fl
 
 
 def sparsity(spec: MaskSpec, device: torch.device) -> float:
-    """The share of (query block, key block) pairs that flex attention skips for this mask (0 for no mask)."""
+    """The share of (query block, key block) pairs that flex attention skips for this mask (0 for no mask).
+
+    Counted in blocks: BlockMask.sparsity() counts elements, 128 x 128 per computed block, which overstates the work
+    of partial blocks at the ends and goes negative when s or t is not a multiple of 128.
+    """
     mask = block_mask(spec, device)
     if mask is None:
         return 0.0
-    return float(mask.sparsity()) / 100.0
+    computed = int(mask.kv_num_blocks.sum())
+    if mask.full_kv_num_blocks is not None:
+        computed += int(mask.full_kv_num_blocks.sum())
+    pairs = int(mask.kv_num_blocks.numel()) * int(mask.kv_indices.shape[-1])  # (b, h, query blocks) x key blocks
+    return 1.0 - computed / pairs

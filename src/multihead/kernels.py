@@ -328,9 +328,15 @@ def explain(
             "; the mask is passed as a dense tensor, which keeps some fused kernels out"
             + (" (causal with s != t or a window has no flag in SDPA)" if spec.causal else "")
         )
-        if kernel == "math":
-            reason += "; PyTorch's math kernel materialises the scores: backend='flex' avoids it"
         if structure(spec) is not None and flex.available() and spec.s >= flex.BLOCK:
             reason += (f"; flex attention would skip {flex.sparsity(spec, q.device):.0%} of the 128 x 128 blocks "
                        "(see benchmarks/RESULTS.md for when that pays on the CPU)")
+    if kernel == "math":
+        reason += "; PyTorch's math kernel runs, materialising the (s, t) scores"
+        if dropout_p > 0.0 and q.device.type == "cpu":
+            reason += ": its CPU fused kernel takes no dropout (eval() or dropout 0 gives the fused kernel)"
+        elif structure(spec) is not None and dropout_p == 0.0:
+            reason += ": backend='flex' avoids it"
+        else:
+            reason += ": no fused kernel takes these inputs here"
     return KernelChoice("sdpa", kernel, reason, mask_text)
