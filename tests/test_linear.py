@@ -84,3 +84,9 @@ def test_the_result_is_laid_out_like_f_linears() -> None:
     for rows in (1, 5):
         y = layer(torch.randn(1, rows, 512))
         assert y.is_contiguous() and y.stride() == F.linear(torch.randn(1, rows, 512), layer.weight).stride()
+
+
+def test_a_width_mismatch_gets_f_linears_error() -> None:
+    layer = Linear(512, 256)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        layer(torch.randn(1, 500))

@@ -49,6 +49,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
         or type(weight) not in (Tensor, nn.Parameter)  # tensor subclasses (DTensor shards) keep their own dispatch
         or type(x) is not Tensor
         or weight.ndim != 2
+        or weight.shape[1] != in_features  # F.linear says what is wrong
         or not weight.is_contiguous()
     ):
         return F.linear(x, weight, bias)
