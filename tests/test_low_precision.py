@@ -82,3 +82,15 @@ def test_low_precision_error_at_most_twice_plain_math(
     ref_dx, ref_dwq = to_np(x64.grad), to_np(layer64.q_proj.weight.grad)
     assert _max_err(ours_dx, ref_dx) <= 2 * _max_err(plain_dx, ref_dx) + 1e-6
     assert _max_err(ours_dwq, ref_dwq) <= 2 * _max_err(plain_dwq, ref_dwq) + 1e-6
+
+
+def test_float32_weights_run_under_autocast_with_low_precision_inputs() -> None:
+    """Mixed precision: inputs of another dtype than the weights are an error, except under torch.autocast."""
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(d_model=64, n_heads=8, n_kv_heads=2)
+    x = torch.randn(2, 16, 64)
+    want = layer(x, causal=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got = layer(x.bfloat16(), causal=True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, atol=5e-2, rtol=5e-2)

@@ -212,6 +212,7 @@ class MultiHeadAttention(nn.Module):
         """Validate the inputs, project and split into heads: q (b, h, s, d), k and v (b, g, t, d), the mask."""
         cfg = self.config
         b, s = self._check_input("x", x, cfg.d_model, "d_model")
+        self._check_matches_weights(x)
         kv_in = x
         if context is not None:
             bc, t = self._check_input("context", context, cfg.kv_dim, "kv_dim")  # type: ignore[arg-type]
@@ -317,6 +318,15 @@ class MultiHeadAttention(nn.Module):
         if not x.is_floating_point():
             raise MultiheadError(f"{name} has dtype {x.dtype}: it must be a floating-point tensor")
         return x.shape[0], x.shape[1]
+
+    def _check_matches_weights(self, x: Tensor) -> None:
+        w = self.q_proj.weight
+        if x.device != w.device:
+            raise MultiheadError(f"x is on {x.device} but the layer's weights are on {w.device}: move one, e.g. "
+                                 f"layer.to({str(x.device)!r})")
+        if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
+            raise MultiheadError(f"x has dtype {x.dtype} but the layer's weights are {w.dtype}: convert one "
+                                 f"(layer.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
 
     @staticmethod
     def _positions(positions: Tensor | None, b: int, s: int, device: torch.device) -> Tensor:
