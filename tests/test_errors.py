@@ -57,6 +57,8 @@ CALL_ERRORS: list[tuple[Callable[[], Any], str]] = [
     (lambda: _layer()(torch.randn(2, 5, 16, dtype=torch.bfloat16)),
      r"x has dtype torch.bfloat16 but the layer's weights are torch.float32: convert one"),
     (lambda: _layer()(torch.randn(2, 5, 16, device="meta")), r"x is on meta but the layer's weights are on cpu"),
+    (lambda: MultiHeadAttention(d_model=16, n_heads=4, kv_dim=8)(torch.randn(2, 5, 16), torch.randn(2, 3, 8).double()),
+     r"context has dtype torch.float64 but the layer's weights are torch.float32"),
     (lambda: _layer()([[1.0]]), r"x must be a torch.Tensor, got list"),
     (lambda: _layer(kv_dim=10)(X, torch.randn(2, 7, 9)), r"context has width 9 .* kv_dim is 10"),
     (lambda: _layer(kv_dim=10)(X, torch.randn(3, 7, 10)), r"context has batch 3 but x has batch 2"),

@@ -212,10 +212,11 @@ class MultiHeadAttention(nn.Module):
         """Validate the inputs, project and split into heads: q (b, h, s, d), k and v (b, g, t, d), the mask."""
         cfg = self.config
         b, s = self._check_input("x", x, cfg.d_model, "d_model")
-        self._check_matches_weights(x)
+        self._check_matches_weights("x", x)
         kv_in = x
         if context is not None:
             bc, t = self._check_input("context", context, cfg.kv_dim, "kv_dim")  # type: ignore[arg-type]
+            self._check_matches_weights("context", context)
             if bc != b:
                 raise MultiheadError(f"context has batch {bc} but x has batch {b}")
             kv_in = context
@@ -226,6 +227,7 @@ class MultiHeadAttention(nn.Module):
             if context is None:
                 raise MultiheadError("value was given without context: pass context (keys' input) with it")
             bv, tv = self._check_input("value", value, cfg.value_dim, "value_dim")  # type: ignore[arg-type]
+            self._check_matches_weights("value", value)
             if (bv, tv) != (b, t):
                 raise MultiheadError(f"value has (batch, length) {(bv, tv)} but context has {(b, t)}")
             v_in = value
@@ -319,14 +321,14 @@ class MultiHeadAttention(nn.Module):
             raise MultiheadError(f"{name} has dtype {x.dtype}: it must be a floating-point tensor")
         return x.shape[0], x.shape[1]
 
-    def _check_matches_weights(self, x: Tensor) -> None:
+    def _check_matches_weights(self, name: str, x: Tensor) -> None:
         w = self.q_proj.weight
         if x.device != w.device:
-            raise MultiheadError(f"x is on {x.device} but the layer's weights are on {w.device}: move one, e.g. "
+            raise MultiheadError(f"{name} is on {x.device} but the layer's weights are on {w.device}: move one, e.g. "
                                  f"layer.to({str(x.device)!r})")
         if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
-            raise MultiheadError(f"x has dtype {x.dtype} but the layer's weights are {w.dtype}: convert one "
-                                 f"(layer.to({x.dtype}) or x.to({w.dtype})), or run under torch.autocast")
+            raise MultiheadError(f"{name} has dtype {x.dtype} but the layer's weights are {w.dtype}: convert one "
+                                 f"(layer.to({x.dtype}) or {name}.to({w.dtype})), or run under torch.autocast")
 
     @staticmethod
     def _positions(positions: Tensor | None, b: int, s: int, device: torch.device) -> Tensor:
