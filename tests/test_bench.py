@@ -10,6 +10,7 @@ import torch
 
 from multihead import MultiHeadAttention, bench
 from multihead.cli import main
+from multihead.errors import MultiheadError
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="peak RSS is read from /proc")
 
@@ -84,3 +85,8 @@ def test_page_faults_count_fresh_memory_and_the_table_shows_the_notes() -> None:
         lambda: 1 + 1, lambda: torch.ones(16 * 2**20)))
     assert r.note.startswith("page faults per call: multihead ") and f"anchor {fresh // 1000}" in r.note
     assert bench.table([r]).endswith(f"- P9 against anchor: {r.note}")
+
+
+def test_unknown_cpu_benchmarks_are_named() -> None:
+    with pytest.raises(MultiheadError, match="unknown CPU benchmark\\(s\\) P7: choose from P1, P2, P3, P4, P5"):
+        bench.run_cpu(1, ("P1", "P7"))

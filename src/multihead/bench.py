@@ -1,11 +1,12 @@
 """``multihead bench``: the speed of multihead against its anchors, measured side by side on the user's machine.
 
 Every comparison runs multihead and its anchor in one process, alternating, and reports the ratio of the medians
-(absolute times on shared machines are noisy; the ratio is what is compared with the target). P1-P3 also give the
-page faults per call of each side: with glibc's malloc an eager anchor's large temporaries (the (s, t) scores,
-repeated K/V) are mapped afresh and fault their pages in, often at every call; on the machine of
-benchmarks/RESULTS.md that was 98,000 faults per P2 eager step, and P3's anchor ran at about 5 or about 18 ms per step
-from one process to the next as the allocator's state differed. The faults say which state a run saw.
+(absolute times on shared machines are noisy; the ratio is what is compared with the target). Each benchmark runs in
+a fresh process of its own, so that what an earlier one allocated cannot move its figures. P1-P3 also give the page
+faults per call of each side: with glibc's malloc an eager anchor's large temporaries (the (s, t) scores, repeated
+K/V) are mapped afresh and fault their pages in, often at every call; on the machine of benchmarks/RESULTS.md that
+was 98,000 faults per P2 eager step, and P3's anchor ran at about 5 or about 18 ms per step depending on what the
+same process had run before (the allocator's state). The faults say which state a run saw.
 
 CPU, float32 (P1-P5):
 
@@ -264,14 +265,16 @@ def p4(device: str = "cpu", dtype: torch.dtype = torch.float32, tokens: int = 16
                   f"{extra / 2**20:.0f} MiB peak", f"{qkvo / 2**20:.0f} MiB", f"{r:.2f}x", "<= 1.25x", r <= 1.25)
 
 
-def p4_isolated() -> Result:
-    """P4 in a fresh process: memory freed (and kept by the allocator) by earlier benchmarks cannot blur the peak."""
-    code = ("import json, dataclasses, torch; from multihead.bench import p4; "
-            f"torch.set_num_threads({torch.get_num_threads()}); print(json.dumps(dataclasses.asdict(p4())))")
+def in_fresh_process(name: str, repeats: int) -> list[Result]:
+    """Benchmark ``name`` (P1-P5) in a new Python process: what an earlier benchmark allocated, freed or left in the
+    allocator's state cannot move this one's figures (P4's peak memory, the anchors' page faults)."""
+    code = ("import json, dataclasses, torch; from multihead import bench; "
+            f"torch.set_num_threads({torch.get_num_threads()}); "
+            f"print(json.dumps([dataclasses.asdict(r) for r in bench.run_cpu({repeats}, ({name!r},), fresh=False)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
     if done.returncode != 0:
-        raise MultiheadError(f"P4 failed in its process: {done.stderr.strip().splitlines()[-1:]}")
-    return Result(**json.loads(done.stdout.strip().splitlines()[-1]))
+        raise MultiheadError(f"{name} failed in its process: {done.stderr.strip().splitlines()[-1:]}")
+    return [Result(**r) for r in json.loads(done.stdout.strip().splitlines()[-1])]
 
 
 def p5(repeats: int) -> Result:
@@ -290,17 +293,23 @@ def p5(repeats: int) -> Result:
                   f"{mm_rate / 1e9:.1f} GFLOP/s", f"{r:.0%} of matmul", ">= 60%", r >= 0.60)
 
 
-def run_cpu(repeats: int = 5, only: tuple[str, ...] = CPU_BENCHMARKS) -> list[Result]:
+def run_cpu(repeats: int = 5, only: tuple[str, ...] = CPU_BENCHMARKS, *, fresh: bool = True) -> list[Result]:
+    """P1-P5 (those in ``only``, in that order), each in a fresh process unless ``fresh=False``."""
+    unknown = [n for n in only if n not in CPU_BENCHMARKS]
+    if unknown:
+        raise MultiheadError(f"unknown CPU benchmark(s) {', '.join(unknown)}: choose from {', '.join(CPU_BENCHMARKS)}")
     results: list[Result] = []
     for name in only:
-        if name == "P1":
+        if fresh:
+            results.extend(in_fresh_process(name, repeats))
+        elif name == "P1":
             results.append(p1(repeats))
         elif name == "P2":
             results.extend(p2(repeats))
         elif name == "P3":
             results.append(p3(repeats))
         elif name == "P4":
-            results.append(p4_isolated())
+            results.append(p4())
         elif name == "P5":
             results.append(p5(repeats))
     return results
