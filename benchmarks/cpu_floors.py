@@ -5,8 +5,8 @@ multihead and for the anchor, so ``projections / eager`` is a floor on the ratio
 and ``(projections + attention at the matmul rate) / eager`` is what a perfect kernel would give.
 
 P3 (GQA decode step, >= 3x faster than repeating K/V): each part of multihead's step is timed right after the anchor's
-step, as in the benchmark (the anchor's 25 MB of repeated K/V push multihead's cache and weights out of the CPU's
-caches), beside a plain read of the same K/V bytes.
+step (``multihead.bench.decode_case``), as in the benchmark: the anchor's 25 MB of concatenated and repeated K/V push
+multihead's cache and weights out of the CPU's caches. Beside them, a plain read of the same K/V bytes.
 
     .venv/bin/python benchmarks/cpu_floors.py [--repeats 5] [--record]
 """
@@ -26,7 +26,6 @@ from results import publish
 from torch import nn
 
 from multihead import MultiHeadAttention, bench
-from multihead.cache import KVCache
 from multihead.check import plain_layer
 
 
@@ -73,43 +72,26 @@ def p2_floor(repeats: int) -> list[str]:
 
 
 def p3_parts(repeats: int) -> list[str]:
-    torch.manual_seed(0)
-    layer = MultiHeadAttention(d_model=576, n_heads=9, n_kv_heads=3, bias=False).eval()
-    cached = 4096
-    cache = KVCache(batch=1, n_kv_heads=3, head_dim=64, max_len=cached + 1)
-    cache.k[0].normal_()
-    cache.v[0].normal_()
-    cache.advance(cached)
-    x = torch.randn(1, 1, 576)
-    k_all, v_all = cache.k[0].clone(), cache.v[0].clone()
-    k, v = cache.k[0], cache.v[0]
+    case = bench.decode_case()
+    k, v = case.cache.k[0], case.cache.v[0]
     q = torch.randn(1, 9, 1, 64)
-
-    def anchor() -> None:
-        qa = layer.q_proj(x).view(1, 1, 9, 64).transpose(1, 2)
-        ka = torch.cat([k_all[:, :, :cached], layer.k_proj(x).view(1, 1, 3, 64).transpose(1, 2)], 2)
-        va = torch.cat([v_all[:, :, :cached], layer.v_proj(x).view(1, 1, 3, 64).transpose(1, 2)], 2)
-        ka, va = ka.repeat_interleave(3, 1), va.repeat_interleave(3, 1)
-        out = F.scaled_dot_product_attention(qa, ka, va)
-        layer.o_proj(out.transpose(1, 2).reshape(1, 1, 576))
-
     parts: dict[str, Callable[[], object]] = {
-        "multihead's whole step": lambda: layer(x, causal=True, cache=cache.layer(0)),
+        "multihead's whole step": case.ours,
         "attention core (SDPA, native GQA)": lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True),
         "attention core, query heads folded": lambda: F.scaled_dot_product_attention(q.view(1, 3, 3, 64), k, v),
         "read the K/V bytes once (sum)": lambda: (k.sum(), v.sum()),
-        "q_proj (576 x 576)": lambda: layer.q_proj(x),
-        "k_proj (192 x 576)": lambda: layer.k_proj(x),
-        "the anchor's whole step": anchor,
+        "q_proj (576 x 576)": lambda: case.layer.q_proj(case.x),
+        "k_proj (192 x 576)": lambda: case.layer.k_proj(case.x),
+        "the anchor's whole step": case.anchor,
     }
     rows = ["| P3 part, timed right after the anchor's step | median |", "|---|---|"]
     with torch.no_grad():
         for _ in range(20):
-            anchor()
+            case.anchor()
         for name, fn in parts.items():
             times = []
             for _ in range(repeats * 20):
-                anchor()
+                case.anchor()
                 t = time.perf_counter()
                 fn()
                 times.append(time.perf_counter() - t)
