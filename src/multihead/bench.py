@@ -5,8 +5,9 @@ Every comparison runs multihead and its anchor in one process, alternating, and 
 a fresh process of its own, so that what an earlier one allocated cannot move its figures. P1-P3 also give the page
 faults per call of each side: with glibc's malloc an eager anchor's large temporaries (the (s, t) scores, repeated
 K/V) are mapped afresh and fault their pages in, often at every call; on the machine of benchmarks/RESULTS.md that
-was 98,000 faults per P2 eager step, and P3's anchor ran at about 5 or about 18 ms per step depending on what the
-same process had run before (the allocator's state). The faults say which state a run saw.
+was 98,000 faults per P2 eager step and 70,000 per P1 call of nn.MultiheadAttention, and P3's anchor ran at about 5
+or about 18 ms per step as the allocator's state went (so it now writes into buffers made once). The faults say what a
+run paid for fresh memory.
 
 CPU, float32 (P1-P5):
 
