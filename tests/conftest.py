@@ -26,6 +26,15 @@ def to_np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().double().numpy()
 
 
+@pytest.fixture
+def two_threads():  # type: ignore[no-untyped-def]
+    """Two intra-op threads for the test, whatever the machine: the CPU paths that split work by thread count."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def smollm2():  # type: ignore[no-untyped-def]
     """Our SmolLM2 (float32) and its tokenizer, loaded once."""

@@ -30,8 +30,11 @@ def test_gqa_equals_mha_with_each_kv_head_copied_to_its_group(n_kv_heads: int) -
         torch.testing.assert_close(gqa(x, causal=True, backend=backend), mha(x, causal=True, backend=backend))
 
 
+@pytest.mark.usefixtures("two_threads")  # 4 folded work items share evenly among 2 threads: folded
 @pytest.mark.parametrize("mask_kind", ["none", "shared", "per_head", "float_per_head", "padding", "positions"])
-def test_a_gqa_decode_step_folds_query_heads_and_equals_the_math_path(mask_kind: str) -> None:
+def test_a_gqa_decode_step_folds_query_heads_and_equals_the_math_path(
+    mask_kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """One query per head: SDPA gets the query heads of a group as rows (b, g, h/g, d); masks fold with them."""
     torch.manual_seed(0)
     b, h, g, t, d = 2, 6, 2, 9, 4
@@ -59,36 +62,26 @@ def test_a_gqa_decode_step_folds_query_heads_and_equals_the_math_path(mask_kind:
         seen.append(tuple(query.shape))
         return real(query, *args, **kwargs)  # type: ignore[arg-type]
 
-    import multihead.kernels as kernels
-
-    old, kernels.F.scaled_dot_product_attention = kernels.F.scaled_dot_product_attention, spy
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)  # 4 folded work items share evenly among 2 threads: folded
-    try:
-        got, _ = attend(q, k, v, spec, scale=0.5, backend="sdpa")
-    finally:
-        kernels.F.scaled_dot_product_attention = old
-        torch.set_num_threads(threads)
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    got, _ = attend(q, k, v, spec, scale=0.5, backend="sdpa")
+    monkeypatch.undo()
     want, _ = attend(q, k, v, spec, scale=0.5, backend="math")
     assert seen == [(b, g, h // g, d)]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.usefixtures("two_threads")
 def test_decode_steps_fold_where_it_measured_faster() -> None:
     from multihead.kernels import _folds
 
     spec = build_mask(batch=1, n_heads=9, s=1, t=64)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(2)
-    try:
-        def folds(b: int, h: int, g: int, s: int = 1) -> bool:
-            return _folds(torch.zeros(b, h, s, 8), torch.zeros(b, g, 64, 8), spec)
 
-        assert folds(1, 32, 8) and folds(1, 8, 1) and folds(2, 9, 3)
-        assert not folds(1, 9, 3)  # 3 work items for 2 threads: slower folded (SmolLM2's decode)
-        assert not folds(1, 8, 8) and not folds(1, 32, 8, s=2)  # MHA; prefill
-    finally:
-        torch.set_num_threads(threads)
+    def folds(b: int, h: int, g: int, s: int = 1) -> bool:
+        return _folds(torch.zeros(b, h, s, 8), torch.zeros(b, g, 64, 8), spec)
+
+    assert folds(1, 32, 8) and folds(1, 8, 1) and folds(2, 9, 3)
+    assert not folds(1, 9, 3)  # 3 work items for 2 threads: slower folded (SmolLM2's decode)
+    assert not folds(1, 8, 8) and not folds(1, 32, 8, s=2)  # MHA; prefill
 
 
 def test_k_and_v_projections_are_n_kv_heads_wide() -> None:

@@ -23,12 +23,7 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-@pytest.fixture(autouse=True)
-def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)  # the split needs at least two threads, whatever the machine
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("two_threads")  # the split needs at least two threads, whatever the machine
 
 
 @pytest.mark.parametrize("rows", [1, 3, MAX_ROWS, MAX_ROWS + 1])
