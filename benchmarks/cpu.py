@@ -1,5 +1,5 @@
 """CPU benchmarks of issue 6 (P1-P5), float32: multihead against its anchors, side by side in one process
-(``multihead.bench``; ``make bench`` runs this).
+(``benchmarks/bench.py``; ``make bench`` runs this).
 
     .venv/bin/python benchmarks/cpu.py [--repeats 5] [--only P1,P4] [--record]
 
@@ -12,10 +12,9 @@ import argparse
 import datetime
 import os
 
+import bench
 import torch
 from results import publish
-
-from multihead import bench
 
 
 def main() -> None:

@@ -1,11 +1,11 @@
-"""Where the time of P2 and P3 goes on this CPU, and the best ratio each could reach (``multihead.bench``).
+"""Where the time of P2 and P3 goes on this CPU, and the best ratio each could reach (``benchmarks/bench.py``).
 
 P2 (training step, <= 0.5x the eager anchor): the four projections' forward and backward are the same work for
 multihead and for the anchor, so ``projections / eager`` is a floor on the ratio that no attention kernel can beat,
 and ``(projections + attention at the matmul rate) / eager`` is what a perfect kernel would give.
 
 P3 (GQA decode step, >= 3x faster than repeating K/V): each part of multihead's step is timed right after the anchor's
-step (``multihead.bench.decode_case``), as in the benchmark: the anchor's 25 MB of concatenated and repeated K/V push
+step (``bench.decode_case``), as in the benchmark: the anchor's 25 MB of concatenated and repeated K/V push
 multihead's cache and weights out of the CPU's caches. Beside them, a plain read of the same K/V bytes.
 
     .venv/bin/python benchmarks/cpu_floors.py [--repeats 5] [--record]
@@ -20,12 +20,13 @@ import statistics
 import time
 from collections.abc import Callable
 
+import bench
 import torch
 import torch.nn.functional as F
 from results import publish
 from torch import nn
 
-from multihead import MultiHeadAttention, bench
+from multihead import MultiHeadAttention
 from multihead.check import plain_layer
 
 

@@ -20,10 +20,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import bench
 import torch
 from results import publish
-
-from multihead import bench
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 ROOT = Path(__file__).resolve().parents[1]

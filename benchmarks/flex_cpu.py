@@ -12,11 +12,12 @@ import datetime
 import os
 import time
 
+import bench
 import torch
 from results import publish
 
-from multihead import bench, flex
-from multihead.kernels import attend
+from multihead import flex
+from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
 
 
@@ -35,10 +36,11 @@ def main() -> None:
         spec = build_mask(batch=b, n_heads=h, s=s, t=s, **kw)  # type: ignore[arg-type]
         with torch.no_grad():
             start = time.perf_counter()
-            attend(q, k, v, spec, scale=d**-0.5, backend="flex")
+            flex_call = AttentionCall(q, k, v, spec, scale=d**-0.5, backend="flex")
+            sdpa_call = AttentionCall(q, k, v, spec, scale=d**-0.5, backend="sdpa")
+            attend(flex_call)
             first = time.perf_counter() - start
-            t_flex, t_sdpa = bench.alternate(lambda spec=spec: attend(q, k, v, spec, scale=d**-0.5, backend="flex"),
-                                             lambda spec=spec: attend(q, k, v, spec, scale=d**-0.5, backend="sdpa"),
+            t_flex, t_sdpa = bench.alternate(lambda c=flex_call: attend(c), lambda c=sdpa_call: attend(c),
                                              args.repeats)
         skipped = flex.sparsity(spec, q.device)
         rows.append(f"| {name} | {skipped:.0%} | {t_flex * 1e3:.0f} ms | {t_sdpa * 1e3:.0f} ms | "

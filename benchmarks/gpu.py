@@ -1,6 +1,6 @@
 """GPU benchmarks of issue 6 (G1-G4), bfloat16, one run under 5 minutes on one GPU.
 
-First G1-G4 (``multihead.bench.run_gpu``) and P4 on the GPU (peak memory of a 16k-token forward, exact from the
+First G1-G4 (``bench.run_gpu``) and P4 on the GPU (peak memory of a 16k-token forward, exact from the
 CUDA allocator), each row printed as it completes; then the correctness harness on the GPU (``multihead check
 --device cuda``: SDPA and math in float32, float16 and bfloat16; flex, which compiles a Triton kernel per shape, in
 bfloat16). Prints the table last and writes everything as JSON:
@@ -16,9 +16,9 @@ import datetime
 import json
 import time
 
+import bench
 import torch
 
-from multihead import bench
 from multihead.check import run_checks
 
 

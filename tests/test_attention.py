@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multihead import AttentionConfig, MultiHeadAttention
-from multihead.kernels import attend
+from multihead import AttentionConfig, KVCache, MultiHeadAttention, MultiheadError
+from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
 
 
@@ -63,9 +63,9 @@ def test_a_gqa_decode_step_folds_query_heads_and_equals_the_math_path(
         return real(query, *args, **kwargs)  # type: ignore[arg-type]
 
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
-    got, _ = attend(q, k, v, spec, scale=0.5, backend="sdpa")
+    got, _ = attend(AttentionCall(q, k, v, spec, scale=0.5, backend="sdpa"))
     monkeypatch.undo()
-    want, _ = attend(q, k, v, spec, scale=0.5, backend="math")
+    want, _ = attend(AttentionCall(q, k, v, spec, scale=0.5, backend="math"))
     assert seen == [(b, g, h // g, d)]
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
@@ -139,6 +139,67 @@ def test_config_builds_the_layer_and_fills_defaults_once() -> None:
     assert AttentionConfig(d_model=64, n_heads=8, n_kv_heads=1).variant == "MQA"
 
 
+def test_the_config_is_the_constructors_argument_or_its_fields_are_keywords() -> None:
+    config = AttentionConfig(d_model=64, n_heads=8, n_kv_heads=2, rope=10000.0, window=16)
+    a = MultiHeadAttention(config, backend="math", dtype=torch.float64)
+    b = MultiHeadAttention(d_model=64, n_heads=8, n_kv_heads=2, rope=10000.0, window=16, backend="math",
+                           dtype=torch.float64)
+    assert a.config == b.config == config and a.backend == b.backend == "math"
+    assert a.q_proj.weight.dtype == torch.float64
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 5, 64, dtype=torch.float64)
+    assert torch.equal(a(x, causal=True), b(x, causal=True))
+    # every derived value is a plain number: nothing downstream needs to ask for None
+    assert (config.head_dim, config.kv_dim, config.value_dim, config.out_bias) == (8, 64, 64, True)
+    with pytest.raises(MultiheadError, match=r"give a config or its fields as keywords, not both \(got a config and "
+                                             r"n_heads\)"):
+        MultiHeadAttention(config, n_heads=4)
+    with pytest.raises(MultiheadError, match=r"unknown attention option\(s\) 'heads': the options are d_model, "
+                                             r"n_heads, n_kv_heads"):
+        MultiHeadAttention(d_model=64, heads=8)
+    with pytest.raises(MultiheadError, match="config must be an AttentionConfig, got dict"):
+        MultiHeadAttention({"d_model": 64})  # type: ignore[arg-type]
+
+
+def test_explain_never_writes_into_the_kv_cache() -> None:
+    layer = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2, rope=10000.0).eval()
+    cache = KVCache(batch=1, n_kv_heads=2, head_dim=8, max_len=8)
+    x = torch.randn(1, 4, 32)
+    with torch.no_grad():
+        layer(x[:, :3], causal=True, cache=cache.layer(0))
+        cache.advance(3)
+        k, v = cache.k.clone(), cache.v.clone()
+        choice = layer.explain(x[:, 3:], causal=True, cache=cache.layer(0))
+        assert torch.equal(cache.k, k) and torch.equal(cache.v, v) and cache.used == 3
+        assert "bottom-right" in choice.mask or choice.mask == "none"
+        step = layer(x[:, 3:], causal=True, cache=cache.layer(0))
+    torch.testing.assert_close(step, layer(x, causal=True)[:, 3:], atol=1e-6, rtol=1e-5)
+
+
+def test_a_step_is_made_once_and_shared_by_the_layers_of_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multihead.models import LlamaConfig, LlamaModel
+    from multihead.rope import RotaryEmbedding
+
+    model = LlamaModel(LlamaConfig(vocab_size=50, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
+    made = []
+    real = RotaryEmbedding.tables
+    monkeypatch.setattr(RotaryEmbedding, "tables", lambda self, *a: made.append(1) or real(self, *a))
+    cache = model.new_cache(1, 16)
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3]]), cache=cache)
+        cache.advance(3)
+        model(torch.tensor([[4]]), cache=cache)
+    assert len(made) == 2  # one RoPE table per step, not one per layer
+    layer = MultiHeadAttention(d_model=32, n_heads=4)
+    x = torch.randn(1, 3, 32)
+    step = layer.step(x, causal=True)
+    assert torch.equal(layer(x, step=step), layer(x, causal=True))
+    with pytest.raises(MultiheadError, match=r"causal go to layer\.step"):
+        layer(x, step=step, causal=True)
+    with pytest.raises(MultiheadError, match=r"the step was made for \(b, s\) = \(1, 3\) but x has \(1, 2\)"):
+        layer(x[:, :2], step=step)
+
+
 def test_explain_names_the_kernel_and_why() -> None:
     layer = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
     x = torch.randn(1, 5, 16)
@@ -156,15 +217,3 @@ def test_explain_names_the_kernel_and_why() -> None:
     training = MultiHeadAttention(d_model=16, n_heads=4, dropout=0.1).train().explain(x, causal=True)
     said = "materialising the (s, t) scores: its CPU fused kernel takes no dropout" in training.reason
     assert said == (training.kernel == "math")  # torch 2.13's CPU flash kernel takes no dropout: the math one runs
-
-
-def test_observe_reports_each_step_in_order() -> None:
-    layer = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
-    steps: list[tuple[str, tuple[int, ...]]] = []
-    with layer.observe(lambda name, t: steps.append((name, tuple(t.shape)))):
-        layer(torch.randn(1, 3, 16), return_weights=True)
-    assert [n for n, _ in steps] == ["input", "q_proj", "k_proj", "v_proj", "q_heads", "k_heads", "v_heads",
-                                     "weights", "attention", "merged", "output"]
-    assert dict(steps)["k_heads"] == (1, 2, 3, 4)
-    layer(torch.randn(1, 3, 16))
-    assert len(steps) == 11  # the hook is gone after the block

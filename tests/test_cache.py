@@ -94,18 +94,15 @@ def test_cache_of_the_wrong_width_is_refused() -> None:
         _layer()(torch.randn(1, 2, 32), causal=True, cache=cache.layer(0))
 
 
-def test_next_positions_is_one_tensor_per_step_and_follows_every_change() -> None:
+def test_next_positions_follow_every_change_of_the_lengths() -> None:
     cache = KVCache(batch=2, n_kv_heads=1, head_dim=4, max_len=16)
     cache.advance(3, lengths=[3, 1])
-    first = cache.next_positions(1)
-    assert cache.next_positions(1) is first  # the layers of one step share it
-    assert first.tolist() == [[3], [1]]
-    first.add_(5)  # a caller changed it in place: not served again
     assert cache.next_positions(1).tolist() == [[3], [1]]
+    assert cache.slice_start() is None  # lengths differ: writes go by positions
     cache.advance(1)
     assert cache.next_positions(2).tolist() == [[4, 5], [2, 3]]
     cache.reset()
-    assert cache.next_positions(1).tolist() == [[0], [0]]
+    assert cache.next_positions(1).tolist() == [[0], [0]] and cache.slice_start() == 0
 
 
 def test_the_slice_write_of_equal_lengths_equals_the_indexed_write() -> None:
@@ -114,9 +111,9 @@ def test_the_slice_write_of_equal_lengths_equals_the_indexed_write() -> None:
     fast, slow = (KVCache(batch=2, n_kv_heads=2, head_dim=4, max_len=8) for _ in range(2))
     for step in range(3):
         k, v = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)
-        pos = fast.next_positions(2)
-        fast.write(0, k, v, pos)  # the step's own positions: slice
-        slow.write(0, k, v, slow.next_positions(2).clone())  # a copy: indexed
+        assert fast.slice_start() == 2 * step
+        fast.write(0, k, v, fast.next_positions(2), start=fast.slice_start())  # one slice
+        slow.write(0, k, v, slow.next_positions(2))  # by positions
         fast.advance(2)
         slow.advance(2)
         assert torch.equal(fast.k, slow.k) and torch.equal(fast.v, slow.v), step

@@ -32,7 +32,7 @@ def configs(draw: st.DrawFn) -> AttentionConfig:
 
 @given(config=configs())
 def test_parameter_count_equals_the_layers_numel(config: AttentionConfig) -> None:
-    layer = MultiHeadAttention.from_config(config, device="meta")
+    layer = MultiHeadAttention(config, device="meta")
     counted = cost.parameters(config)
     assert counted.total == sum(p.numel() for p in layer.parameters())
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
@@ -87,7 +87,7 @@ def _counted_flops(layer: MultiHeadAttention, x: torch.Tensor, ctx: torch.Tensor
 @pytest.mark.parametrize("causal", [False, True])
 def test_flops_agree_with_torch_flop_counter_on_the_math_path(n_kv_heads: int, cross: bool, causal: bool) -> None:
     config = AttentionConfig(d_model=48, n_heads=6, n_kv_heads=n_kv_heads, head_dim=10, kv_dim=20 if cross else None)
-    layer = MultiHeadAttention.from_config(config)
+    layer = MultiHeadAttention(config)
     b, s, t = 3, 17, 23 if cross else 17
     x = torch.randn(b, s, 48, requires_grad=True)
     ctx = torch.randn(b, t, 20, requires_grad=True) if cross else None
@@ -107,7 +107,7 @@ def test_flops_agree_with_torch_flop_counter_on_the_math_path(n_kv_heads: int, c
 
 def test_kv_cache_bytes_equal_the_bytes_of_real_k_and_v() -> None:
     config = AttentionConfig(d_model=64, n_heads=8, n_kv_heads=2, bias=False)
-    layer = MultiHeadAttention.from_config(config, dtype=torch.bfloat16)
+    layer = MultiHeadAttention(config, dtype=torch.bfloat16)
     tokens = 37
     x = torch.randn(3, tokens, 64, dtype=torch.bfloat16)
     k, v = layer.k_proj(x), layer.v_proj(x)

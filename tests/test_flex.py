@@ -13,8 +13,8 @@ import torch
 from conftest import to_np
 from multihead import KVCache, MultiHeadAttention, flex
 from multihead.errors import MultiheadError
-from multihead.kernels import resolve_backend
-from multihead.masks import build_mask, causal_keep
+from multihead.kernels import AttentionCall, resolve_backend
+from multihead.masks import MaskSpec, build_mask, causal_keep
 from multihead.reference import Weights, multihead_attention
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no flex attention")
@@ -112,12 +112,12 @@ def test_a_mask_that_skips_nothing_reports_zero_at_any_length() -> None:
     assert flex.sparsity(spec, torch.device("cpu")) == 0.0  # PyTorch's element count gave -64% here
 
 
-def test_block_masks_are_cached_while_their_tensors_are_unchanged() -> None:
+def test_a_block_mask_is_made_once_per_step_and_follows_a_new_step() -> None:
     keep = torch.arange(S)[None] < torch.tensor([S, 130])[:, None]
     spec = build_mask(batch=B, n_heads=4, s=S, t=S, key_padding_mask=keep, causal=True)
     first = flex.block_mask(spec, torch.device("cpu"))
-    assert flex.block_mask(spec, torch.device("cpu")) is first  # the next layer reuses it
-    keep[1, 130:200] = True  # changed in place: a new block mask, and the result follows the new mask
+    assert flex.block_mask(spec, torch.device("cpu")) is first  # the next layer of the step reuses it
+    keep[1, 130:200] = True  # the next step's mask: a new spec, a new block mask, and the result follows it
     again = build_mask(batch=B, n_heads=4, s=S, t=S, key_padding_mask=keep, causal=True)
     assert flex.block_mask(again, torch.device("cpu")) is not first
     layer = _layer()
@@ -142,12 +142,17 @@ def test_auto_dispatch_explains_its_choice() -> None:
     plain = build_mask(batch=1, n_heads=4, s=512, t=512, causal=True)
     short = build_mask(batch=1, n_heads=4, s=16, t=16, causal=True, window=4)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    chosen, why = resolve_backend("auto", need_weights=False, spec=window, device=cuda)
+    q = k = torch.zeros(1, 4, 512, 8)
+
+    def call(spec: MaskSpec, dropout_p: float = 0.0) -> AttentionCall:
+        return AttentionCall(q, k, k, spec, scale=1.0, dropout_p=dropout_p)
+
+    chosen, why = resolve_backend(call(window), device=cuda)
     assert chosen == "flex" and "sliding window 64" in why
-    assert resolve_backend("auto", need_weights=False, spec=plain, device=cuda)[0] == "sdpa"  # SDPA's causal flag
-    assert resolve_backend("auto", need_weights=False, spec=short, device=cuda)[0] == "sdpa"  # under one block
-    assert resolve_backend("auto", need_weights=False, spec=window, device=cuda, dropout_p=0.1)[0] == "sdpa"
-    chosen, why = resolve_backend("auto", need_weights=False, spec=window, device=cpu)
+    assert resolve_backend(call(plain), device=cuda)[0] == "sdpa"  # SDPA's causal flag
+    assert resolve_backend(call(short), device=cuda)[0] == "sdpa"  # under one block
+    assert resolve_backend(call(window, 0.1), device=cuda)[0] == "sdpa"
+    chosen, why = resolve_backend(call(window), device=cpu)
     assert chosen == "sdpa" and "backend='flex'" in why
     layer = _layer(window=64)
     x = torch.randn(1, 512, D_MODEL)

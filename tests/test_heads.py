@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from multihead import MultiHeadAttention, MultiheadError
 from multihead.cli import main
-from multihead.heads.adapters import Batch, DecoderHeads, EncoderHeads, HeadModel, load_head_model, zero_head
+from multihead.heads.adapters import Batch, DecoderHeads, EncoderHeads, HeadModel, ablate_edit, applied, load_head_model
 from multihead.heads.analysis import analyse
 from multihead.heads.capture import capture_weights
 from multihead.heads.convert import pool_kv_heads
@@ -175,7 +175,7 @@ def test_html_report_renders_in_a_browser_and_shows_script_as_text(tmp_path: Pat
 def test_zeroing_a_head_equals_zeroing_its_columns_of_w_o() -> None:
     layer = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
     x = torch.randn(2, 5, 16)
-    with zero_head(layer, 2):
+    with applied([ablate_edit(layer, 2)]):
         ablated = layer(x, causal=True)
     manual = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)
     manual.load_state_dict(layer.state_dict())

@@ -8,7 +8,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from multihead.linear import MAX_ROWS, MIN_WEIGHT, Linear, linear, split_count
+from multihead import cpu
+from multihead.cpu import SPLIT_MAX_ROWS as MAX_ROWS
+from multihead.cpu import SPLIT_MIN_WEIGHT as MIN_WEIGHT
+from multihead.linear import Linear, linear
 
 
 class _Ops(TorchDispatchMode):
@@ -33,7 +36,7 @@ def test_split_product_equals_f_linear(rows: int, bias: bool) -> None:
     layer = Linear(384, 192, bias=bias)
     assert layer.weight.numel() >= MIN_WEIGHT
     x = torch.randn(1, rows, 384)
-    assert split_count(192) == 2
+    assert cpu.split_product(rows, layer.weight, x) == (2 if rows <= MAX_ROWS else 1)
     with _Ops() as ops:
         got = layer(x)
     assert ("bmm.default" in ops.names) == (rows <= MAX_ROWS)  # the split product ran, up to MAX_ROWS rows

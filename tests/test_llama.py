@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multihead import MultiheadError
+from multihead import MultiheadError, cpu
 from multihead.models import LlamaConfig, LlamaModel, load_llama
 from multihead.models.generate import Sampling, generate_ids
 from tests_support import smollm2_gguf
@@ -92,6 +92,38 @@ def test_a_batch_generates_what_each_prompt_generates_alone(smollm2) -> None:  #
     for i, p in enumerate(prompts):
         alone = [t for step in generate_ids(model, [p], max_new_tokens=12) for t in step if t is not None]
         assert together[i] == alone
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_the_cpu_fast_paths_change_no_token_and_no_logit_beyond_rounding(smollm2) -> None:  # type: ignore[no-untyped-def]
+    """multihead.cpu's switch: the whole model with every CPU speed path and with none, one sequence (plain decode mask,
+    slice cache writes) and a batch of two lengths (positions mask, indexed writes): same tokens, same logits."""
+    model, tok = smollm2
+    prompts = [tok.encode("The capital of France is"), tok.encode("Once upon a time, in a land far away,")]
+    w = model.layers[0].attn.q_proj.weight
+    assert cpu.split_product(1, w, torch.zeros(1, w.shape[1])) == 2  # the split product is on here ...
+    for batch in ([prompts[0]], prompts):
+        fast = list(generate_ids(model, batch, max_new_tokens=8))
+        with cpu.disabled():
+            assert cpu.split_product(1, w, torch.zeros(1, w.shape[1])) == 1  # ... and off here
+            plain = list(generate_ids(model, batch, max_new_tokens=8))
+        assert fast == plain
+    ids = torch.tensor([prompts[1]])
+    logits = {}
+    for on in (True, False):
+        cpu.set_enabled(on)
+        try:
+            cache = model.new_cache(1, 32)
+            with torch.no_grad():
+                steps = [model(ids[:, :6], cache=cache)]
+                cache.advance(6)
+                for i in range(6, ids.shape[1]):
+                    steps.append(model(ids[:, i:i + 1], cache=cache))
+                    cache.advance(1)
+            logits[on] = torch.cat(steps, dim=1)
+        finally:
+            cpu.set_enabled(True)
+    torch.testing.assert_close(logits[True], logits[False], atol=2e-4, rtol=1e-4)
 
 
 def test_sampling_is_reproducible_with_a_seed(smollm2) -> None:  # type: ignore[no-untyped-def]

@@ -1,32 +1,48 @@
 """MultiHeadAttention: one layer for MHA, GQA and MQA.
 
-The forward reads as the formula: project, split into heads, (rotate), attend, merge, project back::
+The forward reads as the formula: project, split into heads, rotate, cache, attend, merge, project back::
 
     q = x W_Q   -> (b, h, s, d)        k = c W_K, v = c W_V -> (b, g, t, d)      (c = x, or the context)
-    o = attend(q, k, v)  -> (b, h, s, d)   # head i uses KV head i // (h / g)
-    y = Concat(o_1 .. o_h) W_O  -> (b, s, d_model)
+    z = attend(q, k, v)  -> (b, h, s, d)   # head i uses KV head i // (h / g)
+    y = Concat(z_1 .. z_h) W_O  -> (b, s, d_model)
+
+What every layer of a model shares in one step (positions, RoPE tables, the mask) is a :class:`Step`, made once by
+the model (``layer.step(...)``) and passed to each layer; a layer called alone makes its own.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
 
-from multihead.cache import LayerCache
-from multihead.config import AttentionConfig, RopeConfig
+from multihead import cpu
+from multihead.cache import KVCache, LayerCache
+from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
-from multihead.kernels import KernelChoice, attend, attention_weights, check_backend, explain
+from multihead.hooks import HookPoint, add_hook_points, attend
+from multihead.hooks import explain as explain_call
+from multihead.kernels import AttentionCall, KernelChoice, check_backend
 from multihead.linear import Linear
 from multihead.masks import MaskSpec, build_mask
 from multihead.rope import RotaryEmbedding
 
-StepHook = Callable[[str, Tensor], None]
+
+@dataclass(frozen=True)
+class Step:
+    """What every attention layer of a model shares in one forward step, made once (``layer.step(...)``).
+
+    ``mask`` covers (b, h, s, t), t counting the cached keys when there is a cache; ``positions`` (b|1, s) are the
+    tokens' positions for RoPE and the cache (None without either); ``rope`` the cos and signed sin tables
+    (b|1, 1, s, d) or None; ``cache_start`` the slot where every sequence continues (one slice write), or None.
+    """
+
+    mask: MaskSpec
+    positions: Tensor | None = None
+    rope: tuple[Tensor, Tensor] | None = None
+    cache_start: int | None = None
 
 
 class MultiHeadAttention(nn.Module):
@@ -36,65 +52,48 @@ class MultiHeadAttention(nn.Module):
 
         MHA  n_kv_heads = n_heads      GQA  1 < n_kv_heads < n_heads      MQA  n_kv_heads = 1
 
-    Call it as ``attn(x)`` (self-attention), ``attn(x, context)`` (cross-attention), with ``causal=True``,
-    ``mask=keep`` (bool, True = may attend; or a float mask added to the scores), ``key_padding_mask=valid``
-    ((b, t) bool, True = a real token) and ``return_weights=True`` for the per-head weights (b, n_heads, s, t).
-    Keyword arguments of the constructor are those of :class:`AttentionConfig`, plus ``device`` and ``dtype``.
+    Make it from a config, ``MultiHeadAttention(config)``, or from the config's fields as keywords,
+    ``MultiHeadAttention(d_model=4096, n_heads=32, n_kv_heads=8)``; ``backend``, ``device`` and ``dtype`` are the
+    layer's own. Call it as ``attn(x)`` (self-attention), ``attn(x, context)`` (cross-attention), with
+    ``causal=True``, ``mask=keep`` (bool, True = may attend; or a float mask added to the scores),
+    ``key_padding_mask=valid`` ((b, t) bool, True = a real token) and ``return_weights=True`` for the per-head
+    weights (b, n_heads, s, t). Its hook points (``hook_q`` .. ``hook_out``, :mod:`multihead.hooks`) read or
+    replace what passes through the attention core.
     """
+
+    hook_q: HookPoint
+    hook_k: HookPoint
+    hook_v: HookPoint
+    hook_pattern: HookPoint
+    hook_z: HookPoint
+    hook_out: HookPoint
 
     def __init__(
         self,
+        config: AttentionConfig | None = None,
         *,
-        d_model: int,
-        n_heads: int,
-        n_kv_heads: int | None = None,
-        head_dim: int | None = None,
-        kv_dim: int | None = None,
-        value_dim: int | None = None,
-        bias: bool = True,
-        out_bias: bool | None = None,
-        dropout: float = 0.0,
-        scale: float | None = None,
-        rope: RopeConfig | float | None = None,
-        window: int | None = None,
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        **options: Any,
     ) -> None:
         super().__init__()
-        config = AttentionConfig(
-            d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, kv_dim=kv_dim,
-            value_dim=value_dim, bias=bias, out_bias=out_bias, dropout=dropout, scale=scale,
-            rope=rope,  # type: ignore[arg-type]  # a float base is accepted and becomes a RopeConfig
-            window=window,
-        )
+        if config is None:
+            config = AttentionConfig.from_kwargs(options)
+        elif not isinstance(config, AttentionConfig):
+            raise MultiheadError(f"config must be an AttentionConfig, got {type(config).__name__}")
+        elif options:
+            raise MultiheadError(f"give a config or its fields as keywords, not both (got a config and "
+                                 f"{', '.join(options)})")
         self.config = config
-        assert config.kv_dim is not None and config.value_dim is not None
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.q_proj = Linear(config.d_model, config.q_dim, bias=bias, **factory)
-        self.k_proj = Linear(config.kv_dim, config.k_dim, bias=bias, **factory)
-        self.v_proj = Linear(config.value_dim, config.k_dim, bias=bias, **factory)
-        self.o_proj = Linear(config.q_dim, config.d_model, bias=bool(config.out_bias), **factory)
-        self.rotary = (
-            RotaryEmbedding(config.head_dim, config.rope.base)  # type: ignore[arg-type]
-            if config.rope is not None
-            else None
-        )
+        self.q_proj = Linear(config.d_model, config.q_dim, bias=config.bias, **factory)
+        self.k_proj = Linear(config.kv_dim, config.k_dim, bias=config.bias, **factory)
+        self.v_proj = Linear(config.value_dim, config.k_dim, bias=config.bias, **factory)
+        self.o_proj = Linear(config.q_dim, config.d_model, bias=config.out_bias, **factory)
+        self.rotary = RotaryEmbedding(config.head_dim, config.rope.base) if config.rope is not None else None
         self.backend = check_backend(backend)
-        self._step_hooks: list[StepHook] = []
-        self._weight_observers = 0
-
-    @classmethod
-    def from_config(
-        cls,
-        config: AttentionConfig,
-        *,
-        backend: str = "auto",
-        device: torch.device | str | None = None,
-        dtype: torch.dtype | None = None,
-    ) -> MultiHeadAttention:
-        fields = {f.name: getattr(config, f.name) for f in dataclasses.fields(config)}
-        return cls(**fields, backend=backend, device=device, dtype=dtype)
+        add_hook_points(self)
 
     # Shorthands for the config's numbers.
     @property
@@ -103,30 +102,32 @@ class MultiHeadAttention(nn.Module):
 
     @property
     def n_kv_heads(self) -> int:
-        assert self.config.n_kv_heads is not None
         return self.config.n_kv_heads
 
     @property
     def head_dim(self) -> int:
-        assert self.config.head_dim is not None
         return self.config.head_dim
 
     # ------------------------------------------------------------------ forward
-    def forward(
-        self,
-        x: Tensor,
-        context: Tensor | None = None,
-        *,
-        value: Tensor | None = None,
-        mask: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
-        causal: bool = False,
-        documents: Tensor | None = None,
-        positions: Tensor | None = None,
-        cache: LayerCache | None = None,
-        return_weights: bool = False,
-        backend: str | None = None,
-    ) -> Any:
+    @overload
+    def forward(self, x: Tensor, context: Tensor | None = None, *, value: Tensor | None = None,
+                mask: Tensor | None = None, key_padding_mask: Tensor | None = None, causal: bool = False,
+                documents: Tensor | None = None, positions: Tensor | None = None, cache: LayerCache | None = None,
+                step: Step | None = None, return_weights: Literal[False] = False, backend: str | None = None
+                ) -> Tensor: ...
+
+    @overload
+    def forward(self, x: Tensor, context: Tensor | None = None, *, value: Tensor | None = None,
+                mask: Tensor | None = None, key_padding_mask: Tensor | None = None, causal: bool = False,
+                documents: Tensor | None = None, positions: Tensor | None = None, cache: LayerCache | None = None,
+                step: Step | None = None, return_weights: Literal[True], backend: str | None = None
+                ) -> tuple[Tensor, Tensor]: ...
+
+    def forward(self, x: Tensor, context: Tensor | None = None, *, value: Tensor | None = None,
+                mask: Tensor | None = None, key_padding_mask: Tensor | None = None, causal: bool = False,
+                documents: Tensor | None = None, positions: Tensor | None = None, cache: LayerCache | None = None,
+                step: Step | None = None, return_weights: bool = False, backend: str | None = None
+                ) -> Tensor | tuple[Tensor, Tensor]:
         """x (b, s, d_model) -> (b, s, d_model), or (output, weights (b, n_heads, s, t)) with return_weights.
 
         Args:
@@ -143,79 +144,123 @@ class MultiHeadAttention(nn.Module):
             cache: one layer of a :class:`~multihead.cache.KVCache` (``cache.layer(i)``): the new keys and values
                 are written at ``positions`` and the queries attend to everything cached up to their own position
                 (needs causal=True). The caller advances the cache after the step (``cache.advance(s)``).
+            step: the model's per-step state from :meth:`step` (instead of mask, key_padding_mask, causal,
+                documents and positions).
             return_weights: also return the per-head attention weights (never averaged over heads).
             backend: "auto", "sdpa", "math" or "flex" for this call; default the layer's ``backend``.
         """
-        q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions, cache,
-                                          documents)
-        dropout_p = self.config.dropout if self.training else 0.0
-        out, weights = attend(
-            q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
-            backend=self.backend if backend is None else backend, need_weights=return_weights,
-        )  # (b, h, s, d)
-        if weights is None and self._weight_observers:
-            # observed on a fused path: the same weights, recomputed exactly from this call's q, k and mask
-            weights = attention_weights(q, k, spec, scale=self.config.softmax_scale)
-            self._emit("weights", weights)
-            weights = None
-        elif weights is not None:
-            self._emit("weights", weights)
+        kv_in, v_in = self._check(x, context, value, cache, step, mask, key_padding_mask, causal, documents,
+                                  positions)
+        if step is None:
+            step = self.step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
+                             documents=documents, positions=positions, cache=cache)
+        b, s, t, d = x.shape[0], x.shape[1], kv_in.shape[1], self.head_dim
+        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)  # (b, h, s, d): q = x W_Q, split into heads
+        k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d): k = c W_K
+        v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d): v = c W_V
+        q, k = self._rotate(q, k, step)  # RoPE at the step's positions (unchanged without rope)
+        if cache is not None:
+            k, v = cache.write(k, v, step.positions, start=step.cache_start, t=step.mask.t)  # type: ignore[arg-type]
+        z, weights = attend(self._call(q, k, v, step, return_weights, backend), self)  # (b, h, s, d), hooked
         del q, k, v  # free the projections before merging: a long sequence's peak is q, k, v and the output
-        self._emit("attention", out)
-        b, s = x.shape[0], x.shape[1]
-        merged = out.transpose(1, 2).reshape(b, s, out.shape[1] * out.shape[3])  # (b, s, h*d)
-        self._emit("merged", merged)
-        y = self.o_proj(merged)  # (b, s, d_model)
-        self._emit("output", y)
-        return (y, weights) if return_weights else y
+        y = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
+        y = self.hook_out(y) if self.hook_out.active else y
+        return (y, weights) if return_weights else y  # type: ignore[return-value]
 
-    def explain(
-        self,
-        x: Tensor,
-        context: Tensor | None = None,
-        *,
-        value: Tensor | None = None,
-        mask: Tensor | None = None,
-        key_padding_mask: Tensor | None = None,
-        causal: bool = False,
-        documents: Tensor | None = None,
-        positions: Tensor | None = None,
-        cache: LayerCache | None = None,
-        return_weights: bool = False,
-        backend: str | None = None,
-    ) -> KernelChoice:
+    if TYPE_CHECKING:  # calling the module is calling forward, with its precise return types
+        __call__ = forward
+
+    def explain(self, x: Tensor, context: Tensor | None = None, *, value: Tensor | None = None,
+                mask: Tensor | None = None, key_padding_mask: Tensor | None = None, causal: bool = False,
+                documents: Tensor | None = None, positions: Tensor | None = None, cache: LayerCache | None = None,
+                step: Step | None = None, return_weights: bool = False, backend: str | None = None) -> KernelChoice:
         """Which kernel a call with these arguments runs, and why (the projections run, attention does not).
 
-        With a cache this writes the new keys and values into it, as the call would.
+        With a cache, the keys the call would attend to are read from a copy: the cache is left unchanged.
         """
+        kv_in, v_in = self._check(x, context, value, cache, step, mask, key_padding_mask, causal, documents,
+                                  positions)
         with torch.no_grad():
-            q, k, v, spec = self._prepare(x, context, value, mask, key_padding_mask, causal, positions, cache,
-                                          documents)
-        dropout_p = self.config.dropout if self.training else 0.0
-        return explain(
-            q, k, v, spec, scale=self.config.softmax_scale, dropout_p=dropout_p,
-            backend=self.backend if backend is None else backend, need_weights=return_weights,
-        )
+            if step is None:
+                step = self.step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
+                                 documents=documents, positions=positions, cache=cache)
+            b, s, t, d = x.shape[0], x.shape[1], kv_in.shape[1], self.head_dim
+            q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)  # (b, h, s, d)
+            k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
+            v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
+            q, k = self._rotate(q, k, step)
+            if cache is not None:
+                k, v = cache.peek(k, v, step.positions, t=step.mask.t)  # type: ignore[arg-type]
+        return explain_call(self._call(q, k, v, step, return_weights, backend), self)
 
-    def _prepare(
-        self,
-        x: Tensor,
-        context: Tensor | None,
-        value: Tensor | None,
-        mask: Tensor | None,
-        key_padding_mask: Tensor | None,
-        causal: bool,
-        positions: Tensor | None,
-        cache: LayerCache | None,
-        documents: Tensor | None = None,
-    ) -> tuple[Tensor, Tensor, Tensor, MaskSpec]:
-        """Validate the inputs, project and split into heads: q (b, h, s, d), k and v (b, g, t, d), the mask."""
+    # ------------------------------------------------------------------ the per-step state
+    def step(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,
+             key_padding_mask: Tensor | None = None, causal: bool = False, documents: Tensor | None = None,
+             positions: Tensor | None = None, cache: KVCache | LayerCache | None = None,
+             dtype: torch.dtype | None = None) -> Step:
+        """The state every layer of a model shares for one call on x (b, s, .): the mask, the positions, the RoPE
+        tables (in ``dtype``, default x's), the cache slot. Made once per model step and passed as ``step=``."""
+        b, s = self._check_input("x", x, x.shape[-1] if isinstance(x, Tensor) and x.ndim else 0, "width")
+        t = s if context is None else self._check_input("context", context, self.config.kv_dim, "kv_dim")[1]
+        pos: Tensor | None = None
+        start: int | None = None
+        by_position = False
+        if cache is not None:
+            self._check_cache_call(cache, context, mask, key_padding_mask, causal)
+            kv = cache.cache if isinstance(cache, LayerCache) else cache
+            at_end = positions is None  # the new tokens continue each sequence at its cached length
+            pos = kv.next_positions(s) if at_end else self._positions(positions, b, s, x.device).expand(b, s)
+            t = kv.span(s)
+            start = kv.slice_start() if at_end else None
+            by_position = not cpu.plain_decode_mask(b, at_end)
+        elif self.rotary is not None:
+            pos = self._positions(positions, b, s, x.device)  # (b|1, s)
+        elif positions is not None:
+            raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
+        spec = build_mask(batch=b, n_heads=self.n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
+                          causal=causal, window=self.config.window, documents=documents,
+                          q_positions=pos if by_position else None)
+        rope = None
+        if self.rotary is not None:
+            assert pos is not None
+            rope = self.rotary.tables(pos, dtype or x.dtype)
+        return Step(mask=spec, positions=pos, rope=rope, cache_start=start)
+
+    def _rotate(self, q: Tensor, k: Tensor, step: Step) -> tuple[Tensor, Tensor]:
+        if self.rotary is None:
+            return q, k
+        if step.rope is None:
+            raise MultiheadError("this layer has rope but the step carries no RoPE tables: make the step with a "
+                                 "layer that has rope (layer.step(...))")
+        cos, sin = (table.to(q.dtype) for table in step.rope)
+        return RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
+
+    def _call(self, q: Tensor, k: Tensor, v: Tensor, step: Step, return_weights: bool, backend: str | None
+              ) -> AttentionCall:
+        spec = step.mask
+        if q.shape[1] != spec.n_heads and any(m is not None and m.ndim == 4 and m.shape[1] > 1
+                                              for m in (spec.keep, spec.bias)):
+            raise MultiheadError(f"this layer holds {q.shape[1]} of {spec.n_heads} heads (sharded): give masks "
+                                 "without a per-head dimension (size 1 there)")
+        if spec.t != k.shape[2]:
+            raise MultiheadError(f"the step's mask covers {spec.t} keys but this call has {k.shape[2]}: make the "
+                                 "step for the same inputs and cache")
+        return AttentionCall(q, k, v, spec, scale=self.config.softmax_scale,
+                             dropout_p=self.config.dropout if self.training else 0.0,
+                             backend=self.backend if backend is None else check_backend(backend),
+                             need_weights=return_weights)
+
+    # ------------------------------------------------------------------ input checks
+    def _check(self, x: Tensor, context: Tensor | None, value: Tensor | None, cache: LayerCache | None,
+               step: Step | None, mask: Tensor | None, key_padding_mask: Tensor | None, causal: bool,
+               documents: Tensor | None, positions: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Every check of one call's inputs; returns the inputs of the keys and of the values."""
         cfg = self.config
         b, s = self._check_input("x", x, cfg.d_model, "d_model")
         self._check_matches_weights("x", x)
         kv_in = x
         if context is not None:
-            bc, t = self._check_input("context", context, cfg.kv_dim, "kv_dim")  # type: ignore[arg-type]
+            bc, t = self._check_input("context", context, cfg.kv_dim, "kv_dim")
             self._check_matches_weights("context", context)
             if bc != b:
                 raise MultiheadError(f"context has batch {bc} but x has batch {b}")
@@ -226,7 +271,7 @@ class MultiHeadAttention(nn.Module):
         if value is not None:
             if context is None:
                 raise MultiheadError("value was given without context: pass context (keys' input) with it")
-            bv, tv = self._check_input("value", value, cfg.value_dim, "value_dim")  # type: ignore[arg-type]
+            bv, tv = self._check_input("value", value, cfg.value_dim, "value_dim")
             self._check_matches_weights("value", value)
             if (bv, tv) != (b, t):
                 raise MultiheadError(f"value has (batch, length) {(bv, tv)} but context has {(b, t)}")
@@ -243,57 +288,36 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None and context is not None:
             raise MultiheadError("rope is for self-attention: a layer with rope cannot take a context")
         if cache is not None:
-            self._check_cache_call(cache, context, mask, key_padding_mask, causal)
-            at_cache_end = positions is None  # the new tokens continue each sequence at its cached length
-            positions = cache.cache.next_positions(s) if positions is None else positions
-        spec = build_mask(
-            batch=b, n_heads=cfg.n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
-            causal=causal, window=cfg.window, documents=documents,
-        )
-        self._emit("input", x)
-        q = self.q_proj(x)  # (b, s, h*d)
-        k = self.k_proj(kv_in)  # (b, t, g*d)
-        v = self.v_proj(v_in)  # (b, t, g*d)
-        self._emit("q_proj", q)
-        self._emit("k_proj", k)
-        self._emit("v_proj", v)
-        # Head counts come from the projections' widths: all heads here, or this rank's share when the projections
-        # are sharded by heads across processes (multihead.parallel).
-        d = self.head_dim
-        h, g = q.shape[-1] // d, k.shape[-1] // d
-        if h != cfg.n_heads and any(m is not None and m.ndim == 4 and m.shape[1] > 1 for m in (spec.keep, spec.bias)):
-            raise MultiheadError(f"this layer holds {h} of {cfg.n_heads} heads (sharded): give masks without a "
-                                 "per-head dimension (size 1 there)")
-        if cache is not None and (cache.cache.n_kv_heads, cache.cache.head_dim) != (g, d):
-            raise MultiheadError(
-                f"the cache holds n_kv_heads {cache.cache.n_kv_heads} of head_dim {cache.cache.head_dim} but this "
-                f"layer has n_kv_heads {g} of head_dim {d}"
-            )
-        q = q.view(b, s, h, d).transpose(1, 2)  # (b, h, s, d)
-        k = k.view(b, t, g, d).transpose(1, 2)  # (b, g, t, d)
-        v = v.view(b, t, g, d).transpose(1, 2)  # (b, g, t, d)
-        if self.rotary is not None or cache is not None:
-            pos = self._positions(positions, b, s, x.device)  # (b|1, s)
-            if self.rotary is not None:
-                q, k = self.rotary(q, k, pos)
-            if cache is not None:
-                pos = pos if pos.shape[0] == b else pos.expand(b, s)  # the same tensor: the cache knows it
-                k, v = cache.write(k, v, pos)  # (b, g, t, d): everything cached, the new tokens included
-                if b == 1 and at_cache_end and not torch.compiler.is_compiling():
-                    # one sequence at its cached length: its queries are the last s of t, plain bottom-right causal
-                    spec = replace(spec, t=k.shape[2])
-                else:
-                    spec = replace(spec, t=k.shape[2], q_positions=pos)
-        elif positions is not None:
-            raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
-        self._emit("q_heads", q)
-        self._emit("k_heads", k)
-        self._emit("v_heads", v)
-        return q, k, v, spec
+            self._check_cache_call(cache, context, mask, key_padding_mask, causal if step is None else
+                                   step.mask.causal, layer=True)
+            if (cache.cache.n_kv_heads, cache.cache.head_dim) != (self._local_kv_heads(), cfg.head_dim):
+                raise MultiheadError(
+                    f"the cache holds n_kv_heads {cache.cache.n_kv_heads} of head_dim {cache.cache.head_dim} but "
+                    f"this layer has n_kv_heads {self._local_kv_heads()} of head_dim {cfg.head_dim}"
+                )
+        if step is not None:
+            if not isinstance(step, Step):
+                raise MultiheadError(f"step must be a Step (from layer.step(...)), got {type(step).__name__}")
+            given = [name for name, v in (("mask", mask), ("key_padding_mask", key_padding_mask),
+                                          ("documents", documents), ("positions", positions)) if v is not None]
+            if given or causal:
+                raise MultiheadError(f"{', '.join(given + (['causal'] if causal else []))} go to layer.step(...) "
+                                     "when a step is passed: the step already holds the mask and positions")
+            if (step.mask.batch, step.mask.s) != (b, s):
+                raise MultiheadError(f"the step was made for (b, s) = {(step.mask.batch, step.mask.s)} but x has "
+                                     f"{(b, s)}")
+        return kv_in, v_in
 
-    def _check_cache_call(self, cache: LayerCache, context: Tensor | None, mask: Tensor | None,
-                          key_padding_mask: Tensor | None, causal: bool) -> None:
-        if not isinstance(cache, LayerCache):
+    def _local_kv_heads(self) -> int:
+        """KV heads held here: all of them, or this rank's share when the projections are sharded by heads."""
+        w = self.k_proj.weight
+        rows = (w.to_local() if hasattr(w, "to_local") else w).shape[0]
+        return int(rows) // self.config.head_dim
+
+    @staticmethod
+    def _check_cache_call(cache: KVCache | LayerCache, context: Tensor | None, mask: Tensor | None,
+                          key_padding_mask: Tensor | None, causal: bool, *, layer: bool = False) -> None:
+        if not isinstance(cache, LayerCache) and (layer or not isinstance(cache, KVCache)):
             raise MultiheadError(f"cache must be one layer of a KVCache (cache.layer(i)), got {type(cache).__name__}")
         if context is not None:
             raise MultiheadError("a KV cache holds this layer's own past keys: it cannot be used with a context")
@@ -341,28 +365,6 @@ class MultiHeadAttention(nn.Module):
             raise MultiheadError(f"positions of shape {tuple(positions.shape)} must be (s,) or (b, s) = {(b, s)}")
         return batched
 
-    # ------------------------------------------------------------------ observing the steps
-    def _emit(self, step: str, tensor: Tensor) -> None:
-        for hook in self._step_hooks:
-            hook(step, tensor)
-
-    @contextmanager
-    def observe(self, hook: StepHook, *, weights: bool = False) -> Iterator[None]:
-        """Call ``hook(step, tensor)`` at each step of forward while the block runs.
-
-        Steps, in order: input, q_proj, k_proj, v_proj, q_heads, k_heads, v_heads (after RoPE), weights (with
-        return_weights, or always with ``weights=True``), attention, merged, output. With ``weights=True`` the
-        per-head weights (b, n_heads, s, t) are recomputed exactly from the call's q, k and mask even when the fused
-        kernel computes the output, so observing a model does not change which kernel it runs.
-        """
-        self._step_hooks.append(hook)
-        self._weight_observers += int(weights)
-        try:
-            yield
-        finally:
-            self._step_hooks.remove(hook)
-            self._weight_observers -= int(weights)
-
     # ------------------------------------------------------------------ conversion
     @classmethod
     def from_torch(cls, m: nn.MultiheadAttention) -> MultiHeadAttention:
@@ -385,10 +387,9 @@ class MultiHeadAttention(nn.Module):
         e = m.embed_dim
         has_bias = m.in_proj_bias is not None
         ref = m.out_proj.weight
-        layer = cls(
-            d_model=e, n_heads=m.num_heads, kv_dim=m.kdim, value_dim=m.vdim, bias=has_bias, dropout=m.dropout,
-            device=ref.device, dtype=ref.dtype,
-        )
+        config = AttentionConfig(d_model=e, n_heads=m.num_heads, kv_dim=m.kdim, value_dim=m.vdim, bias=has_bias,
+                                 dropout=m.dropout)
+        layer = cls(config, device=ref.device, dtype=ref.dtype)
         with torch.no_grad():
             if m._qkv_same_embed_dim:
                 assert m.in_proj_weight is not None

@@ -5,8 +5,8 @@
     k, v buffers   (n_layers, b, g, max_len, d)     g = n_kv_heads: the cache is n_kv_heads wide, never n_heads
     lengths        (b,)                              tokens held by each sequence (they may differ)
 
-A decoding step is: ``positions = cache.next_positions(s)`` (raises if s more tokens would overflow), every layer
-writes its keys and values at those positions (``cache.write``) and attends to the cache, then
+A decoding step is: ``positions = cache.next_positions(s)`` (raises if s more tokens would overflow), made once by
+the model, every layer writes its keys and values at those positions (``cache.write``) and attends to the cache, then
 ``cache.advance(s)``. Sequences of a batch keep their own lengths, so prompts of different lengths decode together
 without left padding: a right-padded prompt is written whole and ``advance(s, lengths=...)`` records the real lengths,
 so the next token of each sequence overwrites its first pad slot.
@@ -21,6 +21,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor, nn
 
+from multihead import cpu
 from multihead.errors import MultiheadError
 
 
@@ -55,8 +56,6 @@ class KVCache(nn.Module):
         self.n_layers = n_layers
         self._used = 0  # the longest sequence, known on the host: overflow is checked without a device sync
         self._uniform = True  # every sequence holds _used tokens (known on the host)
-        # (s, lengths' version, positions, their version): one positions tensor per step, remade if either changed
-        self._next: tuple[int, int, Tensor, int] | None = None
 
     @property
     def batch(self) -> int:
@@ -87,27 +86,38 @@ class KVCache(nn.Module):
         self._uniform = True
 
     def next_positions(self, s: int) -> Tensor:
-        """Positions (b, s) of the next s tokens of each sequence; raises if they would not fit."""
+        """Positions (b, s) of the next s tokens of each sequence; raises if they would not fit.
+
+        A model calls this once per step and passes the result to every layer (:class:`multihead.attention.Step`).
+        """
+        self.check_room(s)
+        return self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
+
+    def check_room(self, s: int) -> None:
+        """Raise if s more tokens would not fit."""
         if self._used + s > self.max_len:
             raise MultiheadError(
                 f"KV cache overflow: {s} more token(s) after {self._used} would need {self._used + s} positions "
                 f"but max_len is {self.max_len}: make a cache with a larger max_len, or reset() it"
             )
-        if torch.compiler.is_compiling():
-            return self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
-        found = self._next
-        if (found is not None and found[0] == s and found[1] == self.lengths._version
-                and found[2]._version == found[3]):
-            return found[2]  # every layer of a step gets the same tensor (RoPE's cos/sin are then made once)
-        positions = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
-        self._next = (s, self.lengths._version, positions, positions._version)
-        return positions
 
-    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """Store k and v (b, g, s, d) of one layer at positions (b, s); return that layer's whole cache.
+    def span(self, s: int) -> int:
+        """How many slots a layer attends to after writing s more tokens: max_len under torch.compile (fixed
+        shapes), else the slots in use (less work for short sequences)."""
+        return self.max_len if torch.compiler.is_compiling() else min(self.max_len, self._used + s)
 
-        Returns keys and values (b, g, t, d), t = max_len under torch.compile (fixed shapes) and the slots in use
-        otherwise (less work for short sequences).
+    def slice_start(self) -> int | None:
+        """The slot where every sequence continues, when they all hold the same host-known length and the slice
+        write is on (:func:`multihead.cpu.slice_cache_write`); else None (writes go by positions)."""
+        return self._used if cpu.slice_cache_write(self._uniform) else None
+
+    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, *, start: int | None = None,
+              t: int | None = None) -> tuple[Tensor, Tensor]:
+        """Store k and v (b, g, s, d) of one layer at positions (b, s); return that layer's keys and values
+        (b, g, t, d), t = :meth:`span` unless given.
+
+        ``start`` (from :meth:`slice_start`, for new tokens that continue every sequence at the same length) writes
+        them as one slice from that slot instead of by positions.
         """
         b, g, s, d = k.shape
         if (b, g, d) != (self.batch, self.n_kv_heads, self.head_dim):
@@ -117,21 +127,27 @@ class KVCache(nn.Module):
             )
         if not 0 <= layer < self.n_layers:
             raise MultiheadError(f"layer {layer} is out of range for a cache of {self.n_layers} layer(s)")
-        compiling = torch.compiler.is_compiling()
-        step = self._next
-        if (not compiling and self._uniform and step is not None and positions is step[2]
-                and positions._version == step[3] and step[1] == self.lengths._version):
-            # every sequence continues at the same length: one slice of slots, no index arithmetic
-            keys, values = self.k.select(0, layer), self.v.select(0, layer)  # (b, g, max_len, d)
-            keys.narrow(2, self._used, s).copy_(k)
-            values.narrow(2, self._used, s).copy_(v)
-            t = min(self.max_len, self._used + s)
-            return keys.narrow(2, 0, t), values.narrow(2, 0, t)
-        rows = torch.arange(b, device=positions.device)[:, None]  # (b, 1)
-        self.k[layer].transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(self.k.dtype)  # (b, s, g, d) slots
-        self.v[layer].transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(self.v.dtype)
-        t = self.max_len if compiling else min(self.max_len, self._used + s)
-        return self.k[layer, :, :, :t], self.v[layer, :, :, :t]  # (b, g, t, d)
+        t = self.span(s) if t is None else t
+        keys, values = self.k.select(0, layer), self.v.select(0, layer)  # (b, g, max_len, d)
+        if start is not None:  # one slice of slots, no index arithmetic
+            keys.narrow(2, start, s).copy_(k)
+            values.narrow(2, start, s).copy_(v)
+        else:
+            rows = torch.arange(b, device=positions.device)[:, None]  # (b, 1)
+            keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(keys.dtype)  # (b, s, g, d) slots
+            values.transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(values.dtype)
+        return keys.narrow(2, 0, t), values.narrow(2, 0, t)  # (b, g, t, d)
+
+    def peek(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, *, t: int | None = None
+             ) -> tuple[Tensor, Tensor]:
+        """What :meth:`write` would return, from copies: the cache itself is left unchanged (for ``explain``)."""
+        s = k.shape[2]
+        t = self.span(s) if t is None else t
+        keys, values = self.k[layer, :, :, :t].clone(), self.v[layer, :, :, :t].clone()  # (b, g, t, d)
+        rows = torch.arange(k.shape[0], device=positions.device)[:, None]
+        keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(keys.dtype)
+        values.transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(values.dtype)
+        return keys, values
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         """Record that s tokens were written for every sequence, or set the real lengths of a padded prefill."""
@@ -169,5 +185,9 @@ class LayerCache:
         self.cache = cache
         self.index = index
 
-    def write(self, k: Tensor, v: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        return self.cache.write(self.index, k, v, positions)
+    def write(self, k: Tensor, v: Tensor, positions: Tensor, *, start: int | None = None, t: int | None = None
+              ) -> tuple[Tensor, Tensor]:
+        return self.cache.write(self.index, k, v, positions, start=start, t=t)
+
+    def peek(self, k: Tensor, v: Tensor, positions: Tensor, *, t: int | None = None) -> tuple[Tensor, Tensor]:
+        return self.cache.peek(self.index, k, v, positions, t=t)

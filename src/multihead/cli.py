@@ -8,7 +8,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -565,51 +564,10 @@ def _run_check(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
-# ---------------------------------------------------------------------------------------------- bench
-def _add_bench(sub: Any) -> None:
-    p = sub.add_parser("bench", help="speed against the anchors on this machine: P1-P5 (CPU), G1-G4 (GPU)")
-    p.add_argument("--only", default=None, metavar="NAMES",
-                   help="comma-separated benchmarks, e.g. P1,P4 (default: P1-P5, and G1-G4 where CUDA is present)")
-    p.add_argument("--repeats", type=int, default=5, help="alternating repeats per comparison (default 5)")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.set_defaults(run=_run_bench)
-
-
-def _run_bench(args: argparse.Namespace) -> int:
-    import torch
-
-    from multihead import bench
-
-    if args.repeats < 1:
-        raise CliError(f"--repeats ({args.repeats}) must be at least 1")
-    known = bench.CPU_BENCHMARKS + bench.GPU_BENCHMARKS
-    if args.only is None:
-        names = bench.CPU_BENCHMARKS + (bench.GPU_BENCHMARKS if torch.cuda.is_available() else ())
-    else:
-        names = tuple(n.strip().upper() for n in args.only.split(",") if n.strip())
-        unknown = [n for n in names if n not in known]
-        if unknown or not names:
-            raise CliError(f"--only {args.only!r}: unknown benchmark(s) {', '.join(unknown) or '(none given)'}; "
-                           f"choose from {', '.join(known)}")
-        if any(n in bench.GPU_BENCHMARKS for n in names) and not torch.cuda.is_available():
-            raise CliError("G1-G4 are GPU benchmarks and torch.cuda.is_available() is False here")
-    torch.set_num_threads(os.cpu_count() or 1)
-    results = bench.run_cpu(args.repeats, tuple(n for n in names if n in bench.CPU_BENCHMARKS))
-    if any(n in bench.GPU_BENCHMARKS for n in names):
-        results += bench.run_gpu(max(args.repeats, 20), tuple(n for n in names if n in bench.GPU_BENCHMARKS))
-    if args.json:
-        print(json.dumps({"machine": bench.machine(), "torch": torch.__version__, "repeats": args.repeats,
-                          "results": bench.as_dicts(results)}))
-    else:
-        print(bench.header("CPU float32, GPU bfloat16", args.repeats))
-        print(bench.table(results))
-    return 0
-
-
 # ---------------------------------------------------------------------------------------------- main
 _COMMANDS: list[Callable[[Any], None]] = [
     _add_heads, _add_shapes, _add_count, _add_compare, _add_presets, _add_embed, _add_generate, _add_experiment,
-    _add_check, _add_bench,
+    _add_check,
 ]
 
 

@@ -20,6 +20,7 @@ make a new ``AttentionConfig`` to derive them again.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
@@ -53,11 +54,11 @@ def _check_positive_int(name: str, value: object) -> None:
         raise MultiheadError(f"{name} ({value}) must be a positive int")
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, init=False)
 class AttentionConfig:
-    """Widths, head counts and options of one attention layer.
+    """Widths, head counts and options of one attention layer, every value resolved.
 
-    Args:
+    Args (keyword-only):
         d_model: width of the input (and of the output, after W_O).
         n_heads: number of query heads ``h``.
         n_kv_heads: number of key/value heads ``g``; ``None`` means ``n_heads`` (MHA), 1 is MQA. Must divide n_heads.
@@ -71,103 +72,125 @@ class AttentionConfig:
         scale: the factor on q·k; ``None`` means ``head_dim ** -0.5``.
         rope: rotary embeddings on q and k (a :class:`RopeConfig`, or its base as a float); ``None`` for none.
         window: sliding window, a causal query sees at most the last ``window`` keys (itself included).
+
+    The defaults are resolved once, here: ``config.n_kv_heads``, ``head_dim``, ``kv_dim``, ``value_dim``,
+    and ``out_bias`` are always plain values afterwards; ``scale`` stays None for "head_dim ** -0.5" (so a config
+    derived with another head_dim gets its own), and :attr:`softmax_scale` gives the number.
     """
 
     d_model: int
     n_heads: int
-    n_kv_heads: int | None = None
-    head_dim: int | None = None
-    kv_dim: int | None = None
-    value_dim: int | None = None
-    bias: bool = True
-    out_bias: bool | None = None
-    dropout: float = 0.0
-    scale: float | None = None
-    rope: RopeConfig | None = None
-    window: int | None = None
+    n_kv_heads: int
+    head_dim: int
+    kv_dim: int
+    value_dim: int
+    bias: bool
+    out_bias: bool
+    dropout: float
+    scale: float | None
+    rope: RopeConfig | None
+    window: int | None
 
-    def __post_init__(self) -> None:
-        _check_positive_int("d_model", self.d_model)
-        _check_positive_int("n_heads", self.n_heads)
-        if self.n_kv_heads is None:
-            object.__setattr__(self, "n_kv_heads", self.n_heads)
-        _check_positive_int("n_kv_heads", self.n_kv_heads)
-        assert self.n_kv_heads is not None
-        if self.n_kv_heads > self.n_heads or self.n_heads % self.n_kv_heads != 0:
+    def __init__(
+        self,
+        *,
+        d_model: int,
+        n_heads: int,
+        n_kv_heads: int | None = None,
+        head_dim: int | None = None,
+        kv_dim: int | None = None,
+        value_dim: int | None = None,
+        bias: bool = True,
+        out_bias: bool | None = None,
+        dropout: float = 0.0,
+        scale: float | None = None,
+        rope: RopeConfig | float | None = None,
+        window: int | None = None,
+    ) -> None:
+        _check_positive_int("d_model", d_model)
+        _check_positive_int("n_heads", n_heads)
+        n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        _check_positive_int("n_kv_heads", n_kv_heads)
+        if n_kv_heads > n_heads or n_heads % n_kv_heads != 0:
             raise MultiheadError(
-                f"n_heads ({self.n_heads}) must be divisible by n_kv_heads ({self.n_kv_heads}): "
-                f"choose n_kv_heads in {', '.join(map(str, divisors(self.n_heads)))}"
+                f"n_heads ({n_heads}) must be divisible by n_kv_heads ({n_kv_heads}): "
+                f"choose n_kv_heads in {', '.join(map(str, divisors(n_heads)))}"
             )
-        if self.head_dim is None:
-            if self.d_model % self.n_heads != 0:
+        if head_dim is None:
+            if d_model % n_heads != 0:
+                choices = divisors(d_model)
                 raise MultiheadError(
-                    f"d_model ({self.d_model}) must be divisible by n_heads ({self.n_heads}) to give head_dim = "
-                    f"d_model / n_heads: choose n_heads in {', '.join(map(str, divisors(self.d_model)[:16]))}"
-                    f"{', ...' if len(divisors(self.d_model)) > 16 else ''}, or pass head_dim explicitly"
+                    f"d_model ({d_model}) must be divisible by n_heads ({n_heads}) to give head_dim = "
+                    f"d_model / n_heads: choose n_heads in {', '.join(map(str, choices[:16]))}"
+                    f"{', ...' if len(choices) > 16 else ''}, or pass head_dim explicitly"
                 )
-            object.__setattr__(self, "head_dim", self.d_model // self.n_heads)
-        _check_positive_int("head_dim", self.head_dim)
-        if self.kv_dim is None:
-            object.__setattr__(self, "kv_dim", self.d_model)
-        _check_positive_int("kv_dim", self.kv_dim)
-        if self.value_dim is None:
-            object.__setattr__(self, "value_dim", self.kv_dim)
-        _check_positive_int("value_dim", self.value_dim)
-        for name in ("bias", "out_bias"):
-            if not isinstance(getattr(self, name), bool) and not (name == "out_bias" and self.out_bias is None):
-                raise MultiheadError(f"{name} ({getattr(self, name)!r}) must be True or False")
-        if self.out_bias is None:
-            object.__setattr__(self, "out_bias", self.bias)
-        if isinstance(self.dropout, bool) or not isinstance(self.dropout, (int, float)):
-            raise MultiheadError(f"dropout ({self.dropout!r}) must be a float in [0, 1)")
-        if not 0.0 <= self.dropout < 1.0:
-            raise MultiheadError(f"dropout ({self.dropout}) must be in [0, 1)")
-        if self.scale is not None and (
-            isinstance(self.scale, bool)
-            or not isinstance(self.scale, (int, float))
-            or not math.isfinite(self.scale)
-            or self.scale <= 0
+            head_dim = d_model // n_heads
+        _check_positive_int("head_dim", head_dim)
+        kv_dim = d_model if kv_dim is None else kv_dim
+        _check_positive_int("kv_dim", kv_dim)
+        value_dim = kv_dim if value_dim is None else value_dim
+        _check_positive_int("value_dim", value_dim)
+        if not isinstance(bias, bool):
+            raise MultiheadError(f"bias ({bias!r}) must be True or False")
+        if out_bias is not None and not isinstance(out_bias, bool):
+            raise MultiheadError(f"out_bias ({out_bias!r}) must be True or False")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)):
+            raise MultiheadError(f"dropout ({dropout!r}) must be a float in [0, 1)")
+        if not 0.0 <= dropout < 1.0:
+            raise MultiheadError(f"dropout ({dropout}) must be in [0, 1)")
+        if scale is not None and (
+            isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0
         ):
-            raise MultiheadError(
-                f"scale ({self.scale!r}) must be a positive finite float, or None for head_dim ** -0.5"
-            )
-        if self.rope is not None:
-            if isinstance(self.rope, (int, float)) and not isinstance(self.rope, bool):
-                object.__setattr__(self, "rope", RopeConfig(base=float(self.rope)))
-            if not isinstance(self.rope, RopeConfig):
-                raise MultiheadError(f"rope ({self.rope!r}) must be None, a base such as 10000.0, or a RopeConfig")
-            if self.head_dim is not None and self.head_dim % 2 != 0:
-                raise MultiheadError(f"rope needs an even head_dim (got head_dim {self.head_dim}): rotary embeddings "
+            raise MultiheadError(f"scale ({scale!r}) must be a positive finite float, or None for head_dim ** -0.5")
+        if rope is not None:
+            if isinstance(rope, (int, float)) and not isinstance(rope, bool):
+                rope = RopeConfig(base=float(rope))
+            if not isinstance(rope, RopeConfig):
+                raise MultiheadError(f"rope ({rope!r}) must be None, a base such as 10000.0, or a RopeConfig")
+            if head_dim % 2 != 0:
+                raise MultiheadError(f"rope needs an even head_dim (got head_dim {head_dim}): rotary embeddings "
                                      "rotate pairs of dimensions")
-        if self.window is not None and (
-            isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1
-        ):
-            raise MultiheadError(f"window ({self.window!r}) must be a positive int (the number of keys a query "
-                                     "may see), or None for no window")
+        if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+            raise MultiheadError(f"window ({window!r}) must be a positive int (the number of keys a query "
+                                 "may see), or None for no window")
+        resolved = {
+            "d_model": d_model, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
+            "kv_dim": kv_dim, "value_dim": value_dim, "bias": bias,
+            "out_bias": bias if out_bias is None else out_bias, "dropout": float(dropout),
+            "scale": None if scale is None else float(scale), "rope": rope, "window": window,
+        }
+        for name, value in resolved.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_kwargs(cls, fields: dict[str, Any]) -> AttentionConfig:
+        """A config from keyword arguments, with a clear error for a name that is not a field."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        unknown = [name for name in fields if name not in known]
+        if unknown:
+            raise MultiheadError(f"unknown attention option(s) {', '.join(map(repr, unknown))}: the options are "
+                                 f"{', '.join(known)}")
+        return cls(**fields)
 
     # Derived values, named as the formula names them.
     @property
     def n_groups(self) -> int:
         """Query heads per KV head: n_heads / n_kv_heads."""
-        assert self.n_kv_heads is not None
         return self.n_heads // self.n_kv_heads
 
     @property
     def q_dim(self) -> int:
         """Width of all query heads together: n_heads * head_dim."""
-        assert self.head_dim is not None
         return self.n_heads * self.head_dim
 
     @property
     def k_dim(self) -> int:
         """Width of all key (and of all value) heads together: n_kv_heads * head_dim."""
-        assert self.head_dim is not None and self.n_kv_heads is not None
         return self.n_kv_heads * self.head_dim
 
     @property
     def softmax_scale(self) -> float:
         """The factor on q·k: scale, or head_dim ** -0.5."""
-        assert self.head_dim is not None
         return self.scale if self.scale is not None else self.head_dim ** -0.5
 
     @property
@@ -185,4 +208,4 @@ class AttentionConfig:
         """Make the layer this config describes."""
         from multihead.attention import MultiHeadAttention
 
-        return MultiHeadAttention.from_config(self, device=device, dtype=dtype)
+        return MultiHeadAttention(self, device=device, dtype=dtype)

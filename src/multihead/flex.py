@@ -4,8 +4,9 @@ A structured mask (causal aligned bottom-right, a sliding window, key padding, p
 positions) is turned into a ``mask_mod`` and a ``BlockMask``: blocks of 128 x 128 (query, key) pairs that are fully
 masked are skipped, never computed, and no (s, t) mask is made. A float mask becomes a ``score_mod`` that adds it.
 
-- Block masks are cached: a call with the same structure (and the same mask tensors, unchanged) reuses the block
-  mask of the previous one, so the layers of a model share one per step.
+- A block mask is made once per mask spec and kept on it; a model makes one spec per step, so its layers share
+  one block mask per step (a standalone layer called repeatedly can do the same: ``layer.step(...)`` once, then
+  ``layer(x, step=step)``).
 - The kernel is ``torch.compile(flex_attention)``, made once per process; torch caches the compiled kernels per
   shape and mask function. Without compiling, flex attention runs a dense reference (O(s * t) memory), so this
   backend always compiles; inside a region that is already being compiled it calls flex attention directly.
@@ -16,8 +17,6 @@ masked are skipped, never computed, and no (s, t) mask is made. A float mask bec
 
 from __future__ import annotations
 
-import weakref
-from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -27,7 +26,6 @@ from torch import Tensor
 from multihead.masks import MaskSpec
 
 BLOCK = 128  # flex attention's default block size (queries x keys)
-_CACHE_SIZE = 32
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 ScoreMod = Callable[[Tensor, Tensor, Tensor, Tensor, Tensor], Tensor]
@@ -47,12 +45,6 @@ def _full(x: Tensor, b: int, h: int, s: int, t: int) -> Tensor:
     while x.ndim < 4:
         x = x.unsqueeze(0)
     return x.expand(b, h, s, t)
-
-
-def _tensor_key(x: Tensor | None) -> tuple[Any, ...]:
-    if x is None:
-        return (None,)
-    return (id(x), x._version, x.data_ptr(), tuple(x.shape), x.dtype)
 
 
 def mask_mod(spec: MaskSpec) -> MaskMod | None:
@@ -133,37 +125,33 @@ def _depends_on_batch(spec: MaskSpec) -> bool:
     return any(m is not None and m.shape[0] > 1 for m in per_batch)
 
 
-_block_masks: OrderedDict[tuple[Any, ...], tuple[list[weakref.ref[Tensor]], Any]] = OrderedDict()
-
-
 def block_mask(spec: MaskSpec, device: torch.device) -> Any:
-    """The BlockMask of ``spec`` (cached while the same structure and mask tensors come back unchanged), or None
-    when every query may see every key."""
+    """The BlockMask of ``spec``, or None when every query may see every key.
+
+    Made once per spec and kept on it (:attr:`MaskSpec.memo`): a model makes one spec per step for all its layers.
+    """
+    key = ("block_mask", device)
+    if key in spec.memo:
+        return spec.memo[key]
+    made = _make_block_mask(spec, device)
+    if not torch.compiler.is_compiling():
+        spec.memo[key] = made
+    return made
+
+
+def _make_block_mask(spec: MaskSpec, device: torch.device) -> Any:
     from torch.nn.attention.flex_attention import create_block_mask
 
     mod = mask_mod(spec)
     if mod is None:
         return None
-    tensors = [x for x in (spec.q_positions, spec.documents, spec.keep, spec.bias) if x is not None]
-    key = (spec.batch, spec.n_heads, spec.s, spec.t, spec.causal, spec.window, str(device),
-           *(k for x in (spec.q_positions, spec.documents, spec.keep, spec.bias) for k in _tensor_key(x)))
     compiling = torch.compiler.is_compiling()
-    if not compiling:
-        found = _block_masks.get(key)
-        if found is not None and all(r() is x for r, x in zip(found[0], tensors, strict=True)):
-            _block_masks.move_to_end(key)
-            return found[1]
     b = spec.batch if _depends_on_batch(spec) else None
     h = spec.n_heads if _depends_on_heads(spec) else None
     # evaluated eagerly the mask function runs over the whole (s, t) grid at once; past 4096 x 4096 the compiled
     # version works block by block
     make = create_block_mask if compiling or spec.s * spec.t < 4096 * 4096 else _compiled_create_block_mask()
-    made = make(mod, b, h, spec.s, spec.t, device=device, BLOCK_SIZE=BLOCK)
-    if not compiling:
-        _block_masks[key] = ([weakref.ref(x) for x in tensors], made)
-        while len(_block_masks) > _CACHE_SIZE:
-            _block_masks.popitem(last=False)
-    return made
+    return make(mod, b, h, spec.s, spec.t, device=device, BLOCK_SIZE=BLOCK)
 
 
 _compiled: Callable[..., Any] | None = None

@@ -21,14 +21,13 @@ Backends:
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead import flex
+from multihead import cpu, flex
 from multihead.errors import MultiheadError
 from multihead.masks import MaskSpec
 
@@ -62,18 +61,35 @@ def structure(spec: MaskSpec) -> str | None:
     return ", ".join(parts) if parts else None
 
 
-def resolve_backend(
-    backend: str,
-    *,
-    need_weights: bool,
-    spec: MaskSpec | None = None,
-    device: torch.device | None = None,
-    dropout_p: float = 0.0,
-    needs_grad: bool = False,
-) -> tuple[str, str]:
-    """The backend that runs, and why."""
+@dataclass(frozen=True)
+class AttentionCall:
+    """One call of the attention core, as :func:`attend` runs it and :func:`explain` describes it.
+
+    q (b, h, s, d); k and v (b, g, t, d) with g dividing h (query head i reads KV head i // (h / g)); ``mask`` the
+    call's :class:`~multihead.masks.MaskSpec`; ``dropout_p`` the dropout on the weights (0 outside training);
+    ``backend`` one of BACKENDS; ``need_weights`` whether the (b, h, s, t) weights are returned.
+    """
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    mask: MaskSpec
+    scale: float
+    dropout_p: float = 0.0
+    backend: str = "auto"
+    need_weights: bool = False
+
+    @property
+    def needs_grad(self) -> bool:
+        return torch.is_grad_enabled() and (self.q.requires_grad or self.k.requires_grad or self.v.requires_grad)
+
+
+def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) -> tuple[str, str]:
+    """The backend that runs for ``call`` (on ``device``, default q's: a what-if for another device), and why."""
+    backend, spec, dropout_p = call.backend, call.mask, call.dropout_p
+    device = call.q.device if device is None else device
     check_backend(backend)
-    if need_weights:
+    if call.need_weights:
         if backend in ("sdpa", "flex"):
             raise MultiheadError(
                 f"backend {backend!r} cannot return attention weights (fused kernels never materialise them): "
@@ -87,19 +103,18 @@ def resolve_backend(
             raise MultiheadError(f"backend 'flex' has no dropout (dropout_p {dropout_p}): use 'sdpa', or eval()")
         if not flex.available():
             raise MultiheadError(f"backend 'flex' needs torch >= 2.5 with flex attention (this is {torch.__version__})")
-        if needs_grad and device is not None and device.type == "cpu":
+        if call.needs_grad and device.type == "cpu":
             raise MultiheadError("backend 'flex' has no backward on the CPU (PyTorch's flex attention): run under "
                                  "torch.no_grad() or choose backend 'sdpa' for training on the CPU")
         return "flex", "flex attention asked for explicitly"
     if backend == "sdpa":
         return "sdpa", "SDPA asked for explicitly"
-    found = structure(spec) if spec is not None else None
+    found = structure(spec)
     if found is None:
         return "sdpa", "fused SDPA is the default"
-    assert spec is not None
     if dropout_p > 0.0:
         return "sdpa", f"the mask has structure ({found}) but flex attention has no dropout"
-    if device is None or device.type != "cuda":
+    if device.type != "cuda":
         return "sdpa", (f"the mask has structure ({found}); on the CPU flex attention compiles for each new shape, "
                         "so SDPA's CPU kernel takes the mask (backend='flex' for the block-sparse kernel)")
     if spec.s < flex.BLOCK:
@@ -132,17 +147,21 @@ def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float) -> 
     return weights
 
 
+def weighted_values(weights: Tensor, v: Tensor) -> Tensor:
+    """weights (b, h, s, t) @ v (b, g, t, d) -> (b, h, s, d), each group of h / g query heads on its own KV head."""
+    b, h, s, t = weights.shape
+    g, d = v.shape[1], v.shape[3]
+    return (weights.reshape(b, g, (h // g) * s, t) @ v).view(b, h, s, d)  # (b, h, s, d)
+
+
 def math_attention(
     q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0
 ) -> tuple[Tensor, Tensor]:
     """The readable path: (out (b, h, s, d), weights (b, h, s, t))."""
-    b, h, s, d = q.shape
-    g, t = k.shape[1], k.shape[2]
     weights = attention_weights(q, k, spec, scale=scale)  # (b, h, s, t)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
-    out = (weights.view(b, g, (h // g) * s, t) @ v).view(b, h, s, d)  # (b, h, s, d)
-    return out, weights
+    return weighted_values(weights, v), weights
 
 
 def sdpa_attention(
@@ -153,7 +172,7 @@ def sdpa_attention(
     A GQA decode step on the CPU (one query per head) can run with the query heads of each group folded into the
     query dimension, (b, h, 1, d) -> (b, g, h/g, d): the kernel then reads each KV head once instead of once per
     query head (FlashAttention does the same swap on the GPU), but has b * g work items to share among the threads
-    instead of b * h. See :func:`_folds` for when it is done. Same result.
+    instead of b * h. :func:`multihead.cpu.fold_gqa_decode` decides when. Same result.
     """
     b, h, s, d = q.shape
     g = k.shape[1]
@@ -185,28 +204,8 @@ def sdpa_attention(
     return out
 
 
-def _intra_op_threads() -> int:
-    return torch.get_num_threads()
-
-
-# under torch.compile the thread count is read once, when the graph is traced
-intra_op_threads: Callable[[], int] = torch.compiler.assume_constant_result(_intra_op_threads)
-
-
 def _folds(q: Tensor, k: Tensor, spec: MaskSpec) -> bool:
-    """Whether SDPA runs a GQA decode step with the query heads folded into rows (see :func:`sdpa_attention`).
-
-    On the CPU, when the folded work items (b * g) share evenly among the threads, or are at least two per thread, or
-    each KV head serves at least 4 query heads. Measured with SDPA's CPU flash kernel on the 2-core machine of
-    benchmarks/RESULTS.md (float32, head_dim 64, time folded / not folded): 32/8 heads, 4096 keys 0.73; 8/1, 2048
-    keys 0.71; 16/2 0.40, 12/4 0.91, 9/3 at batch 2 0.88, 15/5 1.00 (1024 keys); but 9/3 at batch 1 (3 items for 2
-    threads) 1.07-1.24 slower for 4096-64 keys, so it stays unfolded there.
-    """
-    g, h = k.shape[1], q.shape[1]
-    if g == h or q.shape[2] != 1 or q.device.type != "cpu" or spec.is_plain_causal:
-        return False
-    items, threads = q.shape[0] * g, intra_op_threads()
-    return h // g >= 4 or items % threads == 0 or items >= 2 * threads
+    return cpu.fold_gqa_decode(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.device, spec.is_plain_causal)
 
 
 def _fold_mask(mask: Tensor, h: int, g: int) -> Tensor:
@@ -217,30 +216,19 @@ def _fold_mask(mask: Tensor, h: int, g: int) -> Tensor:
     return mask.reshape(mask.shape[0], g, h // g, mask.shape[3])  # head i = group i // (h/g), member i % (h/g)
 
 
-def attend(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    spec: MaskSpec,
-    *,
-    scale: float,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-    need_weights: bool = False,
-) -> tuple[Tensor, Tensor | None]:
+def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     """softmax(q k^T * scale + mask) v for q (b, h, s, d) and k, v (b, g, t, d).
 
     Returns (out (b, h, s, d), weights (b, h, s, t) or None). Weights are those multiplied into v, after dropout.
     """
-    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    chosen, _ = resolve_backend(backend, need_weights=need_weights, spec=spec, device=q.device, dropout_p=dropout_p,
-                                needs_grad=needs_grad)
+    chosen, _ = resolve_backend(call)
+    q, k, v, spec = call.q, call.k, call.v, call.mask
     if chosen == "math":
-        out, weights = math_attention(q, k, v, spec, scale=scale, dropout_p=dropout_p)
-        return out, (weights if need_weights else None)
+        out, weights = math_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p)
+        return out, (weights if call.need_weights else None)
     if chosen == "flex":
-        return flex.flex_attention(q, k, v, spec, scale=scale), None
-    return sdpa_attention(q, k, v, spec, scale=scale, dropout_p=dropout_p), None
+        return flex.flex_attention(q, k, v, spec, scale=call.scale), None
+    return sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p), None
 
 
 @dataclass(frozen=True)
@@ -278,20 +266,11 @@ def _describe_mask(spec: MaskSpec) -> str:
     return "; ".join(parts)
 
 
-def explain(
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    spec: MaskSpec,
-    *,
-    scale: float,
-    dropout_p: float = 0.0,
-    backend: str = "auto",
-    need_weights: bool = False,
-) -> KernelChoice:
-    """Which kernel :func:`attend` runs for these inputs, without running it."""
-    chosen, reason = resolve_backend(backend, need_weights=need_weights, spec=spec, device=q.device,
-                                     dropout_p=dropout_p)
+def explain(call: AttentionCall) -> KernelChoice:
+    """Which kernel :func:`attend` runs for this call, and why, without running it."""
+    q, k, v, spec = call.q, call.k, call.v, call.mask
+    dropout_p, scale, need_weights = call.dropout_p, call.scale, call.need_weights
+    chosen, reason = resolve_backend(call)
     mask_text = _describe_mask(spec)
     if chosen == "flex":
         skipped = flex.sparsity(spec, q.device)

@@ -10,53 +10,27 @@ Same weights, same parameters and state_dict, no copy of W. The product is the s
 (float32 rounding differs at the last bits). Measured on the 2-core machine of benchmarks/RESULTS.md, float32, the 210
 matrices of SmolLM2-135M at one row: 63 ms with F.linear, 33 ms split in 2; 1536 x 576 at 1-64 rows: 0.4-0.8x the time
 of F.linear; from about 128 rows the two are level and F.linear is kept. bfloat16 showed no gain (its gemm already uses
-both cores), so the path is float32 only. Weights under MIN_WEIGHT elements stay with F.linear: they sit in cache and
-the split's own dispatch costs more than it saves (72 x 64 at one row: 20 us split, 5 us plain).
+both cores), so the path is float32 only. When to split is decided in :func:`multihead.cpu.split_product` (with the
+other CPU speed paths, behind one switch).
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-MAX_ROWS = 64  # at most this many rows (tokens x batch) take the split product
-MIN_WEIGHT = 65536  # weights of fewer elements (256 KiB in float32) sit in cache: the split's own overhead dominates
-
-
-def _split_count(out_features: int) -> int:
-    """Row blocks for the split product: the intra-op thread count when it divides out_features, else 1."""
-    n = torch.get_num_threads()
-    return n if n > 1 and out_features % n == 0 else 1
-
-
-# under torch.compile the thread count is read once, when the graph is traced (set_num_threads before compiling)
-split_count: Callable[[int], int] = torch.compiler.assume_constant_result(_split_count)
+from multihead import cpu
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``, split over the CPU threads for at most MAX_ROWS float32 rows."""
+    """``F.linear(x, weight, bias)``, split over the CPU threads where :func:`multihead.cpu.split_product` says so."""
     in_features = x.shape[-1] if x.ndim else 0
     rows = x.numel() // in_features if in_features else 0
-    if (  # cheapest tests first: this runs for every projection of every step
-        not 0 < rows <= MAX_ROWS
-        or weight.numel() < MIN_WEIGHT
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
-        or x.device.type != "cpu"
-        or type(weight) not in (Tensor, nn.Parameter)  # tensor subclasses (DTensor shards) keep their own dispatch
-        or type(x) is not Tensor
-        or weight.ndim != 2
-        or weight.shape[1] != in_features  # F.linear says what is wrong
-        or not weight.is_contiguous()
-    ):
-        return F.linear(x, weight, bias)
-    out_features = weight.shape[0]
-    n = split_count(out_features)
+    n = cpu.split_product(rows, weight, x)
     if n == 1:
         return F.linear(x, weight, bias)
+    out_features = weight.shape[0]
     # x^T as (in, m) with unit stride along in: MKL takes a fast path for this layout (a (in, 1) column with other
     # strides measured 3-5x slower)
     xt = x.reshape(rows, in_features).t().expand(n, in_features, rows)

@@ -19,7 +19,8 @@ A query row with no allowed key yields zeros (in the output and in the weights),
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -61,6 +62,9 @@ class MaskSpec:
     """Which keys each query may see, for queries (b, h, s) over keys (b, g, t).
 
     ``keep`` (bool) and ``bias`` (float) are already validated and broadcastable to (b, h, s, t).
+
+    A spec is made once per model step and shared by every layer: what is derived from it (the dense mask of
+    :meth:`dense`, flex attention's block mask) is made on first use and kept on the spec for the other layers.
     """
 
     batch: int
@@ -73,6 +77,7 @@ class MaskSpec:
     bias: Tensor | None = None
     q_positions: Tensor | None = None  # (b, s): with a KV cache, causal by absolute positions instead of alignment
     documents: Tensor | None = None  # (b, s) document ids, s == t: a token sees its own document only
+    memo: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
     def is_empty(self) -> bool:
@@ -104,8 +109,17 @@ class MaskSpec:
         ``keep`` is bool (True = may attend) or None for "all", ``bias`` is a float tensor in ``dtype`` or None.
         Rows with no allowed key are opened up (all keys allowed, bias 0) so that no kernel sees an empty row, and
         ``has_key`` (bool, ``(.., s, 1)``) says which rows were empty so their output can be zeroed afterwards; it is
-        None when no row can be empty.
+        None when no row can be empty. Made once per (device, dtype) and kept on this spec.
         """
+        key = ("dense", device, dtype)
+        found = self.memo.get(key)
+        if found is None:
+            found = self._dense(device, dtype)
+            if not torch.compiler.is_compiling():
+                self.memo[key] = found
+        return found
+
+    def _dense(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         keep = self.keep
         if self.causal:
             if self.q_positions is not None:

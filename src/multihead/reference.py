@@ -9,6 +9,7 @@ beyond the config (the numbers), so a bug in the layer cannot hide in both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -74,13 +75,15 @@ def multihead_attention(
     key_padding_mask: Array | None = None,
     causal: bool = False,
     positions: Array | None = None,
+    edit_pattern: Callable[[int, Array], Array] | None = None,
 ) -> tuple[Array, Array]:
     """(output (b, s, d_model), weights (b, n_heads, s, t)) in float64.
 
     ``mask`` is bool (True = may attend) or float (added to the scores), broadcastable to (b, n_heads, s, t);
     ``key_padding_mask`` is (b, t) bool with True = a real token; causal is aligned bottom-right (query i sees keys
     up to t - s + i); the config's window lets query i see only keys j > t - s + i - window. A row with no allowed
-    key gives zeros.
+    key gives zeros. ``edit_pattern(i, w)`` may replace head i's weights w (b, s, t) before they multiply its values
+    (the returned weights are the edited ones).
     """
     x = np.asarray(x, dtype=np.float64)
     c = x if context is None else np.asarray(context, dtype=np.float64)
@@ -88,7 +91,6 @@ def multihead_attention(
     b, s, _ = x.shape
     t = c.shape[1]
     h, g, d = config.n_heads, config.n_kv_heads, config.head_dim
-    assert g is not None and d is not None
     per_group = h // g
     scale = config.scale if config.scale is not None else 1.0 / np.sqrt(d)
 
@@ -135,6 +137,8 @@ def multihead_attention(
                     row = scores[bi, si, ok]
                     e = np.exp(row - row.max())
                     w[bi, si, ok] = e / e.sum()
+        if edit_pattern is not None:
+            w = np.asarray(edit_pattern(i, w), dtype=np.float64)
         all_weights[:, i] = w
         heads.append(w @ v_i)  # (b, s, d)
     concat = np.concatenate(heads, axis=-1)  # (b, s, h*d)

@@ -27,9 +27,6 @@ class RotaryEmbedding(nn.Module):
         self.head_dim = head_dim
         self.base = base
         self._inv_freq: dict[tuple[torch.device, torch.dtype], Tensor] = {}
-        # the last cos/sin, reused while the same positions tensor comes back unchanged (the layers of one model
-        # share this module and one decoding step's positions)
-        self._last: tuple[Tensor, int, torch.dtype, Tensor, Tensor] | None = None
 
     def inv_freq(self, device: torch.device, dtype: torch.dtype) -> Tensor:
         """base ** (-2j / d) for j = 0 .. d/2 - 1 (kept per device and dtype: a few numbers, never cast)."""
@@ -52,21 +49,13 @@ class RotaryEmbedding(nn.Module):
     def tables(self, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
         """cos and the signed sin ([-sin, sin] by halves) in ``dtype``, (b|1, 1, s, d), for :meth:`rotate`.
 
-        Computed in float32 (float64 for float64) and then cast; kept while the same positions tensor comes back
-        unchanged (the layers of a model share this module and one decoding step's positions).
+        Computed in float32 (float64 for float64) and then cast. A model makes them once per step and passes them to
+        every layer (:class:`multihead.attention.Step`).
         """
-        compiling = torch.compiler.is_compiling()
-        last = self._last
-        if (not compiling and last is not None and last[0] is positions and last[1] == positions._version
-                and last[2] == dtype):
-            return last[3], last[4]
         cos, sin = self.cos_sin(positions, dtype)
         half = self.head_dim // 2
         signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1)
-        cos, signed = cos.to(dtype), signed.to(dtype)
-        if not compiling and not positions.requires_grad:
-            self._last = (positions, positions._version, dtype, cos, signed)
-        return cos, signed
+        return cos.to(dtype), signed.to(dtype)
 
     @staticmethod
     def rotate(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:

@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+from torch import nn
 
 from multihead.attention import MultiHeadAttention
 from multihead.config import AttentionConfig
+from multihead.hooks import HookPoint
 
 # step name in forward -> (what a person reads, the legend of its dimensions)
 _STEPS = {
@@ -18,8 +22,8 @@ _STEPS = {
     "q_heads": ("q split into heads", "(b, h, s, d)"),
     "k_heads": ("k split into heads", "(b, g, t, d)"),
     "v_heads": ("v split into heads", "(b, g, t, d)"),
-    "weights": ("attention weights per head", "(b, h, s, t)"),
-    "attention": ("attention output per head", "(b, h, s, d)"),
+    "weights": ("attention weights per head (pattern)", "(b, h, s, t)"),
+    "attention": ("attention output per head (z)", "(b, h, s, d)"),
     "merged": ("heads merged (concat)", "(b, s, h*d)"),
     "output": ("output = merged W_O", "(b, s, d_model)"),
 }
@@ -47,16 +51,41 @@ class ShapeWalk:
 
 
 def shape_walk(config: AttentionConfig, *, batch: int = 1, seq: int = 128) -> ShapeWalk:
-    """Run ``config``'s layer on the meta device (no memory, no arithmetic) and record each step's shape."""
-    layer = MultiHeadAttention.from_config(config, backend="math", device="meta")
-    seen: list[Step] = []
+    """Run ``config``'s layer on the meta device (no memory, no arithmetic) and record each step's shape.
 
-    def hook(name: str, tensor: torch.Tensor) -> None:
+    The attention core's steps are read at its hook points (q, k, v, pattern, z, out); the projections' outputs and
+    the merged heads by forward hooks on the four linear layers.
+    """
+    layer = MultiHeadAttention(config, backend="math", device="meta")
+    seen: list[tuple[int, Step]] = []  # (order, step): a forward hook on o_proj sees the merged heads first
+
+    def record(name: str, tensor: torch.Tensor) -> None:
         label, legend = _STEPS[name]
-        seen.append(Step(name, label, legend, tuple(tensor.shape)))
+        seen.append((list(_STEPS).index(name), Step(name, label, legend, tuple(tensor.shape))))
 
+    def on_module(name: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], None]:
+        return lambda _m, _args, out: record(name, out)
+
+    def on_point(name: str) -> Callable[[torch.Tensor, HookPoint], None]:
+        return lambda tensor, _point: record(name, tensor)
+
+    handles: list[Any] = [
+        layer.q_proj.register_forward_hook(on_module("q_proj")),
+        layer.k_proj.register_forward_hook(on_module("k_proj")),
+        layer.v_proj.register_forward_hook(on_module("v_proj")),
+        layer.o_proj.register_forward_pre_hook(lambda _m, args: record("merged", args[0])),
+    ]
+    for point, name in (("hook_q", "q_heads"), ("hook_k", "k_heads"), ("hook_v", "v_heads"),
+                        ("hook_pattern", "weights"), ("hook_z", "attention"), ("hook_out", "output")):
+        handles.append(getattr(layer, point).add(on_point(name)))
     x = torch.empty(batch, seq, config.d_model, device="meta")
-    with layer.observe(hook), torch.no_grad():
-        layer(x, return_weights=True)
+    record("input", x)
+    try:
+        with torch.no_grad():
+            layer(x)
+    finally:
+        for handle in handles:
+            handle.remove()
+    steps = [step for _, step in sorted(seen, key=lambda pair: pair[0])]
     params = {name: p.numel() for name, p in layer.named_parameters()}
-    return ShapeWalk(config=config, batch=batch, seq=seq, steps=seen, parameters=params)
+    return ShapeWalk(config=config, batch=batch, seq=seq, steps=steps, parameters=params)

@@ -68,7 +68,7 @@ class Block(nn.Module):
     def __init__(self, attention: AttentionConfig, ffn: int) -> None:
         super().__init__()
         self.norm1 = nn.LayerNorm(attention.d_model)
-        self.attn = MultiHeadAttention.from_config(attention)
+        self.attn = MultiHeadAttention(attention)
         self.norm2 = nn.LayerNorm(attention.d_model)
         self.ffn = nn.Sequential(nn.Linear(attention.d_model, ffn), nn.GELU(), nn.Linear(ffn, attention.d_model))
 

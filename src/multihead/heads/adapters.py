@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import copy
 import re
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -12,11 +11,11 @@ from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import Tensor
 
-from multihead.attention import MultiHeadAttention
+from multihead.attention import MultiHeadAttention, Step
 from multihead.errors import MultiheadError
-from multihead.heads.convert import pool_kv_heads
+from multihead.hooks import HookFn, HookPoint, pool_kv_heads, zero_heads
 from multihead.models.bert import SentenceEncoder
 from multihead.models.llama import LlamaModel
 from multihead.models.tokenizer import TextTokenizer
@@ -29,23 +28,32 @@ class Batch:
     ids: Tensor  # (b, s)
     valid: Tensor  # (b, s) bool
     lengths: list[int]
+    reference: Tensor | None = None  # an encoder's unedited embeddings of this batch, made on its first metric
+
+
+Edit = tuple[HookPoint, HookFn]  # a hook to attach to one hook point for one run
+
+
+def ablate_edit(layer: MultiHeadAttention, head: int) -> Edit:
+    """Zero one query head's output before W_O (the ablation of Michel et al. 2019), through its hook point z."""
+    return layer.hook_z, zero_heads(head)
+
+
+def pool_edits(layers: list[MultiHeadAttention], n_kv_heads: int) -> list[Edit]:
+    """Mean-pool every layer's KV heads into n_kv_heads (Ainslie et al. 2023) through the hook points k and v."""
+    pool = pool_kv_heads(n_kv_heads)
+    return [edit for layer in layers for edit in ((layer.hook_k, pool), (layer.hook_v, pool))]
 
 
 @contextmanager
-def zero_head(layer: MultiHeadAttention, head: int) -> Iterator[None]:
-    """Zero one query head's output before W_O while the block runs (the ablation of Michel et al. 2019)."""
-    d = layer.head_dim
-
-    def hook(_module: nn.Module, args: tuple[Tensor, ...]) -> tuple[Tensor, ...]:
-        merged = args[0].clone()
-        merged[..., head * d:(head + 1) * d] = 0
-        return (merged, *args[1:])
-
-    handle = layer.o_proj.register_forward_pre_hook(hook)
+def applied(edits: Sequence[Edit]) -> Iterator[None]:
+    """The edits attached while the block runs."""
+    handles = [point.add(fn) for point, fn in edits]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 class HeadModel:
@@ -82,14 +90,13 @@ class HeadModel:
         """Ids to run for a repeated-token sequence, and the offset of its first token."""
         return ids, 0
 
-    def metric(self, batch: Batch, *, ablate: tuple[int, int] | None = None, start: int = 0,
+    def metric(self, batch: Batch, *, edits: Sequence[Edit] = (), start: int = 0,
                states: list[Tensor] | None = None) -> float:
+        """The model's metric on ``batch`` with ``edits`` attached; with ``states`` (from hidden_states) the run
+        starts at block ``start``."""
         raise NotImplementedError
 
     def hidden_states(self, batch: Batch) -> list[Tensor]:
-        raise NotImplementedError
-
-    def with_kv_heads(self, n_kv_heads: int) -> HeadModel:
         raise NotImplementedError
 
     @property
@@ -134,36 +141,35 @@ class DecoderHeads(HeadModel):
         low = max(special, 17)  # SmolLM2 keeps its control tokens at the start of the vocabulary
         return torch.randint(low, self.model.config.vocab_size, (n,), generator=generator)
 
+    def _step(self, h: Tensor, batch: Batch) -> Step:
+        return self.model.step(h, key_padding_mask=None if bool(batch.valid.all()) else batch.valid)
+
     def hidden_states(self, batch: Batch) -> list[Tensor]:
-        """The input of every block (and the final hidden state) of a baseline run."""
+        """The input of every block of a baseline run."""
         states: list[Tensor] = []
         with torch.no_grad():
             h = self.model.embed(batch.ids)
+            step = self._step(h, batch)
             for block in self.model.layers:
                 states.append(h)
-                h = block(h, positions=None, cache=None, index=0, key_padding_mask=batch.valid)
+                h = block(h, step=step)
         return states
 
-    def metric(self, batch: Batch, *, ablate: tuple[int, int] | None = None, start: int = 0,
+    def metric(self, batch: Batch, *, edits: Sequence[Edit] = (), start: int = 0,
                states: list[Tensor] | None = None) -> float:
-        """Mean next-token cross-entropy over the real tokens, optionally with one head zeroed; with ``states``
-        (from hidden_states) the run starts at block ``start``."""
-        with torch.no_grad(), _maybe_zero(self.layers(), ablate):
+        """Mean next-token cross-entropy over the real tokens, with ``edits`` attached; with ``states`` (from
+        hidden_states) the run starts at block ``start``."""
+        with torch.no_grad(), applied(edits):
             h = self.model.embed(batch.ids) if states is None else states[start]
+            step = self._step(h, batch)
             for block in list(self.model.layers)[start if states is not None else 0:]:
-                h = block(h, positions=None, cache=None, index=0, key_padding_mask=batch.valid)
+                h = block(h, step=step)
             logits = F.linear(self.model.norm(h), self.model.embed.weight if self.model.lm_head is None
                               else self.model.lm_head.weight)
             target = batch.ids[:, 1:]
             mask = batch.valid[:, 1:]
             losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), target, reduction="none")
             return float(losses[mask].mean())
-
-    def with_kv_heads(self, n_kv_heads: int) -> DecoderHeads:
-        model = copy.deepcopy(self.model)
-        for block in model.layers:
-            block.attn = pool_kv_heads(cast(MultiHeadAttention, block.attn), n_kv_heads)
-        return DecoderHeads(model, self.tokenizer, name=f"{self.name}-kv{n_kv_heads}")
 
 
 # ---------------------------------------------------------------------------------------------- encoder
@@ -172,13 +178,10 @@ class EncoderHeads(HeadModel):
     metric_name = "1 - cosine similarity to the full model's sentence embeddings"
     metric_is_change = True
 
-    def __init__(self, encoder: SentenceEncoder, name: str = "minilm",
-                 reference: Callable[[Batch], Tensor] | None = None) -> None:
+    def __init__(self, encoder: SentenceEncoder, name: str = "minilm") -> None:
         self.encoder = encoder
         self.name = name
         self.max_tokens = encoder.max_length
-        self._reference: dict[int, Tensor] = {}
-        self._reference_fn = reference
 
     def layers(self) -> list[MultiHeadAttention]:
         return [cast(MultiHeadAttention, layer.attn) for layer in self.encoder.encoder.layers]
@@ -211,46 +214,31 @@ class EncoderHeads(HeadModel):
             s = batch.ids.shape[1]
             h = enc.embed_norm(enc.word_embeddings(batch.ids) + enc.position_embeddings(torch.arange(s))
                                + enc.token_type_embeddings(torch.zeros_like(batch.ids)))
+            step = enc.step(h, batch.valid)
             for layer in enc.layers:
                 states.append(h)
-                h = layer(h, batch.valid)
+                h = layer(h, step)
         return states
 
-    def embeddings(self, batch: Batch, *, ablate: tuple[int, int] | None = None, start: int = 0,
+    def embeddings(self, batch: Batch, *, edits: Sequence[Edit] = (), start: int = 0,
                    states: list[Tensor] | None = None) -> Tensor:
         enc = self.encoder.encoder
-        with torch.no_grad(), _maybe_zero(self.layers(), ablate):
+        with torch.no_grad(), applied(edits):
             if states is None:
                 h = enc(batch.ids, batch.valid)
             else:
                 h = states[start]
+                step = enc.step(h, batch.valid)
                 for layer in list(enc.layers)[start:]:
-                    h = layer(h, batch.valid)
+                    h = layer(h, step)
             return self.encoder.pool(h, batch.valid)
 
-    def metric(self, batch: Batch, *, ablate: tuple[int, int] | None = None, start: int = 0,
+    def metric(self, batch: Batch, *, edits: Sequence[Edit] = (), start: int = 0,
                states: list[Tensor] | None = None) -> float:
-        key = id(batch)
-        if key not in self._reference:
-            self._reference[key] = (self._reference_fn(batch) if self._reference_fn is not None
-                                    else self.embeddings(batch))
-        e = self.embeddings(batch, ablate=ablate, start=start, states=states)
-        return float(1.0 - F.cosine_similarity(e, self._reference[key], dim=-1).mean())
-
-    def with_kv_heads(self, n_kv_heads: int) -> EncoderHeads:
-        encoder = copy.deepcopy(self.encoder)
-        for layer in encoder.encoder.layers:
-            layer.attn = pool_kv_heads(cast(MultiHeadAttention, layer.attn), n_kv_heads)
-        return EncoderHeads(encoder, name=f"{self.name}-kv{n_kv_heads}", reference=self.embeddings)
-
-
-@contextmanager
-def _maybe_zero(layers: list[MultiHeadAttention], ablate: tuple[int, int] | None) -> Iterator[None]:
-    if ablate is None:
-        yield
-        return
-    with zero_head(layers[ablate[0]], ablate[1]):
-        yield
+        if batch.reference is None:
+            batch.reference = self.embeddings(batch)
+        e = self.embeddings(batch, edits=edits, start=start, states=states)
+        return float(1.0 - F.cosine_similarity(e, batch.reference, dim=-1).mean())
 
 
 def _pad(encoded: list[list[int]], limit: int, texts: list[str]) -> Batch:

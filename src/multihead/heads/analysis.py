@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from multihead.errors import MultiheadError, divisors
-from multihead.heads.adapters import Batch, HeadModel, split_sentences
+from multihead.heads.adapters import Batch, HeadModel, ablate_edit, pool_edits, split_sentences
 from multihead.heads.capture import capture_weights
 from multihead.heads.scores import HeadScores, label_heads, pattern_scores, repeat_scores
 
@@ -99,10 +99,11 @@ def ablation(model: HeadModel, batch: Any, baseline: float, *, progress: bool = 
     from tqdm import tqdm
 
     states = model.hidden_states(batch)
+    layers = model.layers()
     pairs = [(layer, head) for layer in range(model.n_layers) for head in range(model.n_heads)]
     rows = []
     for layer, head in tqdm(pairs, desc=f"ablating {len(pairs)} heads", disable=not progress, unit="head"):
-        value = model.metric(batch, ablate=(layer, head), start=layer, states=states)
+        value = model.metric(batch, edits=[ablate_edit(layers[layer], head)], start=layer, states=states)
         delta = value - baseline
         rows.append({"layer": layer, "head": head, "metric": value, "delta": delta,
                      "relative": model.relative(value, baseline)})
@@ -110,10 +111,11 @@ def ablation(model: HeadModel, batch: Any, baseline: float, *, progress: bool = 
 
 
 def conversion(model: HeadModel, batch: Any, baseline: float) -> list[dict[str, Any]]:
-    """The metric after mean-pooling K and V into fewer KV heads, for every count that divides the current one."""
+    """The metric after mean-pooling K and V into fewer KV heads (through the hook points k and v of every layer),
+    for every count that divides the current one."""
     rows = []
     for g in sorted(divisors(model.n_kv_heads), reverse=True)[1:]:
-        value = model.with_kv_heads(g).metric(batch)
+        value = model.metric(batch, edits=pool_edits(model.layers(), g))
         rows.append({"n_kv_heads": g, "metric": value, "delta": value - baseline,
                      "relative": model.relative(value, baseline)})
     return rows

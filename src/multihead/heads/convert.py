@@ -23,7 +23,7 @@ def pool_kv_heads(layer: MultiHeadAttention, n_kv_heads: int) -> MultiHeadAttent
                              f"one of {', '.join(map(str, divisors(g)))}")
     config = dataclasses.replace(layer.config, n_kv_heads=n_kv_heads)
     ref = layer.q_proj.weight
-    new = MultiHeadAttention.from_config(config, backend=layer.backend, device=ref.device, dtype=ref.dtype)
+    new = MultiHeadAttention(config, backend=layer.backend, device=ref.device, dtype=ref.dtype)
     d, group = layer.head_dim, g // n_kv_heads
     with torch.no_grad():
         new.q_proj.load_state_dict(layer.q_proj.state_dict())

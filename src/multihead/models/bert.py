@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention
+from multihead.attention import MultiHeadAttention, Step
 from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
 from multihead.models.tokenizer import TextTokenizer
@@ -64,15 +64,15 @@ class BertLayer(nn.Module):
         super().__init__()
         if config.activation not in _ACTIVATIONS:
             raise MultiheadError(f"activation {config.activation!r} is not supported: {', '.join(_ACTIVATIONS)}")
-        self.attn = MultiHeadAttention.from_config(config.attention())
+        self.attn = MultiHeadAttention(config.attention())
         self.attn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.ffn_in = nn.Linear(config.d_model, config.ffn_dim)
         self.ffn_out = nn.Linear(config.ffn_dim, config.d_model)
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.act = _ACTIVATIONS[config.activation]
 
-    def forward(self, h: Tensor, key_padding_mask: Tensor | None) -> Tensor:
-        h = self.attn_norm(h + self.attn(h, key_padding_mask=key_padding_mask))
+    def forward(self, h: Tensor, step: Step) -> Tensor:
+        h = self.attn_norm(h + self.attn(h, step=step))
         out: Tensor = self.ffn_norm(h + self.ffn_out(self.act(self.ffn_in(h))))
         return out
 
@@ -100,9 +100,15 @@ class BertEncoder(nn.Module):
         h: Tensor = self.word_embeddings(ids) + self.position_embeddings(positions) + self.token_type_embeddings(
             torch.zeros_like(ids))
         h = self.embed_norm(h)  # (b, s, d_model)
+        step = self.step(h, valid)
         for layer in self.layers:
-            h = layer(h, valid)
+            h = layer(h, step)
         return h
+
+    def step(self, h: Tensor, valid: Tensor | None) -> Step:
+        """The padding mask every layer shares, made once."""
+        first: BertLayer = self.layers[0]  # type: ignore[assignment]
+        return first.attn.step(h, key_padding_mask=valid)
 
     @staticmethod
     def hf_names(config: BertConfig) -> dict[str, str]:

@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention
-from multihead.cache import KVCache
+from multihead.attention import MultiHeadAttention, Step
+from multihead.cache import KVCache, LayerCache
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.linear import Linear, linear
@@ -69,17 +69,14 @@ class LlamaBlock(nn.Module):
         super().__init__()
         f: dict[str, Any] = {"device": device, "dtype": dtype}
         self.attn_norm = RMSNorm(config.d_model, config.rms_eps, **f)
-        self.attn = MultiHeadAttention.from_config(config.attention(), **f)
+        self.attn = MultiHeadAttention(config.attention(), **f)
         self.ffn_norm = RMSNorm(config.d_model, config.rms_eps, **f)
         self.gate_proj = Linear(config.d_model, config.ffn_dim, bias=False, **f)
         self.up_proj = Linear(config.d_model, config.ffn_dim, bias=False, **f)
         self.down_proj = Linear(config.ffn_dim, config.d_model, bias=False, **f)
 
-    def forward(self, h: Tensor, *, positions: Tensor | None, cache: KVCache | None, index: int,
-                key_padding_mask: Tensor | None) -> Tensor:
-        a = self.attn(self.attn_norm(h), causal=True, positions=positions, key_padding_mask=key_padding_mask,
-                      cache=None if cache is None else cache.layer(index))
-        h = h + a
+    def forward(self, h: Tensor, *, step: Step, cache: LayerCache | None = None) -> Tensor:
+        h = h + self.attn(self.attn_norm(h), step=step, cache=cache)
         x = self.ffn_norm(h)
         out: Tensor = h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
         return out
@@ -96,9 +93,6 @@ class LlamaModel(nn.Module):
         self.embed = nn.Embedding(config.vocab_size, config.d_model, **f)
         self.layers = nn.ModuleList(LlamaBlock(config, **f) for _ in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_eps, **f)
-        shared = cast(LlamaBlock, self.layers[0]).attn.rotary
-        for block in self.layers:  # one RoPE module: a step's cos/sin are computed once for all layers
-            cast(LlamaBlock, block).attn.rotary = shared
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, bias=False, **f)
 
     @property
@@ -127,14 +121,20 @@ class LlamaModel(nn.Module):
         """Logits (b, s, vocab). With a cache, the tokens continue each cached sequence at ``positions``
         (default: the cache's next positions); the caller then calls ``cache.advance``."""
         self._check_tokens(tokens)
-        if cache is not None and positions is None:
-            cache.next_positions(tokens.shape[1])  # fail early, before any layer writes, if they would not fit
         h = self.embed(tokens)  # (b, s, d_model)
+        step = self.step(h, positions=positions, cache=cache, key_padding_mask=key_padding_mask)
         for i, layer in enumerate(self.layers):
-            h = layer(h, positions=positions, cache=cache, index=i, key_padding_mask=key_padding_mask)
+            h = layer(h, step=step, cache=None if cache is None else cache.layer(i))
         h = self.norm(h)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return linear(h, weight)  # (b, s, vocab)
+
+    def step(self, h: Tensor, *, positions: Tensor | None = None, cache: KVCache | None = None,
+             key_padding_mask: Tensor | None = None) -> Step:
+        """The state all layers share in one step (causal mask, positions, RoPE tables, cache slot), made once;
+        raises before any layer writes if the tokens would not fit the cache."""
+        first = cast(LlamaBlock, self.layers[0]).attn
+        return first.step(h, causal=True, positions=positions, cache=cache, key_padding_mask=key_padding_mask)
 
     def _check_tokens(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):

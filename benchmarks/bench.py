@@ -1,4 +1,5 @@
-"""``multihead bench``: the speed of multihead against its anchors, measured side by side on the user's machine.
+"""The speed of multihead against its anchors, measured side by side (``make bench``, ``benchmarks/cpu.py``,
+``benchmarks/gpu.py``). Kept out of the installed package: the targets and anchors are the project's, not a user's.
 
 Every comparison runs multihead and its anchor in one process, alternating, and reports the ratio of the medians
 (absolute times on shared machines are noisy; the ratio is what is compared with the target). Each benchmark runs in
@@ -51,7 +52,7 @@ from multihead.attention import MultiHeadAttention
 from multihead.cache import KVCache
 from multihead.check import plain_layer
 from multihead.errors import MultiheadError
-from multihead.kernels import attend
+from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
 
 CPU_BENCHMARKS = ("P1", "P2", "P3", "P4", "P5")
@@ -295,7 +296,8 @@ def p4(device: str = "cpu", dtype: torch.dtype = torch.float32, tokens: int = 16
 def in_fresh_process(name: str, repeats: int) -> list[Result]:
     """Benchmark ``name`` (P1-P5) in a new Python process: what an earlier benchmark allocated, freed or left in the
     allocator's state cannot move this one's figures (P4's peak memory, the anchors' page faults)."""
-    code = ("import json, dataclasses, torch; from multihead import bench; "
+    code = (f"import sys; sys.path.insert(0, {str(Path(__file__).resolve().parent)!r}); "
+            "import json, dataclasses, torch; import bench; "
             f"torch.set_num_threads({torch.get_num_threads()}); "
             f"print(json.dumps([dataclasses.asdict(r) for r in bench.run_cpu({repeats}, ({name!r},), fresh=False)]))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
@@ -311,7 +313,7 @@ def p5(repeats: int) -> Result:
     a, m = torch.randn(2048, 2048), torch.randn(2048, 2048)
     spec = build_mask(batch=b, n_heads=h, s=s, t=s)
     with torch.no_grad():
-        t_attn, t_mm = alternate(lambda: attend(q, k, v, spec, scale=d**-0.5),
+        t_attn, t_mm = alternate(lambda: attend(AttentionCall(q, k, v, spec, scale=d**-0.5)),
                                  lambda: a @ m, repeats)
     attn_rate = 4 * b * h * s * s * d / t_attn  # QK^T and PV, 2 FLOPs per multiply-add
     mm_rate = 2 * 2048**3 / t_mm
@@ -386,7 +388,7 @@ def _prefill(repeats: int, backward: bool, device: str = "cuda", tiny: int = 1) 
     scale = d**-0.5
 
     def ours() -> object:
-        out, _ = attend(q, k, v, spec, scale=scale)
+        out, _ = attend(AttentionCall(q, k, v, spec, scale=scale))
         return out.backward(grad) if backward else out
 
     def sdpa() -> object:
@@ -414,7 +416,7 @@ def _decode(repeats: int, device: str = "cuda", tiny: int = 1) -> Result:
     spec = build_mask(batch=b, n_heads=h, s=1, t=cached + 1, causal=True)
     k, v = cache.k[0], cache.v[0]
     with torch.no_grad():
-        t_core = _device_time(lambda: attend(q, k, v, spec, scale=d**-0.5), repeats, dev)
+        t_core = _device_time(lambda: attend(AttentionCall(q, k, v, spec, scale=d**-0.5)), repeats, dev)
         t_layer = _device_time(lambda: layer(x, causal=True, cache=cache.layer(0)), repeats, dev)
     kv_bytes = k.nbytes + v.nbytes
     src = torch.empty(kv_bytes // 2, device=dev, dtype=dt)

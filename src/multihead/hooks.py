@@ -1,0 +1,347 @@
+"""Hook points at the attention core: named places where a tensor passes, to read it or to replace it.
+
+Every attention layer has six, named as its module path plus the point (``layers.3.attn.hook_z``)::
+
+    hook_q        (b, h, s, d)   queries, after RoPE
+    hook_k        (b, g, t, d)   keys, after RoPE and the KV cache: g = n_kv_heads, never repeated to h heads
+    hook_v        (b, g, t, d)   values, after the KV cache
+    hook_pattern  (b, h, s, t)   softmax weights per query head, made only when something hooks this point
+    hook_z        (b, h, s, d)   each head's output before W_O
+    hook_out      (b, s, d_model)  the layer's output, after W_O
+
+A KV head is shared by h / g query heads (query head i reads KV head i // (h / g)): editing KV head j of ``hook_k``
+changes what all of its query heads see.
+
+A hook is ``fn(tensor, point) -> Tensor | None``: it returns None to leave the tensor as it is, or a replacement of
+the same shape and dtype. Points with no hook cost one attribute test. A hook on ``hook_pattern`` that only reads
+keeps the fused kernel for the output (the pattern is recomputed exactly from the same q, k and mask); one that
+returns a replacement makes that call's output ``pattern @ v`` (the math path), and ``explain`` says so.
+
+The verbs::
+
+    with hooks(model, {"layers.*.attn.hook_z": zero_heads(3)}):      # run with hooks (glob names)
+        logits = model(tokens)
+    logits, cache = run_with_cache(model, tokens, names="*.hook_pattern")  # keep named activations
+    patch = patch_heads(5, source=cache["layers.2.attn.hook_z"])     # patch head 5 from another run
+
+The same points serve any module that runs its attention through :func:`attend` (our layer, and other models whose
+attention calls multihead's core).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor, nn
+
+from multihead import kernels
+from multihead.errors import MultiheadError
+from multihead.kernels import AttentionCall, KernelChoice
+
+HookFn = Callable[[Tensor, "HookPoint"], "Tensor | None"]
+
+POINTS = {
+    "hook_q": "(b, h, s, d)",
+    "hook_k": "(b, g, t, d)",
+    "hook_v": "(b, g, t, d)",
+    "hook_pattern": "(b, h, s, t)",
+    "hook_z": "(b, h, s, d)",
+    "hook_out": "(b, s, d_model)",
+}
+
+
+class HookPoint(nn.Module):
+    """One named place in the attention core. ``point.add(fn)`` attaches a hook and returns a handle whose
+    ``remove()`` (or ``with``) detaches it. A module without parameters or buffers: state dicts are unchanged."""
+
+    def __init__(self, legend: str = "") -> None:
+        super().__init__()
+        self.legend = legend
+        self.name = ""  # the full module path, set when the point is found by name (hook_points)
+        self._fns: list[HookFn] = []
+
+    @property
+    def active(self) -> bool:
+        return bool(self._fns)
+
+    def add(self, fn: HookFn) -> HookHandle:
+        if not callable(fn):
+            raise MultiheadError(f"a hook must be callable as fn(tensor, point), got {type(fn).__name__}")
+        self._fns.append(fn)
+        return HookHandle(self, fn)
+
+    def clear(self) -> None:
+        self._fns.clear()
+
+    def forward(self, x: Tensor) -> Tensor:
+        for fn in tuple(self._fns):
+            out = fn(x, self)
+            if out is None:
+                continue
+            if not isinstance(out, Tensor) or out.shape != x.shape or out.dtype != x.dtype:
+                got = f"shape {tuple(out.shape)} {out.dtype}" if isinstance(out, Tensor) else type(out).__name__
+                raise MultiheadError(
+                    f"a hook on {self.name or 'a hook point'} {self.legend} returned {got}: a replacement must have "
+                    f"the shape {tuple(x.shape)} and dtype {x.dtype} of what it received (or return None)"
+                )
+            x = out
+        return x
+
+    def extra_repr(self) -> str:
+        return f"{self.legend}, hooks={len(self._fns)}"
+
+
+class HookHandle:
+    """Detaches one hook: ``handle.remove()``, or use it as a context manager."""
+
+    def __init__(self, point: HookPoint, fn: HookFn) -> None:
+        self.point, self.fn = point, fn
+
+    def remove(self) -> None:
+        if self.fn in self.point._fns:
+            self.point._fns.remove(self.fn)
+
+    def __enter__(self) -> HookHandle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.remove()
+
+
+def _through(point: HookPoint, x: Tensor) -> Tensor:
+    return point(x) if point._fns else x
+
+
+class HookedAttention(Protocol):
+    """What the hooked core needs of the module it runs for: its six hook points."""
+
+    hook_q: HookPoint
+    hook_k: HookPoint
+    hook_v: HookPoint
+    hook_pattern: HookPoint
+    hook_z: HookPoint
+    hook_out: HookPoint
+
+
+def add_hook_points(module: nn.Module) -> None:
+    """Give ``module`` the six hook points (a no-op for those it has): our layer does this, and so can any module
+    whose attention runs through :func:`attend`."""
+    for name, legend in POINTS.items():
+        if not isinstance(getattr(module, name, None), HookPoint):
+            module.add_module(name, HookPoint(legend))
+
+
+def attend(call: AttentionCall, points: HookedAttention | None = None) -> tuple[Tensor, Tensor | None]:
+    """The attention core with its hook points: q, k, v hooked, attended (pattern hooked if asked), z hooked.
+
+    Returns (z (b, h, s, d), weights (b, h, s, t) or None), as :func:`multihead.kernels.attend`.
+    """
+    if points is None:
+        return kernels.attend(call)
+    q, k, v = _through(points.hook_q, call.q), _through(points.hook_k, call.k), _through(points.hook_v, call.v)
+    if q is not call.q or k is not call.k or v is not call.v:
+        call = AttentionCall(q, k, v, call.mask, call.scale, call.dropout_p, call.backend, call.need_weights)
+    pattern = points.hook_pattern
+    if not pattern._fns:
+        z, weights = kernels.attend(call)
+    elif call.need_weights or kernels.resolve_backend(call)[0] == "math":
+        weights = pattern(kernels.attention_weights(q, k, call.mask, scale=call.scale))  # (b, h, s, t)
+        if call.dropout_p > 0.0:
+            weights = torch.nn.functional.dropout(weights, p=call.dropout_p, training=True)
+        z = kernels.weighted_values(weights, v)
+        weights = weights if call.need_weights else None
+    else:
+        z, weights = kernels.attend(call)  # the fused kernel, unless a hook replaces the pattern
+        made = kernels.attention_weights(q, k, call.mask, scale=call.scale)  # exact: the same q, k and mask
+        edited = pattern(made)
+        if edited is not made:
+            if call.dropout_p > 0.0:
+                edited = torch.nn.functional.dropout(edited, p=call.dropout_p, training=True)
+            z = kernels.weighted_values(edited, v)
+    return _through(points.hook_z, z), weights
+
+
+def explain(call: AttentionCall, points: HookedAttention | None = None) -> KernelChoice:
+    """:func:`multihead.kernels.explain`, plus what the attached hooks change."""
+    choice = kernels.explain(call)
+    if points is None:
+        return choice
+    hooked = [name for name in POINTS if getattr(points, name)._fns]
+    if not hooked:
+        return choice
+    reason = choice.reason + f"; hooked: {', '.join(hooked)}"
+    if "hook_pattern" in hooked and choice.backend != "math":
+        reason += ("; the pattern (b, h, s, t) is made from the same q, k and mask for the pattern hook, and a hook "
+                   "that returns a replacement makes this call's output pattern @ v (the math path)")
+    return KernelChoice(choice.backend, choice.kernel, reason, choice.mask)
+
+
+# ------------------------------------------------------------------------------------------ finding points by name
+Names = str | Sequence[str] | Callable[[str], bool] | None
+
+
+def hook_points(model: nn.Module) -> dict[str, HookPoint]:
+    """Every hook point in ``model`` by its full name (``layers.3.attn.hook_z``)."""
+    found = {}
+    for name, module in model.named_modules():
+        if isinstance(module, HookPoint):
+            module.name = name
+            found[name] = module
+    return found
+
+
+def select(model: nn.Module, names: Names) -> dict[str, HookPoint]:
+    """The hook points of ``model`` that ``names`` picks: None (all), a name or glob (``*.hook_z``), a list of
+    those, or a predicate on the name. A name or pattern that picks nothing is an error naming some valid ones."""
+    points = hook_points(model)
+    if not points:
+        raise MultiheadError(f"{type(model).__name__} has no hook points: it runs no multihead attention layer")
+    if names is None:
+        return points
+    if callable(names) and not isinstance(names, str):
+        return {n: p for n, p in points.items() if names(n)}
+    patterns = [names] if isinstance(names, str) else list(names)
+    chosen: dict[str, HookPoint] = {}
+    for pattern in patterns:
+        if not isinstance(pattern, str):
+            raise MultiheadError(f"hook point names must be strings, got {type(pattern).__name__}")
+        hits = {n: p for n, p in points.items() if fnmatch.fnmatchcase(n, pattern)}
+        if not hits:
+            sample = ", ".join(list(points)[:6])
+            raise MultiheadError(f"no hook point matches {pattern!r}; {len(points)} exist, e.g. {sample}")
+        chosen.update(hits)
+    return chosen
+
+
+@contextmanager
+def hooks(model: nn.Module, spec: Mapping[str, HookFn] | Sequence[tuple[str, HookFn]]) -> Iterator[None]:
+    """Run with hooks: attach ``fn`` to every point each name (or glob) picks while the block runs."""
+    pairs = list(spec.items()) if isinstance(spec, Mapping) else list(spec)
+    handles: list[HookHandle] = []
+    try:
+        for names, fn in pairs:
+            for point in select(model, names).values():
+                handles.append(point.add(fn))
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+class ActivationCache(dict[str, Tensor]):
+    """Named activations of one run, by hook point name."""
+
+    def layer(self, index: int, point: str = "hook_z") -> Tensor:
+        """The activation of ``point`` in the index-th attention layer that has it (in module order)."""
+        found = [name for name in self if name.endswith("." + point) or name == point]
+        if not 0 <= index < len(found):
+            raise MultiheadError(f"{point}: the cache holds {len(found)} layer(s), not index {index}")
+        return self[found[index]]
+
+
+def run_with_cache(model: nn.Module, *args: Any, names: Names = None, detach: bool = True,
+                   device: torch.device | str | None = None, **kwargs: Any) -> tuple[Any, ActivationCache]:
+    """``model(*args, **kwargs)``, keeping the activations of the hook points ``names`` picks (default all).
+
+    The pattern is made only when ``hook_pattern`` points are picked, so choose names to keep memory low. Tensors
+    are detached unless ``detach=False`` (then gradients flow to them), and moved to ``device`` when given.
+    """
+    cache = ActivationCache()
+
+    def keep(x: Tensor, point: HookPoint) -> None:
+        kept = x.detach() if detach else x
+        cache[point.name] = kept.to(device) if device is not None else kept
+
+    chosen = select(model, names)
+    with hooks(model, [(name, keep) for name in chosen]):
+        out = model(*args, **kwargs)
+    return out, cache
+
+
+# ------------------------------------------------------------------------------------------ per-head edits
+def _heads(heads: int | Sequence[int]) -> list[int]:
+    chosen = [heads] if isinstance(heads, int) else list(heads)
+    if not chosen or any(isinstance(h, bool) or not isinstance(h, int) for h in chosen):
+        raise MultiheadError(f"heads ({heads!r}) must be an int or a list of ints")
+    return chosen
+
+
+def _check_heads(x: Tensor, point: HookPoint, heads: list[int]) -> None:
+    if x.ndim != 4:
+        raise MultiheadError(f"{point.name or 'this hook point'} {point.legend} has no head dimension: per-head "
+                             "edits go on hook_q, hook_k, hook_v, hook_pattern or hook_z")
+    n = x.shape[1]
+    bad = [h for h in heads if not 0 <= h < n]
+    if bad:
+        kind = "KV heads" if point.legend.startswith("(b, g") else "heads"
+        raise MultiheadError(f"head(s) {bad} out of range at {point.name or 'this hook point'}: it has {n} {kind}")
+
+
+def zero_heads(heads: int | Sequence[int]) -> HookFn:
+    """A hook setting the given heads (dimension 1: query heads, or KV heads on hook_k / hook_v) to zero. On hook_z
+    this is the ablation of Michel et al. (2019): the head's output never reaches W_O."""
+    chosen = _heads(heads)
+
+    def zero(x: Tensor, point: HookPoint) -> Tensor:
+        _check_heads(x, point, chosen)
+        out = x.clone()
+        out[:, chosen] = 0
+        return out
+    return zero
+
+
+def mean_heads(heads: int | Sequence[int], means: Tensor | None = None) -> HookFn:
+    """A hook replacing the given heads by their mean: ``means`` (one value per head, broadcastable to x[:, heads])
+    or, when None, the mean of this run's activation over the batch and the positions."""
+    chosen = _heads(heads)
+
+    def mean(x: Tensor, point: HookPoint) -> Tensor:
+        _check_heads(x, point, chosen)
+        out = x.clone()
+        m = x[:, chosen].mean(dim=(0, 2), keepdim=True) if means is None else means.to(x.dtype)
+        out[:, chosen] = m.expand_as(out[:, chosen])
+        return out
+    return mean
+
+
+def patch_heads(heads: int | Sequence[int], source: Tensor, *, positions: Sequence[int] | None = None) -> HookFn:
+    """A hook copying the given heads (at all positions, or the given query positions) from ``source``, the same
+    point's activation in another run (from :func:`run_with_cache`) of the same shape."""
+    chosen = _heads(heads)
+
+    def patch(x: Tensor, point: HookPoint) -> Tensor:
+        _check_heads(x, point, chosen)
+        if source.shape != x.shape:
+            raise MultiheadError(f"the patch source for {point.name or 'this hook point'} has shape "
+                                 f"{tuple(source.shape)} but the run has {tuple(x.shape)}: runs must have equal "
+                                 "lengths")
+        out = x.clone()
+        src = source.to(device=x.device, dtype=x.dtype)
+        if positions is None:
+            out[:, chosen] = src[:, chosen]
+        else:
+            pos = list(positions)
+            for h in chosen:
+                out[:, h, pos] = src[:, h, pos]
+        return out
+    return patch
+
+
+def pool_kv_heads(n_kv_heads: int) -> HookFn:
+    """A hook on hook_k or hook_v that mean-pools the g KV heads into n_kv_heads groups (Ainslie et al., 2023) and
+    gives each head its group's mean: the model then computes what it would with n_kv_heads KV heads whose
+    projections are the group means (projection and RoPE are linear and the same for every head)."""
+
+    def pool(x: Tensor, point: HookPoint) -> Tensor:
+        g = x.shape[1]
+        if x.ndim != 4 or n_kv_heads > g or g % n_kv_heads != 0:
+            raise MultiheadError(f"n_kv_heads ({n_kv_heads}) must divide the {g} KV heads at "
+                                 f"{point.name or 'this hook point'}")
+        b, _, t, d = x.shape
+        grouped = x.view(b, n_kv_heads, g // n_kv_heads, t, d)
+        return grouped.mean(2, keepdim=True).expand_as(grouped).reshape(b, g, t, d)
+    return pool
