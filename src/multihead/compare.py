@@ -62,7 +62,9 @@ def plot_variants(
     memory_bytes: int | None = None,
 ) -> str:
     """A PNG of KV-cache memory against context length, a line per variant and one for the device memory."""
-    import matplotlib
+    from multihead.errors import require
+
+    matplotlib = require("matplotlib", "plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -251,7 +251,9 @@ def _settings_json(settings: Settings) -> dict[str, Any]:
 
 def plot(result: dict[str, Any], path: str) -> str:
     """Training curves (mean over seeds, smoothed) and final accuracy per variant, in one PNG."""
-    import matplotlib
+    from multihead.errors import require
+
+    matplotlib = require("matplotlib", "plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,8 +1,16 @@
-"""What each head of a real model does: per-head attention capture, scores, labels, ablation, reports."""
+"""What each head of a real model does: per-head attention capture, scores, labels, ablation, reports.
 
-from multihead.heads.adapters import HeadModel, load_head_model
-from multihead.heads.capture import capture_weights
-from multihead.heads.scores import SCORE_NAMES, HeadScores, label_heads, pattern_scores, repeat_scores
+Needs the ``heads`` extra (``pip install 'multihead[heads]'``): the models' dependencies, matplotlib and tqdm.
+"""
+
+from multihead.errors import EXTRAS, require
+
+for _module in EXTRAS["heads"]:
+    require(_module, "heads")
+
+from multihead.heads.adapters import HeadModel, load_head_model  # noqa: E402  (after the extra's check)
+from multihead.heads.capture import capture_weights  # noqa: E402  (after the extra's check)
+from multihead.heads.scores import SCORE_NAMES, HeadScores, label_heads, pattern_scores, repeat_scores  # noqa: E402  (after the extra's check)
 
 __all__ = [
     "SCORE_NAMES",

@@ -33,7 +33,9 @@ def prepare_out_dir(out: str | Path) -> Path:
 
 
 def _plt() -> Any:
-    import matplotlib
+    from multihead.errors import require
+
+    matplotlib = require("matplotlib", "plots")
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

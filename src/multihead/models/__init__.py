@@ -1,8 +1,16 @@
-"""Real models built on MultiHeadAttention: a BERT encoder and a Llama-style GQA decoder, and their loaders."""
+"""Real models built on MultiHeadAttention: a BERT encoder and a Llama-style GQA decoder, and their loaders.
 
-from multihead.models.bert import BertConfig, BertEncoder, SentenceEncoder, load_sentence_encoder
-from multihead.models.llama import LlamaConfig, LlamaModel
-from multihead.models.loaders import default_gguf_path, default_minilm_dir, load_llama
+Needs the ``models`` extra (``pip install 'multihead[models]'``): safetensors, tokenizers, gguf, jinja2.
+"""
+
+from multihead.errors import EXTRAS, require
+
+for _module in EXTRAS["models"]:
+    require(_module, "models")
+
+from multihead.models.bert import BertConfig, BertEncoder, SentenceEncoder, load_sentence_encoder  # noqa: E402  (after the extra's check)
+from multihead.models.llama import LlamaConfig, LlamaModel  # noqa: E402  (after the extra's check)
+from multihead.models.loaders import default_gguf_path, default_minilm_dir, load_llama  # noqa: E402  (after the extra's check)
 
 __all__ = [
     "BertConfig",
