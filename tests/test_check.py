@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 
-from multihead import kernels
+from multihead import check, kernels
 from multihead.check import run_checks
 from multihead.cli import main
 
@@ -21,11 +22,8 @@ def test_every_check_passes_here(capsys: pytest.CaptureFixture[str]) -> None:
     assert {r["check"] for r in data["results"]} == {"2x rule", "empty rows", "cache", "deterministic"}
 
 
-def test_the_flex_backend_is_checked_too(monkeypatch: pytest.MonkeyPatch) -> None:
-    from multihead import check
-
-    monkeypatch.setattr(check, "CHECKS", {"empty rows": check.CHECKS["empty rows"]})
-    (result,) = run_checks(dtypes=["float32"], backends=("flex",))
+def test_the_flex_backend_is_checked_too() -> None:
+    (result,) = run_checks(dtypes=["float32"], backends=("flex",), checks=("empty rows",))
     assert result.passed and result.backend == "flex" and "no NaN" in result.detail
 
 
@@ -43,6 +41,25 @@ def test_a_broken_kernel_fails_the_harness(monkeypatch: pytest.MonkeyPatch,
     assert results[("2x rule", "math")]
     assert main(["check", "--dtype", "float32", "--backend", "sdpa"]) == 1
     assert "FAIL" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16"])
+def test_the_2x_rule_fails_a_kernel_with_3x_the_plain_error(dtype: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel whose error is exactly k times plain math's, case by case: 1.5x passes, 3x fails (in float32 the old
+    fixed floor of 1e-6 let such a kernel through)."""
+    real = check._case
+    for factor, passes in ((1.5, True), (3.0, False)):
+        def scaled(*args, factor=factor):  # type: ignore[no-untyped-def]
+            want, _, plain = real(*args)
+            return want, want + factor * (plain - want), plain
+
+        monkeypatch.setattr(check, "_case", scaled)
+        (result,) = run_checks(dtypes=[dtype], backends=("sdpa",), checks=("2x rule",))
+        assert result.passed == passes, result.detail
+    want, _, plain = real("sdpa", torch.float32, "cpu", 8, "none")
+    err = float(np.abs(plain - want).max())
+    assert 3 * err < 2 * err + 1e-6  # what the fixed floor allowed
+    assert not check.two_x_rule(3 * err, err, float(np.abs(want).max()), torch.float32)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
