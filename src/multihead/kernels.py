@@ -128,20 +128,20 @@ def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float) -> 
     """softmax(q k^T * scale + mask) per query head: (b, h, s, t), rows with no allowed key all zero.
 
     Query heads are viewed as g groups of r = h / g heads, so each group multiplies its own KV head without copying
-    it. Low-precision scores are normalised in float32, as fused kernels do.
+    it. Low-precision inputs are scored, masked and normalised in float32, as fused kernels do.
     """
     b, h, s, d = q.shape
     g, t = k.shape[1], k.shape[2]
     r = h // g
     keep, bias, has_key = spec.dense(q.device, q.dtype)
-    qg = q.reshape(b, g, r * s, d)  # (b, g, r*s, d): query head i = group i // r, member i % r
-    scores = (qg @ k.transpose(-2, -1)).view(b, h, s, t) * scale  # (b, h, s, t)
+    work = torch.promote_types(q.dtype, torch.float32)  # half and bfloat16 score and normalise in float32
+    qg = q.reshape(b, g, r * s, d).to(work)  # (b, g, r*s, d): query head i = group i // r, member i % r
+    scores = (qg @ k.to(work).transpose(-2, -1)).view(b, h, s, t) * scale  # (b, h, s, t)
     if bias is not None:
         scores = scores + bias
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
-    work = torch.promote_types(scores.dtype, torch.float32)  # half and bfloat16 normalise in float32
-    weights = torch.softmax(scores.to(work), dim=-1).to(q.dtype)  # (b, h, s, t)
+    weights = torch.softmax(scores, dim=-1).to(q.dtype)  # (b, h, s, t)
     if has_key is not None:
         weights = weights * has_key
     return weights

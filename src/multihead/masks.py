@@ -106,7 +106,8 @@ class MaskSpec:
     def dense(self, device: torch.device, dtype: torch.dtype) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
         """Materialise the mask for a kernel: (keep, bias, has_key).
 
-        ``keep`` is bool (True = may attend) or None for "all", ``bias`` is a float tensor in ``dtype`` or None.
+        ``keep`` is bool (True = may attend) or None for "all", ``bias`` a float tensor in ``dtype`` promoted to at
+        least float32 (never rounded to a low-precision dtype), or None.
         Rows with no allowed key are opened up (all keys allowed, bias 0) so that no kernel sees an empty row, and
         ``has_key`` (bool, ``(.., s, 1)``) says which rows were empty so their output can be zeroed afterwards; it is
         None when no row can be empty. Made once per (device, dtype) and kept on this spec.
@@ -130,7 +131,10 @@ class MaskSpec:
         if self.documents is not None:
             same = self.documents[:, None, :, None] == self.documents[:, None, None, :]  # (b, 1, s, t)
             keep = same if keep is None else keep & same
-        bias = self.bias.to(dtype) if self.bias is not None else None
+        # a float mask is added in at least float32: rounded to bfloat16 a bias of -150 moves by up to 0.5, which
+        # reweights keys by e^0.5 (PyTorch's kernels take a float32 mask with low-precision inputs)
+        work = torch.promote_types(dtype, torch.float32)
+        bias = self.bias.to(device=device, dtype=work) if self.bias is not None else None
         if not self.may_have_empty_rows:
             return keep, bias, None
         allowed = keep
