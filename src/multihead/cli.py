@@ -411,6 +411,9 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _add_heads(sub: Any) -> None:
     p = sub.add_parser("heads", help="what each head of a real model does: scores, labels, pictures, an HTML report")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, a .gguf file or a model folder")
+    p.add_argument("--engine", choices=("auto", "ours", "transformers"), default="auto",
+                   help="auto (default): multihead's own port where one applies (Llama-style GGUF or folder, BERT), "
+                        "else transformers with its attention on multihead; or force one")
     text = p.add_mutually_exclusive_group()
     text.add_argument("--text", help="the text to analyse (default: the shipped public-domain passage)")
     text.add_argument("--file", help="a UTF-8 text file to analyse")
@@ -441,7 +444,7 @@ def _run_heads(args: argparse.Namespace) -> int:
     if text is not None and not text.strip():
         raise CliError("the text is empty: give some text to analyse")
     prepare_out_dir(args.out)  # fail before the long work if the report cannot be written
-    model = load_head_model(args.model)
+    model = load_head_model(args.model, engine=args.engine)
     report = analyse(model, text, display_tokens=args.tokens, ablate=args.ablate, convert=args.convert,
                      progress=not args.json)
     files = write_all(report, args.out)
@@ -450,7 +453,7 @@ def _run_heads(args: argparse.Namespace) -> int:
         return 0
     scores = report.scores
     print(f"{report.model}: {report.n_layers} layers x {report.n_heads} query heads ({report.n_kv_heads} KV heads), "
-          f"{'causal' if report.causal else 'bidirectional'}")
+          f"{'causal' if report.causal else 'bidirectional'}; engine: {report.engine}")
     names = ["previous_token", "induction", "duplicate_token", "first_token", "self", "local", "entropy"]
     if not report.causal:
         names.insert(1, "next_token")

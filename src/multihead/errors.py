@@ -10,6 +10,7 @@ EXTRAS = {
     "models": ("safetensors", "tokenizers", "gguf", "jinja2"),
     "heads": ("safetensors", "tokenizers", "gguf", "jinja2", "matplotlib", "tqdm"),
     "plots": ("matplotlib",),
+    "hf": ("transformers",),
 }
 
 

@@ -102,17 +102,21 @@ def mask_mod(spec: MaskSpec) -> MaskMod | None:
     return combined
 
 
-def score_mod(spec: MaskSpec) -> ScoreMod | None:
-    """A float mask as a flex-attention score_mod that adds it to the scaled scores (masked keys stay masked by the
-    mask_mod, so -inf never reaches the kernel's arithmetic)."""
-    if spec.bias is None:
+def score_mod(spec: MaskSpec, softcap: float | None = None) -> ScoreMod | None:
+    """The score changes as a flex-attention score_mod: the cap softcap * tanh(score / softcap), then the float mask
+    added (masked keys stay masked by the mask_mod, so -inf never reaches the kernel's arithmetic)."""
+    if spec.bias is None and softcap is None:
         return None
-    bias = _full(spec.bias, spec.batch, spec.n_heads, spec.s, spec.t)
+    bias = None if spec.bias is None else _full(spec.bias, spec.batch, spec.n_heads, spec.s, spec.t)
 
-    def add_bias(score: Tensor, bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+    def modify(score: Tensor, bi: Tensor, hi: Tensor, qi: Tensor, ki: Tensor) -> Tensor:
+        if softcap is not None:
+            score = torch.tanh(score / softcap) * softcap
+        if bias is None:
+            return score
         value = bias[bi, hi, qi, ki]
         return score + torch.where(value == float("-inf"), torch.zeros_like(value), value).to(score.dtype)
-    return add_bias
+    return modify
 
 
 def _depends_on_heads(spec: MaskSpec) -> bool:
@@ -181,11 +185,13 @@ def _kernel() -> Callable[..., Any]:
 RECOMPILE_LIMIT = 256  # kernels kept per process (each shape and mask kind is one); past it, an error, not a fallback
 
 
-def flex_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float) -> Tensor:
-    """softmax(q k^T * scale + mask) v by flex attention: q (b, h, s, d), k and v (b, g, t, d) -> (b, h, s, d)."""
+def flex_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float,
+                   softcap: float | None = None) -> Tensor:
+    """softmax(cap(q k^T * scale) + mask) v by flex attention: q (b, h, s, d), k and v (b, g, t, d) -> (b, h, s, d);
+    ``softcap`` caps the scaled scores as softcap * tanh(scores / softcap) before the float mask is added."""
     mask = block_mask(spec, q.device)
     kernel = _kernel()
-    args = dict(score_mod=score_mod(spec), block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
+    args = dict(score_mod=score_mod(spec, softcap), block_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     if torch.compiler.is_compiling():
         # inductor's CPU flex template fails to lower inputs that are views of a projection's 2-D output
         out: Tensor = kernel(q.contiguous(), k.contiguous(), v.contiguous(), **args)

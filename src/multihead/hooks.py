@@ -30,6 +30,7 @@ attention calls multihead's core).
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -144,19 +145,21 @@ def attend(call: AttentionCall, points: HookedAttention | None = None) -> tuple[
         return kernels.attend(call)
     q, k, v = _through(points.hook_q, call.q), _through(points.hook_k, call.k), _through(points.hook_v, call.v)
     if q is not call.q or k is not call.k or v is not call.v:
-        call = AttentionCall(q, k, v, call.mask, call.scale, call.dropout_p, call.backend, call.need_weights)
+        call = dataclasses.replace(call, q=q, k=k, v=v)
     pattern = points.hook_pattern
     if not pattern._fns:
         z, weights = kernels.attend(call)
     elif call.need_weights or kernels.resolve_backend(call)[0] == "math":
-        weights = pattern(kernels.attention_weights(q, k, call.mask, scale=call.scale))  # (b, h, s, t)
+        weights = pattern(kernels.attention_weights(q, k, call.mask, scale=call.scale, softcap=call.softcap,
+                                                    sinks=call.sinks))  # (b, h, s, t)
         if call.dropout_p > 0.0:
             weights = torch.nn.functional.dropout(weights, p=call.dropout_p, training=True)
         z = kernels.weighted_values(weights, v)
         weights = weights if call.need_weights else None
     else:
         z, weights = kernels.attend(call)  # the fused kernel, unless a hook replaces the pattern
-        made = kernels.attention_weights(q, k, call.mask, scale=call.scale)  # exact: the same q, k and mask
+        made = kernels.attention_weights(q, k, call.mask, scale=call.scale,  # exact: the same q, k and mask
+                                         softcap=call.softcap, sinks=call.sinks)
         edited = pattern(made)
         if edited is not made:
             if call.dropout_p > 0.0:

@@ -65,9 +65,12 @@ def structure(spec: MaskSpec) -> str | None:
 class AttentionCall:
     """One call of the attention core, as :func:`attend` runs it and :func:`explain` describes it.
 
-    q (b, h, s, d); k and v (b, g, t, d) with g dividing h (query head i reads KV head i // (h / g)); ``mask`` the
-    call's :class:`~multihead.masks.MaskSpec`; ``dropout_p`` the dropout on the weights (0 outside training);
-    ``backend`` one of BACKENDS; ``need_weights`` whether the (b, h, s, t) weights are returned.
+    q (b, h, s, d); k (b, g, t, d) and v (b, g, t, dv) with g dividing h (query head i reads KV head i // (h / g));
+    ``mask`` the call's :class:`~multihead.masks.MaskSpec`; ``dropout_p`` the dropout on the weights (0 outside
+    training); ``backend`` one of BACKENDS; ``need_weights`` whether the (b, h, s, t) weights are returned;
+    ``softcap`` caps the scaled scores as ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); ``sinks``
+    (h,) are learned sink logits, one per query head, that take part in each row's softmax denominator and add
+    nothing to the output (gpt-oss).
     """
 
     q: Tensor
@@ -78,6 +81,8 @@ class AttentionCall:
     dropout_p: float = 0.0
     backend: str = "auto"
     need_weights: bool = False
+    softcap: float | None = None
+    sinks: Tensor | None = None
 
     @property
     def needs_grad(self) -> bool:
@@ -98,6 +103,12 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
         return "math", "weights requested: only the math path materialises the (b, h, s, t) weights"
     if backend == "math":
         return "math", "math path asked for explicitly"
+    if call.sinks is not None:
+        if backend in ("sdpa", "flex"):
+            raise MultiheadError(f"backend {backend!r} cannot take sink logits (s_aux): use 'math' or 'auto'")
+        return "math", "sink logits (s_aux) join each row's softmax: only the math path takes them"
+    if call.softcap is not None and backend == "sdpa":
+        raise MultiheadError("backend 'sdpa' cannot cap scores (softcap): use 'auto', 'math' or 'flex'")
     if backend == "flex":
         if dropout_p > 0.0:
             raise MultiheadError(f"backend 'flex' has no dropout (dropout_p {dropout_p}): use 'sdpa', or eval()")
@@ -109,6 +120,10 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
         return "flex", "flex attention asked for explicitly"
     if backend == "sdpa":
         return "sdpa", "SDPA asked for explicitly"
+    if call.softcap is not None:
+        if device.type == "cuda" and flex.available() and dropout_p == 0.0:
+            return "flex", "scores are capped (softcap): flex attention applies it in its score_mod"
+        return "math", "scores are capped (softcap), which SDPA cannot do; the math path applies it"
     found = structure(spec)
     if found is None:
         return "sdpa", "fused SDPA is the default"
@@ -124,8 +139,12 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
     return "flex", f"the mask has structure ({found}): flex attention skips the masked blocks, no dense mask"
 
 
-def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float) -> Tensor:
-    """softmax(q k^T * scale + mask) per query head: (b, h, s, t), rows with no allowed key all zero.
+def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float, softcap: float | None = None,
+                      sinks: Tensor | None = None) -> Tensor:
+    """softmax(cap(q k^T * scale) + mask) per query head: (b, h, s, t), rows with no allowed key all zero.
+
+    ``softcap`` caps the scores as softcap * tanh(scores / softcap); ``sinks`` (h,) joins each row's softmax as one
+    more logit whose weight is dropped (the row's weights then sum to less than one).
 
     Query heads are viewed as g groups of r = h / g heads, so each group multiplies its own KV head without copying
     it. Low-precision inputs are scored, masked and normalised in float32, as fused kernels do.
@@ -137,11 +156,17 @@ def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float) -> 
     work = torch.promote_types(q.dtype, torch.float32)  # half and bfloat16 score and normalise in float32
     qg = q.reshape(b, g, r * s, d).to(work)  # (b, g, r*s, d): query head i = group i // r, member i % r
     scores = (qg @ k.to(work).transpose(-2, -1)).view(b, h, s, t) * scale  # (b, h, s, t)
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     if bias is not None:
         scores = scores + bias
     if keep is not None:
         scores = scores.masked_fill(~keep, float("-inf"))
-    weights = torch.softmax(scores, dim=-1).to(q.dtype)  # (b, h, s, t)
+    if sinks is None:
+        weights = torch.softmax(scores, dim=-1).to(q.dtype)  # (b, h, s, t)
+    else:
+        sink = sinks.to(device=q.device, dtype=work).view(1, h, 1, 1).expand(b, h, s, 1)
+        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :t].to(q.dtype)  # the sink dropped
     if has_key is not None:
         weights = weights * has_key
     return weights
@@ -151,14 +176,15 @@ def weighted_values(weights: Tensor, v: Tensor) -> Tensor:
     """weights (b, h, s, t) @ v (b, g, t, d) -> (b, h, s, d), each group of h / g query heads on its own KV head."""
     b, h, s, t = weights.shape
     g, d = v.shape[1], v.shape[3]
-    return (weights.reshape(b, g, (h // g) * s, t) @ v).view(b, h, s, d)  # (b, h, s, d)
+    return (weights.reshape(b, g, (h // g) * s, t) @ v).view(b, h, s, d)  # (b, h, s, dv)
 
 
 def math_attention(
-    q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0
+    q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0,
+    softcap: float | None = None, sinks: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The readable path: (out (b, h, s, d), weights (b, h, s, t))."""
-    weights = attention_weights(q, k, spec, scale=scale)  # (b, h, s, t)
+    """The readable path: (out (b, h, s, dv), weights (b, h, s, t))."""
+    weights = attention_weights(q, k, spec, scale=scale, softcap=softcap, sinks=sinks)  # (b, h, s, t)
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     return weighted_values(weights, v), weights
@@ -224,10 +250,11 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     chosen, _ = resolve_backend(call)
     q, k, v, spec = call.q, call.k, call.v, call.mask
     if chosen == "math":
-        out, weights = math_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p)
+        out, weights = math_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p,
+                                      softcap=call.softcap, sinks=call.sinks)
         return out, (weights if call.need_weights else None)
     if chosen == "flex":
-        return flex.flex_attention(q, k, v, spec, scale=call.scale), None
+        return flex.flex_attention(q, k, v, spec, scale=call.scale, softcap=call.softcap), None
     return sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p), None
 
 

@@ -76,6 +76,8 @@ def multihead_attention(
     causal: bool = False,
     positions: Array | None = None,
     edit_pattern: Callable[[int, Array], Array] | None = None,
+    softcap: float | None = None,
+    sinks: Array | None = None,
 ) -> tuple[Array, Array]:
     """(output (b, s, d_model), weights (b, n_heads, s, t)) in float64.
 
@@ -83,7 +85,8 @@ def multihead_attention(
     ``key_padding_mask`` is (b, t) bool with True = a real token; causal is aligned bottom-right (query i sees keys
     up to t - s + i); the config's window lets query i see only keys j > t - s + i - window. A row with no allowed
     key gives zeros. ``edit_pattern(i, w)`` may replace head i's weights w (b, s, t) before they multiply its values
-    (the returned weights are the edited ones).
+    (the returned weights are the edited ones). ``softcap`` caps the scaled scores as softcap * tanh(score / softcap)
+    before the mask is added; ``sinks`` (n_heads,) adds one logit per head to each row's softmax denominator only.
     """
     x = np.asarray(x, dtype=np.float64)
     c = x if context is None else np.asarray(context, dtype=np.float64)
@@ -128,15 +131,20 @@ def multihead_attention(
         if config.rope is not None:
             q_i = _rope(q_i, pos, config.rope.base)
             k_i = _rope(k_i, pos, config.rope.base)
-        scores = np.einsum("bsd,btd->bst", q_i, k_i) * scale + np.where(allowed[:, i], added[:, i], 0.0)
+        scores = np.einsum("bsd,btd->bst", q_i, k_i) * scale
+        if softcap is not None:
+            scores = softcap * np.tanh(scores / softcap)
+        scores = scores + np.where(allowed[:, i], added[:, i], 0.0)
         w = np.zeros_like(scores)
         for bi in range(b):
             for si in range(s):
                 ok = allowed[bi, i, si]
                 if ok.any():
                     row = scores[bi, si, ok]
-                    e = np.exp(row - row.max())
-                    w[bi, si, ok] = e / e.sum()
+                    top = row.max() if sinks is None else max(row.max(), float(sinks[i]))
+                    e = np.exp(row - top)
+                    denominator = e.sum() + (0.0 if sinks is None else np.exp(float(sinks[i]) - top))
+                    w[bi, si, ok] = e / denominator
         if edit_pattern is not None:
             w = np.asarray(edit_pattern(i, w), dtype=np.float64)
         all_weights[:, i] = w

@@ -7,7 +7,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import cast
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -15,7 +15,7 @@ from torch import Tensor
 
 from multihead.attention import MultiHeadAttention, Step
 from multihead.errors import MultiheadError
-from multihead.hooks import HookFn, HookPoint, pool_kv_heads, zero_heads
+from multihead.hooks import HookedAttention, HookFn, HookPoint, pool_kv_heads, zero_heads
 from multihead.models.bert import SentenceEncoder
 from multihead.models.llama import LlamaModel
 from multihead.models.tokenizer import TextTokenizer
@@ -34,12 +34,12 @@ class Batch:
 Edit = tuple[HookPoint, HookFn]  # a hook to attach to one hook point for one run
 
 
-def ablate_edit(layer: MultiHeadAttention, head: int) -> Edit:
+def ablate_edit(layer: HookedAttention, head: int) -> Edit:
     """Zero one query head's output before W_O (the ablation of Michel et al. 2019), through its hook point z."""
     return layer.hook_z, zero_heads(head)
 
 
-def pool_edits(layers: list[MultiHeadAttention], n_kv_heads: int) -> list[Edit]:
+def pool_edits(layers: Sequence[HookedAttention], n_kv_heads: int) -> list[Edit]:
     """Mean-pool every layer's KV heads into n_kv_heads (Ainslie et al. 2023) through the hook points k and v."""
     pool = pool_kv_heads(n_kv_heads)
     return [edit for layer in layers for edit in ((layer.hook_k, pool), (layer.hook_v, pool))]
@@ -57,13 +57,14 @@ def applied(edits: Sequence[Edit]) -> Iterator[None]:
 
 
 class HeadModel:
-    """What the head tools need from a model."""
+    """What the head tools need from a model: its attention layers' hook points, tokenizing, running, a metric."""
 
     name: str
     causal: bool
     max_tokens: int
     metric_name: str
     metric_is_change = False  # True when the metric is itself a change from the full model (0 for the full model)
+    engine = "multihead's own port"
 
     def relative(self, value: float, baseline: float) -> float:
         """The change a value makes, as a fraction: of the baseline, or the metric itself when it is a change."""
@@ -71,7 +72,7 @@ class HeadModel:
             return value - baseline
         return (value - baseline) / baseline if baseline else float("inf")
 
-    def layers(self) -> list[MultiHeadAttention]:
+    def layers(self) -> Sequence[HookedAttention]:
         raise NotImplementedError
 
     def encode(self, texts: list[str]) -> Batch:
@@ -105,6 +106,21 @@ class HeadModel:
 
     @property
     def n_heads(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def n_kv_heads(self) -> int:
+        raise NotImplementedError
+
+
+class _PortHeads(HeadModel):
+    """A model of ours: its layers are MultiHeadAttention."""
+
+    def layers(self) -> list[MultiHeadAttention]:
+        raise NotImplementedError
+
+    @property
+    def n_heads(self) -> int:
         return self.layers()[0].n_heads
 
     @property
@@ -113,7 +129,7 @@ class HeadModel:
 
 
 # ---------------------------------------------------------------------------------------------- decoder
-class DecoderHeads(HeadModel):
+class DecoderHeads(_PortHeads):
     causal = True
     metric_name = "language-model loss (nats/token)"
 
@@ -173,7 +189,7 @@ class DecoderHeads(HeadModel):
 
 
 # ---------------------------------------------------------------------------------------------- encoder
-class EncoderHeads(HeadModel):
+class EncoderHeads(_PortHeads):
     causal = False
     metric_name = "1 - cosine similarity to the full model's sentence embeddings"
     metric_is_change = True
@@ -264,20 +280,151 @@ def split_sentences(text: str) -> list[str]:
     return parts or [text]
 
 
-def load_head_model(name: str | None) -> HeadModel:
-    """'smollm2' (default), 'minilm', a GGUF file or Llama folder, or a sentence-transformers folder."""
-    from multihead.models import load_llama, load_sentence_encoder
+# ---------------------------------------------------------------------------------------------- any transformers model
+class TransformersHeads(HeadModel):
+    """A transformers model (decoder-only or encoder) with its attention on multihead (:func:`multihead.hf.enable`):
+    the same hook points serve capture, ablation and KV pooling. A decoder's metric is its language-model loss, an
+    encoder's 1 - cosine of its mean-pooled, normalised embeddings to the unedited model's."""
 
-    if name in (None, "smollm2"):
-        model, tok = load_llama()
-        return DecoderHeads(model, tok)
-    if name == "minilm":
-        return EncoderHeads(load_sentence_encoder())
-    path = Path(name)
-    if not path.exists():
+    engine = "transformers, attention on multihead"
+
+    def __init__(self, model: Any, tokenizer: Any, name: str) -> None:
+        from multihead import hf
+
+        config = model.config
+        if getattr(config, "is_encoder_decoder", False):
+            raise MultiheadError(f"{name}: an encoder-decoder model ({type(model).__name__}); the head tools take "
+                                 "decoder-only and encoder models")
+        self.model, self.tokenizer, self.name = model, tokenizer, name
+        self.causal = callable(getattr(model, "generate", None))
+        self.metric_name = ("language-model loss (nats/token)" if self.causal
+                            else "1 - cosine similarity to the full model's mean-pooled embeddings")
+        self.metric_is_change = not self.causal
+        text = config.get_text_config()
+        self.max_tokens = int(getattr(text, "max_position_embeddings", None) or 2048)
+        self._heads = int(text.num_attention_heads)
+        self._kv_heads = int(getattr(text, "num_key_value_heads", None) or self._heads)
+        self._layers = cast(list[HookedAttention], list(hf.attention_modules(model).values()))
+
+    def layers(self) -> list[HookedAttention]:
+        return self._layers
+
+    @property
+    def n_heads(self) -> int:
+        return self._heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self._kv_heads
+
+    def encode(self, texts: list[str]) -> Batch:
+        encoded = [list(self.tokenizer(t, add_special_tokens=not self.causal)["input_ids"]) for t in texts]
+        return _pad(encoded, self.max_tokens, texts)
+
+    def token_strings(self, ids: list[int]) -> list[str]:
+        if self.causal:
+            return [self.tokenizer.decode([i]) for i in ids]
+        return [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
+
+    def _forward(self, batch: Batch) -> Any:
+        return self.model(batch.ids, attention_mask=batch.valid.long())
+
+    def run(self, batch: Batch) -> None:
+        with torch.no_grad():
+            self._forward(batch)
+
+    def random_token_ids(self, n: int, generator: torch.Generator) -> Tensor:
+        """Random ids above the special tokens, drawn as our ports draw them (so scores agree between engines):
+        BERT vocabularies keep [unused*] and special tokens below id 1000, other vocabularies their control tokens
+        at the start."""
+        vocab = int(self.model.config.get_text_config().vocab_size)
+        unused = self.tokenizer.convert_tokens_to_ids("[unused0]")
+        if unused is not None and unused != self.tokenizer.unk_token_id and vocab > 2000:
+            low = 1000
+        else:
+            low = max(max([*self.tokenizer.all_special_ids, 0]) + 1, 17)
+        return torch.randint(min(low, vocab - n - 1), vocab, (n,), generator=generator)
+
+    def wrap_repeat(self, ids: Tensor) -> tuple[Tensor, int]:
+        if self.causal:
+            return ids, 0
+        cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
+        if cls is None or sep is None:
+            return ids, 0
+        b = ids.shape[0]
+        return torch.cat([torch.full((b, 1), cls), ids, torch.full((b, 1), sep)], dim=1), 1
+
+    def hidden_states(self, batch: Batch) -> list[Tensor]:
+        return []  # every run starts from the embeddings
+
+    def _embeddings(self, batch: Batch) -> Tensor:
+        hidden = self._forward(batch).last_hidden_state  # (b, s, d)
+        w = batch.valid.unsqueeze(-1).to(hidden.dtype)
+        return F.normalize((hidden * w).sum(1) / w.sum(1).clamp(min=1e-9), dim=-1)
+
+    def metric(self, batch: Batch, *, edits: Sequence[Edit] = (), start: int = 0,
+               states: list[Tensor] | None = None) -> float:
+        with torch.no_grad():
+            if not self.causal:
+                if batch.reference is None:
+                    batch.reference = self._embeddings(batch)
+                with applied(edits):
+                    e = self._embeddings(batch)
+                return float(1.0 - F.cosine_similarity(e, batch.reference, dim=-1).mean())
+            with applied(edits):
+                logits = self._forward(batch).logits.float()
+            losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch.ids[:, 1:], reduction="none")
+            return float(losses[batch.valid[:, 1:]].mean())
+
+
+ENGINES = ("auto", "ours", "transformers")
+
+
+def load_head_model(name: str | None, engine: str = "auto") -> HeadModel:
+    """'smollm2' (default), 'minilm', a GGUF file or a model folder.
+
+    ``engine`` "ours" runs multihead's own ports (Llama-style decoders from GGUF or a Llama folder, BERT sentence
+    encoders), "transformers" any model transformers loads, with its attention on multihead; "auto" takes our port
+    where one applies (the fast path) and transformers otherwise.
+    """
+    if engine not in ENGINES:
+        raise MultiheadError(f"engine {engine!r} is unknown: choose one of {', '.join(ENGINES)}")
+    from multihead.models import default_gguf_path, default_minilm_dir, load_llama, load_sentence_encoder
+
+    known = {"smollm2": default_gguf_path, "minilm": default_minilm_dir}
+    key = "smollm2" if name is None else name
+    path = known[key]() if key in known else Path(key)
+    if key not in known and not path.exists():
         raise MultiheadError(f"unknown model {name!r}: give one of {', '.join(MODEL_NAMES)}, a .gguf file or a model "
                              "folder")
-    if path.is_file() or ((path / "config.json").exists() and '"llama"' in (path / "config.json").read_text()):
-        model, tok = load_llama(path)
-        return DecoderHeads(model, tok, name=path.stem)
-    return EncoderHeads(load_sentence_encoder(path), name=path.name)
+    label = key if key in known else (path.stem if path.is_file() else path.name)
+    config = path / "config.json"
+    model_type = None
+    if path.is_dir() and config.is_file():
+        from multihead.models.loaders import read_json
+
+        model_type = read_json(config).get("model_type")
+    is_llama = (path.is_file() and path.suffix == ".gguf") or model_type == "llama"
+    is_bert = path.is_dir() and model_type == "bert"
+    if engine == "ours" or (engine == "auto" and (is_llama or is_bert)):
+        if is_llama:
+            model, tok = load_llama(path)
+            return DecoderHeads(model, tok, name=label)
+        if is_bert:
+            return EncoderHeads(load_sentence_encoder(path), name=label)
+        raise MultiheadError(f"{str(path)!r} ({model_type or 'no config.json'}) has no port of ours (Llama-style "
+                             "decoders and BERT sentence encoders): use --engine transformers")
+    from multihead import hf
+
+    return TransformersHeads(hf.load(path), _hf_tokenizer(path), name=label)
+
+
+def _hf_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        if path.is_file():
+            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as err:
+        raise MultiheadError(f"transformers could not load a tokenizer for {str(path)!r}: {err}") from None

@@ -33,6 +33,7 @@ class HeadReport:
     patterns: list[np.ndarray]  # per layer (n_heads, n, n) float32 weights over the displayed tokens
     scores: HeadScores
     metric_name: str = ""
+    engine: str = ""
     baseline: float | None = None
     ablation: list[dict[str, Any]] = field(default_factory=list)
     conversion: list[dict[str, Any]] = field(default_factory=list)
@@ -83,7 +84,7 @@ def analyse(
     patterns = [w[0, :, :n, :n].numpy().astype(np.float32) for w in weights]
     report = HeadReport(model=model.name, causal=model.causal, n_layers=len(layers), n_heads=model.n_heads,
                         n_kv_heads=model.n_kv_heads, text=text, tokens=tokens, patterns=patterns,
-                        scores=head_scores, metric_name=model.metric_name)
+                        scores=head_scores, metric_name=model.metric_name, engine=model.engine)
     if ablate or convert:
         metric_batch = batch if model.causal else model.encode(split_sentences(text))
         report.baseline = model.metric(metric_batch)

@@ -8,11 +8,10 @@ from contextlib import ExitStack
 import torch
 from torch import Tensor
 
-from multihead.attention import MultiHeadAttention
-from multihead.hooks import HookPoint
+from multihead.hooks import HookedAttention, HookPoint
 
 
-def capture_weights(layers: Sequence[MultiHeadAttention], run: Callable[[], object]) -> list[Tensor]:
+def capture_weights(layers: Sequence[HookedAttention], run: Callable[[], object]) -> list[Tensor]:
     """Run ``run()`` (a forward pass of the model that owns ``layers``) and return each layer's weights
     (b, n_heads, s, t) as float32 on the CPU.
 

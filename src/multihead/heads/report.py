@@ -154,7 +154,7 @@ def _write_json(report: HeadReport, path: Path) -> Path:
 
 
 def result_json(report: HeadReport) -> dict[str, Any]:
-    return {"model": report.model, "n_layers": report.n_layers, "n_heads": report.n_heads,
+    return {"model": report.model, "engine": report.engine, "n_layers": report.n_layers, "n_heads": report.n_heads,
             "n_kv_heads": report.n_kv_heads, "tokens": len(report.tokens), "heads": report.scores.records(),
             "ablation": report.ablation, "ablation_summary": report.ablation_summary(),
             "conversion": report.conversion, "metric": report.metric_name, "baseline": report.baseline}

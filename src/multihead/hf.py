@@ -1,0 +1,227 @@
+"""multihead as a transformers attention implementation: any model transformers can load runs its attention core here.
+
+::
+
+    from multihead import hf
+    model = hf.load("path/to/model")          # a local folder (config.json + safetensors) or a .gguf file
+    model = hf.enable(any_hf_model)           # or switch a model you already have
+
+transformers (5.x) calls the registered function with (module, query (b, h, s, d), key and value (b, g, t, d) after
+its own RoPE and cache, attention_mask, dropout, scaling, **kwargs). Hugging Face's modules and weights run
+unchanged; only the attention core is multihead's: keys and values stay g = n_kv_heads wide into the kernel (also
+with a padding mask, where transformers' own SDPA path repeats them), the same hook points as our layer
+(``model.layers.3.self_attn.hook_z``), exact per-head patterns on the fused path.
+
+The mask is registered too (``AttentionMaskInterface``): without it transformers passes no mask. It is transformers'
+boolean mask (True = may attend, multihead's convention), or None where transformers proves none is needed.
+
+Keywords transformers passes, each honoured or refused by name:
+
+- ``scaling``, ``dropout``: the factor on q·k and the dropout on the weights;
+- ``is_causal``: with no mask, causal when the module says so and more than one query comes (a prefill into an
+  empty static cache attends to its first s slots, as transformers' SDPA path does);
+- ``sliding_window``: already in transformers' mask (or provably without effect when it passes none);
+- ``softcap`` (Gemma 2): ``tanh(scores / softcap) * softcap`` before the mask;
+- ``s_aux`` (gpt-oss): one learned sink logit per head, in the softmax's denominator only;
+- ``position_bias`` (T5): added to the scores, with the mask;
+- ``output_attentions``: the per-head weights (the math path);
+- ``position_ids``, ``cache_position``, ``use_cache``, ``output_hidden_states`` and the like: not attention's concern.
+
+Anything else (flash-attention's packed ``cu_seq_lens_*``, say) raises a MultiheadError naming it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead.errors import MultiheadError, require
+from multihead.hooks import HookPoint, add_hook_points, attend
+from multihead.kernels import AttentionCall
+from multihead.masks import MaskSpec
+
+NAME = "multihead"
+
+# keywords transformers may pass that do not change what attention computes
+IGNORED = frozenset({
+    "position_ids", "cache_position", "use_cache", "output_hidden_states", "return_dict", "num_items_in_batch",
+    "output_router_logits", "layer_idx", "token_type_ids", "seq_idx", "past_key_values", "cache", "layer_head_mask",
+    "query_length", "head_mask", "encoder_hidden_states", "kwargs",
+})
+
+_registered = False
+
+
+def register() -> None:
+    """Register ``"multihead"`` with transformers' AttentionInterface and AttentionMaskInterface (once)."""
+    global _registered
+    if _registered:
+        return
+    require("transformers", "hf")
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(NAME, attention_forward)
+    AttentionMaskInterface.register(NAME, sdpa_mask)  # boolean, True = may attend
+    _registered = True
+
+
+def _mask(attention_mask: Tensor | None, position_bias: Tensor | None, b: int, h: int, s: int, t: int,
+          causal: bool) -> MaskSpec:
+    keep = bias = None
+    if attention_mask is not None:
+        if not isinstance(attention_mask, Tensor) or attention_mask.ndim != 4:
+            raise MultiheadError(f"transformers passed an attention_mask of {type(attention_mask).__name__} "
+                                 f"{tuple(getattr(attention_mask, 'shape', ()))}: expected (b, 1|h, s, t)")
+        mask = attention_mask[..., :t]  # a static cache's mask can be longer than the keys it hands over
+        if mask.dtype == torch.bool:
+            keep = mask
+        elif mask.is_floating_point():
+            bias = mask
+        else:
+            raise MultiheadError(f"transformers passed an attention_mask of dtype {mask.dtype}: expected bool or a "
+                                 "float mask added to the scores")
+    if position_bias is not None:
+        pb = position_bias[..., :t]
+        bias = pb if bias is None else bias + pb
+    return MaskSpec(batch=b, n_heads=h, s=s, t=t, causal=causal, keep=keep, bias=bias)
+
+
+def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                      dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                      softcap: float | None = None, sliding_window: int | None = None, s_aux: Tensor | None = None,
+                      position_bias: Tensor | None = None, output_attentions: bool = False, **kwargs: Any
+                      ) -> tuple[Tensor, Tensor | None]:
+    """The function transformers calls: query (b, h, s, d), key and value (b, g, t, d) -> ((b, s, h, dv), weights)."""
+    unknown = sorted(k for k, v in kwargs.items() if k not in IGNORED and v is not None)
+    if unknown:
+        raise MultiheadError(f"{type(module).__name__} passed {', '.join(map(repr, unknown))} to the attention "
+                             f"function, which multihead does not support: use attn_implementation='sdpa' or 'eager' "
+                             "for this call")
+    b, h, s, d = query.shape
+    g, t = key.shape[1], key.shape[2]
+    if h % g != 0:
+        raise MultiheadError(f"{type(module).__name__}: {h} query heads do not divide into {g} KV heads")
+    causal = False
+    if attention_mask is None:
+        wants = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+        causal = bool(wants) and s > 1
+        if causal and t > s:  # a prefill into an empty static cache: its first s slots, as transformers' SDPA path
+            key, value, t = key[:, :, :s], value[:, :, :s], s
+            position_bias = None if position_bias is None else position_bias[..., :s]
+    spec = _mask(attention_mask, position_bias, b, h, s, t, causal)
+    call = AttentionCall(query, key, value, spec, scale=d**-0.5 if scaling is None else float(scaling),
+                         dropout_p=float(dropout), backend=getattr(module, "multihead_backend", "auto"),
+                         need_weights=bool(output_attentions), softcap=softcap, sinks=s_aux)
+    points = module if isinstance(getattr(module, "hook_z", None), HookPoint) else None
+    z, weights = attend(call, points)  # type: ignore[arg-type]  # (b, h, s, dv)
+    return z.transpose(1, 2).contiguous(), weights
+
+
+def _calls_attention_interface(cls: Any) -> bool:
+    try:
+        return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return False
+
+
+def attention_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """The modules of ``model`` whose forward calls transformers' attention interface, by name."""
+    seen: dict[Any, bool] = {}
+    found = {}
+    for name, module in model.named_modules():
+        cls = type(module)
+        if cls not in seen:
+            seen[cls] = _calls_attention_interface(cls)
+        if seen[cls]:
+            found[name] = module
+    return found
+
+
+def _out_hook(module: nn.Module, _args: Any, output: Any) -> Any:
+    point: HookPoint = module.hook_out  # type: ignore[assignment]
+    if not point.active:
+        return output
+    if isinstance(output, tuple):
+        return (point(output[0]), *output[1:])
+    return point(output)
+
+
+def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
+    """Switch a transformers model to multihead's attention (in place) and give each attention module the hook points
+    ``hook_q`` .. ``hook_out`` (``hook_out`` is the module's own output). Returns the model."""
+    register()
+    if not (hasattr(model, "set_attn_implementation") and hasattr(model, "_can_set_attn_implementation")):
+        raise MultiheadError(f"{type(model).__name__} is not a transformers model (no set_attn_implementation)")
+    hf_model: Any = model  # a PreTrainedModel (transformers is not a dependency of the type checks)
+    if not hf_model._can_set_attn_implementation():
+        raise MultiheadError(
+            f"{type(model).__name__} does not call transformers' attention interface (its attention is written inline, "
+            "as in Falcon, BLOOM and MPT), so no attention implementation can be plugged in: unsupported"
+        )
+    hf_model.set_attn_implementation(NAME)
+    modules = attention_modules(model)
+    if not modules:
+        raise MultiheadError(f"{type(model).__name__} has no module that calls the attention interface")
+    for module in modules.values():
+        if not isinstance(getattr(module, "hook_z", None), HookPoint):
+            add_hook_points(module)
+            module.register_forward_hook(_out_hook)
+        module.multihead_backend = backend  # type: ignore[assignment]
+    return model
+
+
+def load(path: str | Path, *, dtype: torch.dtype = torch.float32, task: str | None = None,
+         backend: str = "auto") -> nn.Module:
+    """A transformers model from a local folder (config.json and safetensors) or a .gguf file, already switched to
+    multihead's attention. ``task`` picks the head: "causal-lm" (default for decoders), "masked-lm", "base"
+    (AutoModel, default for encoders) or "seq2seq-lm"."""
+    require("transformers", "hf")
+    import transformers
+
+    p = Path(path)
+    if not p.exists():
+        raise MultiheadError(f"model path {str(p)!r} does not exist: give a model folder or a .gguf file")
+    kwargs: dict[str, Any] = {"dtype": dtype}
+    if p.is_file():
+        if p.suffix != ".gguf":
+            raise MultiheadError(f"{str(p)!r} is a file but not a .gguf: give a model folder or a .gguf file")
+        folder, kwargs["gguf_file"] = p.parent, p.name
+        config_model_type = None
+    else:
+        folder = p
+        config_file = p / "config.json"
+        if not config_file.is_file():
+            raise MultiheadError(f"model folder {str(p)!r} has no config.json")
+        if not (list(p.glob("*.safetensors")) or list(p.glob("*.bin"))):
+            raise MultiheadError(f"model folder {str(p)!r} has no weights (*.safetensors)")
+        from multihead.models.loaders import read_json
+
+        config_model_type = read_json(config_file).get("model_type")
+    auto = _auto_class(transformers, task, config_model_type)
+    try:
+        model = auto.from_pretrained(str(folder), **kwargs)
+    except (OSError, ValueError, KeyError, RuntimeError) as err:
+        raise MultiheadError(f"transformers could not load {str(p)!r}: {type(err).__name__}: {err}") from None
+    return enable(model.eval(), backend=backend)
+
+
+_ENCODERS = {"bert", "roberta", "modernbert", "distilbert", "electra", "xlm-roberta", "mpnet"}
+_SEQ2SEQ = {"t5", "bart", "mt5", "mbart", "pegasus", "marian"}
+
+
+def _auto_class(transformers: Any, task: str | None, model_type: str | None) -> Any:
+    tasks: dict[str, Callable[..., Any]] = {
+        "causal-lm": transformers.AutoModelForCausalLM, "masked-lm": transformers.AutoModelForMaskedLM,
+        "base": transformers.AutoModel, "seq2seq-lm": transformers.AutoModelForSeq2SeqLM,
+    }
+    if task is None:
+        task = "base" if model_type in _ENCODERS else "seq2seq-lm" if model_type in _SEQ2SEQ else "causal-lm"
+    if task not in tasks:
+        raise MultiheadError(f"task {task!r} is unknown: choose one of {', '.join(tasks)}")
+    return tasks[task]
