@@ -197,6 +197,23 @@ def test_bad_model_paths(tmp_path: Any) -> None:
     (tmp_path / "x.txt").write_text("")
     with pytest.raises(MultiheadError, match=r"not a \.gguf"):
         hf.load(tmp_path / "x.txt")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(200)))
+    with pytest.raises(MultiheadError, match=r"transformers could not load '.*bad\.gguf'"):
+        hf.load(bad)
+
+
+def test_the_heads_command_refuses_an_unreadable_model_and_writes_nothing(tmp_path: Any,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from multihead.cli import main
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(200)))
+    out = tmp_path / "out"
+    assert main(["heads", "--model", str(bad), "--engine", "transformers", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "bad.gguf" in err and "Traceback" not in err
+    assert not out.exists() or not any(out.iterdir())
 
 
 # ---------------------------------------------------------------------------------------------- softcap and sinks
@@ -230,10 +247,11 @@ def test_softcap_and_sinks_match_the_oracle(n_kv_heads: int, causal: bool) -> No
         ref_options = {k_: (v_.numpy() if isinstance(v_, torch.Tensor) else v_) for k_, v_ in options.items()}
         want = _oracle(q, k, v, 0.5, causal, **ref_options)
         np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
-    with pytest.raises(MultiheadError, match="backend 'sdpa' cannot cap scores"):
+    with pytest.raises(MultiheadError, match=r"backend 'sdpa' cannot cap scores \(softcap\)"):
         attend(AttentionCall(q, k, v, spec, scale=0.5, backend="sdpa", softcap=1.0))
-    with pytest.raises(MultiheadError, match="backend 'flex' cannot take sink logits"):
-        attend(AttentionCall(q, k, v, spec, scale=0.5, backend="flex", sinks=sinks))
+    for backend in ("sdpa", "flex"):
+        with pytest.raises(MultiheadError, match=rf"backend '{backend}' cannot take sink logits \(s_aux\)"):
+            attend(AttentionCall(q, k, v, spec, scale=0.5, backend=backend, sinks=sinks))
 
 
 def test_softcap_through_flex_matches_the_oracle() -> None:

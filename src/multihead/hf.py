@@ -206,7 +206,7 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32, task: str | No
     auto = _auto_class(transformers, task, config_model_type)
     try:
         model = auto.from_pretrained(str(folder), **kwargs)
-    except (OSError, ValueError, KeyError, RuntimeError) as err:
+    except Exception as err:  # any failure of transformers' readers on a user's file is one clear error naming it
         raise MultiheadError(f"transformers could not load {str(p)!r}: {type(err).__name__}: {err}") from None
     return enable(model.eval(), backend=backend)
 

@@ -105,9 +105,12 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
         return "math", "math path asked for explicitly"
     if call.sinks is not None:
         if backend in ("sdpa", "flex"):
-            raise MultiheadError(f"backend {backend!r} cannot take sink logits (s_aux): use 'math' or 'auto'")
-        return "math", "sink logits (s_aux) join each row's softmax: only the math path takes them"
-    if call.softcap is not None and backend == "sdpa":
+            raise MultiheadError(
+                f"backend {backend!r} cannot take sink logits (s_aux): a sink needs each row's log-sum-exp, which "
+                "SDPA does not return and PyTorch's CPU flex attention cannot (return_lse); use 'math' or 'auto'"
+            )
+        return "math", "sink logits (s_aux) join each row's softmax: the math path takes them"
+    if backend == "sdpa" and call.softcap is not None:
         raise MultiheadError("backend 'sdpa' cannot cap scores (softcap): use 'auto', 'math' or 'flex'")
     if backend == "flex":
         if dropout_p > 0.0:
