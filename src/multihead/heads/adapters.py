@@ -100,36 +100,30 @@ class HeadModel:
     def hidden_states(self, batch: Batch) -> list[Tensor]:
         raise NotImplementedError
 
+    def logits(self, ids: Tensor) -> Tensor:
+        """Next-token logits (b, s, vocab) of a causal model (for patching)."""
+        raise MultiheadError(f"{self.name} is not a causal language model: patching needs next-token logits")
+
+    def token_ids(self, text: str) -> list[int]:
+        """The text's tokens, without special tokens."""
+        raise NotImplementedError
+
     @property
     def n_layers(self) -> int:
         return len(self.layers())
 
     @property
     def n_heads(self) -> int:
-        raise NotImplementedError
+        """Query heads per layer: our layers know theirs (other adapters say it themselves)."""
+        return int(cast(MultiHeadAttention, self.layers()[0]).n_heads)
 
     @property
     def n_kv_heads(self) -> int:
-        raise NotImplementedError
-
-
-class _PortHeads(HeadModel):
-    """A model of ours: its layers are MultiHeadAttention."""
-
-    def layers(self) -> list[MultiHeadAttention]:
-        raise NotImplementedError
-
-    @property
-    def n_heads(self) -> int:
-        return self.layers()[0].n_heads
-
-    @property
-    def n_kv_heads(self) -> int:
-        return self.layers()[0].n_kv_heads
+        return int(cast(MultiHeadAttention, self.layers()[0]).n_kv_heads)
 
 
 # ---------------------------------------------------------------------------------------------- decoder
-class DecoderHeads(_PortHeads):
+class DecoderHeads(HeadModel):
     causal = True
     metric_name = "language-model loss (nats/token)"
 
@@ -156,6 +150,13 @@ class DecoderHeads(_PortHeads):
         special = max(self.tokenizer.stop_ids | {self.tokenizer.bos_id or 0, self.tokenizer.eos_id or 0}) + 1
         low = max(special, 17)  # SmolLM2 keeps its control tokens at the start of the vocabulary
         return torch.randint(low, self.model.config.vocab_size, (n,), generator=generator)
+
+    def logits(self, ids: Tensor) -> Tensor:
+        out: Tensor = self.model(ids)
+        return out
+
+    def token_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text))
 
     def _step(self, h: Tensor, batch: Batch) -> Step:
         return self.model.step(h, key_padding_mask=None if bool(batch.valid.all()) else batch.valid)
@@ -189,7 +190,7 @@ class DecoderHeads(_PortHeads):
 
 
 # ---------------------------------------------------------------------------------------------- encoder
-class EncoderHeads(_PortHeads):
+class EncoderHeads(HeadModel):
     causal = False
     metric_name = "1 - cosine similarity to the full model's sentence embeddings"
     metric_is_change = True
@@ -328,6 +329,15 @@ class TransformersHeads(HeadModel):
 
     def _forward(self, batch: Batch) -> Any:
         return self.model(batch.ids, attention_mask=batch.valid.long())
+
+    def logits(self, ids: Tensor) -> Tensor:
+        if not self.causal:
+            return super().logits(ids)
+        out: Tensor = self.model(ids).logits
+        return out
+
+    def token_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
     def run(self, batch: Batch) -> None:
         with torch.no_grad():

@@ -73,6 +73,31 @@ def write_grid_png(report: HeadReport, path: Path) -> Path:
     return path
 
 
+def write_patching_png(result: Any, model: str, out: str | Path) -> dict[str, str]:
+    """Layer x head heatmaps of a :class:`multihead.heads.patching.PairsResult` (activation patching and/or
+    attribution), written to a temporary name and renamed, so an interrupted run leaves no half-written PNG."""
+    plt = _plt()
+    folder = prepare_out_dir(out)
+    panels = [(name, e) for name, e in (("activation patching", result.patching),
+                                        ("attribution patching", result.attribution)) if e is not None]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels) + 1, 6), dpi=90, squeeze=False)
+    limit = max(float(np.abs(e).max()) for _, e in panels) or 1.0
+    for ax, (name, e) in zip(axes[0], panels, strict=True):
+        im = ax.imshow(e, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+        ax.set_title(f"{name}\n{result.point} per head, recovered fraction", fontsize=9)
+        ax.set_xlabel("head")
+        ax.set_ylabel("layer")
+    fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
+    fig.suptitle(f"{model}: {result.pairs} prompt pair(s), logit difference {result.clean:.2f} clean, "
+                 f"{result.corrupted:.2f} corrupted", fontsize=10)
+    path = folder / "patching.png"
+    partial = folder / ".patching.png.partial"
+    fig.savefig(partial, format="png")
+    plt.close(fig)
+    partial.replace(path)
+    return {"png": str(path)}
+
+
 def chosen_heads(report: HeadReport) -> list[tuple[str, int, int, float]]:
     """The strongest head of each score that has a clear one: (score, layer, head, value)."""
     chosen = []

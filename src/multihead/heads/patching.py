@@ -1,0 +1,284 @@
+"""Causal evidence for what a head does: activation patching, attribution patching and head importance, all through
+the hook points (so they serve our ports and any transformers model on multihead's attention alike).
+
+``forward(ids) -> logits (b, s, vocab)`` runs the model; ``layers`` are its attention layers (anything with the six
+hook points); a metric maps logits to one value per sequence (b,).
+
+- :func:`activation_patching` (Meng et al. 2022; Wang et al. 2022): run the clean and the corrupted prompt, then
+  re-run the corrupted one with one head's activation at ``point`` (z by default; q, k, v, pattern as options)
+  copied from the clean run, and report the recovered fraction
+  ``(m(patched) - m(corrupted)) / (m(clean) - m(corrupted))``: 1 means that head alone restores the clean behaviour.
+  Many heads are patched in one forward: the corrupted batch is repeated, one copy per head. On ``hook_k`` and
+  ``hook_v`` the unit is a KV head, shared by n_heads / n_kv_heads query heads.
+- :func:`attribution_patching` (Nanda 2023; Syed et al. 2023): the same effects to first order from one forward and
+  one backward on the corrupted prompt: ``sum(grad_m(act_corrupted) * (act_clean - act_corrupted))`` per head, in
+  the same recovered-fraction units.
+- :func:`head_importance` (Michel et al. 2019): ``I_h = E_x |dL/d xi_h|`` for a gate xi_h = 1 on each head's output
+  z (so dL/d xi_h = sum over positions and width of z_h * dL/dz_h), from one forward and one backward, normalised
+  per layer by the L2 norm over its heads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from multihead.errors import MultiheadError
+from multihead.hooks import HookedAttention, HookHandle, HookPoint
+
+Forward = Callable[[Tensor], Tensor]  # ids (b, s) -> logits (b, s, vocab)
+Metric = Callable[[Tensor], Tensor]  # logits (b, s, vocab) -> one value per sequence (b,)
+POINTS = ("hook_z", "hook_q", "hook_k", "hook_v", "hook_pattern")
+
+
+def logit_difference(answer: int, wrong: int, position: int = -1) -> Metric:
+    """logit[answer] - logit[wrong] at ``position`` (default the last), per sequence: the usual patching metric."""
+
+    def metric(logits: Tensor) -> Tensor:
+        return logits[:, position, answer].float() - logits[:, position, wrong].float()
+    return metric
+
+
+def next_token_loss(ids: Tensor, valid: Tensor | None = None) -> Metric:
+    """Mean next-token cross-entropy of each sequence of ``ids`` over its real tokens (``valid`` (b, s) bool, or
+    all), per sequence (b,)."""
+
+    def metric(logits: Tensor) -> Tensor:
+        target = ids[:, 1:].to(logits.device)
+        per_token = torch.nn.functional.cross_entropy(logits[:, :-1].float().transpose(1, 2), target,
+                                                      reduction="none")  # (b, s-1)
+        keep = torch.ones_like(per_token, dtype=torch.bool) if valid is None else valid[:, 1:].to(per_token.device)
+        return (per_token * keep).sum(-1) / keep.sum(-1).clamp(min=1)
+    return metric
+
+
+@dataclass
+class Patching:
+    """Effects per (layer, head) at one hook point; ``per_position`` adds the query position as a last axis."""
+
+    point: str
+    clean: float  # the metric on the clean prompt (mean over the batch)
+    corrupted: float
+    effects: np.ndarray  # (n_layers, heads) recovered fraction, or (n_layers, heads, s) per position
+
+    def top(self, n: int = 10) -> list[tuple[int, int, float]]:
+        """The n heads with the largest |effect| (summed over positions if per position): (layer, head, effect)."""
+        e = self.effects if self.effects.ndim == 2 else self.effects.sum(-1)
+        order = np.argsort(-np.abs(e), axis=None)[:n]
+        return [(int(o // e.shape[1]), int(o % e.shape[1]), float(e.flat[o])) for o in order]
+
+
+def _check(clean: Tensor, corrupted: Tensor, point: str, layers: Sequence[HookedAttention]) -> None:
+    if point not in POINTS:
+        raise MultiheadError(f"point {point!r} cannot be patched per head: choose one of {', '.join(POINTS)}")
+    if not layers:
+        raise MultiheadError("no attention layers to patch")
+    if clean.shape != corrupted.shape:
+        raise MultiheadError(f"the clean ids {tuple(clean.shape)} and the corrupted ids {tuple(corrupted.shape)} "
+                             "must have the same shape (equal token lengths): patching copies position by position")
+
+
+def _record(layers: Sequence[HookedAttention], point: str, forward: Forward, ids: Tensor, *,
+            keep_graph: bool = False) -> tuple[Tensor, list[Tensor]]:
+    """logits and each layer's activation at ``point`` for one run."""
+    seen: list[Tensor] = []
+
+    def keep(x: Tensor, _p: HookPoint) -> None:
+        seen.append(x if keep_graph else x.detach())
+
+    handles = [getattr(layer, point).add(keep) for layer in layers]
+    try:
+        logits = forward(ids)
+    finally:
+        for h in handles:
+            h.remove()
+    return logits, seen
+
+
+def activation_patching(forward: Forward, layers: Sequence[HookedAttention], clean: Tensor, corrupted: Tensor,
+                        metric: Metric, *, point: str = "hook_z", per_position: bool = False, chunk: int = 16
+                        ) -> Patching:
+    """Patch each head's activation at ``point`` from the clean run into the corrupted one (see the module)."""
+    _check(clean, corrupted, point, layers)
+    if chunk < 1:
+        raise MultiheadError(f"chunk ({chunk}) must be a positive int")
+    b, s = corrupted.shape
+    with torch.no_grad():
+        clean_logits, clean_acts = _record(layers, point, forward, clean)
+        m_clean = float(metric(clean_logits).mean())
+        m_corrupt = float(metric(forward(corrupted)).mean())
+        span = m_clean - m_corrupt
+        if span == 0:
+            raise MultiheadError(f"the metric is {m_clean:.6g} on both prompts: nothing to recover by patching")
+        n_heads = clean_acts[0].shape[1]
+        units = [(h, p) for h in range(n_heads) for p in (range(s) if per_position else [None])]
+        effects = np.zeros((len(layers), n_heads, s) if per_position else (len(layers), n_heads))
+        for li, layer in enumerate(layers):
+            source = clean_acts[li]
+            for start in range(0, len(units), chunk):
+                group = units[start:start + chunk]
+                k = len(group)
+                heads = torch.tensor([h for h, _ in group])
+                positions = [p for _, p in group]
+
+                def patch(x: Tensor, _p: HookPoint, heads: Tensor = heads, positions: list[int | None] = positions,
+                          k: int = k, source: Tensor = source) -> Tensor:
+                    out = x.clone().view(k, b, *x.shape[1:])  # (k, b, H, s, .): copy j patches head heads[j]
+                    src = source.to(x.dtype)
+                    if positions[0] is None:
+                        out[torch.arange(k), :, heads] = src[:, heads].transpose(0, 1)
+                    else:
+                        for j, (h, p) in enumerate(zip(heads.tolist(), positions, strict=True)):
+                            out[j, :, h, p] = src[:, h, p]
+                    return out.view(x.shape)
+
+                handle: HookHandle = getattr(layer, point).add(patch)
+                try:
+                    values = metric(forward(corrupted.repeat(k, 1))).view(k, b).mean(1)
+                finally:
+                    handle.remove()
+                for (h, p), value in zip(group, values.tolist(), strict=True):
+                    recovered = (value - m_corrupt) / span
+                    if p is None:
+                        effects[li, h] = recovered
+                    else:
+                        effects[li, h, p] = recovered
+    return Patching(point, m_clean, m_corrupt, effects)
+
+
+def attribution_patching(forward: Forward, layers: Sequence[HookedAttention], clean: Tensor, corrupted: Tensor,
+                         metric: Metric, *, point: str = "hook_z") -> Patching:
+    """First-order estimate of :func:`activation_patching` for every head at once (one forward and one backward on
+    the corrupted prompt, one forward on the clean one)."""
+    _check(clean, corrupted, point, layers)
+    with torch.no_grad():
+        clean_logits, clean_acts = _record(layers, point, forward, clean)
+        m_clean = float(metric(clean_logits).mean())
+    with torch.enable_grad():
+        logits, acts = _record(layers, point, forward, corrupted, keep_graph=True)
+        if not all(a.requires_grad for a in acts):
+            raise MultiheadError("attribution patching needs gradients through the activations: the model's "
+                                 "parameters must require grad (they do unless frozen)")
+        values = metric(logits)
+        grads = torch.autograd.grad(values.sum(), acts)
+    m_corrupt = float(values.detach().mean())
+    span = m_clean - m_corrupt
+    if span == 0:
+        raise MultiheadError(f"the metric is {m_clean:.6g} on both prompts: nothing to recover by patching")
+    b = corrupted.shape[0]
+    effects = np.stack([
+        ((g * (c.to(g.dtype) - a.detach())).flatten(2).sum(-1).sum(0) / b / span).double().cpu().numpy()
+        for g, c, a in zip(grads, clean_acts, acts, strict=True)
+    ])  # (n_layers, heads)
+    return Patching(point, m_clean, m_corrupt, effects)
+
+
+def head_importance(forward: Forward, layers: Sequence[HookedAttention], ids: Tensor, *,
+                    loss: Metric | None = None, valid: Tensor | None = None, normalise: bool = True) -> np.ndarray:
+    """Michel et al.'s head importance from one forward and one backward: (n_layers, n_heads), each layer scaled to
+    unit L2 norm over its heads unless ``normalise=False``. The loss defaults to the next-token cross-entropy over
+    ``valid`` tokens."""
+    chosen = loss if loss is not None else next_token_loss(ids, valid)
+    with torch.enable_grad():
+        logits, z = _record(layers, "hook_z", forward, ids, keep_graph=True)
+        if not all(a.requires_grad for a in z):
+            raise MultiheadError("head importance needs gradients through the heads' outputs: the model's "
+                                 "parameters must require grad (they do unless frozen)")
+        grads = torch.autograd.grad(chosen(logits).sum(), z)
+    rows = []
+    for g, a in zip(grads, z, strict=True):  # each (b, h, s, d)
+        gate = (g * a.detach()).flatten(2).sum(-1)  # dL/d xi_h per example: (b, h)
+        rows.append(gate.abs().mean(0).double().cpu().numpy())  # E_x |dL/d xi_h|
+    importance = np.stack(rows)  # (n_layers, n_heads)
+    if normalise:
+        norms = np.linalg.norm(importance, axis=1, keepdims=True)
+        importance = importance / np.where(norms > 0, norms, 1.0)
+    return importance
+
+
+# ---------------------------------------------------------------------------------------------- prompt pairs
+@dataclass(frozen=True)
+class PromptPair:
+    clean: str
+    corrupt: str
+    answer: str  # the clean prompt's right next token (text, one token)
+    wrong: str  # the corrupted prompt's (the clean prompt's wrong answer)
+
+
+def shipped_pairs() -> list[PromptPair]:
+    """The indirect-object sentences shipped with multihead (written for it; see data/prompt_pairs.json)."""
+    import json
+    from importlib import resources
+
+    data = json.loads(resources.files("multihead").joinpath("data/prompt_pairs.json").read_text(encoding="utf-8"))
+    return [PromptPair(**p) for p in data["pairs"]]
+
+
+@dataclass
+class PairsResult:
+    """Per-head effects over several prompt pairs, each pooled as sum(patched - corrupted) / sum(clean - corrupted)."""
+
+    point: str
+    pairs: int
+    clean: float  # mean logit difference on the clean prompts
+    corrupted: float
+    patching: np.ndarray | None  # (n_layers, heads) recovered fraction, activation patching
+    attribution: np.ndarray | None  # the same by attribution patching
+    seconds: dict[str, float]
+
+    def top(self, n: int = 10, which: str = "patching") -> list[tuple[int, int, float]]:
+        e = self.patching if which == "patching" else self.attribution
+        assert e is not None
+        order = np.argsort(-np.abs(e), axis=None)[:n]
+        return [(int(o // e.shape[1]), int(o % e.shape[1]), float(e.flat[o])) for o in order]
+
+    def correlation(self) -> float | None:
+        """Pearson correlation of attribution with activation patching over all heads."""
+        if self.patching is None or self.attribution is None:
+            return None
+        return float(np.corrcoef(self.patching.ravel(), self.attribution.ravel())[0, 1])
+
+
+def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Callable[[str], list[int]],
+                pairs: Sequence[PromptPair], *, point: str = "hook_z", patching: bool = True,
+                attribution: bool = True, chunk: int = 16) -> PairsResult:
+    """Activation and/or attribution patching of every head over prompt pairs (each run on its own, pooled)."""
+    import time
+
+    if not pairs:
+        raise MultiheadError("no prompt pairs given")
+    sums: dict[str, np.ndarray] = {}
+    span_total = clean_total = corrupt_total = 0.0
+    seconds = {"patching": 0.0, "attribution": 0.0}
+    for i, pair in enumerate(pairs):
+        clean, corrupt = encode(pair.clean), encode(pair.corrupt)
+        answer, wrong = encode(pair.answer), encode(pair.wrong)
+        if len(clean) != len(corrupt):
+            raise MultiheadError(f"pair {i}: the clean prompt has {len(clean)} tokens and the corrupted one "
+                                 f"{len(corrupt)}: patching needs equal lengths")
+        if len(answer) != 1 or len(wrong) != 1:
+            raise MultiheadError(f"pair {i}: the answers {pair.answer!r} and {pair.wrong!r} must be one token each "
+                                 f"(they are {len(answer)} and {len(wrong)})")
+        metric = logit_difference(answer[0], wrong[0])
+        c, k = torch.tensor([clean]), torch.tensor([corrupt])
+        for name, enabled in (("patching", patching), ("attribution", attribution)):
+            if not enabled:
+                continue
+            start = time.perf_counter()
+            if name == "patching":
+                result = activation_patching(forward, layers, c, k, metric, point=point, chunk=chunk)
+            else:
+                result = attribution_patching(forward, layers, c, k, metric, point=point)
+            seconds[name] += time.perf_counter() - start
+            span = result.clean - result.corrupted
+            sums[name] = sums.get(name, 0.0) + result.effects * span  # patched - corrupted, per head
+        span_total += span
+        clean_total += result.clean
+        corrupt_total += result.corrupted
+    return PairsResult(point, len(pairs), clean_total / len(pairs), corrupt_total / len(pairs),
+                       sums["patching"] / span_total if patching else None,
+                       sums["attribution"] / span_total if attribution else None, seconds)
