@@ -198,6 +198,9 @@ def test_a_step_is_made_once_and_shared_by_the_layers_of_a_model(monkeypatch: py
         layer(x, step=step, causal=True)
     with pytest.raises(MultiheadError, match=r"the step was made for \(b, s\) = \(1, 3\) but x has \(1, 2\)"):
         layer(x[:, :2], step=step)
+    cache = KVCache(batch=1, n_kv_heads=4, head_dim=8, max_len=8)
+    with pytest.raises(MultiheadError, match="the step was made without one"):
+        layer(x, step=step, cache=cache.layer(0))
 
 
 def test_explain_names_the_kernel_and_why() -> None:

@@ -37,6 +37,7 @@ class Step:
     ``mask`` covers (b, h, s, t), t counting the cached keys when there is a cache; ``positions`` (b|1, s) are the
     tokens' positions for RoPE and the cache (None without either); ``rope`` the cos and signed sin tables
     (b|1, 1, s, d) or None; ``cache_start`` the slot where every sequence continues (one slice write), or None.
+    A step made by one layer serves every layer with the same window, rope and head counts (a model's layers).
     """
 
     mask: MaskSpec
@@ -306,6 +307,9 @@ class MultiHeadAttention(nn.Module):
             if (step.mask.batch, step.mask.s) != (b, s):
                 raise MultiheadError(f"the step was made for (b, s) = {(step.mask.batch, step.mask.s)} but x has "
                                      f"{(b, s)}")
+            if cache is not None and step.positions is None:
+                raise MultiheadError("a cache was passed but the step was made without one: make it with "
+                                     "layer.step(x, causal=True, cache=cache)")
         return kv_in, v_in
 
     def _local_kv_heads(self) -> int:
