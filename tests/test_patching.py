@@ -188,3 +188,42 @@ IMPORTANCE_TEXT = ("It was the best of times, it was the worst of times, it was 
 # measured here (2026-11-30): Pearson r 0.986 on these two pairs (0.955 on all 8), Spearman 0.78 on this text
 CORRELATION_FLOOR = 0.9
 SPEARMAN_FLOOR = 0.7
+
+
+# ---------------------------------------------------------------------------------------------- the field's scores
+def test_induction_prefix_matching_and_detector_on_hand_built_heads() -> None:
+    """Three heads over T = 5 tokens repeated twice after a BOS: a perfect induction head, a uniform causal head and a
+    previous-token head; every score computed again here by plain loops."""
+    from multihead.heads.detect import detect, induction_pattern, induction_score, prefix_matching_score
+
+    t = 5
+    n = 2 * t + 1
+    w = torch.zeros(1, 3, n, n, dtype=torch.float64)
+    for i in range(n):
+        target = i - t + 1 if i >= t + 1 else max(i - 1, 0)  # induction in the second copy, else previous token
+        w[0, 0, i, target] = 1.0
+        w[0, 1, i, : i + 1] = 1.0 / (i + 1)
+        w[0, 2, i, max(i - 1, 0)] = 1.0
+    weights = [w, w.flip(1)]  # two "layers"
+    # TransformerLens: the whole diagonal at offset 1 - T, boundary entries included
+    diag = [(i, i - t + 1) for i in range(t - 1, n)]
+    want = [np.mean([float(w[0, h, i, j]) for i, j in diag]) for h in range(3)]
+    np.testing.assert_allclose(induction_score(weights, t, bos=True)[0], want)
+    np.testing.assert_allclose(induction_score(weights, t, bos=True)[1], want[::-1])
+    assert want[0] == pytest.approx(t / (t + 2))  # 5 of the 7 diagonal cells are the second copy's
+    # prefix matching from position 1 (after BOS): the second copy's tokens, attention to i - T + 1
+    pm = prefix_matching_score(weights, t, start=1)[0]
+    np.testing.assert_allclose(pm, [np.mean([float(w[0, h, i, i - t + 1]) for i in range(t + 1, n)])
+                                    for h in range(3)])
+    assert pm[0] == pytest.approx(1.0) and pm[2] == pytest.approx(0.0)
+    cells = induction_pattern(t, bos=True)
+    share = detect(weights, cells)[0]
+    np.testing.assert_allclose(share, [float((w[0, h] * cells).sum() / w[0, h].sum()) for h in range(3)])
+    assert share[0] == pytest.approx(t / n)  # the induction rows are 5 of 11 rows
+    no_bos = detect(weights, cells, exclude_bos=True, exclude_current_token=True)[0]
+    keep = torch.ones(n, n, dtype=torch.float64)
+    keep[:, 0] = 0
+    keep.fill_diagonal_(0)
+    np.testing.assert_allclose(no_bos[1], float((w[0, 1] * keep * cells).sum() / (w[0, 1] * keep).sum()))
+    with pytest.raises(MultiheadError, match="do not hold 4 tokens repeated twice"):
+        induction_score(weights, 4)
