@@ -171,6 +171,26 @@ def test_html_report_renders_in_a_browser_and_shows_script_as_text(tmp_path: Pat
         assert Path(files[key]).read_bytes()[:4] == b"\x89PNG"
 
 
+def test_the_report_shows_activation_patching(smollm2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """heads --patch: SmolLM2 patched on one shipped pair; the report's patching section renders in Chromium and the
+    JSON carries the same (n_layers, n_heads) effects."""
+    from multihead.heads.patching import shipped_pairs
+
+    model, tok = smollm2
+    report = analyse(DecoderHeads(model, tok), TEXT, pairs=shipped_pairs()[:1], progress=False)
+    assert report.patching is not None and np.array(report.patching["effects"]).shape == (30, 9)
+    files = write_all(report, tmp_path)
+    data = json.loads(Path(files["json"]).read_text())
+    assert data["patching"]["effects"] == report.patching["effects"]
+    dom = _browse(Path(files["html"]), "--dump-dom")
+    assert 'data-ready="1"' in dom.stdout, dom.stderr[-2000:]
+    assert "activation patching of each head's hook_z from clean into corrupted prompts (1 pair(s)" in dom.stdout
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    with pytest.raises(MultiheadError, match="not a causal language model"):
+        analyse(load_head_model("minilm"), TEXT, pairs=shipped_pairs()[:1], progress=False)
+
+
 # ---------------------------------------------------------------------------------------------- ablation, conversion
 def test_zeroing_a_head_equals_zeroing_its_columns_of_w_o() -> None:
     layer = MultiHeadAttention(d_model=16, n_heads=4, n_kv_heads=2)

@@ -422,6 +422,8 @@ def _add_heads(sub: Any) -> None:
     p.add_argument("--ablate", action="store_true", help="zero each head in turn and measure the change in loss")
     p.add_argument("--convert", action="store_true", help="mean-pool K/V into fewer KV heads (MHA -> GQA) and "
                    "measure the change")
+    p.add_argument("--patch", action="store_true", help="activation patching of every head on the shipped "
+                   "indirect-object prompt pairs (causal models), shown in the report")
     p.add_argument("--tokens", type=_positive, default=64, help="tokens shown in the pictures (default 64)")
     p.add_argument("--top", type=_positive, default=3, help="heads listed per score (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object (a record per head)")
@@ -445,8 +447,10 @@ def _run_heads(args: argparse.Namespace) -> int:
         raise CliError("the text is empty: give some text to analyse")
     prepare_out_dir(args.out)  # fail before the long work if the report cannot be written
     model = load_head_model(args.model, engine=args.engine)
+    from multihead.heads.patching import shipped_pairs
+
     report = analyse(model, text, display_tokens=args.tokens, ablate=args.ablate, convert=args.convert,
-                     progress=not args.json)
+                     pairs=shipped_pairs() if args.patch else None, progress=not args.json)
     files = write_all(report, args.out)
     if args.json:
         print(json.dumps({**result_json(report), "files": files}))

@@ -3,6 +3,7 @@ conversion."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -13,6 +14,7 @@ import torch
 from multihead.errors import MultiheadError, divisors
 from multihead.heads.adapters import Batch, HeadModel, ablate_edit, pool_edits, split_sentences
 from multihead.heads.capture import capture_weights
+from multihead.heads.patching import PromptPair, patch_pairs
 from multihead.heads.scores import HeadScores, label_heads, pattern_scores, repeat_scores
 
 
@@ -37,6 +39,7 @@ class HeadReport:
     baseline: float | None = None
     ablation: list[dict[str, Any]] = field(default_factory=list)
     conversion: list[dict[str, Any]] = field(default_factory=list)
+    patching: dict[str, Any] | None = None  # method, point, pairs, clean, corrupted, effects (n_layers, heads)
 
     def ablation_summary(self, threshold: float = 0.01) -> dict[str, Any]:
         """The most important heads and the share whose removal changes the metric by less than 1% (relative)."""
@@ -57,6 +60,7 @@ def analyse(
     display_tokens: int = 64,
     ablate: bool = False,
     convert: bool = False,
+    pairs: Sequence[PromptPair] | None = None,
     progress: bool = True,
 ) -> HeadReport:
     """Scores and labels of every head of ``model`` on ``text`` (default: the shipped passage)."""
@@ -92,6 +96,14 @@ def analyse(
         report.ablation = ablation(model, metric_batch, report.baseline or 0.0, progress=progress)
     if convert:
         report.conversion = conversion(model, metric_batch, report.baseline or 0.0)
+    if pairs is not None:
+        if not model.causal:
+            raise MultiheadError(f"{model.name} is not a causal language model: patching compares next-token logits")
+        result = patch_pairs(model.logits, model.layers(), model.token_ids, pairs, attribution=False)
+        assert result.patching is not None
+        report.patching = {"method": "activation patching", "point": result.point, "pairs": result.pairs,
+                           "clean": result.clean, "corrupted": result.corrupted,
+                           "effects": np.round(result.patching, 6).tolist()}
     return report
 
 

@@ -154,6 +154,7 @@ def report_data(report: HeadReport) -> dict[str, Any]:
         "conversion": report.conversion,
         "metric": report.metric_name,
         "baseline": report.baseline,
+        "patching": report.patching,
     }
 
 
@@ -182,7 +183,8 @@ def result_json(report: HeadReport) -> dict[str, Any]:
     return {"model": report.model, "engine": report.engine, "n_layers": report.n_layers, "n_heads": report.n_heads,
             "n_kv_heads": report.n_kv_heads, "tokens": len(report.tokens), "heads": report.scores.records(),
             "ablation": report.ablation, "ablation_summary": report.ablation_summary(),
-            "conversion": report.conversion, "metric": report.metric_name, "baseline": report.baseline}
+            "conversion": report.conversion, "metric": report.metric_name, "baseline": report.baseline,
+            "patching": report.patching}
 
 
 _TEMPLATE = r"""<!doctype html>
@@ -208,6 +210,7 @@ td.l{text-align:left} tr.sel{background:#ffe9a8}
 <div><h2>every head (click one)</h2><canvas id="grid"></canvas></div></div>
 <h2>tokens, shaded by the weight the last selected query puts on them</h2><div id="tokens"></div>
 <h2>ablation</h2><div class="note" id="ablnote"></div><canvas id="ablation" width="900" height="220"></canvas>
+<h2>activation patching</h2><div class="note" id="patchnote"></div><canvas id="patching"></canvas>
 <h2>the text</h2><div id="text" style="white-space:pre-wrap;background:#fff;border:1px solid #ddd;padding:6px"></div>
 <h2>scores</h2><div class="note">Click a column to sort; click a row to select the head.</div><table id="scores"></table>
 <script type="application/json" id="data">/*DATA*/</script>
@@ -273,6 +276,25 @@ function drawAblation() {
     const hgt = (r.delta / maxd) * (mid - 4); g.fillRect(k * bw, mid - Math.max(0, hgt), Math.max(1, bw - 0.5), Math.abs(hgt)); });
   g.strokeStyle = "#999"; g.beginPath(); g.moveTo(0, mid); g.lineTo(c.width, mid); g.stroke();
 }
+function drawPatching() {
+  const c = document.getElementById("patching"), note = document.getElementById("patchnote"), P = D.patching;
+  if (!P) { note.textContent = "No patching in this report (run with --patch, causal models)."; c.style.display = "none"; return; }
+  const E = P.effects, L = E.length, H = E[0].length, cell = Math.max(6, Math.min(28, Math.floor(620 / H)));
+  c.width = H * cell + 40; c.height = L * cell + 20; const g = c.getContext("2d");
+  const lim = Math.max(1e-9, ...E.flat().map(Math.abs));
+  note.textContent = P.method + " of each head's " + P.point + " from clean into corrupted prompts (" + P.pairs +
+    " pair(s); logit difference " + Number(P.clean).toFixed(2) + " clean, " + Number(P.corrupted).toFixed(2) +
+    " corrupted): the fraction of the clean behaviour each head alone recovers; red restores, blue opposes. Selected head: " +
+    (E[layer] && E[layer][head] !== undefined ? E[layer][head].toFixed(3) : "-") + ".";
+  g.clearRect(0, 0, c.width, c.height);
+  for (let l = 0; l < L; l++) for (let h = 0; h < H; h++) {
+    const v = E[l][h] / lim, a = Math.min(1, Math.abs(v));
+    g.fillStyle = v >= 0 ? "rgba(200,40,40," + a + ")" : "rgba(40,80,200," + a + ")";
+    g.fillRect(30 + h * cell, l * cell, cell - 1, cell - 1);
+  }
+  g.strokeStyle = "#000"; g.lineWidth = 2; g.strokeRect(30 + head * cell, layer * cell, cell - 1, cell - 1);
+  g.fillStyle = "#444"; g.font = "10px sans-serif"; for (let l = 0; l < L; l += Math.max(1, Math.floor(L / 10))) g.fillText("L" + l, 0, l * cell + cell - 2);
+}
 let sortKey = "layer", sortDir = 1;
 function drawTable() {
   const t = document.getElementById("scores"); t.textContent = "";
@@ -287,7 +309,7 @@ function select(l, h) {
   layer = l; head = h; ls.value = String(l); hs.selectedIndex = h; const r = rec(l, h);
   document.getElementById("headinfo").textContent = "label: " + r.label + " | previous " + r.previous_token.toFixed(2) +
     " | induction " + r.induction.toFixed(2) + " | first " + r.first_token.toFixed(2) + " | entropy " + r.entropy.toFixed(2);
-  drawPattern(); drawGrid(); drawTokens(); drawAblation(); drawTable();
+  drawPattern(); drawGrid(); drawTokens(); drawAblation(); drawPatching(); drawTable();
 }
 let best = 0; D.heads.forEach((r, k) => { if (r.previous_token > D.heads[best].previous_token) best = k; });
 select(D.heads[best].layer, D.heads[best].head);
