@@ -519,7 +519,9 @@ def _run_experiment(args: argparse.Namespace) -> int:
     out = prepare_out_dir(args.out)
     result = run(settings, variants, progress=not args.json)
     png = plot(result, str(Path(out) / "heads-vs-width.png"))
-    (Path(out) / "heads-vs-width.json").write_text(json.dumps(result))
+    from multihead.files import write_text
+
+    write_text(Path(out) / "heads-vs-width.json", json.dumps(result))
     if args.json:
         slim = {**result, "rows": [{k: v for k, v in r.items() if k != "runs"} | {
             "heads": [run_["heads"] for run_ in r["runs"]]} for r in result["rows"]], "plot": png}

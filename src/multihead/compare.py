@@ -8,6 +8,7 @@ from pathlib import Path
 
 from multihead import cost
 from multihead.errors import divisors
+from multihead.files import save_figure
 from multihead.presets import ModelConfig
 
 
@@ -94,6 +95,6 @@ def plot_variants(
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out)
+    save_figure(fig, out)
     plt.close(fig)
     return str(out)

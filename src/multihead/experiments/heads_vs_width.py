@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from multihead import AttentionConfig, MultiHeadAttention, cost
 from multihead.errors import MultiheadError
+from multihead.files import save_figure
 from multihead.heads.capture import capture_weights
 from multihead.heads.scores import pattern_scores, repeat_scores
 
@@ -278,6 +279,6 @@ def plot(result: dict[str, Any], path: str) -> str:
     right.set_ylim(0, 1.05)
     right.set_title("final accuracy, mean and spread over seeds")
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path

@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from multihead.errors import MultiheadError
+from multihead.files import save_figure, write_text
 from multihead.heads.analysis import HeadReport
 from multihead.heads.scores import SCORE_NAMES
 
@@ -68,14 +69,14 @@ def write_grid_png(report: HeadReport, path: Path) -> Path:
     ax.set_title(f"{report.model}: attention pattern of every head over {n} tokens (query rows, key columns)",
                  fontsize=10, pad=18)
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
 
 def write_patching_png(result: Any, model: str, out: str | Path) -> dict[str, str]:
     """Layer x head heatmaps of a :class:`multihead.heads.patching.PairsResult` (activation patching and/or
-    attribution), written to a temporary name and renamed, so an interrupted run leaves no half-written PNG."""
+    attribution), whole or not at all (:mod:`multihead.files`)."""
     plt = _plt()
     folder = prepare_out_dir(out)
     panels = [(name, e) for name, e in (("activation patching", result.patching),
@@ -90,11 +91,8 @@ def write_patching_png(result: Any, model: str, out: str | Path) -> dict[str, st
     fig.colorbar(im, ax=list(axes[0]), shrink=0.8)
     fig.suptitle(f"{model}: {result.pairs} prompt pair(s), logit difference {result.clean:.2f} clean, "
                  f"{result.corrupted:.2f} corrupted", fontsize=10)
-    path = folder / "patching.png"
-    partial = folder / ".patching.png.partial"
-    fig.savefig(partial, format="png")
+    path = save_figure(fig, folder / "patching.png")
     plt.close(fig)
-    partial.replace(path)
     return {"png": str(path)}
 
 
@@ -124,7 +122,7 @@ def write_heads_png(report: HeadReport, path: Path, max_tokens: int = 32) -> Pat
         ax.set_xlabel("key")
         ax.set_ylabel("query")
     fig.tight_layout()
-    fig.savefig(path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -160,8 +158,7 @@ def report_data(report: HeadReport) -> dict[str, Any]:
 
 def write_html(report: HeadReport, path: Path) -> Path:
     html = _TEMPLATE.replace("/*DATA*/", _json_for_html(report_data(report)))
-    path.write_text(html, encoding="utf-8")
-    return path
+    return write_text(path, html)
 
 
 def write_all(report: HeadReport, out: str | Path) -> dict[str, str]:
@@ -175,8 +172,7 @@ def write_all(report: HeadReport, out: str | Path) -> dict[str, str]:
 
 
 def _write_json(report: HeadReport, path: Path) -> Path:
-    path.write_text(json.dumps(result_json(report), indent=1), encoding="utf-8")
-    return path
+    return write_text(path, json.dumps(result_json(report), indent=1))
 
 
 def result_json(report: HeadReport) -> dict[str, Any]:
