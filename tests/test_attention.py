@@ -194,6 +194,8 @@ def test_a_step_is_made_once_and_shared_by_the_layers_of_a_model(monkeypatch: py
     x = torch.randn(1, 3, 32)
     step = layer.step(x, causal=True)
     assert torch.equal(layer(x, step=step), layer(x, causal=True))
+    with pytest.raises(MultiheadError, match=r"x has width 16 \(shape \(1, 3, 16\)\) but the layer's d_model is 32"):
+        layer.step(torch.randn(1, 3, 16))
     with pytest.raises(MultiheadError, match=r"causal go to layer\.step"):
         layer(x, step=step, causal=True)
     with pytest.raises(MultiheadError, match=r"the step was made for \(b, s\) = \(1, 3\) but x has \(1, 2\)"):

@@ -184,6 +184,8 @@ def test_unsupported_keywords_are_refused_by_name() -> None:
     q = torch.randn(1, 4, 3, 8)
     with pytest.raises(MultiheadError, match="passed 'cu_seq_lens_q' to the attention function"):
         hf.attention_forward(nn.Module(), q, q, q, None, cu_seq_lens_q=torch.tensor([0, 3]))
+    with pytest.raises(MultiheadError, match="passed 'head_mask' to the attention function"):
+        hf.attention_forward(nn.Module(), q, q, q, None, head_mask=torch.ones(4))  # it would change the result
 
 
 def test_bad_model_paths(tmp_path: Any) -> None:
@@ -339,3 +341,9 @@ def test_the_heads_command_runs_any_transformers_folder(tmp_path: Any, capsys: p
     assert (out / "report.html").is_file()
     assert main(["heads", "--model", str(folder), "--engine", "ours", "--out", str(out)]) == 2
     assert "has no port of ours" in capsys.readouterr().err
+    assert main(["heads", "--model", "minilm", "--patch", "--out", str(tmp_path / "enc")]) == 2
+    assert "not a causal language model" in capsys.readouterr().err
+    from multihead import cli
+    from multihead.heads import adapters
+
+    assert cli.ENGINES == adapters.ENGINES

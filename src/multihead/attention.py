@@ -153,8 +153,8 @@ class MultiHeadAttention(nn.Module):
         kv_in, v_in = self._check(x, context, value, cache, step, mask, key_padding_mask, causal, documents,
                                   positions)
         if step is None:
-            step = self.step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
-                             documents=documents, positions=positions, cache=cache)
+            step = self._step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
+                              documents=documents, positions=positions, cache=cache)
         b, s, t, d = x.shape[0], x.shape[1], kv_in.shape[1], self.head_dim
         q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)  # (b, h, s, d): q = x W_Q, split into heads
         k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d): k = c W_K
@@ -183,8 +183,8 @@ class MultiHeadAttention(nn.Module):
                                   positions)
         with torch.no_grad():
             if step is None:
-                step = self.step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
-                                 documents=documents, positions=positions, cache=cache)
+                step = self._step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
+                                  documents=documents, positions=positions, cache=cache)
             b, s, t, d = x.shape[0], x.shape[1], kv_in.shape[1], self.head_dim
             q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)  # (b, h, s, d)
             k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
@@ -201,8 +201,19 @@ class MultiHeadAttention(nn.Module):
              dtype: torch.dtype | None = None) -> Step:
         """The state every layer of a model shares for one call on x (b, s, .): the mask, the positions, the RoPE
         tables (in ``dtype``, default x's), the cache slot. Made once per model step and passed as ``step=``."""
-        b, s = self._check_input("x", x, x.shape[-1] if isinstance(x, Tensor) and x.ndim else 0, "width")
-        t = s if context is None else self._check_input("context", context, self.config.kv_dim, "kv_dim")[1]
+        self._check_input("x", x, self.config.d_model, "d_model")
+        if context is not None:
+            self._check_input("context", context, self.config.kv_dim, "kv_dim")
+        return self._step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
+                          documents=documents, positions=positions, cache=cache, dtype=dtype)
+
+    def _step(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,
+              key_padding_mask: Tensor | None = None, causal: bool = False, documents: Tensor | None = None,
+              positions: Tensor | None = None, cache: KVCache | LayerCache | None = None,
+              dtype: torch.dtype | None = None) -> Step:
+        """:meth:`step` for inputs already checked (forward and explain check them first)."""
+        b, s = x.shape[0], x.shape[1]
+        t = s if context is None else context.shape[1]
         pos: Tensor | None = None
         start: int | None = None
         by_position = False

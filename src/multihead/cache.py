@@ -133,9 +133,7 @@ class KVCache(nn.Module):
             keys.narrow(2, start, s).copy_(k)
             values.narrow(2, start, s).copy_(v)
         else:
-            rows = torch.arange(b, device=positions.device)[:, None]  # (b, 1)
-            keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(keys.dtype)  # (b, s, g, d) slots
-            values.transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(values.dtype)
+            _scatter(keys, values, k, v, positions)
         return keys.narrow(2, 0, t), values.narrow(2, 0, t)  # (b, g, t, d)
 
     def peek(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, *, t: int | None = None
@@ -144,9 +142,7 @@ class KVCache(nn.Module):
         s = k.shape[2]
         t = self.span(s) if t is None else t
         keys, values = self.k[layer, :, :, :t].clone(), self.v[layer, :, :, :t].clone()  # (b, g, t, d)
-        rows = torch.arange(k.shape[0], device=positions.device)[:, None]
-        keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(keys.dtype)
-        values.transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(values.dtype)
+        _scatter(keys, values, k, v, positions)
         return keys, values
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
@@ -176,6 +172,13 @@ class KVCache(nn.Module):
     def extra_repr(self) -> str:
         return (f"n_layers={self.n_layers}, batch={self.batch}, n_kv_heads={self.n_kv_heads}, "
                 f"max_len={self.max_len}, head_dim={self.head_dim}, dtype={self.k.dtype}, bytes={self.bytes:,}")
+
+
+def _scatter(keys: Tensor, values: Tensor, k: Tensor, v: Tensor, positions: Tensor) -> None:
+    """Write k and v (b, g, s, d) into keys and values (b, g, T, d) at each sequence's positions (b, s)."""
+    rows = torch.arange(k.shape[0], device=positions.device)[:, None]  # (b, 1)
+    keys.transpose(1, 2)[rows, positions] = k.transpose(1, 2).to(keys.dtype)  # (b, s, g, d) slots
+    values.transpose(1, 2)[rows, positions] = v.transpose(1, 2).to(values.dtype)
 
 
 class LayerCache:

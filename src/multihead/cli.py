@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Any, NoReturn
 from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
 
+ENGINES = ("auto", "ours", "transformers")  # multihead.heads.adapters.ENGINES, without importing the models
+
 if TYPE_CHECKING:
     from multihead.presets import ModelConfig
 
@@ -411,7 +413,7 @@ def _run_generate(args: argparse.Namespace) -> int:
 def _add_heads(sub: Any) -> None:
     p = sub.add_parser("heads", help="what each head of a real model does: scores, labels, pictures, an HTML report")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), minilm, a .gguf file or a model folder")
-    p.add_argument("--engine", choices=("auto", "ours", "transformers"), default="auto",
+    p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="auto (default): multihead's own port where one applies (Llama-style GGUF or folder, BERT), "
                         "else transformers with its attention on multihead; or force one")
     text = p.add_mutually_exclusive_group()
@@ -577,7 +579,7 @@ def _run_check(args: argparse.Namespace) -> int:
 def _add_patch(sub: Any) -> None:
     p = sub.add_parser("patch", help="which heads cause a behaviour: activation and attribution patching per head")
     p.add_argument("--model", default="smollm2", help="smollm2 (default), a .gguf file or a causal model folder")
-    p.add_argument("--engine", choices=("auto", "ours", "transformers"), default="auto",
+    p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="as for 'heads': our port where one applies (default), or transformers")
     p.add_argument("--clean", help="the clean prompt (default: the shipped indirect-object pairs)")
     p.add_argument("--corrupt", help="the corrupted prompt, of the same token length")

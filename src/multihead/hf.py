@@ -50,9 +50,9 @@ NAME = "multihead"
 # keywords transformers may pass that do not change what attention computes
 IGNORED = frozenset({
     "position_ids", "cache_position", "use_cache", "output_hidden_states", "return_dict", "num_items_in_batch",
-    "output_router_logits", "layer_idx", "token_type_ids", "seq_idx", "past_key_values", "cache", "layer_head_mask",
-    "query_length", "head_mask", "encoder_hidden_states", "kwargs",
-})
+    "output_router_logits", "layer_idx", "token_type_ids", "seq_idx", "past_key_values", "cache", "query_length",
+    "encoder_hidden_states",
+})  # a head_mask does change the result: it is refused like any other unknown keyword
 
 _registered = False
 

@@ -67,9 +67,13 @@ class Patching:
 
     def top(self, n: int = 10) -> list[tuple[int, int, float]]:
         """The n heads with the largest |effect| (summed over positions if per position): (layer, head, effect)."""
-        e = self.effects if self.effects.ndim == 2 else self.effects.sum(-1)
-        order = np.argsort(-np.abs(e), axis=None)[:n]
-        return [(int(o // e.shape[1]), int(o % e.shape[1]), float(e.flat[o])) for o in order]
+        return _top(self.effects if self.effects.ndim == 2 else self.effects.sum(-1), n)
+
+
+def _top(effects: np.ndarray, n: int) -> list[tuple[int, int, float]]:
+    """The n (layer, head, effect) of largest |effect| in a (n_layers, heads) array."""
+    order = np.argsort(-np.abs(effects), axis=None)[:n]
+    return [(int(o // effects.shape[1]), int(o % effects.shape[1]), float(effects.flat[o])) for o in order]
 
 
 def _check(clean: Tensor, corrupted: Tensor, point: str, layers: Sequence[HookedAttention]) -> None:
@@ -233,8 +237,7 @@ class PairsResult:
     def top(self, n: int = 10, which: str = "patching") -> list[tuple[int, int, float]]:
         e = self.patching if which == "patching" else self.attribution
         assert e is not None
-        order = np.argsort(-np.abs(e), axis=None)[:n]
-        return [(int(o // e.shape[1]), int(o % e.shape[1]), float(e.flat[o])) for o in order]
+        return _top(e, n)
 
     def correlation(self) -> float | None:
         """Pearson correlation of attribution with activation patching over all heads."""
