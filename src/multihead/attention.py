@@ -35,8 +35,9 @@ class Step:
     """What every attention layer of a model shares in one forward step, made once (``layer.step(...)``).
 
     ``mask`` covers (b, h, s, t), t counting the cached keys when there is a cache; ``positions`` (b|1, s) are the
-    tokens' positions for RoPE and the cache (None without either); ``rope`` the cos and signed sin tables
-    (b|1, 1, s, d) or None; ``cache_start`` the slot where every sequence continues (one slice write), or None.
+    tokens' positions for RoPE, the cache's indexed write and the mask (None when none of them reads them);
+    ``rope`` the cos and signed sin tables (b|1, 1, s, d) or None; ``cache_start`` the slot where every sequence
+    continues (one slice write), or None.
     A step made by one layer serves every layer with the same window, rope and head counts (a model's layers).
     """
 
@@ -161,7 +162,7 @@ class MultiHeadAttention(nn.Module):
         v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d): v = c W_V
         q, k = self._rotate(q, k, step)  # RoPE at the step's positions (unchanged without rope)
         if cache is not None:
-            k, v = cache.write(k, v, step.positions, start=step.cache_start, t=step.mask.t)  # type: ignore[arg-type]
+            k, v = cache.write(k, v, step.positions, start=step.cache_start, t=step.mask.t)
         z, weights = attend(self._call(q, k, v, step, return_weights, backend), self)  # (b, h, s, d), hooked
         del q, k, v  # free the projections before merging: a long sequence's peak is q, k, v and the output
         y = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
@@ -191,7 +192,7 @@ class MultiHeadAttention(nn.Module):
             v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
             q, k = self._rotate(q, k, step)
             if cache is not None:
-                k, v = cache.peek(k, v, step.positions, t=step.mask.t)  # type: ignore[arg-type]
+                k, v = cache.peek(k, v, step.positions, start=step.cache_start, t=step.mask.t)
         return explain_call(self._call(q, k, v, step, return_weights, backend), self)
 
     # ------------------------------------------------------------------ the per-step state
@@ -221,10 +222,15 @@ class MultiHeadAttention(nn.Module):
             self._check_cache_call(cache, context, mask, key_padding_mask, causal)
             kv = cache.cache if isinstance(cache, LayerCache) else cache
             at_end = positions is None  # the new tokens continue each sequence at its cached length
-            pos = kv.next_positions(s) if at_end else self._positions(positions, b, s, x.device).expand(b, s)
-            t = kv.span(s)
             start = kv.slice_start() if at_end else None
             by_position = not cpu.plain_decode_mask(b, at_end)
+            if not at_end:
+                pos = self._positions(positions, b, s, x.device).expand(b, s)
+            elif self.rotary is not None or start is None or by_position:
+                pos = kv.next_positions(s)  # made only when RoPE, the indexed write or the mask reads them
+            else:
+                kv.check_room(s)
+            t = kv.span(s)
         elif self.rotary is not None:
             pos = self._positions(positions, b, s, x.device)  # (b|1, s)
         elif positions is not None:
@@ -318,7 +324,7 @@ class MultiHeadAttention(nn.Module):
             if (step.mask.batch, step.mask.s) != (b, s):
                 raise MultiheadError(f"the step was made for (b, s) = {(step.mask.batch, step.mask.s)} but x has "
                                      f"{(b, s)}")
-            if cache is not None and step.positions is None:
+            if cache is not None and step.positions is None and step.cache_start is None:
                 raise MultiheadError("a cache was passed but the step was made without one: make it with "
                                      "layer.step(x, causal=True, cache=cache)")
         return kv_in, v_in

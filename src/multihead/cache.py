@@ -111,7 +111,7 @@ class KVCache(nn.Module):
         write is on (:func:`multihead.cpu.slice_cache_write`); else None (writes go by positions)."""
         return self._used if cpu.slice_cache_write(self._uniform) else None
 
-    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, *, start: int | None = None,
+    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor | None, *, start: int | None = None,
               t: int | None = None) -> tuple[Tensor, Tensor]:
         """Store k and v (b, g, s, d) of one layer at positions (b, s); return that layer's keys and values
         (b, g, t, d), t = :meth:`span` unless given.
@@ -132,15 +132,21 @@ class KVCache(nn.Module):
         if start is not None:  # one slice of slots, no index arithmetic
             keys.narrow(2, start, s).copy_(k)
             values.narrow(2, start, s).copy_(v)
+        elif positions is None:
+            raise MultiheadError("a cache write needs the new tokens' positions, or the slot where all continue")
         else:
             _scatter(keys, values, k, v, positions)
         return keys.narrow(2, 0, t), values.narrow(2, 0, t)  # (b, g, t, d)
 
-    def peek(self, layer: int, k: Tensor, v: Tensor, positions: Tensor, *, t: int | None = None
-             ) -> tuple[Tensor, Tensor]:
+    def peek(self, layer: int, k: Tensor, v: Tensor, positions: Tensor | None, *, start: int | None = None,
+             t: int | None = None) -> tuple[Tensor, Tensor]:
         """What :meth:`write` would return, from copies: the cache itself is left unchanged (for ``explain``)."""
-        s = k.shape[2]
+        b, _, s, _ = k.shape
         t = self.span(s) if t is None else t
+        if positions is None:
+            if start is None:
+                raise MultiheadError("a cache read needs the new tokens' positions, or the slot where all continue")
+            positions = torch.arange(start, start + s, device=self.k.device).expand(b, s)  # (b, s)
         keys, values = self.k[layer, :, :, :t].clone(), self.v[layer, :, :, :t].clone()  # (b, g, t, d)
         _scatter(keys, values, k, v, positions)
         return keys, values
@@ -188,9 +194,10 @@ class LayerCache:
         self.cache = cache
         self.index = index
 
-    def write(self, k: Tensor, v: Tensor, positions: Tensor, *, start: int | None = None, t: int | None = None
-              ) -> tuple[Tensor, Tensor]:
+    def write(self, k: Tensor, v: Tensor, positions: Tensor | None, *, start: int | None = None,
+              t: int | None = None) -> tuple[Tensor, Tensor]:
         return self.cache.write(self.index, k, v, positions, start=start, t=t)
 
-    def peek(self, k: Tensor, v: Tensor, positions: Tensor, *, t: int | None = None) -> tuple[Tensor, Tensor]:
-        return self.cache.peek(self.index, k, v, positions, t=t)
+    def peek(self, k: Tensor, v: Tensor, positions: Tensor | None, *, start: int | None = None,
+             t: int | None = None) -> tuple[Tensor, Tensor]:
+        return self.cache.peek(self.index, k, v, positions, start=start, t=t)
