@@ -134,6 +134,13 @@ def add_hook_points(module: nn.Module) -> None:
     for name, legend in POINTS.items():
         if not isinstance(getattr(module, name, None), HookPoint):
             module.add_module(name, HookPoint(legend))
+    # the same six modules as a plain tuple in the instance dict: read on every call without nn.Module.__getattr__
+    module.__dict__["_hook_points"] = tuple(getattr(module, name) for name in POINTS)
+
+
+def _points(module: HookedAttention) -> tuple[HookPoint, ...]:
+    found = getattr(module, "_hook_points", None)
+    return found if found is not None else tuple(getattr(module, name) for name in POINTS)
 
 
 def attend(call: AttentionCall, points: HookedAttention | None = None) -> tuple[Tensor, Tensor | None]:
@@ -143,10 +150,12 @@ def attend(call: AttentionCall, points: HookedAttention | None = None) -> tuple[
     """
     if points is None:
         return kernels.attend(call)
-    q, k, v = _through(points.hook_q, call.q), _through(points.hook_k, call.k), _through(points.hook_v, call.v)
+    hook_q, hook_k, hook_v, pattern, hook_z, _ = _points(points)
+    if not (hook_q._fns or hook_k._fns or hook_v._fns or pattern._fns or hook_z._fns):
+        return kernels.attend(call)  # nothing hooked: the core as it is
+    q, k, v = _through(hook_q, call.q), _through(hook_k, call.k), _through(hook_v, call.v)
     if q is not call.q or k is not call.k or v is not call.v:
         call = dataclasses.replace(call, q=q, k=k, v=v)
-    pattern = points.hook_pattern
     if not pattern._fns:
         z, weights = kernels.attend(call)
     elif call.need_weights or kernels.resolve_backend(call)[0] == "math":
@@ -165,7 +174,7 @@ def attend(call: AttentionCall, points: HookedAttention | None = None) -> tuple[
             if call.dropout_p > 0.0:
                 edited = torch.nn.functional.dropout(edited, p=call.dropout_p, training=True)
             z = kernels.weighted_values(edited, v)
-    return _through(points.hook_z, z), weights
+    return _through(hook_z, z), weights
 
 
 def explain(call: AttentionCall, points: HookedAttention | None = None) -> KernelChoice:
