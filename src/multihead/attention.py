@@ -331,8 +331,8 @@ class MultiHeadAttention(nn.Module):
 
     def _local_kv_heads(self) -> int:
         """KV heads held here: all of them, or this rank's share when the projections are sharded by heads."""
-        w = self.k_proj.weight
-        rows = (w.to_local() if hasattr(w, "to_local") else w).shape[0]
+        w: Any = self.k_proj.weight
+        rows = w.shape[0] if type(w) in (Tensor, nn.Parameter) else w.to_local().shape[0]  # a DTensor shard: local
         return int(rows) // self.config.head_dim
 
     @staticmethod
