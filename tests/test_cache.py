@@ -73,7 +73,7 @@ def test_overflow_raises_and_reset_reuses_the_buffers() -> None:
 
 @pytest.mark.parametrize(("call", "message"), [
     (lambda layer, c: layer(torch.randn(1, 2, 32), cache=c.layer(0)), "needs|causal=True"),
-    (lambda layer, c: layer(torch.randn(1, 2, 32), causal=True, cache=c), "one layer of a KVCache"),
+    (lambda layer, c: layer(torch.randn(1, 2, 32), causal=True, cache=c), "one layer of a cache"),
     (lambda layer, c: layer(torch.randn(1, 2, 32), causal=True, cache=c.layer(0),
                             key_padding_mask=torch.ones(1, 2, dtype=torch.bool)), "cannot be combined"),
     (lambda layer, c: layer(torch.randn(2, 2, 32), causal=True, cache=c.layer(0)), r"do not fit this cache"),

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import cpu
-from multihead.cache import KVCache, LayerCache
+from multihead.cache import Cache, LayerCache
 from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint, add_hook_points, attend
@@ -198,7 +198,7 @@ class MultiHeadAttention(nn.Module):
     # ------------------------------------------------------------------ the per-step state
     def step(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,
              key_padding_mask: Tensor | None = None, causal: bool = False, documents: Tensor | None = None,
-             positions: Tensor | None = None, cache: KVCache | LayerCache | None = None,
+             positions: Tensor | None = None, cache: Cache | LayerCache | None = None,
              dtype: torch.dtype | None = None) -> Step:
         """The state every layer of a model shares for one call on x (b, s, .): the mask, the positions, the RoPE
         tables (in ``dtype``, default x's), the cache slot. Made once per model step and passed as ``step=``."""
@@ -210,7 +210,7 @@ class MultiHeadAttention(nn.Module):
 
     def _step(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,
               key_padding_mask: Tensor | None = None, causal: bool = False, documents: Tensor | None = None,
-              positions: Tensor | None = None, cache: KVCache | LayerCache | None = None,
+              positions: Tensor | None = None, cache: Cache | LayerCache | None = None,
               dtype: torch.dtype | None = None) -> Step:
         """:meth:`step` for inputs already checked (forward and explain check them first)."""
         b, s = x.shape[0], x.shape[1]
@@ -221,6 +221,8 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             self._check_cache_call(cache, context, mask, key_padding_mask, causal)
             kv = cache.cache if isinstance(cache, LayerCache) else cache
+            if not kv.positional:
+                return self._evicting_step(kv, x, positions, dtype)
             at_end = positions is None  # the new tokens continue each sequence at its cached length
             start = kv.slice_start() if at_end else None
             by_position = not cpu.plain_decode_mask(b, at_end)
@@ -243,6 +245,19 @@ class MultiHeadAttention(nn.Module):
             assert pos is not None
             rope = self.rotary.tables(pos, dtype or x.dtype)
         return Step(mask=spec, positions=pos, rope=rope, cache_start=start)
+
+    def _evicting_step(self, kv: Cache, x: Tensor, positions: Tensor | None, dtype: torch.dtype | None) -> Step:
+        """The step of a cache that evicts tokens (attention sinks + window): it says which held keys each query
+        sees; the new tokens continue the sequences (which hold one length)."""
+        if positions is not None:
+            raise MultiheadError(f"a {type(kv).__name__} places new tokens after the cached ones: positions cannot be "
+                                 "given")
+        b, s = x.shape[0], x.shape[1]
+        pos = kv.next_positions(s)  # (b, s)
+        keep = kv.keep(pos, s, window=self.config.window)
+        spec = MaskSpec(batch=b, n_heads=self.n_heads, s=s, t=kv.span(s), keep=keep)
+        rope = None if self.rotary is None else self.rotary.tables(pos, dtype or x.dtype)
+        return Step(mask=spec, positions=pos, rope=rope, cache_start=None)
 
     def _rotate(self, q: Tensor, k: Tensor, step: Step) -> tuple[Tensor, Tensor]:
         if self.rotary is None:
@@ -306,8 +321,9 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None and context is not None:
             raise MultiheadError("rope is for self-attention: a layer with rope cannot take a context")
         if cache is not None:
-            self._check_cache_call(cache, context, mask, key_padding_mask, causal if step is None else
-                                   step.mask.causal, layer=True)
+            causal_step = step is not None and (step.mask.causal or not cache.cache.positional)  # evicting: by keep
+            self._check_cache_call(cache, context, mask, key_padding_mask, causal if step is None else causal_step,
+                                   layer=True)
             if (cache.cache.n_kv_heads, cache.cache.head_dim) != (self._local_kv_heads(), cfg.head_dim):
                 raise MultiheadError(
                     f"the cache holds n_kv_heads {cache.cache.n_kv_heads} of head_dim {cache.cache.head_dim} but "
@@ -336,10 +352,10 @@ class MultiHeadAttention(nn.Module):
         return int(rows) // self.config.head_dim
 
     @staticmethod
-    def _check_cache_call(cache: KVCache | LayerCache, context: Tensor | None, mask: Tensor | None,
+    def _check_cache_call(cache: Cache | LayerCache, context: Tensor | None, mask: Tensor | None,
                           key_padding_mask: Tensor | None, causal: bool, *, layer: bool = False) -> None:
-        if not isinstance(cache, LayerCache) and (layer or not isinstance(cache, KVCache)):
-            raise MultiheadError(f"cache must be one layer of a KVCache (cache.layer(i)), got {type(cache).__name__}")
+        if not isinstance(cache, LayerCache) and (layer or not isinstance(cache, Cache)):
+            raise MultiheadError(f"cache must be one layer of a cache (cache.layer(i)), got {type(cache).__name__}")
         if context is not None:
             raise MultiheadError("a KV cache holds this layer's own past keys: it cannot be used with a context")
         if not causal:

@@ -211,6 +211,38 @@ def kv_cache_bytes(
     return kv_cache_bytes_per_token_per_layer(config, dtype) * cached_tokens(config, context) * batch * n_layers
 
 
+def sink_cache_bytes(config: AttentionConfig, *, window: int, sink_tokens: int, batch: int = 1, n_layers: int = 1,
+                     dtype: str = "bf16") -> int:
+    """A cache of attention sinks and a sliding window (:class:`multihead.cache.SinkCache`), the same for any
+    context: per-token bytes * (sink_tokens + window - 1) * batch * n_layers (the next token joins them)."""
+    _check_sizes(window=window, sink_tokens=sink_tokens, batch=batch, n_layers=n_layers)
+    if window < 1:
+        raise MultiheadError(f"window ({window}) must be at least 1")
+    return kv_cache_bytes_per_token_per_layer(config, dtype) * (sink_tokens + window - 1) * batch * n_layers
+
+
+def quantized_cache_bytes(config: AttentionConfig, *, context: int, bits: int, group: int = 32, residual: int = 128,
+                          batch: int = 1, n_layers: int = 1, dtype: str = "bf16") -> int:
+    """A KV cache quantized to ``bits`` bits (:class:`multihead.cache.QuantizedKVCache`) holding ``context``
+    tokens, per KV head of each layer and sequence::
+
+        codes          2 * context * d * bits / 8
+        key scales     2 * ceil(context / group) * d * 2      (float16 scale and minimum per channel per token group)
+        value scales   2 * context * (d / group) * 2          (float16 scale and minimum per token per channel group)
+        residual       2 * (residual + group) * d * bytes(dtype)   (the newest tokens, in full precision)
+    """
+    _check_sizes(context=context, bits=bits, group=group, residual=residual, batch=batch, n_layers=n_layers)
+    _, g, d, *_ = _dims(config)
+    if bits not in (2, 4, 8):
+        raise MultiheadError(f"bits ({bits}) is not a supported cache width: choose one of 2, 4, 8")
+    if group < 1 or d % group:
+        raise MultiheadError(f"group ({group}) must divide head_dim ({d})")
+    codes = 2 * context * d * bits // 8
+    scales = 2 * -(-context // group) * d * 2 + 2 * context * (d // group) * 2
+    full = 2 * (residual + group) * d * dtype_bytes(dtype)
+    return (codes + scales + full) * g * batch * n_layers
+
+
 def max_context(
     config: AttentionConfig, *, memory_bytes: int, batch: int = 1, n_layers: int = 1, dtype: str = "bf16"
 ) -> int | None:

@@ -120,6 +120,7 @@ def generate_ids(
         raise MultiheadError("give either step or compile=True, not both")
     size = min(-(-total // CACHE_BUCKET) * CACHE_BUCKET, model.config.max_context) if compile else total
     cache = model.new_cache(b, size)
+    assert isinstance(cache, KVCache)
     if compile:
         step = compiled_step(model, cache)
     gen = sampling.generator()

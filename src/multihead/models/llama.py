@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention, Step
-from multihead.cache import KVCache, LayerCache
+from multihead.cache import Cache, KVCache, LayerCache, QuantizedKVCache, SinkCache
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.linear import Linear, linear
@@ -103,38 +103,62 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
-    def new_cache(self, batch: int, max_len: int) -> KVCache:
-        """A cache for this model: n_layers layers of (batch, n_kv_heads, max_len, head_dim) in the model's dtype
-        (this rank's KV heads only, when the model is split over processes)."""
+    def new_cache(self, batch: int, max_len: int | None = None, *, window: int | None = None, sink_tokens: int = 0,
+                  bits: int | None = None, group: int = 32, residual: int = 128) -> Cache:
+        """A cache for this model, n_layers layers of (batch, n_kv_heads, *, head_dim) in the model's dtype (this
+        rank's KV heads only, when the model is split over processes):
+
+        - ``new_cache(b, max_len)``: every token in full (:class:`KVCache`);
+        - ``new_cache(b, window=w, sink_tokens=n)``: n attention sinks and a window of w (:class:`SinkCache`),
+          constant memory for any length;
+        - ``new_cache(b, max_len, bits=4, group=32, residual=128)``: quantized keys and values
+          (:class:`QuantizedKVCache`).
+        """
+        a = self.config.attention()
+        block = cast(LlamaBlock, self.layers[0])
+        kv_heads = block.attn._local_kv_heads()
+        shape: dict[str, Any] = {"batch": batch, "n_kv_heads": kv_heads, "head_dim": a.head_dim,
+                                 "n_layers": self.config.n_layers, "dtype": self.dtype, "device": self.device}
+        if window is not None:
+            if max_len is not None or bits is not None:
+                raise MultiheadError("a windowed cache has no max_len and stores keys in full: give window= alone "
+                                     "(with sink_tokens=)")
+            return SinkCache(window=window, sink_tokens=sink_tokens, **shape)
+        if max_len is None:
+            raise MultiheadError("new_cache needs max_len (the tokens it holds), or window= for a windowed cache")
         if max_len > self.config.max_context:
             raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
-        a = self.config.attention()
-        assert a.head_dim is not None
-        block = cast(LlamaBlock, self.layers[0])
-        w = block.attn.k_proj.weight
-        local_kv_heads = int((w.to_local() if hasattr(w, "to_local") else w).shape[0]) // a.head_dim
-        return KVCache(batch=batch, n_kv_heads=local_kv_heads, head_dim=a.head_dim, max_len=max_len,
-                       n_layers=self.config.n_layers, dtype=self.dtype, device=self.device)
+        if sink_tokens:
+            raise MultiheadError(f"sink_tokens ({sink_tokens}) go with a window: new_cache(b, window=w, "
+                                 "sink_tokens=n)")
+        if bits is not None:
+            return QuantizedKVCache(max_len=max_len, bits=bits, group=group, residual=residual, **shape)
+        return KVCache(max_len=max_len, **shape)
 
-    def forward(self, tokens: Tensor, *, positions: Tensor | None = None, cache: KVCache | None = None,
-                key_padding_mask: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, *, positions: Tensor | None = None, cache: Cache | None = None,
+                key_padding_mask: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
         """Logits (b, s, vocab). With a cache, the tokens continue each cached sequence at ``positions``
-        (default: the cache's next positions); the caller then calls ``cache.advance``."""
+        (default: the cache's next positions); the caller then calls ``cache.advance``. ``mask`` (bool (s, s) or
+        broadcastable to (b, h, s, s), True = may attend) replaces the causal mask: e.g.
+        :func:`multihead.cache.sink_keep`'s, the uncached equal of a :class:`SinkCache`."""
         self._check_tokens(tokens)
         h = self.embed(tokens)  # (b, s, d_model)
-        step = self.step(h, positions=positions, cache=cache, key_padding_mask=key_padding_mask)
+        step = self.step(h, positions=positions, cache=cache, key_padding_mask=key_padding_mask, mask=mask)
         for i, layer in enumerate(self.layers):
             h = layer(h, step=step, cache=None if cache is None else cache.layer(i))
         h = self.norm(h)
         weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
         return linear(h, weight)  # (b, s, vocab)
 
-    def step(self, h: Tensor, *, positions: Tensor | None = None, cache: KVCache | None = None,
-             key_padding_mask: Tensor | None = None) -> Step:
+    def step(self, h: Tensor, *, positions: Tensor | None = None, cache: Cache | None = None,
+             key_padding_mask: Tensor | None = None, mask: Tensor | None = None) -> Step:
         """The state all layers share in one step (causal mask, positions, RoPE tables, cache slot), made once;
         raises before any layer writes if the tokens would not fit the cache."""
         first = cast(LlamaBlock, self.layers[0]).attn
-        return first.step(h, causal=True, positions=positions, cache=cache, key_padding_mask=key_padding_mask)
+        if mask is not None and cache is not None:
+            raise MultiheadError("mask replaces the causal mask of an uncached forward: a cache brings its own")
+        return first.step(h, causal=mask is None, positions=positions, cache=cache,
+                          key_padding_mask=key_padding_mask, mask=mask)
 
     def _check_tokens(self, tokens: Tensor) -> None:
         if not isinstance(tokens, Tensor) or tokens.ndim != 2 or tokens.dtype not in (torch.long, torch.int32):
