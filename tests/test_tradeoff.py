@@ -142,12 +142,17 @@ def test_the_tradeoff_command_on_smollm2(tmp_path: Path, capsys: pytest.CaptureF
     """The real model and the real text at a tiny size: every row present, bytes checked, uptraining resumable."""
     argv = ["tradeoff", "--context", "96", "--stride", "48", "--windows", "2", "--chunk", "32", "--window", "32",
             "--sinks", "4", "--bits", "4", "--group", "32", "--residual", "32", "--uptrain-steps", "2",
-            "--out", str(tmp_path)]
+            "--prune", "0.3", "--out", str(tmp_path)]
     assert main([*argv, "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     rows = {r["method"]: r for r in data["rows"]}
     assert list(rows) == ["full cache", "window 32", "4 sinks + window 32", "int4 (g32, r32)", "MQA, pooled 3 -> 1",
-                          "MQA, uptrained 2 steps"]
+                          "MQA, uptrained 2 steps", "pruned 30% of KV groups"]
+    assert all(r["cache_bytes_checked"] for r in rows.values())
+    pruned = rows["pruned 30% of KV groups"]
+    assert pruned["extra"]["kv_groups_kept"] == 90 - 27 and pruned["kv_ratio"] == pytest.approx(63 / 90)
+    assert pruned["extra"]["parameters"] < pruned["extra"]["parameters_original"]
+    assert (tmp_path / "pruned-30" / "model.safetensors").exists()
     full = rows["full cache"]
     assert full["kv_bytes"] == 30 * 2 * 3 * 64 * 2 * 96  # 30 layers, K and V, 3 KV heads of 64, bf16, 96 tokens
     assert rows["MQA, pooled 3 -> 1"]["kv_bytes"] * 3 == full["kv_bytes"]
@@ -156,7 +161,7 @@ def test_the_tradeoff_command_on_smollm2(tmp_path: Path, capsys: pytest.CaptureF
     assert data["text"]["scored_tokens"] == 96 and data["uptrain"]["history"][0]["step"] == 0
     assert (tmp_path / "kv-tradeoff.png").stat().st_size > 10_000 and (tmp_path / "kv-tradeoff.json").exists()
     assert (tmp_path / "uptrain" / "state.json").exists()
-    assert main([*argv[:-4], "--uptrain-steps", "0", "--window", "2000", "--out", str(tmp_path)]) == 2
+    assert main([*argv[:-6], "--uptrain-steps", "0", "--window", "2000", "--out", str(tmp_path)]) == 2
     assert "window (2000) must be shorter than the context (96)" in capsys.readouterr().err
 
 
@@ -164,3 +169,16 @@ def test_gzip_text_is_read(tmp_path: Path) -> None:
     path = tmp_path / "t.txt.gz"
     path.write_bytes(gzip.compress(b"one\ntwo\n\nthree"))
     assert read_text(path) == "one two\n\nthree"
+
+
+def test_the_encoder_tradeoff_on_minilm() -> None:
+    from multihead.tradeoff.encoder import EncoderSettings, run
+
+    result = run(EncoderSettings(texts=6, calibration=2, kv_heads=(4, 1), bits=(8, 2), prune=(0.25,)),
+                 progress=False)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert rows["original"]["kv_bytes_per_token"] == 2 * 6 * 384 * 2  # 6 layers, K and V, bf16
+    assert rows["4 KV heads (pooled)"]["kv_ratio"] == pytest.approx(4 / 12)
+    assert rows["int8 K/V (g32)"]["one_minus_cosine"] < 1e-4 < rows["int2 K/V (g32)"]["one_minus_cosine"]
+    assert rows["pruned 25% of heads"]["kv_ratio"] == pytest.approx(54 / 72)
+    assert 0 < rows["pruned 25% of heads"]["one_minus_cosine"] < 1

@@ -324,9 +324,9 @@ class MultiHeadAttention(nn.Module):
             causal_step = step is not None and (step.mask.causal or not cache.cache.positional)  # evicting: by keep
             self._check_cache_call(cache, context, mask, key_padding_mask, causal if step is None else causal_step,
                                    layer=True)
-            if (cache.cache.n_kv_heads, cache.cache.head_dim) != (self._local_kv_heads(), cfg.head_dim):
+            if (cache.n_kv_heads, cache.head_dim) != (self._local_kv_heads(), cfg.head_dim):
                 raise MultiheadError(
-                    f"the cache holds n_kv_heads {cache.cache.n_kv_heads} of head_dim {cache.cache.head_dim} but "
+                    f"the cache holds n_kv_heads {cache.n_kv_heads} of head_dim {cache.head_dim} but "
                     f"this layer has n_kv_heads {self._local_kv_heads()} of head_dim {cfg.head_dim}"
                 )
         if step is not None:

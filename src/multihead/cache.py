@@ -17,6 +17,7 @@ The buffers keep their shapes whatever the lengths, so a compiled decode step se
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 from torch import Tensor, nn
@@ -144,6 +145,10 @@ class Cache(nn.Module):
             raise MultiheadError(f"layer {index} is out of range for a cache of {self.n_layers} layer(s)")
         return LayerCache(self, index)
 
+    def layer_kv_heads(self, index: int) -> int:
+        """KV heads of one layer (the same for every layer except in a :class:`LayeredCache`)."""
+        return self.n_kv_heads
+
     def _check_keys(self, layer: int, k: Tensor) -> None:
         b, g, _, d = k.shape
         if (b, g, d) != (self.batch, self.n_kv_heads, self.head_dim):
@@ -236,11 +241,19 @@ def _scatter(keys: Tensor, values: Tensor, k: Tensor, v: Tensor, positions: Tens
 
 
 class LayerCache:
-    """One layer of a :class:`KVCache`."""
+    """One layer of a cache."""
 
     def __init__(self, cache: Cache, index: int) -> None:
         self.cache = cache
         self.index = index
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.cache.layer_kv_heads(self.index)
+
+    @property
+    def head_dim(self) -> int:
+        return self.cache.head_dim
 
     def write(self, k: Tensor, v: Tensor, positions: Tensor | None, *, start: int | None = None,
               t: int | None = None) -> tuple[Tensor, Tensor]:
@@ -444,9 +457,13 @@ def unpack(packed: Tensor, bits: int) -> Tensor:
 
 
 def fake_quantize_keys(k: Tensor, bits: int, group: int) -> Tensor:
-    """Keys (.., n, d) quantized per channel over groups of ``group`` tokens and dequantized (n % group == 0)."""
-    g = k.unflatten(-2, (-1, group))  # (.., n / group, group, d)
-    return dequantize(*quantize(g, bits, dim=-2), k.dtype).flatten(-3, -2)
+    """Keys (.., n, d) quantized per channel over groups of ``group`` tokens and dequantized (a last partial group
+    is quantized on its own)."""
+    n = k.shape[-2]
+    short = -n % group
+    padded = torch.cat([k, k[..., -1:, :].expand(*k.shape[:-2], short, k.shape[-1])], dim=-2) if short else k
+    g = padded.unflatten(-2, (-1, group))  # (.., n / group, group, d): the repeated last token moves no min or max
+    return dequantize(*quantize(g, bits, dim=-2), k.dtype).flatten(-3, -2)[..., :n, :]
 
 
 def fake_quantize_values(v: Tensor, bits: int, group: int) -> Tensor:
@@ -604,3 +621,68 @@ def quantized_tokens(used: int, *, group: int, residual: int) -> int:
     """Tokens a :class:`QuantizedKVCache` holds as codes after ``used`` tokens: the most whole groups that leave
     at least ``residual`` tokens in full precision."""
     return max(0, (used - residual) // group) * group
+
+
+# ---------------------------------------------------------------------------------------------- layers of other widths
+class LayeredCache(Cache):
+    """One single-layer cache per layer, for models whose layers hold different numbers of KV heads (a pruned model):
+    every part is the same kind and advances together, so positions, masks and spans come from the first."""
+
+    def __init__(self, parts: Sequence[Cache]) -> None:
+        parts = list(parts)
+        if not parts or any(not isinstance(p, Cache) or p.n_layers != 1 for p in parts):
+            raise MultiheadError("a LayeredCache takes one single-layer cache per layer")
+        first = parts[0]
+        if any(type(p) is not type(first) or p.batch != first.batch or p.head_dim != first.head_dim for p in parts):
+            raise MultiheadError("the parts of a LayeredCache must be of one kind, batch and head_dim")
+        super().__init__(batch=first.batch, n_kv_heads=first.n_kv_heads, head_dim=first.head_dim,
+                         n_layers=len(parts), max_len=first.max_len, device=first.lengths.device)
+        self.parts = nn.ModuleList(parts)
+        self.positional = first.positional
+
+    def _part(self, index: int) -> Cache:
+        return cast(Cache, self.parts[index])
+
+    @property
+    def bytes(self) -> int:
+        return sum(self._part(i).bytes for i in range(self.n_layers))
+
+    def layer_kv_heads(self, index: int) -> int:
+        return self._part(index).n_kv_heads
+
+    def reset(self) -> None:
+        super().reset()
+        for i in range(self.n_layers):
+            self._part(i).reset()
+
+    def next_positions(self, s: int) -> Tensor:
+        return self._part(0).next_positions(s)
+
+    def check_room(self, s: int) -> None:
+        self._part(0).check_room(s)
+
+    def span(self, s: int) -> int:
+        return self._part(0).span(s)
+
+    def slice_start(self) -> int | None:
+        return self._part(0).slice_start()
+
+    def keep(self, q_positions: Tensor, s: int, *, window: int | None = None) -> Tensor | None:
+        return self._part(0).keep(q_positions, s, window=window)
+
+    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor | None, *, start: int | None = None,
+              t: int | None = None) -> tuple[Tensor, Tensor]:
+        if not 0 <= layer < self.n_layers:
+            raise MultiheadError(f"layer {layer} is out of range for a cache of {self.n_layers} layer(s)")
+        return self._part(layer).write(0, k, v, positions, start=start, t=t)
+
+    def peek(self, layer: int, k: Tensor, v: Tensor, positions: Tensor | None, *, start: int | None = None,
+             t: int | None = None) -> tuple[Tensor, Tensor]:
+        return self._part(layer).peek(0, k, v, positions, start=start, t=t)
+
+    def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
+        for i in range(self.n_layers):
+            self._part(i).advance(s, lengths=lengths)
+        first = self._part(0)
+        self.lengths.copy_(first.lengths)
+        self._used, self._uniform = first._used, first._uniform

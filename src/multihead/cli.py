@@ -650,21 +650,35 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    if text.strip().lower() == "none":
+        return ()
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated fractions, e.g. 0.1,0.3") from None
+    return values
+
+
 def _add_tradeoff(sub: Any) -> None:
     p = sub.add_parser("tradeoff", help="the KV-cache trade-off: perplexity against KV bytes for each way of saving "
                                         "cache (sinks + window, quantization, fewer KV heads, uptraining)")
-    p.add_argument("--model", default="smollm2", help="smollm2 (default), or a .gguf file or Llama model folder")
+    p.add_argument("--model", default="smollm2", help="smollm2 (default), minilm (the encoder: 1 - cosine), or a "
+                                                      ".gguf file or Llama model folder")
     p.add_argument("--text", default=None, help="another evaluation text (plain or .gz; default: the Jargon File)")
+    p.add_argument("--texts", type=_positive, default=256, help="minilm: held-out paragraphs embedded (default 256)")
     p.add_argument("--context", type=_positive, default=1024, help="tokens per evaluation window (default 1024)")
     p.add_argument("--stride", type=_positive, default=512, help="tokens between windows, each scoring its last "
                                                                  "stride tokens (default 512)")
-    p.add_argument("--windows", type=_positive, default=12, help="evaluation windows at most (default 12)")
+    p.add_argument("--windows", type=_positive, default=10, help="evaluation windows at most (default 10)")
     p.add_argument("--chunk", type=_positive, default=64, help="tokens per step through a cache (default 64)")
     p.add_argument("--window", type=_positive, default=256, help="sliding window of the sink caches (default 256)")
     p.add_argument("--sinks", type=_ints, default=(1, 4), help="sink token counts beside the window (default 1,4)")
     p.add_argument("--bits", type=_ints, default=(8, 4, 2), help="quantized cache widths (default 8,4,2)")
     p.add_argument("--group", type=_positive, default=32, help="quantization group size (default 32)")
     p.add_argument("--residual", type=int, default=128, help="newest tokens kept in full precision (default 128)")
+    p.add_argument("--prune", type=_fractions, default=(0.1, 0.25, 0.5),
+                   help="fractions of KV groups pruned by importance (default 0.1,0.25,0.5; 'none' for none)")
     p.add_argument("--uptrain-steps", type=int, default=40, help="distillation steps for pooled MQA (0: none; "
                                                                   "default 40)")
     p.add_argument("--uptrain-lr", type=float, default=3e-3, help="uptraining learning rate (default 3e-3)")
@@ -684,18 +698,20 @@ def _run_tradeoff(args: argparse.Namespace) -> int:
     from multihead.tradeoff.lm import Settings, plot, run
     from multihead.tradeoff.uptrain import UptrainSettings
 
-    if args.model not in ("smollm2",) and not Path(args.model).exists():
-        raise CliError(f"--model {args.model!r} is neither smollm2 nor an existing .gguf file or folder")
+    if args.model not in ("smollm2", "minilm") and not Path(args.model).exists():
+        raise CliError(f"--model {args.model!r} is neither smollm2, minilm nor an existing .gguf file or folder")
+    if args.model == "minilm":
+        return _run_tradeoff_encoder(args)
     if args.uptrain_steps < 0:
         raise CliError(f"--uptrain-steps ({args.uptrain_steps}) must be 0 or more")
     settings = Settings(context=args.context, stride=args.stride, windows=args.windows, chunk=args.chunk,
                         window=args.window, sinks=args.sinks, bits=args.bits, group=args.group,
-                        residual=args.residual)
+                        residual=args.residual, prune=args.prune)
     up = None if args.uptrain_steps == 0 else UptrainSettings(steps=args.uptrain_steps, lr=args.uptrain_lr,
                                                                train=args.train)
     out = Path(prepare_out_dir(args.out))
     result = run(settings, model_path=None if args.model == "smollm2" else args.model, text_path=args.text,
-                 uptrain_settings=up, checkpoint=out / "uptrain", resume=args.resume, progress=not args.json)
+                 uptrain_settings=up, out=out, resume=args.resume, progress=not args.json)
     result["plot"] = plot(result, out / "kv-tradeoff.png")
     write_text(out / "kv-tradeoff.json", json.dumps(result, indent=1))
     if args.json:
@@ -708,6 +724,31 @@ def _run_tradeoff(args: argparse.Namespace) -> int:
     for r in result["rows"]:
         print(f"{r['method']:<30} {r['kv_bytes'] / 2**20:>8.2f} {r['kv_ratio']:>8.1%} {r['perplexity']:>11.3f} "
               f"{r['perplexity'] / full['perplexity'] - 1:>+9.1%}")
+    print(f"plot: {result['plot']}")
+    return 0
+
+
+def _run_tradeoff_encoder(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from multihead.files import write_text
+    from multihead.heads.report import prepare_out_dir
+    from multihead.tradeoff.encoder import EncoderSettings, plot, run
+
+    settings = EncoderSettings(texts=args.texts, bits=args.bits, group=args.group, prune=args.prune)
+    out = Path(prepare_out_dir(args.out))
+    result = run(settings, text_path=args.text, progress=not args.json)
+    result["plot"] = plot(result, out / "kv-tradeoff-minilm.png")
+    write_text(out / "kv-tradeoff-minilm.json", json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['model']}: {result['metric']} over {result['text']['texts']} held-out paragraphs "
+          f"({result['seconds']:.0f} s)")
+    print(f"{'method':<28} {'K/V B/token':>11} {'of full':>8} {'1 - cos':>10}")
+    for r in result["rows"]:
+        print(f"{r['method']:<28} {r['kv_bytes_per_token']:>11,.0f} {r['kv_ratio']:>8.1%} "
+              f"{r['one_minus_cosine']:>10.2e}")
     print(f"plot: {result['plot']}")
     return 0
 

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention, Step
-from multihead.cache import Cache, KVCache, LayerCache, QuantizedKVCache, SinkCache
+from multihead.cache import Cache, KVCache, LayerCache, LayeredCache, QuantizedKVCache, SinkCache
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.linear import Linear, linear
@@ -39,10 +39,34 @@ class LlamaConfig:
     tie_embeddings: bool = True
     bos_id: int | None = None
     eos_id: int | None = None
+    # (n_heads, n_kv_heads) of each layer when they differ (a pruned model); None: every layer has the above
+    layer_heads: tuple[tuple[int, int], ...] | None = None
 
-    def attention(self) -> AttentionConfig:
-        return AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, n_kv_heads=self.n_kv_heads,
-                               head_dim=self.head_dim, bias=False, rope=RopeConfig(self.rope_base))
+    def __post_init__(self) -> None:
+        if self.layer_heads is None:
+            return
+        heads = tuple(tuple(pair) for pair in self.layer_heads)
+        object.__setattr__(self, "layer_heads", heads)
+        if len(heads) != self.n_layers:
+            raise MultiheadError(f"layer_heads has {len(heads)} entries but the model has {self.n_layers} layers")
+        for i, pair in enumerate(heads):
+            ok = len(pair) == 2 and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in pair)
+            if not ok or pair[0] % pair[1]:
+                raise MultiheadError(f"layer {i}: (n_heads, n_kv_heads) = {pair} must be positive ints with "
+                                     "n_kv_heads dividing n_heads")
+
+    def heads(self, layer: int) -> tuple[int, int]:
+        """(n_heads, n_kv_heads) of one layer."""
+        if self.layer_heads is None:
+            return self.n_heads, self.n_kv_heads
+        return self.layer_heads[layer]
+
+    def attention(self, layer: int = 0) -> AttentionConfig:
+        """The attention config of one layer (all the same unless the model was pruned)."""
+        n_heads, n_kv_heads = self.heads(layer)
+        head_dim = self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
+        return AttentionConfig(d_model=self.d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
+                               bias=False, rope=RopeConfig(self.rope_base))
 
 
 class RMSNorm(nn.Module):
@@ -64,12 +88,12 @@ class RMSNorm(nn.Module):
 
 
 class LlamaBlock(nn.Module):
-    def __init__(self, config: LlamaConfig, *, device: torch.device | str | None = None,
+    def __init__(self, config: LlamaConfig, layer: int = 0, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
         f: dict[str, Any] = {"device": device, "dtype": dtype}
         self.attn_norm = RMSNorm(config.d_model, config.rms_eps, **f)
-        self.attn = MultiHeadAttention(config.attention(), **f)
+        self.attn = MultiHeadAttention(config.attention(layer), **f)
         self.ffn_norm = RMSNorm(config.d_model, config.rms_eps, **f)
         self.gate_proj = Linear(config.d_model, config.ffn_dim, bias=False, **f)
         self.up_proj = Linear(config.d_model, config.ffn_dim, bias=False, **f)
@@ -91,7 +115,7 @@ class LlamaModel(nn.Module):
         self.config = config
         f: dict[str, Any] = {"device": device, "dtype": dtype}
         self.embed = nn.Embedding(config.vocab_size, config.d_model, **f)
-        self.layers = nn.ModuleList(LlamaBlock(config, **f) for _ in range(config.n_layers))
+        self.layers = nn.ModuleList(LlamaBlock(config, i, **f) for i in range(config.n_layers))
         self.norm = RMSNorm(config.d_model, config.rms_eps, **f)
         self.lm_head = None if config.tie_embeddings else Linear(config.d_model, config.vocab_size, bias=False, **f)
 
@@ -115,25 +139,32 @@ class LlamaModel(nn.Module):
           (:class:`QuantizedKVCache`).
         """
         a = self.config.attention()
-        block = cast(LlamaBlock, self.layers[0])
-        kv_heads = block.attn._local_kv_heads()
-        shape: dict[str, Any] = {"batch": batch, "n_kv_heads": kv_heads, "head_dim": a.head_dim,
-                                 "n_layers": self.config.n_layers, "dtype": self.dtype, "device": self.device}
+        kv_heads = [cast(LlamaBlock, block).attn._local_kv_heads() for block in self.layers]
+        where: dict[str, Any] = {"batch": batch, "head_dim": a.head_dim, "dtype": self.dtype, "device": self.device}
         if window is not None:
             if max_len is not None or bits is not None:
                 raise MultiheadError("a windowed cache has no max_len and stores keys in full: give window= alone "
                                      "(with sink_tokens=)")
-            return SinkCache(window=window, sink_tokens=sink_tokens, **shape)
-        if max_len is None:
+        elif max_len is None:
             raise MultiheadError("new_cache needs max_len (the tokens it holds), or window= for a windowed cache")
-        if max_len > self.config.max_context:
+        elif max_len > self.config.max_context:
             raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
-        if sink_tokens:
+        elif sink_tokens:
             raise MultiheadError(f"sink_tokens ({sink_tokens}) go with a window: new_cache(b, window=w, "
                                  "sink_tokens=n)")
-        if bits is not None:
-            return QuantizedKVCache(max_len=max_len, bits=bits, group=group, residual=residual, **shape)
-        return KVCache(max_len=max_len, **shape)
+
+        def make(n_kv_heads: int, n_layers: int) -> Cache:
+            shape = {**where, "n_kv_heads": n_kv_heads, "n_layers": n_layers}
+            if window is not None:
+                return SinkCache(window=window, sink_tokens=sink_tokens, **shape)
+            assert max_len is not None
+            if bits is not None:
+                return QuantizedKVCache(max_len=max_len, bits=bits, group=group, residual=residual, **shape)
+            return KVCache(max_len=max_len, **shape)
+
+        if len(set(kv_heads)) == 1:
+            return make(kv_heads[0], len(kv_heads))
+        return LayeredCache([make(g, 1) for g in kv_heads])  # layers of different widths (a pruned model)
 
     def forward(self, tokens: Tensor, *, positions: Tensor | None = None, cache: Cache | None = None,
                 key_padding_mask: Tensor | None = None, mask: Tensor | None = None) -> Tensor:

@@ -4,6 +4,7 @@ MultiheadError naming the file."""
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 from collections.abc import Callable
@@ -227,19 +228,94 @@ def read_hf_llama(folder: str | Path) -> tuple[LlamaConfig, dict[str, Tensor], T
     return config, state, tokenizer
 
 
+# ---------------------------------------------------------------------------------------------- our own folders
+OWN_CONFIG = "multihead-llama.json"
+
+
+def save_llama(model: LlamaModel, folder: str | Path, tokenizer: TextTokenizer | None = None) -> Path:
+    """Write ``model`` (any shape ours can hold: a pruned model's per-layer head counts too) as model.safetensors
+    and multihead-llama.json, with tokenizer.json when a tokenizer is given; each file whole or not at all.
+    :func:`load_llama` reads the folder back."""
+    from safetensors.torch import save_file
+
+    from multihead.files import atomic_path, write_text
+
+    root = Path(folder)
+    root.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    with atomic_path(root / "model.safetensors") as partial:
+        save_file(state, str(partial))
+    meta: dict[str, Any] = {"config": dataclasses.asdict(model.config), "dtype": str(model.dtype)}
+    if tokenizer is not None:
+        with atomic_path(root / "tokenizer.json") as partial:
+            tokenizer.tokenizer.save(str(partial))
+        meta["tokenizer"] = {"bos_id": tokenizer.bos_id, "eos_id": tokenizer.eos_id, "add_bos": tokenizer.add_bos,
+                             "chat_template": tokenizer.chat_template, "stop_ids": sorted(tokenizer.stop_ids)}
+    write_text(root / OWN_CONFIG, json.dumps(meta, indent=1))
+    return root
+
+
+def read_own_llama(folder: Path) -> tuple[LlamaConfig, dict[str, Tensor], TextTokenizer | None]:
+    meta = read_json(folder / OWN_CONFIG)
+    raw = meta.get("config")
+    if not isinstance(raw, dict):
+        raise MultiheadError(f"{str(folder / OWN_CONFIG)!r} has no 'config' object")
+    fields = {f.name for f in dataclasses.fields(LlamaConfig)}
+    unknown = sorted(set(raw) - fields)
+    if unknown:
+        raise MultiheadError(f"{str(folder / OWN_CONFIG)!r}: unknown config keys {unknown}")
+    try:
+        config = LlamaConfig(**raw)
+    except TypeError as err:
+        raise MultiheadError(f"{str(folder / OWN_CONFIG)!r}: {err}") from None
+    state = read_safetensors([folder / "model.safetensors"])
+    tokenizer = None
+    if (folder / "tokenizer.json").exists():
+        t = meta.get("tokenizer") or {}
+        tokenizer = from_tokenizer_json(folder / "tokenizer.json", bos_id=t.get("bos_id"), eos_id=t.get("eos_id"),
+                                        add_bos=bool(t.get("add_bos")), chat_template=t.get("chat_template"),
+                                        stop_ids=set(t.get("stop_ids") or ()))
+    return config, state, tokenizer
+
+
 def load_llama(path: str | Path | None = None, *, dtype: torch.dtype = torch.float32,
                device: torch.device | str = "cpu") -> tuple[LlamaModel, TextTokenizer]:
-    """A LlamaModel and its tokenizer from a GGUF file or a Hugging Face folder; default: SmolLM2-135M-Instruct."""
+    """A LlamaModel and its tokenizer from a GGUF file, a Hugging Face folder or a folder written by
+    :func:`save_llama`; default: SmolLM2-135M-Instruct."""
     p = default_gguf_path() if path is None else Path(path)
-    if p.is_dir():
+    if p.is_dir() and (p / OWN_CONFIG).exists():
+        config, state, own_tokenizer = read_own_llama(p)
+        if own_tokenizer is None:
+            raise MultiheadError(f"{str(p)!r} holds no tokenizer.json: load it with load_llama_weights, or save it "
+                                 "with its tokenizer")
+        tokenizer = own_tokenizer
+    elif p.is_dir():
         config, state, tokenizer = read_hf_llama(p)
     else:
         config, state, tokenizer = read_gguf(p)
+    return _build(config, state, p, dtype, device), tokenizer
+
+
+def load_llama_weights(folder: str | Path, *, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu") -> LlamaModel:
+    """The model of a folder written by :func:`save_llama` (with or without its tokenizer)."""
+    config, state, _ = read_own_llama(Path(folder))
+    return _build(config, state, Path(folder), dtype, device)
+
+
+def _build(config: LlamaConfig, state: dict[str, Tensor], p: Path, dtype: torch.dtype,
+           device: torch.device | str) -> LlamaModel:
     with torch.device("meta"):
         model = LlamaModel(config)
     model = model.to_empty(device=device)
+    expected = model.state_dict()
+    wrong = [(k, tuple(v.shape), tuple(expected[k].shape)) for k, v in state.items()
+             if k in expected and v.shape != expected[k].shape]
+    if wrong:
+        name, got, want = wrong[0]
+        raise MultiheadError(f"checkpoint {str(p)!r}: tensor {name!r} has shape {got} but the config makes {want}")
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise MultiheadError(f"checkpoint {str(p)!r} does not match the model: missing {sorted(missing)[:5]}, "
                              f"unexpected {sorted(unexpected)[:5]}")
-    return model.to(dtype).eval(), tokenizer
+    return model.to(dtype).eval()

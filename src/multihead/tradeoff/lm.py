@@ -44,13 +44,14 @@ class Method:
 class Settings:
     context: int = 1024
     stride: int = 512
-    windows: int = 12
+    windows: int = 10
     chunk: int = 64
     window: int = 256
     sinks: tuple[int, ...] = (1, 4)
     bits: tuple[int, ...] = (8, 4, 2)
     group: int = 32
     residual: int = 128
+    prune: tuple[float, ...] = (0.1, 0.25, 0.5)
 
     def __post_init__(self) -> None:
         for name in ("context", "stride", "windows", "chunk", "window", "group"):
@@ -69,6 +70,10 @@ class Settings:
             check_bits(b)
         if self.residual < 0:
             raise MultiheadError(f"residual ({self.residual}) must be non-negative")
+        from multihead.tradeoff.prune import check_fraction
+
+        for fraction in self.prune:
+            check_fraction(fraction)
 
     def methods(self) -> list[Method]:
         out = [Method("full cache", "full")]
@@ -90,17 +95,20 @@ def window_starts(n_tokens: int, settings: Settings) -> list[int]:
 
 
 def kv_bytes(model: LlamaModel, method: Method, settings: Settings, dtype: str = "bf16") -> int:
-    """The cache bytes of one sequence of ``context`` tokens under this method, from multihead.cost."""
-    attn = model.config.attention()
-    n_layers = model.config.n_layers
+    """The cache bytes of one sequence of ``context`` tokens under this method, from multihead.cost (summed over
+    layers, which a pruned model holds at different widths)."""
     opts = method.cache or {}
-    if "window" in opts:
-        return cost.sink_cache_bytes(attn, window=opts["window"], sink_tokens=opts["sink_tokens"],
-                                     n_layers=n_layers, dtype=dtype)
-    if "bits" in opts:
-        return cost.quantized_cache_bytes(attn, context=settings.context, bits=opts["bits"], group=opts["group"],
-                                          residual=opts["residual"], n_layers=n_layers, dtype=dtype)
-    return cost.kv_cache_bytes(attn, context=settings.context, n_layers=n_layers, dtype=dtype)
+    total = 0
+    for layer in range(model.config.n_layers):
+        attn = model.config.attention(layer)
+        if "window" in opts:
+            total += cost.sink_cache_bytes(attn, window=opts["window"], sink_tokens=opts["sink_tokens"], dtype=dtype)
+        elif "bits" in opts:
+            total += cost.quantized_cache_bytes(attn, context=settings.context, bits=opts["bits"],
+                                                group=opts["group"], residual=opts["residual"], dtype=dtype)
+        else:
+            total += cost.kv_cache_bytes(attn, context=settings.context, dtype=dtype)
+    return total
 
 
 def _make_cache(model: LlamaModel, method: Method, settings: Settings) -> Cache:
@@ -147,11 +155,13 @@ class Row:
 
 
 def evaluate(models: dict[str, LlamaModel], methods: Sequence[Method], test: Sequence[int], settings: Settings, *,
-             progress: Callable[[str], None] | None = None) -> list[Row]:
+             progress: Callable[[str], None] | None = None,
+             extras: dict[str, dict[str, Any]] | None = None) -> list[Row]:
     """Perplexity and KV bytes of every method over the same windows of the held-out tokens."""
     starts = window_starts(len(test), settings)
     data = torch.tensor(test, dtype=torch.long)
     full = kv_bytes(models["original"], Method("full", "full"), settings)
+    extras = extras or {}
     rows = []
     for method in methods:
         if method.model not in models:
@@ -164,7 +174,9 @@ def evaluate(models: dict[str, LlamaModel], methods: Sequence[Method], test: Seq
             total += float(nll.double().sum())
             count += nll.numel()
         predicted = kv_bytes(model, method, settings, dtype=str(model.dtype))
-        checked = method.cache is None or held == predicted
+        if method.cache is None:  # a plain forward: the cache it stands for, made and measured
+            held = model.new_cache(1, settings.context).bytes
+        checked = held == predicted
         if not checked:
             raise MultiheadError(f"{method.name}: the cache held {held:,} bytes but multihead.cost predicts "
                                  f"{predicted:,}")
@@ -172,7 +184,7 @@ def evaluate(models: dict[str, LlamaModel], methods: Sequence[Method], test: Seq
         row = Row(method=method.name, series=method.series, model=method.model, kv_bytes=kv,
                   kv_bytes_per_token=kv / settings.context, kv_ratio=kv / full, perplexity=math.exp(total / count),
                   nll=total / count, tokens=count, seconds=round(time.perf_counter() - began, 1),
-                  cache_bytes_checked=method.cache is not None)
+                  cache_bytes_checked=checked, extra=dict(extras.get(method.model, {})))
         rows.append(row)
         if progress is not None:
             progress(f"{row.method:<28} KV {row.kv_bytes / 2**20:8.2f} MiB ({row.kv_ratio:6.1%})  "
@@ -197,11 +209,13 @@ def pooled_model(model: LlamaModel, n_kv_heads: int) -> LlamaModel:
 
 
 def run(settings: Settings, *, model_path: str | None = None, text_path: str | None = None,
-        uptrain_settings: Any = None, checkpoint: str | Path | None = None, resume: bool = False,
+        uptrain_settings: Any = None, out: str | Path | None = None, resume: bool = False,
         progress: bool = True) -> dict[str, Any]:
     """The whole trade-off on a causal model (default SmolLM2-135M): every method's KV bytes and perplexity on the
-    held-out text, with MQA by pooling before and after uptraining. Returns a JSON-ready dict."""
+    held-out text, MQA by pooling before and after uptraining, and pruned models (saved under ``out`` and
+    evaluated as loaded back). Returns a JSON-ready dict."""
     import platform
+    import tempfile
     from datetime import date
 
     from multihead.models.loaders import load_llama
@@ -215,9 +229,11 @@ def run(settings: Settings, *, model_path: str | None = None, text_path: str | N
     starts = window_starts(len(splits.test), settings)
     say(f"text: {splits.describe()}; {len(starts)} windows of {settings.context} tokens, "
         f"{len(starts) * settings.stride:,} tokens scored")
+    folder = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="multihead-tradeoff-"))
     g = model.config.n_kv_heads
     models = {"original": model}
     methods = settings.methods()
+    extras: dict[str, dict[str, Any]] = {}
     history: list[dict[str, Any]] = []
     if g > 1:
         models["mqa"] = pooled_model(model, 1)
@@ -230,12 +246,14 @@ def run(settings: Settings, *, model_path: str | None = None, text_path: str | N
                 return evaluate({"original": m}, [Method("probe", "probe")], splits.test, quick)[0].nll
 
             marks = sorted({max(1, uptrain_settings.steps * i // 4) for i in (1, 2, 4)})
-            history = uptrain(student, model, splits.train, uptrain_settings, checkpoint=checkpoint, resume=resume,
-                              evaluate=heldout, eval_at=marks, progress=progress)
+            history = uptrain(student, model, splits.train, uptrain_settings, checkpoint=folder / "uptrain",
+                              resume=resume, evaluate=heldout, eval_at=marks, progress=progress)
             models["uptrained"] = student
             methods.append(Method(f"MQA, uptrained {uptrain_settings.steps} steps", "fewer KV heads, uptrained",
                                   None, "uptrained"))
-    rows = evaluate(models, methods, splits.test, settings, progress=say)
+    if settings.prune:
+        methods += _pruned(model, splits.train, settings, folder, models, extras, say)
+    rows = evaluate(models, methods, splits.test, settings, progress=say, extras=extras)
     return {
         "model": model_path or "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)",
         "text": {"source": text_path or "Jargon File 4.4.7 (Debian jargon-text)", "train_tokens": len(splits.train),
@@ -249,6 +267,58 @@ def run(settings: Settings, *, model_path: str | None = None, text_path: str | N
         "date": date.today().isoformat(),
         "seconds": round(time.perf_counter() - began, 1),
     }
+
+
+IMPORTANCE_BATCH = (4, 256)  # sequences x tokens of the training split for the one-backward importance
+
+
+def _pruned(model: LlamaModel, train: Sequence[int], settings: Settings, folder: Path,
+            models: dict[str, LlamaModel], extras: dict[str, dict[str, Any]],
+            say: Callable[[str], None]) -> list[Method]:
+    """Prune by one-backward importance at each fraction; save each model, load it back, and time it."""
+    from multihead.models.loaders import load_llama_weights, save_llama
+    from multihead.tradeoff.prune import group_importance, groups_to_keep, parameters, prune
+
+    b, s = IMPORTANCE_BATCH
+    if len(train) < b * s:
+        raise MultiheadError(f"the training split has {len(train):,} tokens, fewer than the {b * s:,} of the "
+                             "importance batch")
+    step = (len(train) - s) // b
+    ids = torch.tensor([train[i * step:i * step + s] for i in range(b)], dtype=torch.long)  # (b, s)
+    importance = group_importance(model, ids)
+    window = torch.tensor(train[:settings.context], dtype=torch.long)[None]
+    methods = []
+    for fraction in settings.prune:
+        keep = groups_to_keep(importance, fraction)
+        name = f"pruned-{round(fraction * 100)}"
+        path = save_llama(prune(model, keep), folder / name)
+        loaded = load_llama_weights(path)
+        models[name] = loaded
+        kept = sum(len(k) for k in keep)
+        extras[name] = {"fraction": fraction, "kv_groups_kept": kept,
+                        "kv_groups": model.config.n_layers * model.config.n_kv_heads,
+                        "parameters": parameters(loaded), "parameters_original": parameters(model),
+                        "prefill_speedup": prefill_speedup(model, loaded, window), "saved_to": str(path),
+                        "kept_per_layer": [len(k) for k in keep]}
+        say(f"pruned {fraction:.0%} of KV groups: {kept} kept, {parameters(loaded):,} parameters, prefill of "
+            f"{settings.context} tokens {extras[name]['prefill_speedup']:.2f}x the original's speed")
+        methods.append(Method(f"pruned {fraction:.0%} of KV groups", "pruned", None, name))
+    return methods
+
+
+@torch.no_grad()
+def prefill_speedup(original: LlamaModel, smaller: LlamaModel, tokens: Tensor, repeats: int = 3) -> float:
+    """Original's prefill time over the smaller model's, medians of alternating runs in this process."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    original(tokens)
+    smaller(tokens)
+    for r in range(repeats):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            began = time.perf_counter()
+            (original if i == 0 else smaller)(tokens)
+            times[i].append(time.perf_counter() - began)
+    med = [sorted(t)[len(t) // 2] for t in (times[0], times[1])]
+    return med[0] / med[1]
 
 
 def plot(result: dict[str, Any], path: str | Path) -> str:
