@@ -47,6 +47,60 @@ class Step:
     cache_start: int | None = None
 
 
+def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window: int | None,
+               rotary: RotaryEmbedding | None, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
+               causal: bool = False, documents: Tensor | None = None, positions: Tensor | None = None,
+               cache: Cache | LayerCache | None = None, dtype: torch.dtype | None = None) -> Step:
+    """The :class:`Step` of one call on x (b, s, .) for a layer of ``n_heads`` query heads with this window and
+    RoPE: the mask, the positions, the RoPE tables, the cache slot (inputs already checked)."""
+    b, s = x.shape[0], x.shape[1]
+    t = s if context is None else context.shape[1]
+    pos: Tensor | None = None
+    start: int | None = None
+    by_position = False
+    if cache is not None:
+        MultiHeadAttention._check_cache_call(cache, context, mask, key_padding_mask, causal)
+        kv = cache.cache if isinstance(cache, LayerCache) else cache
+        if not kv.positional:
+            return _evicting_step(kv, x, positions, dtype, n_heads=n_heads, window=window, rotary=rotary)
+        at_end = positions is None  # the new tokens continue each sequence at its cached length
+        start = kv.slice_start() if at_end else None
+        by_position = not cpu.plain_decode_mask(b, at_end)
+        if not at_end:
+            pos = MultiHeadAttention._positions(positions, b, s, x.device).expand(b, s)
+        elif rotary is not None or start is None or by_position:
+            pos = kv.next_positions(s)  # made only when RoPE, the indexed write or the mask reads them
+        else:
+            kv.check_room(s)
+        t = kv.span(s)
+    elif rotary is not None:
+        pos = MultiHeadAttention._positions(positions, b, s, x.device)  # (b|1, s)
+    elif positions is not None:
+        raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
+    spec = build_mask(batch=b, n_heads=n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
+                      causal=causal, window=window, documents=documents, q_positions=pos if by_position else None)
+    rope = None
+    if rotary is not None:
+        assert pos is not None
+        rope = rotary.tables(pos, dtype or x.dtype)
+    return Step(mask=spec, positions=pos, rope=rope, cache_start=start)
+
+
+def _evicting_step(kv: Cache, x: Tensor, positions: Tensor | None, dtype: torch.dtype | None, *, n_heads: int,
+                   window: int | None, rotary: RotaryEmbedding | None) -> Step:
+    """The step of a cache that evicts tokens (attention sinks + window): it says which held keys each query sees;
+    the new tokens continue the sequences (which hold one length)."""
+    if positions is not None:
+        raise MultiheadError(f"a {type(kv).__name__} places new tokens after the cached ones: positions cannot be "
+                             "given")
+    b, s = x.shape[0], x.shape[1]
+    pos = kv.next_positions(s)  # (b, s)
+    keep = kv.keep(pos, s, window=window)
+    spec = MaskSpec(batch=b, n_heads=n_heads, s=s, t=kv.span(s), keep=keep)
+    rope = None if rotary is None else rotary.tables(pos, dtype or x.dtype)
+    return Step(mask=spec, positions=pos, rope=rope, cache_start=None)
+
+
 class MultiHeadAttention(nn.Module):
     """Multi-head attention with n_heads query heads sharing n_kv_heads key/value heads.
 
@@ -213,51 +267,9 @@ class MultiHeadAttention(nn.Module):
               positions: Tensor | None = None, cache: Cache | LayerCache | None = None,
               dtype: torch.dtype | None = None) -> Step:
         """:meth:`step` for inputs already checked (forward and explain check them first)."""
-        b, s = x.shape[0], x.shape[1]
-        t = s if context is None else context.shape[1]
-        pos: Tensor | None = None
-        start: int | None = None
-        by_position = False
-        if cache is not None:
-            self._check_cache_call(cache, context, mask, key_padding_mask, causal)
-            kv = cache.cache if isinstance(cache, LayerCache) else cache
-            if not kv.positional:
-                return self._evicting_step(kv, x, positions, dtype)
-            at_end = positions is None  # the new tokens continue each sequence at its cached length
-            start = kv.slice_start() if at_end else None
-            by_position = not cpu.plain_decode_mask(b, at_end)
-            if not at_end:
-                pos = self._positions(positions, b, s, x.device).expand(b, s)
-            elif self.rotary is not None or start is None or by_position:
-                pos = kv.next_positions(s)  # made only when RoPE, the indexed write or the mask reads them
-            else:
-                kv.check_room(s)
-            t = kv.span(s)
-        elif self.rotary is not None:
-            pos = self._positions(positions, b, s, x.device)  # (b|1, s)
-        elif positions is not None:
-            raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
-        spec = build_mask(batch=b, n_heads=self.n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
-                          causal=causal, window=self.config.window, documents=documents,
-                          q_positions=pos if by_position else None)
-        rope = None
-        if self.rotary is not None:
-            assert pos is not None
-            rope = self.rotary.tables(pos, dtype or x.dtype)
-        return Step(mask=spec, positions=pos, rope=rope, cache_start=start)
-
-    def _evicting_step(self, kv: Cache, x: Tensor, positions: Tensor | None, dtype: torch.dtype | None) -> Step:
-        """The step of a cache that evicts tokens (attention sinks + window): it says which held keys each query
-        sees; the new tokens continue the sequences (which hold one length)."""
-        if positions is not None:
-            raise MultiheadError(f"a {type(kv).__name__} places new tokens after the cached ones: positions cannot be "
-                                 "given")
-        b, s = x.shape[0], x.shape[1]
-        pos = kv.next_positions(s)  # (b, s)
-        keep = kv.keep(pos, s, window=self.config.window)
-        spec = MaskSpec(batch=b, n_heads=self.n_heads, s=s, t=kv.span(s), keep=keep)
-        rope = None if self.rotary is None else self.rotary.tables(pos, dtype or x.dtype)
-        return Step(mask=spec, positions=pos, rope=rope, cache_start=None)
+        return build_step(x, context, n_heads=self.n_heads, window=self.config.window, rotary=self.rotary, mask=mask,
+                          key_padding_mask=key_padding_mask, causal=causal, documents=documents,
+                          positions=positions, cache=cache, dtype=dtype)
 
     def _rotate(self, q: Tensor, k: Tensor, step: Step) -> tuple[Tensor, Tensor]:
         if self.rotary is None:

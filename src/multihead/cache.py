@@ -686,3 +686,72 @@ class LayeredCache(Cache):
         first = self._part(0)
         self.lengths.copy_(first.lengths)
         self._used, self._uniform = first._used, first._uniform
+
+
+# ---------------------------------------------------------------------------------------------- latents (MLA)
+class LatentCache(Cache):
+    """The cache of multi-head latent attention (DeepSeek-V2): per token, one compressed latent c_KV (kv_lora_rank
+    values) and one RoPE key shared by all heads (rope_dim), in one buffer::
+
+        latent   (n_layers, b, max_len, kv_lora_rank + rope_dim)
+
+    against ``2 * n_heads * head_dim`` values per token for MHA. Per-sequence lengths, overflow and slice writes as
+    :class:`KVCache`. Only :class:`multihead.latent.MultiHeadLatentAttention` reads and writes it.
+    """
+
+    latent: Tensor
+
+    def __init__(self, *, batch: int, kv_lora_rank: int, rope_dim: int, max_len: int, n_layers: int = 1,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        _check_count("kv_lora_rank", kv_lora_rank, least=1)
+        _check_count("rope_dim", rope_dim, least=0)
+        super().__init__(batch=batch, n_kv_heads=1, head_dim=kv_lora_rank + rope_dim, n_layers=n_layers,
+                         max_len=max_len, device=device)
+        self.kv_lora_rank, self.rope_dim = kv_lora_rank, rope_dim
+        self.register_buffer("latent", torch.zeros(n_layers, batch, max_len, kv_lora_rank + rope_dim, dtype=dtype,
+                                                   device=device), persistent=False)
+        self.max_len: int = max_len
+
+    @property
+    def bytes(self) -> int:
+        """n_layers * b * max_len * (kv_lora_rank + rope_dim) * element size."""
+        return self.latent.nbytes
+
+    def span(self, s: int) -> int:
+        return self.max_len if torch.compiler.is_compiling() else min(self.max_len, self._used + s)
+
+    def write(self, layer: int, k: Tensor, v: Tensor, positions: Tensor | None, *, start: int | None = None,
+              t: int | None = None) -> tuple[Tensor, Tensor]:
+        raise MultiheadError("a LatentCache holds the latents of multi-head latent attention: use it with "
+                             "MultiHeadLatentAttention, and a KVCache (model.new_cache) with MultiHeadAttention")
+
+    peek = write
+
+    def write_latent(self, layer: int, c: Tensor, positions: Tensor | None, *, start: int | None = None,
+                     t: int | None = None, copy: bool = False) -> Tensor:
+        """Store the latents c (b, s, kv_lora_rank + rope_dim) of one layer at positions (b, s) (or from slot
+        ``start``); return that layer's latents (b, t, kv_lora_rank + rope_dim). ``copy=True`` leaves the cache
+        unchanged (for ``explain``)."""
+        b, s, width = c.shape
+        if (b, width) != (self.batch, self.head_dim):
+            raise MultiheadError(f"latents of shape {tuple(c.shape)} do not fit this cache: it holds (b, *, "
+                                 f"kv_lora_rank + rope_dim) = {(self.batch, '*', self.head_dim)}")
+        if not 0 <= layer < self.n_layers:
+            raise MultiheadError(f"layer {layer} is out of range for a cache of {self.n_layers} layer(s)")
+        t = self.span(s) if t is None else t
+        store = self.latent[layer]  # (b, max_len, r)
+        if copy:
+            store = store[:, :max(t, (start or 0) + s)].clone()
+        if start is not None:
+            store.narrow(1, start, s).copy_(c)
+        elif positions is None:
+            raise MultiheadError("a cache write needs the new tokens' positions, or the slot where all continue")
+        else:
+            rows = torch.arange(b, device=positions.device)[:, None]  # (b, 1)
+            store[rows, positions] = c.to(store.dtype)
+        return store.narrow(1, 0, t)  # (b, t, r)
+
+    def extra_repr(self) -> str:
+        return (f"n_layers={self.n_layers}, batch={self.batch}, max_len={self.max_len}, "
+                f"kv_lora_rank={self.kv_lora_rank}, rope_dim={self.rope_dim}, dtype={self.latent.dtype}, "
+                f"bytes={self.bytes:,}")

@@ -209,3 +209,112 @@ class AttentionConfig:
         from multihead.attention import MultiHeadAttention
 
         return MultiHeadAttention(self, device=device, dtype=dtype)
+
+
+@dataclass(frozen=True, init=False)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2, 2024): keys and values are up-projections of one compressed latent
+    per token, and one RoPE key is shared by all heads, so a token caches ``kv_lora_rank + qk_rope_head_dim``
+    values per layer (576 for DeepSeek-V3) instead of ``2 * n_heads * head_dim``::
+
+        c_KV  = RMSNorm(x W_DKV)                 (b, t, kv_lora_rank)      cached, with k_pe
+        k_pe  = RoPE(x W_KR)                      (b, t, qk_rope_head_dim)  one for all heads
+        k_i   = [c_KV W_UK^i, k_pe]               (b, t, qk_nope_head_dim + qk_rope_head_dim)
+        v_i   = c_KV W_UV^i                       (b, t, v_head_dim)
+        q_i   = [q_nope_i, RoPE(q_pe_i)]          from x W_Q, or RMSNorm(x W_DQ) W_UQ with q_lora_rank
+        MLA(X) = Concat(softmax(q_i k_i^T * scale) v_i) W_O
+
+    Args (keyword-only): d_model, n_heads, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim (even), v_head_dim,
+    q_lora_rank (None: a full W_Q), rope (a base or RopeConfig; default 10000.0), norm_eps (of the two RMSNorms),
+    bias (on W_DQ, W_DKV and W_O, as DeepSeek's attention_bias), scale (default (qk_nope + qk_rope) ** -0.5),
+    dropout, head_dim (optional: the query/key head width, which must equal qk_nope + qk_rope).
+    """
+
+    d_model: int
+    n_heads: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    q_lora_rank: int | None
+    rope: RopeConfig
+    norm_eps: float
+    bias: bool
+    scale: float | None
+    dropout: float
+
+    def __init__(self, *, d_model: int, n_heads: int, kv_lora_rank: int, qk_nope_head_dim: int,
+                 qk_rope_head_dim: int, v_head_dim: int, q_lora_rank: int | None = None,
+                 rope: RopeConfig | float = 10000.0, norm_eps: float = 1e-6, bias: bool = False,
+                 scale: float | None = None, dropout: float = 0.0, head_dim: int | None = None) -> None:
+        for name, value in (("d_model", d_model), ("n_heads", n_heads), ("kv_lora_rank", kv_lora_rank),
+                            ("qk_nope_head_dim", qk_nope_head_dim), ("qk_rope_head_dim", qk_rope_head_dim),
+                            ("v_head_dim", v_head_dim)):
+            _check_positive_int(name, value)
+        if q_lora_rank is not None:
+            _check_positive_int("q_lora_rank", q_lora_rank)
+        if qk_rope_head_dim % 2:
+            raise MultiheadError(f"qk_rope_head_dim ({qk_rope_head_dim}) must be even: rotary embeddings rotate "
+                                 "pairs of dimensions")
+        if head_dim is not None and head_dim != qk_nope_head_dim + qk_rope_head_dim:
+            raise MultiheadError(f"head_dim ({head_dim}) must equal qk_nope_head_dim + qk_rope_head_dim "
+                                 f"({qk_nope_head_dim} + {qk_rope_head_dim} = {qk_nope_head_dim + qk_rope_head_dim})")
+        expanded = n_heads * (qk_nope_head_dim + v_head_dim)
+        if kv_lora_rank >= expanded:
+            raise MultiheadError(f"kv_lora_rank ({kv_lora_rank}) must be smaller than the keys and values it expands "
+                                 f"to, n_heads * (qk_nope_head_dim + v_head_dim) = {expanded}: a latent that wide "
+                                 "compresses nothing")
+        if isinstance(rope, (int, float)) and not isinstance(rope, bool):
+            rope = RopeConfig(base=float(rope))
+        if not isinstance(rope, RopeConfig):
+            raise MultiheadError(f"rope ({rope!r}) must be a base such as 10000.0 or a RopeConfig")
+        if not (isinstance(norm_eps, (int, float)) and math.isfinite(norm_eps) and norm_eps > 0):
+            raise MultiheadError(f"norm_eps ({norm_eps!r}) must be a positive finite number")
+        if not isinstance(bias, bool):
+            raise MultiheadError(f"bias ({bias!r}) must be True or False")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(scale) or scale <= 0):
+            raise MultiheadError(f"scale ({scale!r}) must be a positive finite float, or None")
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise MultiheadError(f"dropout ({dropout!r}) must be a float in [0, 1)")
+        values: dict[str, Any] = {"d_model": d_model, "n_heads": n_heads, "kv_lora_rank": kv_lora_rank,
+                                  "qk_nope_head_dim": qk_nope_head_dim, "qk_rope_head_dim": qk_rope_head_dim,
+                                  "v_head_dim": v_head_dim, "q_lora_rank": q_lora_rank, "rope": rope,
+                                  "norm_eps": float(norm_eps), "bias": bias,
+                                  "scale": None if scale is None else float(scale), "dropout": float(dropout)}
+        for field_name, field_value in values.items():
+            object.__setattr__(self, field_name, field_value)
+
+    @classmethod
+    def from_kwargs(cls, fields: dict[str, Any]) -> MLAConfig:
+        known = [f.name for f in dataclasses.fields(cls)] + ["head_dim"]
+        unknown = [name for name in fields if name not in known]
+        if unknown:
+            raise MultiheadError(f"unknown MLA option(s) {', '.join(map(repr, unknown))}: the options are "
+                                 f"{', '.join(known)}")
+        return cls(**fields)
+
+    @property
+    def qk_head_dim(self) -> int:
+        """Width of each query and key head: qk_nope_head_dim + qk_rope_head_dim."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """Values cached per token per layer: kv_lora_rank + qk_rope_head_dim."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def softmax_scale(self) -> float:
+        return self.scale if self.scale is not None else self.qk_head_dim ** -0.5
+
+    @property
+    def variant(self) -> str:
+        return "MLA"
+
+    @property
+    def window(self) -> None:
+        return None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

@@ -14,7 +14,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from multihead.config import AttentionConfig
+from multihead.config import AttentionConfig, MLAConfig
 from multihead.errors import MultiheadError
 
 # Bytes of one element. int8 and fp8 caches also keep scales in practice; those are not counted here.
@@ -318,3 +318,94 @@ def report(
         "attention_matrix_bytes_per_layer": attention_matrix_bytes(config, s=seq, batch=batch, dtype=dtype),
         "fused_attention_bytes_per_layer": fused_attention_bytes(config, s=seq, batch=batch),
     }
+
+
+# ---------------------------------------------------------------------------------------------- MLA
+@dataclass(frozen=True)
+class MLAParamCount:
+    """Parameters of one multi-head latent attention layer (weights, biases and the two RMSNorm scales)."""
+
+    q_proj: int  # W_Q, or W_DQ + its norm + W_UQ with q_lora_rank
+    kv_a_proj: int  # W_DKV and W_KR: d_model -> kv_lora_rank + rope
+    kv_a_norm: int
+    kv_b_proj: int  # W_UK and W_UV: kv_lora_rank -> n_heads * (qk_nope + v)
+    o_proj: int
+
+    @property
+    def total(self) -> int:
+        return self.q_proj + self.kv_a_proj + self.kv_a_norm + self.kv_b_proj + self.o_proj
+
+
+def mla_parameters(config: MLAConfig) -> MLAParamCount:
+    """::
+
+        q_proj    D * h * qk                          or  D * q_rank (+ q_rank bias) + q_rank + q_rank * h * qk
+        kv_a_proj D * (r + rope)  (+ bias)            kv_a_norm  r
+        kv_b_proj r * h * (qk_nope + v)               o_proj     h * v * D  (+ D bias)
+    """
+    D, h, r, rope = config.d_model, config.n_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    qk, nope, v, bias = config.qk_head_dim, config.qk_nope_head_dim, config.v_head_dim, int(config.bias)
+    if config.q_lora_rank is None:
+        q = D * h * qk
+    else:
+        qr = config.q_lora_rank
+        q = D * qr + bias * qr + qr + qr * h * qk
+    return MLAParamCount(q_proj=q, kv_a_proj=D * (r + rope) + bias * (r + rope), kv_a_norm=r,
+                         kv_b_proj=r * h * (nope + v), o_proj=h * v * D + bias * D)
+
+
+@dataclass(frozen=True)
+class MLAFlopCount:
+    """Forward FLOPs of one MLA layer on one path, by matmul."""
+
+    q_proj: int
+    kv_a_proj: int
+    kv_b_proj: int  # expanded: the t latents up-projected; absorbed: W_UK into q and W_UV after the sum
+    scores: int
+    values: int
+    o_proj: int
+
+    @property
+    def attention(self) -> int:
+        return self.scores + self.values
+
+    @property
+    def forward(self) -> int:
+        return self.q_proj + self.kv_a_proj + self.kv_b_proj + self.scores + self.values + self.o_proj
+
+
+def mla_flops(config: MLAConfig, *, s: int, t: int | None = None, batch: int = 1, causal: bool = False,
+              path: str = "expanded") -> MLAFlopCount:
+    """Forward FLOPs of s new queries over t keys (the s new tokens among them; t = s without a cache)::
+
+        q_proj    2 b s D h qk  (or 2 b s (D q_rank + q_rank h qk))      kv_a_proj  2 b s D (r + rope)
+        expanded: kv_b_proj 2 b t r h (nope + v)   scores 2 b h P qk         values 2 b h P v
+        absorbed: kv_b_proj 2 b s h r (nope + v)   scores 2 b h P (r + rope) values 2 b h P r
+        o_proj    2 b s h v D
+
+    P = attended_pairs(s, t, causal). The absorbed path pays r + rope per pair instead of qk, and never
+    up-projects the cached latents: cheaper for a few queries over many keys (decode), dearer for a prefill.
+    """
+    t = s if t is None else t
+    _check_sizes(s=s, t=t, batch=batch)
+    if path not in ("expanded", "absorbed"):
+        raise MultiheadError(f"path {path!r} must be 'expanded' or 'absorbed'")
+    D, h, r, rope = config.d_model, config.n_heads, config.kv_lora_rank, config.qk_rope_head_dim
+    qk, nope, v = config.qk_head_dim, config.qk_nope_head_dim, config.v_head_dim
+    pairs = attended_pairs(s, t, causal=causal)
+    q = 2 * batch * s * (D * h * qk if config.q_lora_rank is None
+                         else D * config.q_lora_rank + config.q_lora_rank * h * qk)
+    common = {"q_proj": q, "kv_a_proj": 2 * batch * s * D * (r + rope), "o_proj": 2 * batch * s * h * v * D}
+    if path == "expanded":
+        return MLAFlopCount(kv_b_proj=2 * batch * t * r * h * (nope + v), scores=2 * batch * h * pairs * qk,
+                            values=2 * batch * h * pairs * v, **common)
+    return MLAFlopCount(kv_b_proj=2 * batch * s * h * r * (nope + v), scores=2 * batch * h * pairs * (r + rope),
+                        values=2 * batch * h * pairs * r, **common)
+
+
+def mla_cache_bytes(config: MLAConfig, *, context: int, batch: int = 1, n_layers: int = 1,
+                    dtype: str = "bf16") -> int:
+    """The latent cache: (kv_lora_rank + rope) * bytes(dtype) * context * batch * n_layers; one latent and one
+    RoPE key per token, whatever n_heads (:class:`multihead.cache.LatentCache`)."""
+    _check_sizes(context=context, batch=batch, n_layers=n_layers)
+    return config.latent_dim * dtype_bytes(dtype) * context * batch * n_layers

@@ -212,7 +212,7 @@ def sdpa_attention(
         out = F.scaled_dot_product_attention(
             run_q, k, v, dropout_p=dropout_p, is_causal=spec.is_plain_causal, scale=scale, enable_gqa=gqa
         )
-        return out.view(b, h, s, d) if fold else out
+        return out.view(b, h, s, v.shape[-1]) if fold else out
     keep, bias, has_key = spec.dense(q.device, q.dtype)
     attn_mask: Tensor | None
     if bias is None:
@@ -225,9 +225,9 @@ def sdpa_attention(
         attn_mask = _fold_mask(attn_mask, h, g)
     out = F.scaled_dot_product_attention(
         run_q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-    )  # (b, h, s, d), or (b, g, h/g, d) folded
+    )  # (b, h, s, dv), or (b, g, h/g, dv) folded
     if fold:
-        out = out.view(b, h, s, d)
+        out = out.view(b, h, s, v.shape[-1])
     if has_key is not None:
         out = out * has_key
     return out

@@ -158,8 +158,9 @@ def plot(result: dict[str, Any], path: Any) -> str:
         xs = [r["kv_bytes_per_token"] / 1024 for r in points]
         ys = [max(r["one_minus_cosine"], 1e-9) for r in points]
         ax.plot(xs, ys, marker=marker, label=series, markersize=7)
-        for r, x, y in zip(points, xs, ys, strict=True):
-            ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        for k, (r, x, y) in enumerate(zip(points, xs, ys, strict=True)):  # alternate sides: close points stay legible
+            ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 4 if k % 2 == 0 else -11),
+                        fontsize=7)
     full = result["rows"][0]["kv_bytes_per_token"] / 1024
     ax.axvline(full, color="black", linewidth=0.6, linestyle=":", label="original (1 - cos = 0)")
     ax.set_yscale("log")

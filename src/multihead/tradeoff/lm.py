@@ -343,8 +343,9 @@ def plot(result: dict[str, Any], path: str | Path) -> str:
         xs = [r["kv_bytes"] / 2**20 for r in points]
         ys = [r["perplexity"] for r in points]
         ax.plot(xs, ys, marker=marker, linestyle="-" if len(points) > 1 else "none", label=series, markersize=7)
-        for r, x, y in zip(points, xs, ys, strict=True):
-            ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 4), fontsize=7)
+        for k, (r, x, y) in enumerate(zip(points, xs, ys, strict=True)):  # alternate sides: close points stay legible
+            ax.annotate(r["method"], (x, y), textcoords="offset points", xytext=(5, 4 if k % 2 == 0 else -11),
+                        fontsize=7)
     ax.plot([full["kv_bytes"] / 2**20], [full["perplexity"]], marker="*", color="black", markersize=14,
             linestyle="none", label="full cache (reference)")
     ax.axhline(full["perplexity"], color="black", linewidth=0.6, linestyle=":")

@@ -1,0 +1,255 @@
+"""Multi-head latent attention (MLA, DeepSeek-V2): a cache of one compressed latent per token, two equal paths.
+
+::
+
+    expanded (prefill, training):  k_i = [c W_UK^i, k_pe], v_i = c W_UV^i  ->  attention over n_heads KV heads
+    absorbed (decode):             q'_i = [q_nope_i W_UK^i^T, q_pe_i]      (b, h, s, kv_lora_rank + rope)
+                                   z'_i = softmax(q'_i [c, k_pe]^T * scale) c  over ONE latent KV head (MQA)
+                                   z_i  = z'_i W_UV^i^T
+
+q_nope_i . (c W_UK^i) = (q_nope_i W_UK^i^T) . c, so the absorbed path is exactly the expanded one computed in the
+latent space: an MQA whose single KV head is the cached latent, run by the same kernels as every other layer. It
+reads kv_lora_rank + rope values per cached token instead of up-projecting every cached token for every head; the
+expanded path is cheaper when the queries are many (a prefill). ``path="auto"`` takes the one with fewer FLOPs
+(:func:`multihead.cost.mla_flops`); ``explain`` says which ran.
+
+Hook points as on every layer, named for what enters the kernel: expanded ``hook_q`` (b, h, s, qk), ``hook_k``
+(b, h, t, qk), ``hook_v`` (b, h, t, v); absorbed ``hook_q`` (b, h, s, rank + rope), ``hook_k`` (b, 1, t, rank + rope),
+``hook_v`` (b, 1, t, rank). ``hook_pattern`` (b, h, s, t), ``hook_z`` (b, h, s, v_head_dim, each head's output
+before W_O) and ``hook_out`` are the same on both paths.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention import Step, build_step
+from multihead.cache import LatentCache, LayerCache
+from multihead.config import MLAConfig
+from multihead.errors import MultiheadError
+from multihead.hooks import POINTS, HookPoint, add_hook_points, attend
+from multihead.hooks import explain as explain_call
+from multihead.kernels import AttentionCall, KernelChoice, check_backend
+from multihead.linear import Linear
+from multihead.rope import RotaryEmbedding
+
+PATHS = ("auto", "expanded", "absorbed")
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, **factory: Any) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, **factory))
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
+
+
+class _AbsorbedPoints:
+    """The layer's hook points for the absorbed core, with hook_z left to after the up-projection."""
+
+    def __init__(self, layer: MultiHeadLatentAttention) -> None:
+        inert = HookPoint(POINTS["hook_z"])
+        self._hook_points = (layer.hook_q, layer.hook_k, layer.hook_v, layer.hook_pattern, inert, layer.hook_out)
+        self.hook_q, self.hook_k, self.hook_v = layer.hook_q, layer.hook_k, layer.hook_v
+        self.hook_pattern, self.hook_z, self.hook_out = layer.hook_pattern, inert, layer.hook_out
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """MLA with ``n_heads`` heads over a ``kv_lora_rank`` latent: ``MultiHeadLatentAttention(MLAConfig(...))`` or
+    its fields as keywords. Call it as ``attn(x, causal=True)``, with ``cache=latent_cache.layer(i)`` to decode,
+    and ``path=`` "auto" (default), "expanded" or "absorbed"."""
+
+    hook_q: HookPoint
+    hook_k: HookPoint
+    hook_v: HookPoint
+    hook_pattern: HookPoint
+    hook_z: HookPoint
+    hook_out: HookPoint
+
+    def __init__(self, config: MLAConfig | None = None, *, backend: str = "auto",
+                 device: torch.device | str | None = None, dtype: torch.dtype | None = None,
+                 **options: Any) -> None:
+        super().__init__()
+        if config is None:
+            config = MLAConfig.from_kwargs(options)
+        elif not isinstance(config, MLAConfig):
+            raise MultiheadError(f"config must be an MLAConfig, got {type(config).__name__}")
+        elif options:
+            raise MultiheadError(f"give a config or its fields as keywords, not both (got a config and "
+                                 f"{', '.join(options)})")
+        self.config = c = config
+        f: dict[str, Any] = {"device": device, "dtype": dtype}
+        h, qk = c.n_heads, c.qk_head_dim
+        if c.q_lora_rank is None:
+            self.q_proj: Linear | None = Linear(c.d_model, h * qk, bias=False, **f)
+            self.q_a_proj = self.q_a_norm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = Linear(c.d_model, c.q_lora_rank, bias=c.bias, **f)
+            self.q_a_norm = RMSNorm(c.q_lora_rank, c.norm_eps, **f)
+            self.q_b_proj = Linear(c.q_lora_rank, h * qk, bias=False, **f)
+        self.kv_a_proj = Linear(c.d_model, c.latent_dim, bias=c.bias, **f)  # [W_DKV; W_KR]
+        self.kv_a_norm = RMSNorm(c.kv_lora_rank, c.norm_eps, **f)
+        self.kv_b_proj = Linear(c.kv_lora_rank, h * (c.qk_nope_head_dim + c.v_head_dim), bias=False, **f)  # W_UK, W_UV
+        self.o_proj = Linear(h * c.v_head_dim, c.d_model, bias=c.bias, **f)
+        self.rotary = RotaryEmbedding(c.qk_rope_head_dim, c.rope.base)
+        self.backend = check_backend(backend)
+        add_hook_points(self)
+
+    @property
+    def n_heads(self) -> int:
+        return self.config.n_heads
+
+    # ------------------------------------------------------------------ forward
+    def forward(self, x: Tensor, *, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
+                causal: bool = False, positions: Tensor | None = None, cache: LayerCache | None = None,
+                step: Step | None = None, return_weights: bool = False, backend: str | None = None,
+                path: str = "auto") -> Any:
+        """x (b, s, d_model) -> (b, s, d_model), or (output, weights (b, n_heads, s, t)) with return_weights."""
+        z, weights, _ = self._run(x, mask, key_padding_mask, causal, positions, cache, step, return_weights,
+                                  backend, path, explain=False)
+        assert isinstance(z, Tensor)
+        b, s = x.shape[:2]
+        y = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
+        y = self.hook_out(y) if self.hook_out.active else y
+        return (y, weights) if return_weights else y
+
+    def explain(self, x: Tensor, *, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
+                causal: bool = False, positions: Tensor | None = None, cache: LayerCache | None = None,
+                step: Step | None = None, return_weights: bool = False, backend: str | None = None,
+                path: str = "auto") -> KernelChoice:
+        """Which path and kernel a call runs, and why; the cache is read from a copy (left unchanged)."""
+        with torch.no_grad():
+            _, _, choice = self._run(x, mask, key_padding_mask, causal, positions, cache, step, return_weights,
+                                     backend, path, explain=True)
+        assert choice is not None
+        return choice
+
+    def step(self, x: Tensor, *, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
+             causal: bool = False, positions: Tensor | None = None, cache: LatentCache | LayerCache | None = None,
+             dtype: torch.dtype | None = None) -> Step:
+        """The state every layer of a model shares for one call (mask, positions, RoPE tables, cache slot)."""
+        self._check_x(x)
+        self._check_cache(cache)
+        return build_step(x, None, n_heads=self.n_heads, window=None, rotary=self.rotary, mask=mask,
+                          key_padding_mask=key_padding_mask, causal=causal, positions=positions, cache=cache,
+                          dtype=dtype)
+
+    def choose_path(self, s: int, t: int) -> Literal["expanded", "absorbed"]:
+        """The path with fewer FLOPs for s queries over t keys (multihead.cost.mla_flops)."""
+        from multihead.cost import mla_flops
+
+        absorbed = mla_flops(self.config, s=s, t=t, path="absorbed").forward
+        expanded = mla_flops(self.config, s=s, t=t, path="expanded").forward
+        return "absorbed" if absorbed < expanded else "expanded"
+
+    # ------------------------------------------------------------------ the two paths
+    def _run(self, x: Tensor, mask: Tensor | None, key_padding_mask: Tensor | None, causal: bool,
+             positions: Tensor | None, cache: LayerCache | None, step: Step | None, return_weights: bool,
+             backend: str | None, path: str, *, explain: bool) -> tuple[Tensor | None, Tensor | None,
+                                                                       KernelChoice | None]:
+        c = self.config
+        self._check_x(x)
+        self._check_cache(cache)
+        if path not in PATHS:
+            raise MultiheadError(f"path {path!r} is unknown: choose one of {', '.join(map(repr, PATHS))}")
+        if step is None:
+            step = build_step(x, None, n_heads=self.n_heads, window=None, rotary=self.rotary, mask=mask,
+                              key_padding_mask=key_padding_mask, causal=causal, positions=positions, cache=cache)
+        elif mask is not None or key_padding_mask is not None or causal or positions is not None:
+            raise MultiheadError("mask, key_padding_mask, causal and positions go to layer.step(...) when a step is "
+                                 "passed")
+        b, s = x.shape[:2]
+        if (step.mask.batch, step.mask.s) != (b, s):
+            raise MultiheadError(f"the step was made for (b, s) = {(step.mask.batch, step.mask.s)} but x has "
+                                 f"{(b, s)}")
+        h, nope, rope, r, dv = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            assert self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
+        q = q.view(b, s, h, c.qk_head_dim).transpose(1, 2)  # (b, h, s, qk)
+        q_nope, q_pe = q.split([nope, rope], dim=-1)
+        latent = self.kv_a_proj(x)  # (b, s, r + rope): [c_KV, k_pe] before norm and RoPE
+        c_kv, k_pe = latent.split([r, rope], dim=-1)
+        assert step.rope is not None
+        cos, sin = (table.to(q.dtype) for table in step.rope)
+        q_pe = RotaryEmbedding.rotate(q_pe, cos, sin)
+        k_pe = RotaryEmbedding.rotate(k_pe[:, None], cos, sin)[:, 0]  # (b, s, rope): one key for all heads
+        latent = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)  # (b, s, r + rope): what is cached
+        if cache is not None:
+            assert isinstance(cache.cache, LatentCache)
+            latent = cache.cache.write_latent(cache.index, latent, step.positions, start=step.cache_start,
+                                              t=step.mask.t, copy=explain)
+        t = latent.shape[1]
+        if step.mask.t != t:
+            raise MultiheadError(f"the step's mask covers {step.mask.t} keys but this call has {t}: make the step "
+                                 "for the same inputs and cache")
+        chosen = self.choose_path(s, t) if path == "auto" else path
+        w_b = self.kv_b_proj.weight.view(h, nope + dv, r)  # per head: W_UK (nope, r) above W_UV (dv, r)
+        kind = check_backend(backend) if backend is not None else self.backend
+        dropout = c.dropout if self.training else 0.0
+        if chosen == "expanded":
+            c_t, k_pe_t = latent.split([r, rope], dim=-1)
+            kv = self.kv_b_proj(c_t).view(b, t, h, nope + dv).transpose(1, 2)  # (b, h, t, nope + dv)
+            k_nope, v = kv.split([nope, dv], dim=-1)
+            k = torch.cat([k_nope, k_pe_t[:, None].expand(b, h, t, rope)], dim=-1)  # (b, h, t, qk)
+            call = AttentionCall(torch.cat([q_nope, q_pe], dim=-1), k, v.contiguous(), step.mask,
+                                 scale=c.softmax_scale, dropout_p=dropout, backend=kind, need_weights=return_weights)
+            if explain:
+                return None, None, self._explained(explain_call(call, self), "expanded", s, t)
+            z, weights = attend(call, self)  # (b, h, s, dv)
+            return z, weights, None
+        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_b[:, :nope])  # (b, h, s, r): W_UK absorbed into q
+        call = AttentionCall(torch.cat([q_lat, q_pe], dim=-1), latent[:, None], latent[:, None, :, :r],
+                             step.mask, scale=c.softmax_scale, dropout_p=dropout, backend=kind,
+                             need_weights=return_weights)  # MQA: one latent KV head (b, 1, t, r + rope)
+        points = _AbsorbedPoints(self)
+        if explain:
+            return None, None, self._explained(explain_call(call, points), "absorbed", s, t)  # type: ignore[arg-type,unused-ignore]
+        z_lat, weights = attend(call, points)  # type: ignore[arg-type,unused-ignore]  # (b, h, s, r)
+        z = torch.einsum("bhsr,hvr->bhsv", z_lat, w_b[:, nope:])  # (b, h, s, dv): W_UV after the weighted sum
+        z = self.hook_z(z) if self.hook_z.active else z
+        return z, weights, None
+
+    def _explained(self, choice: KernelChoice, path: str, s: int, t: int) -> KernelChoice:
+        c = self.config
+        if path == "absorbed":
+            what = (f"MLA absorbed path: W_UK folded into the queries and W_UV after the weighted sum, so the kernel "
+                    f"runs MQA over one latent KV head of width {c.latent_dim} ({c.n_heads} query heads)")
+        else:
+            what = (f"MLA expanded path: the {t} cached latents are up-projected to {c.n_heads} keys of width "
+                    f"{c.qk_head_dim} and values of width {c.v_head_dim}")
+        return KernelChoice(choice.backend, choice.kernel, f"{what}; {choice.reason}", choice.mask)
+
+    # ------------------------------------------------------------------ checks
+    def _check_x(self, x: Tensor) -> None:
+        if not isinstance(x, Tensor) or x.ndim != 3 or x.shape[-1] != self.config.d_model:
+            shape = tuple(x.shape) if isinstance(x, Tensor) else type(x).__name__
+            raise MultiheadError(f"x must be (b, s, d_model = {self.config.d_model}), got {shape}")
+        w = self.kv_a_proj.weight
+        if x.device != w.device or (x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type)):
+            raise MultiheadError(f"x is {x.dtype} on {x.device} but the layer's weights are {w.dtype} on {w.device}")
+
+    def _check_cache(self, cache: object) -> None:
+        if cache is None:
+            return
+        kv = cache.cache if isinstance(cache, LayerCache) else cache
+        if not isinstance(kv, LatentCache):
+            raise MultiheadError(f"multi-head latent attention caches latents: give it a LatentCache layer "
+                                 f"(cache.layer(i)), not a {type(kv).__name__}")
+        if (kv.kv_lora_rank, kv.rope_dim) != (self.config.kv_lora_rank, self.config.qk_rope_head_dim):
+            raise MultiheadError(f"the cache holds latents of kv_lora_rank {kv.kv_lora_rank} + rope {kv.rope_dim} but "
+                                 f"this layer has {self.config.kv_lora_rank} + {self.config.qk_rope_head_dim}")
+
+    def extra_repr(self) -> str:
+        c = self.config
+        return (f"d_model={c.d_model}, n_heads={c.n_heads}, kv_lora_rank={c.kv_lora_rank}, "
+                f"q_lora_rank={c.q_lora_rank}, qk={c.qk_nope_head_dim}+{c.qk_rope_head_dim}, v={c.v_head_dim}")
