@@ -109,8 +109,10 @@ def test_compare_table_ratios_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
     png = tmp_path / "kv.png"
     r = _json(["compare", "--preset", "llama-2-70b", "--seq", "4096", "--device-memory", "80GB", "--plot", str(png)],
               capsys)
-    variants = {v["n_kv_heads"]: v for v in r["variants"]}
+    variants = {v["n_kv_heads"]: v for v in r["variants"] if not v["variant"].startswith("MLA")}
     assert sorted(variants) == [1, 2, 4, 8, 16, 32, 64]
+    mla = r["variants"][-1]  # DeepSeek's proportions at this width: latent 4 x 128, RoPE key 64
+    assert mla["variant"] == "MLA (r 512, rope 64)" and mla["ratio_to_mha"] == pytest.approx(576 / (2 * 64 * 128))
     for g, v in variants.items():
         assert v["ratio_to_mha"] == pytest.approx(g / 64)
     assert variants[8]["is_model"] and variants[1]["variant"] == "MQA" and variants[64]["variant"] == "MHA"
@@ -202,3 +204,27 @@ def test_model_commands_report_bad_input_in_one_line(argv: list[str], message: s
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "Traceback" not in err
     assert re.search(message, err), err
+
+
+def test_count_compare_and_shapes_show_deepseek_mla(capsys: pytest.CaptureFixture[str]) -> None:
+    """DeepSeek-V3's published shape: 576 cached values per token per layer against 32,768 for MHA with its heads;
+    the preset equals transformers' DeepseekV3Config defaults (V3's published config)."""
+    from transformers import DeepseekV3Config
+
+    from multihead.presets import from_hf_dict, preset
+
+    assert from_hf_dict(DeepseekV3Config().to_dict()).mla == preset("deepseek-v3").mla
+    r = _json(["count", "--preset", "deepseek-v3", "--seq", "8192"], capsys)
+    assert r["mla"]["latent_dim"] == 576 and r["mla"]["cache_bytes_per_token"] == 576 * 2 * 61
+    assert r["mla"]["cache_vs_mha"] == pytest.approx(576 / 32768)
+    assert r["mla"]["params_per_layer"] == 187_107_328  # q_a, q_b, kv_a, kv_b, o and the two norms
+    assert r["mla"]["decode_flops_absorbed"] < r["mla"]["decode_flops_expanded"] / 50
+    r = _json(["compare", "--preset", "deepseek-v2-lite", "--seq", "4096", "--no-plot"], capsys)
+    assert r["variants"][-1]["variant"] == "MLA" and r["variants"][-1]["is_model"]
+    assert not any(v["is_model"] for v in r["variants"][:-1])
+    walk = _json(["shapes", "--preset", "deepseek-v3", "--seq", "16", "--path", "absorbed"], capsys)
+    shapes = {s["step"]: s["shape"] for s in walk["steps"]}
+    assert shapes["hook_k"] == [1, 1, 16, 576] and shapes["hook_q"] == [1, 128, 16, 576]
+    assert shapes["hook_z"] == [1, 128, 16, 128] and walk["projection_parameters"] == 187_107_328
+    assert main(["shapes", "--preset", "deepseek-v3", "--d-model", "64"]) == 2
+    assert "not both" in capsys.readouterr().err

@@ -51,10 +51,20 @@ def _fmt(n: int) -> str:
 # ---------------------------------------------------------------------------------------------- shapes
 def _add_shapes(sub: Any) -> None:
     p = sub.add_parser("shapes", help="walk the shapes of one attention layer, step by step (runs on the meta device)")
-    p.add_argument("--d-model", type=_positive, required=True, help="model width d_model")
-    p.add_argument("--heads", type=_positive, required=True, help="query heads n_heads")
+    p.add_argument("--d-model", type=_positive, default=None, help="model width d_model")
+    p.add_argument("--heads", type=_positive, default=None, help="query heads n_heads")
     p.add_argument("--kv-heads", type=_positive, default=None, help="key/value heads (default: --heads, MHA)")
     p.add_argument("--head-dim", type=_positive, default=None, help="width of a head (default d_model / heads)")
+    p.add_argument("--preset", default=None, help="a named real model's layer instead of the sizes "
+                                                  "(see `multihead presets`; DeepSeek presets walk their MLA layer)")
+    p.add_argument("--kv-lora-rank", type=_positive, default=None,
+                   help="walk a multi-head latent attention (MLA) layer with this KV latent width")
+    p.add_argument("--q-lora-rank", type=_positive, default=None, help="MLA: query latent width (default: none)")
+    p.add_argument("--qk-rope-head-dim", type=_positive, default=None,
+                   help="MLA: the shared RoPE key's width (default head_dim / 2)")
+    p.add_argument("--v-head-dim", type=_positive, default=None, help="MLA: value head width (default head_dim)")
+    p.add_argument("--path", choices=("expanded", "absorbed"), default="expanded",
+                   help="MLA: the expanded (prefill) or absorbed (decode) path (default expanded)")
     p.add_argument("--seq", type=_positive, default=128, help="sequence length s (default 128)")
     p.add_argument("--batch", type=_positive, default=1, help="batch size b (default 1)")
     p.add_argument("--bias", action="store_true", help="give the projections biases (default: none, Llama-style)")
@@ -63,11 +73,29 @@ def _add_shapes(sub: Any) -> None:
 
 
 def _run_shapes(args: argparse.Namespace) -> int:
+    from multihead.config import MLAConfig
     from multihead.shapes import shape_walk
 
-    config = AttentionConfig(
-        d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads, head_dim=args.head_dim, bias=args.bias
-    )
+    mla: MLAConfig | None = None
+    if args.preset is not None:
+        if args.d_model is not None or args.heads is not None or args.kv_lora_rank is not None:
+            raise CliError("give --preset or the sizes (--d-model, --heads, ...), not both")
+        from multihead.presets import preset
+
+        model = preset(args.preset)
+        config, mla = model.attention, model.mla
+    else:
+        if args.d_model is None or args.heads is None:
+            raise CliError("give --d-model and --heads (or --preset NAME)")
+        if args.kv_lora_rank is not None:
+            nope = args.head_dim or args.d_model // args.heads
+            mla = MLAConfig(d_model=args.d_model, n_heads=args.heads, kv_lora_rank=args.kv_lora_rank,
+                            qk_nope_head_dim=nope, qk_rope_head_dim=args.qk_rope_head_dim or max(2, nope // 2),
+                            v_head_dim=args.v_head_dim or nope, q_lora_rank=args.q_lora_rank, bias=args.bias)
+        config = AttentionConfig(d_model=args.d_model, n_heads=args.heads, n_kv_heads=args.kv_heads,
+                                 head_dim=args.head_dim, bias=args.bias)
+    if mla is not None:
+        return _print_mla_walk(mla, args)
     walk = shape_walk(config, batch=args.batch, seq=args.seq)
     if args.json:
         print(json.dumps({
@@ -84,16 +112,43 @@ def _run_shapes(args: argparse.Namespace) -> int:
         return 0
     c = config
     print(f"d_model {c.d_model}, n_heads {c.n_heads}, n_kv_heads {c.n_kv_heads} ({c.variant}), "
-          f"d_k = head_dim = {c.head_dim}" + ("" if args.head_dim else f" (= {c.d_model} / {c.n_heads})")
+          f"d_k = head_dim = {c.head_dim}"
+          + ("" if args.head_dim or c.head_dim != c.d_model // c.n_heads else f" (= {c.d_model} / {c.n_heads})")
           + f", batch {walk.batch}, seq {walk.seq}")
-    width = max(len(s.label) for s in walk.steps)
-    shape_width = max(len(str(s.shape)) for s in walk.steps)
-    for s in walk.steps:
+    _print_steps(walk.steps, walk.parameters, walk.total_parameters)
+    return 0
+
+
+def _print_steps(steps: Any, parameters: dict[str, int], total: int) -> None:
+    width = max([len(s.label) for s in steps] + [len(n) for n in parameters])
+    shape_width = max(len(str(s.shape)) for s in steps)
+    for s in steps:
         print(f"  {s.label:<{width}}  {s.shape!s:<{shape_width}}  {s.legend}")
-    print("projection parameters:")
-    for name, n in walk.parameters.items():
+    print("parameters:")
+    for name, n in parameters.items():
         print(f"  {name:<{width}}  {_fmt(n)}")
-    print(f"  {'total':<{width}}  {_fmt(walk.total_parameters)}")
+    print(f"  {'total':<{width}}  {_fmt(total)}")
+
+
+def _print_mla_walk(mla: Any, args: argparse.Namespace) -> int:
+    from multihead.shapes import mla_shape_walk
+
+    walk = mla_shape_walk(mla, batch=args.batch, seq=args.seq, path=args.path)
+    if args.json:
+        print(json.dumps({
+            "config": mla.to_dict(), "variant": "MLA", "path": walk.path, "batch": walk.batch, "seq": walk.seq,
+            "latent_dim": mla.latent_dim,
+            "steps": [{"step": s.name, "label": s.label, "legend": s.legend, "shape": list(s.shape)}
+                      for s in walk.steps],
+            "parameters": walk.parameters, "projection_parameters": walk.total_parameters,
+        }, default=str, indent=2))
+        return 0
+    print(f"MLA: d_model {mla.d_model}, n_heads {mla.n_heads}, kv_lora_rank {mla.kv_lora_rank}, q/k head "
+          f"{mla.qk_nope_head_dim} + rope {mla.qk_rope_head_dim}, v head {mla.v_head_dim}"
+          + (f", q_lora_rank {mla.q_lora_rank}" if mla.q_lora_rank else "")
+          + f"; {walk.path} path, batch {walk.batch}, seq {walk.seq}; cached per token per layer: "
+          f"{mla.latent_dim} values")
+    _print_steps(walk.steps, walk.parameters, walk.total_parameters)
     return 0
 
 
@@ -174,9 +229,31 @@ def _run_count(args: argparse.Namespace) -> int:
         r["device_memory_bytes"] = memory
         r["max_context_in_device_memory"] = cost.max_context(
             a, memory_bytes=memory, batch=args.batch, n_layers=model.n_layers, dtype=args.dtype)
+    mla = model.mla
+    if mla is not None:
+        r["mla"] = _mla_report(mla, model.n_layers, args.seq, args.batch, args.dtype, causal)
+        if memory is not None:
+            r["mla"]["max_context_in_device_memory"] = memory // (r["mla"]["cache_bytes_per_token"] * args.batch)
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
+    if mla is not None:
+        m = r["mla"]
+        print(f"{'model':<28}  {model.name}: {_layers(model.n_layers)}, multi-head latent attention (MLA)")
+        print(f"{'heads':<28}  {mla.n_heads} query heads over one latent of {mla.kv_lora_rank} + a shared RoPE key "
+              f"of {mla.qk_rope_head_dim} (q/k head {mla.qk_head_dim}, v head {mla.v_head_dim}"
+              + (f", q latent {mla.q_lora_rank}" if mla.q_lora_rank else "") + ")")
+        print(f"{'MLA parameters per layer':<28}  {m['params_per_layer']:,}  (all layers {m['params_total']:,})")
+        print(f"{'latent cache per token':<28}  {mla.latent_dim} values per layer: "
+              f"{format_bytes(m['cache_bytes_per_token'])} all layers ({args.dtype})")
+        print(f"{f'latent cache, {args.seq} x {args.batch}':<28}  {format_bytes(m['cache_bytes_total'])}  "
+              f"({m['cache_bytes_total']:,} B; {m['cache_vs_mha']:.4f} of MHA's below)")
+        print(f"{'decode step after ' + str(args.seq):<28}  absorbed {format_count(m['decode_flops_absorbed'], 'FLOP')}"
+              f", expanded {format_count(m['decode_flops_expanded'], 'FLOP')} per layer")
+        if memory is not None:
+            print(f"{'context in ' + format_bytes(memory):<28}  {m['max_context_in_device_memory']:,} tokens "
+                  "(latent cache alone)")
+        print(f"as plain MHA with the same heads (head_dim = v_head_dim {mla.v_head_dim}):")
     dk_note = f" (= {a.d_model} / {a.n_heads})" if a.head_dim == a.d_model // a.n_heads else " (explicit)"
     rows = [
         ("model", f"{model.name}: {_layers(model.n_layers)}, {'causal' if causal else 'bidirectional'}"),
@@ -205,6 +282,25 @@ def _run_count(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _mla_report(mla: Any, n_layers: int, seq: int, batch: int, dtype: str, causal: bool) -> dict[str, Any]:
+    from multihead import cost
+
+    params = cost.mla_parameters(mla).total
+    per_token = cost.mla_cache_bytes(mla, context=1, n_layers=n_layers, dtype=dtype)
+    total = cost.mla_cache_bytes(mla, context=seq, batch=batch, n_layers=n_layers, dtype=dtype)
+    mha = 2 * mla.n_heads * mla.v_head_dim * cost.dtype_bytes(dtype) * n_layers * seq * batch
+    return {
+        "kv_lora_rank": mla.kv_lora_rank, "qk_rope_head_dim": mla.qk_rope_head_dim, "q_lora_rank": mla.q_lora_rank,
+        "qk_nope_head_dim": mla.qk_nope_head_dim, "v_head_dim": mla.v_head_dim, "latent_dim": mla.latent_dim,
+        "params_per_layer": params, "params_total": params * n_layers, "cache_bytes_per_token": per_token,
+        "cache_bytes_total": total, "cache_vs_mha": total / mha,
+        "flops_forward_expanded": cost.mla_flops(mla, s=seq, batch=batch, causal=causal).forward,
+        "decode_flops_absorbed": cost.mla_flops(mla, s=1, t=seq + 1, batch=batch, causal=True,
+                                                path="absorbed").forward,
+        "decode_flops_expanded": cost.mla_flops(mla, s=1, t=seq + 1, batch=batch, causal=True).forward,
+    }
 
 
 # ---------------------------------------------------------------------------------------------- compare

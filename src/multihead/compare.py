@@ -1,4 +1,4 @@
-"""One model as MHA, GQA and MQA side by side: what the number of KV heads does to the cache."""
+"""One model as MHA, GQA, MQA and MLA side by side: what the number of KV heads (or a latent) does to the cache."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from multihead import cost
+from multihead.config import MLAConfig
 from multihead.errors import divisors
 from multihead.files import save_figure
 from multihead.presets import ModelConfig
@@ -47,9 +48,36 @@ def compare_variants(
             params_per_layer=cost.parameters(a).total,
             max_context=None if memory_bytes is None else cost.max_context(
                 a, memory_bytes=memory_bytes, batch=batch, n_layers=model.n_layers, dtype=dtype),
-            is_model=g == base.n_kv_heads,
+            is_model=g == base.n_kv_heads and model.mla is None,
+        ))
+    mla = model_mla(model)
+    if mla is not None:
+        per_token = mla.latent_dim * cost.dtype_bytes(dtype) * model.n_layers
+        total = cost.mla_cache_bytes(mla, context=seq, batch=batch, n_layers=model.n_layers, dtype=dtype)
+        rows.append(Variant(
+            variant="MLA" if model.mla is not None else f"MLA (r {mla.kv_lora_rank}, rope {mla.qk_rope_head_dim})",
+            n_kv_heads=1, group_size=base.n_heads, kv_bytes_per_token=per_token, kv_cache_bytes=total,
+            ratio_to_mha=total / mha_bytes if mha_bytes else 0.0,
+            params_per_layer=cost.mla_parameters(mla).total,
+            max_context=None if memory_bytes is None else memory_bytes // (per_token * batch),
+            is_model=model.mla is not None,
         ))
     return rows
+
+
+def model_mla(model: ModelConfig) -> MLAConfig | None:
+    """The model's own MLA layer, or one in DeepSeek's proportions at its width and heads (latent 4 * head_dim,
+    RoPE key head_dim / 2, like V2/V3's 512 and 64 for heads of 128); None where those would compress nothing."""
+    if model.mla is not None:
+        return model.mla
+    a = model.attention
+    rope = max(2, a.head_dim // 2 // 2 * 2)
+    try:
+        return MLAConfig(d_model=a.d_model, n_heads=a.n_heads, kv_lora_rank=4 * a.head_dim,
+                         qk_nope_head_dim=a.head_dim, qk_rope_head_dim=rope, v_head_dim=a.head_dim,
+                         bias=a.bias)
+    except Exception:
+        return None
 
 
 def plot_variants(
@@ -74,13 +102,20 @@ def plot_variants(
     contexts = [2**k for k in range(6, top.bit_length() + 1)]
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     gib = 2**30
+    mla = model_mla(model)
     for r in rows:
-        a = dataclasses.replace(model.attention, n_kv_heads=r.n_kv_heads)
-        ys = [cost.kv_cache_bytes(a, context=c, batch=batch, n_layers=model.n_layers, dtype=dtype) / gib
-              for c in contexts]
+        if r.variant.startswith("MLA") and mla is not None:
+            ys = [cost.mla_cache_bytes(mla, context=c, batch=batch, n_layers=model.n_layers, dtype=dtype) / gib
+                  for c in contexts]
+            label = f"{r.variant} (one latent of {mla.latent_dim} per token)"
+        else:
+            a = dataclasses.replace(model.attention, n_kv_heads=r.n_kv_heads)
+            ys = [cost.kv_cache_bytes(a, context=c, batch=batch, n_layers=model.n_layers, dtype=dtype) / gib
+                  for c in contexts]
+            label = f"{r.variant} ({r.n_kv_heads} KV head{'s' if r.n_kv_heads > 1 else ''})"
         ax.plot(contexts, ys, marker="o", markersize=3, linewidth=2.5 if r.is_model else 1.5,
-                label=f"{r.variant} ({r.n_kv_heads} KV head{'s' if r.n_kv_heads > 1 else ''})"
-                + (" - the model" if r.is_model else ""))
+                linestyle="--" if r.variant.startswith("MLA") else "-",
+                label=label + (" - the model" if r.is_model else ""))
     if memory_bytes is not None:
         ax.axhline(memory_bytes / gib, color="black", linestyle="--",
                    label=f"device memory {memory_bytes / gib:.1f} GiB")

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from multihead.config import AttentionConfig, RopeConfig
+from multihead.config import AttentionConfig, MLAConfig, RopeConfig
 from multihead.errors import MultiheadError
 
 
@@ -26,6 +26,7 @@ class ModelConfig:
     causal: bool
     max_context: int | None = None
     source: str = ""
+    mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); ``attention`` is then MHA with its heads
 
 
 # Excerpts of the published config.json of each model (Hugging Face Hub, the model's own repository).
@@ -73,6 +74,16 @@ _PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
     "smollm2-135m": ("HuggingFaceTB/SmolLM2-135M", {
         "model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3,
         "num_hidden_layers": 30, "max_position_embeddings": 8192, "rope_theta": 100000.0}),
+    "deepseek-v2-lite": ("deepseek-ai/DeepSeek-V2-Lite", {
+        "model_type": "deepseek_v2", "hidden_size": 2048, "num_attention_heads": 16, "num_key_value_heads": 16,
+        "num_hidden_layers": 27, "max_position_embeddings": 163840, "rope_theta": 10000, "q_lora_rank": None,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "attention_bias": False, "rms_norm_eps": 1e-06}),
+    "deepseek-v3": ("deepseek-ai/DeepSeek-V3", {
+        "model_type": "deepseek_v3", "hidden_size": 7168, "num_attention_heads": 128, "num_key_value_heads": 128,
+        "num_hidden_layers": 61, "max_position_embeddings": 163840, "rope_theta": 10000, "q_lora_rank": 1536,
+        "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128,
+        "attention_bias": False, "rms_norm_eps": 1e-06}),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PUBLISHED)
@@ -126,6 +137,9 @@ def from_hf_dict(cfg: dict[str, Any], *, name: str = "config", source: str = "")
     if n_kv_heads is None and cfg.get("multi_query"):
         n_kv_heads = 1
     head_dim = cfg.get("head_dim")
+    mla = _mla(cfg, d_model, n_heads, name) if cfg.get("kv_lora_rank") is not None else None
+    if mla is not None:
+        head_dim = mla.v_head_dim  # the MHA it is compared with: n_heads keys and values of v_head_dim
     window = cfg.get("sliding_window")
     if cfg.get("use_sliding_window") is False:
         window = None
@@ -153,8 +167,22 @@ def from_hf_dict(cfg: dict[str, Any], *, name: str = "config", source: str = "")
     causal = model_type not in _ENCODERS or bool(cfg.get("is_decoder"))
     return ModelConfig(
         name=name, attention=attention, n_layers=n_layers, causal=causal,
-        max_context=_first(cfg, "max_context", required=False, where=name), source=source,
+        max_context=_first(cfg, "max_context", required=False, where=name), source=source, mla=mla,
     )
+
+
+def _mla(cfg: dict[str, Any], d_model: Any, n_heads: Any, name: str) -> MLAConfig:
+    """The MLA layer of a DeepSeek-V2/V3 config (YaRN rope scaling changes the softmax scale, not the cost)."""
+    try:
+        fields: dict[str, Any] = {
+            "d_model": d_model, "n_heads": n_heads, "kv_lora_rank": cfg["kv_lora_rank"],
+            "qk_nope_head_dim": cfg.get("qk_nope_head_dim"), "qk_rope_head_dim": cfg.get("qk_rope_head_dim"),
+            "v_head_dim": cfg.get("v_head_dim"), "q_lora_rank": cfg.get("q_lora_rank"),
+            "rope": float(cfg.get("rope_theta", 10000.0)), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
+            "bias": bool(cfg.get("attention_bias", False))}
+        return MLAConfig(**fields)
+    except (MultiheadError, TypeError, ValueError) as err:
+        raise MultiheadError(f"{name}: its MLA fields: {err}") from None
 
 
 def from_hf_config(path: str | Path) -> ModelConfig:

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 
 from multihead.attention import MultiHeadAttention
-from multihead.config import AttentionConfig
+from multihead.config import AttentionConfig, MLAConfig
+from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint
 
 # step name in forward -> (what a person reads, the legend of its dimensions)
@@ -89,3 +90,69 @@ def shape_walk(config: AttentionConfig, *, batch: int = 1, seq: int = 128) -> Sh
     steps = [step for _, step in sorted(seen, key=lambda pair: pair[0])]
     params = {name: p.numel() for name, p in layer.named_parameters()}
     return ShapeWalk(config=config, batch=batch, seq=seq, steps=steps, parameters=params)
+
+
+@dataclass(frozen=True)
+class MLAShapeWalk:
+    config: MLAConfig
+    path: str
+    batch: int
+    seq: int
+    steps: list[Step]
+    parameters: dict[str, int]
+
+    @property
+    def total_parameters(self) -> int:
+        return sum(self.parameters.values())
+
+
+def mla_shape_walk(config: MLAConfig, *, batch: int = 1, seq: int = 128, path: str = "expanded") -> MLAShapeWalk:
+    """The shape walk of a multi-head latent attention layer on one path, in the order the steps run."""
+    from multihead.latent import MultiHeadLatentAttention
+
+    if path not in ("expanded", "absorbed"):
+        raise MultiheadError(f"path {path!r} must be 'expanded' or 'absorbed'")
+    layer = MultiHeadLatentAttention(config, backend="math", device="meta")
+    steps: list[Step] = []
+    absorbed = path == "absorbed"
+    labels = {
+        "q_a_proj": ("c_Q = x W_DQ (query latent)", "(b, s, q_lora_rank)"),
+        "q_b_proj": ("q = RMSNorm(c_Q) W_UQ", "(b, s, h*(nope+rope))"),
+        "q_proj": ("q = x W_Q", "(b, s, h*(nope+rope))"),
+        "kv_a_proj": ("[c_KV, k_pe] = x [W_DKV; W_KR]", "(b, s, kv_lora_rank+rope)"),
+        "kv_b_proj": ("[k_nope, v] = c_KV [W_UK; W_UV] per head", "(b, t, h*(nope+v))"),
+        "hook_q": (("q absorbed: [q_nope W_UK^T, RoPE(q_pe)]", "(b, h, s, kv_lora_rank+rope)") if absorbed
+                   else ("q heads: [q_nope, RoPE(q_pe)]", "(b, h, s, nope+rope)")),
+        "hook_k": (("k: the latent [c_KV, RoPE(k_pe)], one KV head", "(b, 1, t, kv_lora_rank+rope)") if absorbed
+                   else ("k heads: [k_nope, RoPE(k_pe)] (k_pe shared)", "(b, h, t, nope+rope)")),
+        "hook_v": (("v: c_KV, the same KV head", "(b, 1, t, kv_lora_rank)") if absorbed
+                   else ("v heads", "(b, h, t, v)")),
+        "hook_pattern": ("attention weights per head (pattern)", "(b, h, s, t)"),
+        "hook_z": (("z per head = (weights c_KV) W_UV^T", "(b, h, s, v)") if absorbed
+                   else ("attention output per head (z)", "(b, h, s, v)")),
+        "merged": ("heads merged (concat)", "(b, s, h*v)"),
+        "hook_out": ("output = merged W_O", "(b, s, d_model)"),
+    }
+
+    def record(name: str, tensor: torch.Tensor) -> None:
+        label, legend = labels[name]
+        steps.append(Step(name, label, legend, tuple(tensor.shape)))
+
+    handles: list[Any] = []
+    for name in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj", "kv_b_proj"):
+        module = getattr(layer, name)
+        if module is not None and not (absorbed and name == "kv_b_proj"):
+            handles.append(module.register_forward_hook(lambda _m, _a, out, n=name: record(n, out)))
+    handles.append(layer.o_proj.register_forward_pre_hook(lambda _m, args: record("merged", args[0])))
+    for point in ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z", "hook_out"):
+        handles.append(getattr(layer, point).add(lambda tensor, _p, n=point: record(n, tensor)))
+    x = torch.empty(batch, seq, config.d_model, device="meta")
+    steps.append(Step("input", "input x", "(b, s, d_model)", tuple(x.shape)))
+    try:
+        with torch.no_grad():
+            layer(x, causal=True, path=path)
+    finally:
+        for handle in handles:
+            handle.remove()
+    params = {name: p.numel() for name, p in layer.named_parameters()}
+    return MLAShapeWalk(config=config, path=path, batch=batch, seq=seq, steps=steps, parameters=params)
