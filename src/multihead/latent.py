@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead import kernels
 from multihead.attention import Step, build_step
 from multihead.cache import LatentCache, LayerCache
 from multihead.config import MLAConfig
@@ -35,6 +36,7 @@ from multihead.hooks import POINTS, HookPoint, add_hook_points, attend
 from multihead.hooks import explain as explain_call
 from multihead.kernels import AttentionCall, KernelChoice, check_backend
 from multihead.linear import Linear
+from multihead.masks import MaskSpec
 from multihead.rope import RotaryEmbedding
 
 PATHS = ("auto", "expanded", "absorbed")
@@ -208,7 +210,24 @@ class MultiHeadLatentAttention(nn.Module):
             z, weights = attend(call, self)  # (b, h, s, dv)
             return z, weights, None
         q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_b[:, :nope])  # (b, h, s, r): W_UK absorbed into q
-        call = AttentionCall(torch.cat([q_lat, q_pe], dim=-1), latent[:, None], latent[:, None, :, :r],
+        q_abs = torch.cat([q_lat, q_pe], dim=-1)  # (b, h, s, r + rope)
+        if s == 1 and not return_weights and not dropout and not self._core_hooked():
+            # a decode step: the h query heads of the one latent KV head become h query rows of one head, so the
+            # kernel reads the latent once (no GQA expansion of t x (r + rope)), as FlashMLA does
+            spec = step.mask
+            keep, bias, _ = spec.dense(x.device, x.dtype) if not spec.is_empty else (None, None, None)
+            folded = MaskSpec(batch=b, n_heads=1, s=h, t=t, keep=keep, bias=bias)
+            # two matrix products (the math backend) beat the fused kernels on one head of h rows: 1.2-3x on an
+            # H200 and the 2-core CPU (benchmarks/mla_decode.py, RESULTS.md); a backend asked for is kept
+            folded_backend = "math" if kind == "auto" else kind
+            call = AttentionCall(q_abs.transpose(1, 2), latent[:, None], latent[:, None, :, :r], folded,
+                                 scale=c.softmax_scale, backend=folded_backend)  # (b, 1, h, r+rope) over (b, 1, t, .)
+            if explain:
+                return None, None, self._explained(kernels.explain(call), "absorbed", s, t)
+            z_lat = kernels.attend(call)[0].transpose(1, 2)  # (b, h, 1, r)
+            z = torch.einsum("bhsr,hvr->bhsv", z_lat, w_b[:, nope:])  # (b, h, 1, dv)
+            return (self.hook_z(z) if self.hook_z.active else z), None, None
+        call = AttentionCall(q_abs, latent[:, None], latent[:, None, :, :r],
                              step.mask, scale=c.softmax_scale, dropout_p=dropout, backend=kind,
                              need_weights=return_weights)  # MQA: one latent KV head (b, 1, t, r + rope)
         points = _AbsorbedPoints(self)
@@ -219,11 +238,15 @@ class MultiHeadLatentAttention(nn.Module):
         z = self.hook_z(z) if self.hook_z.active else z
         return z, weights, None
 
+    def _core_hooked(self) -> bool:
+        return any(p._fns for p in (self.hook_q, self.hook_k, self.hook_v, self.hook_pattern))
+
     def _explained(self, choice: KernelChoice, path: str, s: int, t: int) -> KernelChoice:
         c = self.config
         if path == "absorbed":
             what = (f"MLA absorbed path: W_UK folded into the queries and W_UV after the weighted sum, so the kernel "
-                    f"runs MQA over one latent KV head of width {c.latent_dim} ({c.n_heads} query heads)")
+                    f"runs MQA over one latent KV head of width {c.latent_dim} ({c.n_heads} query heads"
+                    + (", folded into query rows of one head for this decode step" if s == 1 else "") + ")")
         else:
             what = (f"MLA expanded path: the {t} cached latents are up-projected to {c.n_heads} keys of width "
                     f"{c.qk_head_dim} and values of width {c.v_head_dim}")
