@@ -172,3 +172,28 @@ def test_our_mla_layer_in_a_transformers_deepseek_model_gives_its_outputs(versio
         want_tokens = theirs.generate(prompt, max_new_tokens=12, do_sample=False)
         got_tokens = ours.generate(prompt, max_new_tokens=12, do_sample=False)
     assert got_tokens.tolist() == want_tokens.tolist()
+
+
+def test_masks_and_sequences_of_different_lengths_in_the_latent_cache() -> None:
+    """A padding mask means the same on both paths, and prompts of different lengths decode together (each
+    sequence from its own length, as with KVCache)."""
+    layer = _layer("small")
+    x = torch.randn(2, 9, 64)
+    valid = torch.ones(2, 9, dtype=torch.bool)
+    valid[1, 6:] = False
+    a = layer(x, key_padding_mask=valid, path="expanded")
+    b = layer(x, key_padding_mask=valid, path="absorbed")
+    torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+    lengths = [3, 6]
+    alone = [layer(x[i:i + 1, :lengths[i] + 3], causal=True) for i in range(2)]
+    cache = LatentCache(batch=2, kv_lora_rank=16, rope_dim=4, max_len=12)
+    layer(x[:, :6], causal=True, cache=cache.layer(0))
+    cache.advance(6, lengths=lengths)
+    for k in range(3):
+        step = torch.stack([x[0, 3 + k], x[1, 6 + k]])[:, None]  # each sequence's next token
+        y = layer(step, causal=True, cache=cache.layer(0))
+        cache.advance(1)
+        torch.testing.assert_close(y[0, 0], alone[0][0, 3 + k], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y[1, 0], alone[1][0, 6 + k], atol=1e-5, rtol=1e-5)
+    with pytest.raises(MultiheadError, match="KV cache overflow"):
+        layer(torch.randn(2, 4, 64), causal=True, cache=cache.layer(0))

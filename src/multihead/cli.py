@@ -209,8 +209,16 @@ def _causal(args: argparse.Namespace, model: ModelConfig) -> bool:
 
 # ---------------------------------------------------------------------------------------------- count
 def _add_count(sub: Any) -> None:
-    p = sub.add_parser("count", help="parameters, FLOPs, KV-cache and attention memory of a configuration")
+    p = sub.add_parser("count", help="does it fit? the whole model's parameters and memory (weights, KV cache, "
+                                     "activations), and attention's parameters, FLOPs and memory")
     _add_model_flags(p)
+    p.add_argument("--weights-dtype", default=None,
+                   help="how the weights are stored: fp32, bf16, fp8, int8, int4, or a GGUF type such as q4_1, "
+                        "q8_0 (default: --dtype)")
+    p.add_argument("--tp", type=_positive, default=1, help="devices the model is split over by tensor parallelism "
+                                                           "(default 1)")
+    p.add_argument("--cache", default="full", help="KV cache kind: full (default), window:N, int8, int4, int2, "
+                                                   "latent (MLA models)")
     p.set_defaults(run=_run_count)
 
 
@@ -234,9 +242,14 @@ def _run_count(args: argparse.Namespace) -> int:
         r["mla"] = _mla_report(mla, model.n_layers, args.seq, args.batch, args.dtype, causal)
         if memory is not None:
             r["mla"]["max_context_in_device_memory"] = memory // (r["mla"]["cache_bytes_per_token"] * args.batch)
+    whole = _whole_model(model, args, memory)
+    if whole is not None:
+        r["whole_model"] = whole
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
+    if whole is not None:
+        _print_whole(model, whole, args, memory)
     if mla is not None:
         m = r["mla"]
         print(f"{'model':<28}  {model.name}: {_layers(model.n_layers)}, multi-head latent attention (MLA)")
@@ -260,9 +273,9 @@ def _run_count(args: argparse.Namespace) -> int:
         ("d_model", f"{a.d_model}"),
         ("heads", f"{a.n_heads} query, {a.n_kv_heads} key/value ({a.variant})"),
         ("d_k = head_dim", f"{a.head_dim}{dk_note}"),
-        ("parameters per layer", f"{r['params_per_layer']:,}"
+        ("attention parameters / layer", f"{r['params_per_layer']:,}"
          + "  (" + ", ".join(f"{k} {v:,}" for k, v in r["params_per_layer_by_projection"].items()) + ")"),
-        ("parameters, all layers", f"{r['params_total']:,}"),
+        ("attention parameters, all", f"{r['params_total']:,}"),
         (f"FLOPs forward (b {args.batch}, s {args.seq})", f"{format_count(r['flops_forward'], 'FLOP')}"
          f"  ({r['flops_forward']:,}; attention core {format_count(r['flops_attention_core'], 'FLOP')})"),
         ("FLOPs backward", f"{format_count(r['flops_backward'], 'FLOP')}"),
@@ -282,6 +295,69 @@ def _run_count(args: argparse.Namespace) -> int:
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
     return 0
+
+
+def _whole_model(model: Any, args: argparse.Namespace, memory: int | None) -> dict[str, Any] | None:
+    """The whole model's parameters, memory and fit, or None for a model described by its attention sizes alone."""
+    from multihead import sizing
+
+    if model.hf is None or "vocab_size" not in model.hf:
+        return None
+    try:
+        size = sizing.model_size(model)
+    except MultiheadError as err:
+        return {"unavailable": str(err)}
+    wdtype = args.weights_dtype or args.dtype
+    sizing.check_tp(model, args.tp)
+    out: dict[str, Any] = {
+        "total_parameters": size.total, "active_parameters": size.active, "parameters_by_part": size.parts,
+        "tied_embeddings": size.tied, "notes": size.notes, "weights_dtype": wdtype, "tp": args.tp,
+        "cache": args.cache,
+    }
+    f = sizing.fit(model, size, seq=args.seq, batch=args.batch, dtype=args.dtype, weights_dtype=wdtype,
+                   memory=memory or 0, tp=args.tp, cache=args.cache)
+    out.update({"weight_bytes": f.weights, "kv_bytes": f.kv, "activation_bytes": f.activations,
+                "bytes_per_device": f.per_device})
+    if memory is not None:
+        common = {"dtype": args.dtype, "weights_dtype": wdtype, "memory": memory, "cache": args.cache}
+        out["fits"] = f.fits
+        out["devices_needed"] = sizing.devices_needed(model, size, seq=args.seq, batch=args.batch, **common)
+        if f.fits:
+            out["largest_context"] = sizing.largest(model, size, seq=args.seq, batch=args.batch, tp=args.tp,
+                                                    what="context", **common)
+            out["largest_batch"] = sizing.largest(model, size, seq=args.seq, batch=args.batch, tp=args.tp,
+                                                  what="batch", **common)
+    return out
+
+
+def _print_whole(model: Any, w: dict[str, Any], args: argparse.Namespace, memory: int | None) -> None:
+    from multihead.units import format_bytes
+
+    if "unavailable" in w:
+        print(f"whole model: {w['unavailable']}")
+        return
+    moe = w["active_parameters"] != w["total_parameters"]
+    parts = ", ".join(f"{k} {v:,}" for k, v in w["parameters_by_part"].items())
+    print(f"{'whole model, parameters':<28}  {w['total_parameters']:,}"
+          + (f" total, {w['active_parameters']:,} active per token" if moe else "") + f"  ({parts})")
+    tp = f" over {w['tp']} devices" if w["tp"] > 1 else ""
+    print(f"{'memory' + tp:<28}  weights {format_bytes(w['weight_bytes'])} ({w['weights_dtype']}) + KV cache "
+          f"{format_bytes(w['kv_bytes'])} ({w['cache']}, {args.seq} x {args.batch}) + activations "
+          f"{format_bytes(w['activation_bytes'])} (prefill) = {format_bytes(w['bytes_per_device'])} per device")
+    if memory is not None:
+        if w["fits"]:
+            print(f"{'fits in ' + format_bytes(memory):<28}  yes: up to {w['largest_context']:,} tokens at batch "
+                  f"{args.batch}, or batch {w['largest_batch']:,} at {args.seq} tokens")
+        else:
+            need = w["devices_needed"]
+            weights_alone = w["weight_bytes"] > memory * w["tp"]
+            why = "the weights alone do not fit" if weights_alone else "weights, cache and activations together do not"
+            more = (f"it needs {need} devices of that size (--tp {need})" if need is not None else
+                    "no valid split over devices of that size holds it")
+            print(f"{'fits in ' + format_bytes(memory):<28}  no: {why}; {more}")
+    for note in w["notes"]:
+        print(f"{'':<28}  note: {note}")
+    print("attention alone:")
 
 
 def _mla_report(mla: Any, n_layers: int, seq: int, batch: int, dtype: str, causal: bool) -> dict[str, Any]:
@@ -329,14 +405,19 @@ def _run_compare(args: argparse.Namespace) -> int:
         return 0
     print(f"{model.name}: {_layers(model.n_layers)}, {model.attention.n_heads} query heads, head_dim "
           f"{model.attention.head_dim}; KV cache for {args.seq} tokens x batch {args.batch} in {args.dtype}")
-    header = ["variant", "kv heads", "q per kv", "KV / token", "KV cache", "vs MHA", "params / layer"]
+    header = ["variant", "kv heads", "q per kv", "KV / token", "KV cache", "vs MHA", "attn params / layer"]
+    whole = rows[0].weight_bytes is not None
+    if whole:
+        header.append(f"weights ({args.dtype})")
     if memory is not None:
-        header.append(f"context in {format_bytes(memory)}")
+        header.append(f"context in {format_bytes(memory)}" + (" beside the weights" if whole else ""))
     table = [header]
     for r in rows:
         line = [r.variant + (" *" if r.is_model else ""), str(r.n_kv_heads), str(r.group_size),
                 format_bytes(r.kv_bytes_per_token), format_bytes(r.kv_cache_bytes), f"{r.ratio_to_mha:.3f}",
                 f"{r.params_per_layer:,}"]
+        if whole:
+            line.append(format_bytes(r.weight_bytes or 0))
         if memory is not None:
             line.append("any" if r.max_context is None else f"{r.max_context:,}")
         table.append(line)

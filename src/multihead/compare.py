@@ -8,7 +8,7 @@ from pathlib import Path
 
 from multihead import cost
 from multihead.config import MLAConfig
-from multihead.errors import divisors
+from multihead.errors import MultiheadError, divisors
 from multihead.files import save_figure
 from multihead.presets import ModelConfig
 
@@ -24,6 +24,7 @@ class Variant:
     params_per_layer: int
     max_context: int | None
     is_model: bool
+    weight_bytes: int | None = None  # the whole model's weights with this attention, when its config says enough
 
 
 def compare_variants(
@@ -34,10 +35,13 @@ def compare_variants(
     counts = sorted(divisors(base.n_heads), reverse=True)
     rows = []
     mha_bytes = None
+    others = _weights_without_attention(model)  # parameters outside attention, or None
     for g in counts:
         a = dataclasses.replace(base, n_kv_heads=g)
         total = cost.kv_cache_bytes(a, context=seq, batch=batch, n_layers=model.n_layers, dtype=dtype)
         mha_bytes = total if mha_bytes is None else mha_bytes
+        weights = None if others is None else weight_bytes(others + model.n_layers * cost.parameters(a).total, dtype)
+        room = memory_bytes if memory_bytes is None or weights is None else max(0, memory_bytes - weights)
         rows.append(Variant(
             variant=a.variant if a.variant != "GQA" else f"GQA-{g}",
             n_kv_heads=g,
@@ -46,23 +50,48 @@ def compare_variants(
             kv_cache_bytes=total,
             ratio_to_mha=total / mha_bytes if mha_bytes else 0.0,
             params_per_layer=cost.parameters(a).total,
-            max_context=None if memory_bytes is None else cost.max_context(
-                a, memory_bytes=memory_bytes, batch=batch, n_layers=model.n_layers, dtype=dtype),
+            max_context=None if room is None else cost.max_context(
+                a, memory_bytes=room, batch=batch, n_layers=model.n_layers, dtype=dtype),
             is_model=g == base.n_kv_heads and model.mla is None,
+            weight_bytes=weights,
         ))
     mla = model_mla(model)
     if mla is not None:
         per_token = mla.latent_dim * cost.dtype_bytes(dtype) * model.n_layers
         total = cost.mla_cache_bytes(mla, context=seq, batch=batch, n_layers=model.n_layers, dtype=dtype)
+        weights = None if others is None else weight_bytes(
+            others + model.n_layers * cost.mla_parameters(mla).total, dtype)
+        room = memory_bytes if memory_bytes is None or weights is None else max(0, memory_bytes - weights)
         rows.append(Variant(
             variant="MLA" if model.mla is not None else f"MLA (r {mla.kv_lora_rank}, rope {mla.qk_rope_head_dim})",
             n_kv_heads=1, group_size=base.n_heads, kv_bytes_per_token=per_token, kv_cache_bytes=total,
             ratio_to_mha=total / mha_bytes if mha_bytes else 0.0,
             params_per_layer=cost.mla_parameters(mla).total,
-            max_context=None if memory_bytes is None else memory_bytes // (per_token * batch),
+            max_context=None if room is None else room // (per_token * batch),
             is_model=model.mla is not None,
+            weight_bytes=weights,
         ))
     return rows
+
+
+def _weights_without_attention(model: ModelConfig) -> int | None:
+    """The whole model's parameters outside its attention layers (multihead.sizing), or None when the config does
+    not describe the whole model (sizes given on the command line)."""
+    from multihead.sizing import model_size
+
+    if model.hf is None or "vocab_size" not in model.hf:
+        return None
+    try:
+        size = model_size(model)
+    except MultiheadError:
+        return None
+    return size.total - size.parts["attention"]
+
+
+def weight_bytes(params: int, dtype: str) -> int:
+    from multihead.sizing import weight_bytes as wb
+
+    return wb(params, dtype)
 
 
 def model_mla(model: ModelConfig) -> MLAConfig | None:
@@ -103,6 +132,10 @@ def plot_variants(
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     gib = 2**30
     mla = model_mla(model)
+    model_row = next((r for r in rows if r.is_model), rows[0])
+    if model_row.weight_bytes is not None:
+        ax.axhline(model_row.weight_bytes / gib, color="grey", linestyle="-.",
+                   label=f"the model's weights alone ({dtype})")
     for r in rows:
         if r.variant.startswith("MLA") and mla is not None:
             ys = [cost.mla_cache_bytes(mla, context=c, batch=batch, n_layers=model.n_layers, dtype=dtype) / gib
@@ -113,6 +146,8 @@ def plot_variants(
             ys = [cost.kv_cache_bytes(a, context=c, batch=batch, n_layers=model.n_layers, dtype=dtype) / gib
                   for c in contexts]
             label = f"{r.variant} ({r.n_kv_heads} KV head{'s' if r.n_kv_heads > 1 else ''})"
+        if r.weight_bytes is not None:  # the whole model: its weights plus the cache
+            ys = [y + r.weight_bytes / gib for y in ys]
         ax.plot(contexts, ys, marker="o", markersize=3, linewidth=2.5 if r.is_model else 1.5,
                 linestyle="--" if r.variant.startswith("MLA") else "-",
                 label=label + (" - the model" if r.is_model else ""))
@@ -123,10 +158,11 @@ def plot_variants(
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("KV cache (GiB)")
-    ax.set_title(f"{model.name}: KV cache, {model.n_layers} layers, batch {batch}, {dtype}")
+    ax.set_ylabel("weights + KV cache (GiB)" if model_row.weight_bytes is not None else "KV cache (GiB)")
+    what = "weights + KV cache" if model_row.weight_bytes is not None else "KV cache"
+    ax.set_title(f"{model.name}: {what}, {model.n_layers} layers, batch {batch}, {dtype}")
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
