@@ -228,3 +228,10 @@ def test_count_compare_and_shapes_show_deepseek_mla(capsys: pytest.CaptureFixtur
     assert shapes["hook_z"] == [1, 128, 16, 128] and walk["projection_parameters"] == 187_107_328
     assert main(["shapes", "--preset", "deepseek-v3", "--d-model", "64"]) == 2
     assert "not both" in capsys.readouterr().err
+
+
+def test_generate_with_a_window_decodes_at_constant_memory(capsys: pytest.CaptureFixture[str]) -> None:
+    data = _json(["generate", "The capital of France is", "--max-new-tokens", "6", "--window", "32"], capsys)
+    assert data["new_tokens"] >= 1
+    assert main(["generate", "Hi", "--window", "32", "--compile"]) == 2
+    assert "--window decodes eagerly" in capsys.readouterr().err

@@ -218,3 +218,42 @@ def test_compressed_caches_refuse_what_they_cannot_hold() -> None:
     cache.advance(4)
     with pytest.raises(MultiheadError, match="KV cache overflow"):
         model(torch.randint(0, 50, (2, 5)), cache=cache)
+
+
+def test_windowed_generation_is_greedy_decoding_of_the_sink_masked_model_past_the_context() -> None:
+    from multihead.models.generate import generate_ids
+
+    model = _model()
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    n = model.config.max_context + 40  # past the model's context: the cache stays at sinks + window
+    got = [step[0] for step in generate_ids(model, [prompt], max_new_tokens=n, window=16, sink_tokens=2)]
+    # reference: the uncached model under the sink mask, one argmax at a time, on the first 60 tokens
+    seq = list(prompt)
+    for _ in range(60):
+        x = torch.tensor([seq])
+        positions = torch.arange(len(seq))
+        with torch.no_grad():
+            logits = model(x, mask=sink_keep(positions, positions, window=16, sink_tokens=2))
+        seq.append(int(logits[0, -1].argmax()))
+    assert got[:60] == seq[len(prompt):] and len(got) == n
+    with pytest.raises(MultiheadError, match="sequences of one length"):
+        next(generate_ids(model, [[1, 2], [3]], max_new_tokens=2, window=4))
+    with pytest.raises(MultiheadError, match="decodes eagerly"):
+        next(generate_ids(model, [[1, 2]], max_new_tokens=2, window=4, compile=True))
+
+
+def test_a_long_windowed_generation_keeps_resident_memory_flat() -> None:
+    import os
+
+    from multihead.models.generate import generate_ids
+
+    def rss() -> int:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+    model = _model()
+    samples = []
+    for i, _ in enumerate(generate_ids(model, [[1, 2, 3]], max_new_tokens=2000, window=32, sink_tokens=4)):
+        if i % 400 == 399:
+            samples.append(rss())
+    assert samples[-1] <= samples[0] * 1.05, [s // 2**20 for s in samples]

@@ -522,6 +522,10 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights (default float32)")
     p.add_argument("--compile", action="store_true",
                    help="compile the decoding step with torch.compile (minutes the first time, then faster)")
+    p.add_argument("--window", type=_positive, default=None,
+                   help="decode with attention sinks + a sliding window of this many tokens: constant memory, "
+                        "any length (StreamingLLM)")
+    p.add_argument("--sinks", type=int, default=4, help="sink tokens kept beside --window (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     _add_tp(p)
     p.set_defaults(run=_run_generate)
@@ -544,6 +548,8 @@ def _run_generate(args: argparse.Namespace) -> int:
                         top_p=args.top_p if args.top_p is not None else 1.0, seed=args.seed)
     if args.compile and args.tp > 1:
         raise CliError("--compile cannot be combined with --tp (the compiled step runs in one process)")
+    if args.window is not None and (args.compile or args.tp > 1):
+        raise CliError("--window decodes eagerly in one process: drop --compile and --tp")
     model, tok = load_llama(args.model, dtype=getattr(torch, args.dtype))
     quiet = False
     if args.tp > 1:
@@ -557,7 +563,8 @@ def _run_generate(args: argparse.Namespace) -> int:
 
     def produced() -> Iterator[int]:
         for step in generate_ids(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                 stop_ids=tok.stop_ids, compile=args.compile):
+                                 stop_ids=tok.stop_ids, compile=args.compile, window=args.window,
+                                 sink_tokens=args.sinks):
             t = step[0]
             if t is None:
                 return

@@ -86,6 +86,8 @@ def generate_ids(
     stop_ids: set[int] | frozenset[int] = frozenset(),
     step: StepFn | None = None,
     compile: bool = False,
+    window: int | None = None,
+    sink_tokens: int = 4,
 ) -> Iterator[list[int | None]]:
     """Yield, at each step, the new token of every prompt (None once a prompt has stopped).
 
@@ -93,6 +95,8 @@ def generate_ids(
     ``step(tokens, positions)`` may replace the model call (a compiled function, say); it must write the cache.
     ``compile=True`` runs the decoding steps through :func:`compiled_step` (the prompt itself runs eagerly), with
     the cache rounded up to a multiple of CACHE_BUCKET positions so that later calls reuse the compiled graph.
+    ``window=N`` decodes with a :class:`~multihead.cache.SinkCache` (``sink_tokens`` first tokens and the last N):
+    constant memory, any number of new tokens (also past the model's context); prompts of one length.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise MultiheadError(f"max_new_tokens ({max_new_tokens!r}) must be a positive int")
@@ -106,6 +110,11 @@ def generate_ids(
     lengths = [len(p) for p in prompts]
     longest = max(lengths)
     total = longest + max_new_tokens
+    if window is not None:
+        yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      stop_ids=stop_ids, window=window, sink_tokens=sink_tokens, compile=compile,
+                                      step=step)
+        return
     if total > model.config.max_context:
         raise MultiheadError(
             f"the prompt ({longest} tokens) and max_new_tokens ({max_new_tokens}) need {total} positions, more than "
@@ -145,3 +154,35 @@ def generate_ids(
             logits = call(nxt[:, None], cache.next_positions(1))
             cache.advance(1)
             last = logits[:, -1]
+
+
+def _generate_windowed(model: LlamaModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+                       sampling: Sampling, stop_ids: set[int] | frozenset[int], window: int, sink_tokens: int,
+                       compile: bool, step: StepFn | None) -> Iterator[list[int | None]]:
+    """:func:`generate_ids` over a sink + window cache (StreamingLLM): memory bounded whatever the length."""
+    if compile or step is not None:
+        raise MultiheadError("a windowed cache decodes eagerly: drop compile/step, or the window")
+    if len({len(p) for p in prompts}) != 1:
+        raise MultiheadError(f"a windowed cache holds sequences of one length: the prompts have lengths "
+                             f"{sorted({len(p) for p in prompts})} (generate them one at a time)")
+    if len(prompts[0]) > model.config.max_context:
+        raise MultiheadError(f"the prompt ({len(prompts[0])} tokens) is longer than the model's context of "
+                             f"{model.config.max_context}")
+    cache = model.new_cache(len(prompts), window=window, sink_tokens=sink_tokens)
+    tokens = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=model.device)
+    gen = sampling.generator()
+    with torch.no_grad():
+        last = model(tokens, cache=cache)[:, -1]  # (b, vocab)
+        cache.advance(tokens.shape[1])
+        done = [False] * len(prompts)
+        for n in range(max_new_tokens):
+            nxt = sample(last, sampling, gen)
+            out: list[int | None] = []
+            for i, t in enumerate(nxt.tolist()):
+                out.append(None if done[i] else t)
+                done[i] = done[i] or t in stop_ids
+            yield out
+            if all(done) or n == max_new_tokens - 1:
+                return
+            last = model(nxt[:, None], cache=cache)[:, -1]
+            cache.advance(1)
