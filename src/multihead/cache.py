@@ -16,7 +16,7 @@ The buffers keep their shapes whatever the lengths, so a compiled decode step se
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import cast
 
 import torch
@@ -358,11 +358,7 @@ class SinkCache(Cache):
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         """Keep the sinks and the last ``window`` tokens of what the layers wrote this step; evict the rest."""
-        _check_uniform(self, s, lengths)
-        missing = [i for i in range(self.n_layers) if i not in self._pending]
-        if s and missing:
-            raise MultiheadError(f"advance({s}) but layer(s) {missing} wrote nothing this step: every layer of the "
-                                 "cache must run before it advances")
+        _check_step(self, s, lengths, self._pending)
         first, ring = self._used, self.window - 1
         kept = [(i, p) for i, p in enumerate(range(first, first + s))
                 if p < self.sink_tokens or (ring and p >= first + s - ring)]
@@ -397,6 +393,15 @@ def sink_keep(q_positions: Tensor, k_positions: Tensor, *, window: int, sink_tok
     q = q_positions[:, None]  # (s, 1)
     j = k_positions[None, :]  # (1, t)
     return (j <= q) & ((j > q - window) | (j < sink_tokens)) & (j >= 0)
+
+
+def _check_step(cache: Cache, s: int, lengths: Sequence[int] | Tensor | None, pending: Mapping[int, object]) -> None:
+    """Before a cache that holds a step's writes until advance commits them: one length, every layer written."""
+    _check_uniform(cache, s, lengths)
+    missing = [i for i in range(cache.n_layers) if i not in pending]
+    if s and missing:
+        raise MultiheadError(f"advance({s}) but layer(s) {missing} wrote nothing this step: every layer of the "
+                             "cache must run before it advances")
 
 
 def _check_uniform(cache: Cache, s: int, lengths: Sequence[int] | Tensor | None) -> None:
@@ -585,11 +590,7 @@ class QuantizedKVCache(Cache):
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         """Quantize the whole groups that left the residual window; keep the rest in full precision."""
-        _check_uniform(self, s, lengths)
-        missing = [i for i in range(self.n_layers) if i not in self._pending]
-        if s and missing:
-            raise MultiheadError(f"advance({s}) but layer(s) {missing} wrote nothing this step: every layer of the "
-                                 "cache must run before it advances")
+        _check_step(self, s, lengths, self._pending)
         self.check_room(s)
         n0, n1 = self._quantized, self.quantized_tokens(self._used + s)
         g0, g1 = n0 // self.group, n1 // self.group
