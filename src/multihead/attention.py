@@ -50,9 +50,11 @@ class Step:
 def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window: int | None,
                rotary: RotaryEmbedding | None, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
                causal: bool = False, documents: Tensor | None = None, positions: Tensor | None = None,
-               cache: Cache | LayerCache | None = None, dtype: torch.dtype | None = None) -> Step:
+               cache: Cache | LayerCache | None = None, dtype: torch.dtype | None = None,
+               validate: bool = True) -> Step:
     """The :class:`Step` of one call on x (b, s, .) for a layer of ``n_heads`` query heads with this window and
-    RoPE: the mask, the positions, the RoPE tables, the cache slot (inputs already checked)."""
+    RoPE: the mask, the positions, the RoPE tables, the cache slot (inputs already checked). ``validate`` checks a
+    float mask's values (:func:`multihead.masks.build_mask`)."""
     b, s = x.shape[0], x.shape[1]
     t = s if context is None else context.shape[1]
     pos: Tensor | None = None
@@ -78,7 +80,8 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
     elif positions is not None:
         raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
     spec = build_mask(batch=b, n_heads=n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
-                      causal=causal, window=window, documents=documents, q_positions=pos if by_position else None)
+                      causal=causal, window=window, documents=documents, q_positions=pos if by_position else None,
+                      device=x.device, validate=validate)
     rope = None
     if rotary is not None:
         assert pos is not None
@@ -110,10 +113,11 @@ class MultiHeadAttention(nn.Module):
 
     Make it from a config, ``MultiHeadAttention(config)``, or from the config's fields as keywords,
     ``MultiHeadAttention(d_model=4096, n_heads=32, n_kv_heads=8)``; ``backend``, ``device`` and ``dtype`` are the
-    layer's own. Call it as ``attn(x)`` (self-attention), ``attn(x, context)`` (cross-attention), with
-    ``causal=True``, ``mask=keep`` (bool, True = may attend; or a float mask added to the scores),
-    ``key_padding_mask=valid`` ((b, t) bool, True = a real token) and ``return_weights=True`` for the per-head
-    weights (b, n_heads, s, t). Its hook points (``hook_q`` .. ``hook_out``, :mod:`multihead.hooks`) read or
+    layer's own; ``validate=False`` skips the check of a float mask's values (NaN, +inf), which costs a pass over the
+    mask (it is skipped under torch.compile anyway). Call it as ``attn(x)`` (self-attention), ``attn(x, context)``
+    (cross-attention), with ``causal=True``, ``mask=keep`` (bool, True = may attend; or a float mask added to the
+    scores), ``key_padding_mask=valid`` ((b, t) bool, True = a real token) and ``return_weights=True`` for the
+    per-head weights (b, n_heads, s, t). Its hook points (``hook_q`` .. ``hook_out``, :mod:`multihead.hooks`) read or
     replace what passes through the attention core.
     """
 
@@ -131,9 +135,12 @@ class MultiHeadAttention(nn.Module):
         backend: str = "auto",
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
+        validate: bool = True,
         **options: Any,
     ) -> None:
         super().__init__()
+        if not isinstance(validate, bool):
+            raise MultiheadError(f"validate ({validate!r}) must be True or False")
         if config is None:
             config = AttentionConfig.from_kwargs(options)
         elif not isinstance(config, AttentionConfig):
@@ -149,6 +156,7 @@ class MultiHeadAttention(nn.Module):
         self.o_proj = Linear(config.q_dim, config.d_model, bias=config.out_bias, **factory)
         self.rotary = RotaryEmbedding(config.head_dim, config.rope.base) if config.rope is not None else None
         self.backend = check_backend(backend)
+        self.validate = validate
         add_hook_points(self)
 
     # Shorthands for the config's numbers.
@@ -269,7 +277,7 @@ class MultiHeadAttention(nn.Module):
         """:meth:`step` for inputs already checked (forward and explain check them first)."""
         return build_step(x, context, n_heads=self.n_heads, window=self.config.window, rotary=self.rotary, mask=mask,
                           key_padding_mask=key_padding_mask, causal=causal, documents=documents,
-                          positions=positions, cache=cache, dtype=dtype)
+                          positions=positions, cache=cache, dtype=dtype, validate=self.validate)
 
     def _rotate(self, q: Tensor, k: Tensor, step: Step) -> tuple[Tensor, Tensor]:
         if self.rotary is None:

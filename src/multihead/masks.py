@@ -150,6 +150,12 @@ class MaskSpec:
         return keep, bias, has_key
 
 
+def _check_device(name: str, tensor: Tensor, device: torch.device | None) -> None:
+    if device is not None and tensor.device != device:
+        raise MultiheadError(f"{name} is on {tensor.device} but the inputs are on {device}: move it, e.g. "
+                             f"{name}.to({str(device)!r})")
+
+
 def _check_broadcast(name: str, shape: tuple[int, ...], target: tuple[int, ...], legend: str) -> None:
     pairs = zip(reversed(shape), reversed(target), strict=False)
     if len(shape) > len(target) or any(a not in (1, b) for a, b in pairs):
@@ -168,8 +174,15 @@ def build_mask(
     window: int | None = None,
     q_positions: Tensor | None = None,
     documents: Tensor | None = None,
+    device: torch.device | None = None,
+    validate: bool = True,
 ) -> MaskSpec:
-    """Validate the mask arguments of one attention call and gather them into a :class:`MaskSpec`."""
+    """Validate the mask arguments of one attention call and gather them into a :class:`MaskSpec`.
+
+    Shapes, dtypes and devices (``device``: the inputs') are always checked. With ``validate`` (the default; skipped
+    under torch.compile, where it would cost a pass over the mask in every call) a float mask is also checked for NaN
+    and +inf, which would turn the outputs of their rows into NaN: -inf forbids a key, any finite value weights it.
+    """
     if not isinstance(causal, bool):
         raise MultiheadError(f"causal ({causal!r}) must be True or False")
     if window is not None and not causal:
@@ -196,9 +209,18 @@ def build_mask(
                 f"{legend} = {target}"
             )
         _check_broadcast("mask", tuple(mask.shape), target, legend)
+        _check_device("mask", mask, device)
         if mask.dtype == torch.bool:
             keep = mask
         elif mask.is_floating_point():
+            if validate and not torch.compiler.is_compiling():
+                bad = torch.isnan(mask) | (mask == float("inf"))
+                if bool(bad.any()):
+                    where = tuple(int(i) for i in bad.nonzero()[0])
+                    raise MultiheadError(
+                        f"the float mask holds NaN or +inf ({int(bad.sum())} entries, the first at {where}, value "
+                        f"{float(mask[where])}): they make those rows NaN; use -inf to forbid a key, a finite value "
+                        "to weight it (or validate=False to skip this check)")
             bias = mask
         else:
             raise MultiheadError(
@@ -212,6 +234,7 @@ def build_mask(
                 f"key_padding_mask has dtype {key_padding_mask.dtype}: it must be bool, True = a real token "
                 "(torch.nn.MultiheadAttention's is the opposite: pass ~its_mask)"
             )
+        _check_device("key_padding_mask", key_padding_mask, device)
         if tuple(key_padding_mask.shape) != (batch, t):
             raise MultiheadError(
                 f"key_padding_mask of shape {tuple(key_padding_mask.shape)} must be (b, t) = {(batch, t)}"
@@ -225,6 +248,7 @@ def build_mask(
             raise MultiheadError(f"documents has dtype {documents.dtype}: it must hold integer document ids")
         if s != t:
             raise MultiheadError(f"documents are for self-attention over packed sequences: s ({s}) must equal t ({t})")
+        _check_device("documents", documents, device)
         if tuple(documents.shape) != (batch, s):
             raise MultiheadError(f"documents of shape {tuple(documents.shape)} must be (b, s) = {(batch, s)}")
     return MaskSpec(batch=batch, n_heads=n_heads, s=s, t=t, causal=causal, window=window, keep=keep, bias=bias,

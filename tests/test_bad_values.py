@@ -1,0 +1,67 @@
+"""Bad values inside tensors: NaN and +inf in float masks are refused by name (validate=True, the default), masks on
+another device than the inputs are refused, and NaN inputs give the same documented result on every backend."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from multihead import MultiHeadAttention, MultiheadError
+
+BACKENDS = ["sdpa", "math"]
+
+
+def _layer(**kw) -> MultiHeadAttention:  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    return MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2, bias=False, **kw).eval()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_nan_or_plus_inf_in_a_float_mask_is_refused_and_named(bad: float, backend: str) -> None:
+    x = torch.randn(2, 5, 32)
+    mask = torch.zeros(2, 1, 5, 5)
+    mask[1, 0, 3, 2] = bad
+    with pytest.raises(MultiheadError, match=r"holds NaN or \+inf \(1 entries, the first at \(1, 0, 3, 2\)"):
+        _layer()(x, mask=mask, backend=backend)
+    mask[1, 0, 3, 2] = float("-inf")  # -inf forbids a key: fine
+    assert torch.isfinite(_layer()(x, mask=mask, backend=backend)).all()
+
+
+def test_validate_false_skips_the_check_and_the_nan_row_is_the_same_on_every_backend() -> None:
+    x = torch.randn(1, 4, 32)
+    mask = torch.zeros(4, 4)
+    mask[2, 1] = float("nan")
+    layer = _layer(validate=False)
+    outs = [layer(x, mask=mask, backend=b) for b in BACKENDS]
+    for out in outs:  # documented: the row whose mask holds NaN is NaN, the others are untouched
+        assert torch.isnan(out[0, 2]).all() and torch.isfinite(out[0, [0, 1, 3]]).all()
+    torch.testing.assert_close(outs[0][0, [0, 1, 3]], outs[1][0, [0, 1, 3]], atol=1e-5, rtol=1e-5)
+    with pytest.raises(MultiheadError, match=r"validate \('no'\) must be True or False"):
+        _layer(validate="no")
+
+
+def test_masks_on_another_device_are_refused() -> None:
+    x = torch.randn(1, 3, 32)
+    for name, kwargs in (("mask", {"mask": torch.ones(3, 3, dtype=torch.bool, device="meta")}),
+                         ("key_padding_mask", {"key_padding_mask": torch.ones(1, 3, dtype=torch.bool,
+                                                                              device="meta")})):
+        with pytest.raises(MultiheadError, match=f"{name} is on meta but the inputs are on cpu"):
+            _layer()(x, **kwargs)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.uint8, torch.int32])
+def test_integer_masks_are_refused(dtype: torch.dtype) -> None:
+    with pytest.raises(MultiheadError, match=f"mask has dtype {dtype}"):
+        _layer()(torch.randn(1, 3, 32), mask=torch.ones(3, 3, dtype=dtype))
+
+
+def test_nan_in_the_inputs_reaches_the_same_outputs_on_every_backend() -> None:
+    """Documented: NaN in one token of x makes every row of that sequence NaN on every backend, also the rows whose
+    mask hides that token (a zero weight times a NaN value is NaN, as in PyTorch's own kernels); the other sequences
+    of the batch are untouched."""
+    x = torch.randn(2, 6, 32)
+    x[0, 3, 5] = float("nan")
+    for backend in BACKENDS:
+        out = _layer()(x, causal=True, backend=backend)
+        assert torch.isnan(out[0]).any(dim=-1).all() and torch.isfinite(out[1]).all()
