@@ -65,3 +65,30 @@ def test_nan_in_the_inputs_reaches_the_same_outputs_on_every_backend() -> None:
     for backend in BACKENDS:
         out = _layer()(x, causal=True, backend=backend)
         assert torch.isnan(out[0]).any(dim=-1).all() and torch.isfinite(out[1]).all()
+
+
+def test_two_threads_on_one_layer_with_different_masks_get_what_each_gets_alone() -> None:
+    """Nothing a call derives (masks, block masks, RoPE tables) is kept on the layer between calls: two threads
+    sharing a layer get the results of running alone."""
+    import threading
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2, rope=10000.0, bias=False).eval()
+    inputs = [(torch.randn(2, 9, 32), torch.rand(2, 1, 9, 9) > 0.3), (torch.randn(2, 7, 32), None)]
+    alone = [layer(x, mask=m, causal=m is None) for x, m in inputs]
+    results: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def work(i: int) -> None:
+        x, m = inputs[i]
+        for _ in range(50):
+            results[i].append(layer(x, mask=m, causal=m is None))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        assert len(results[i]) == 50
+        for out in results[i]:
+            torch.testing.assert_close(out, alone[i], atol=1e-6, rtol=1e-6)
