@@ -144,7 +144,7 @@ def _deepseek(version: int):  # type: ignore[no-untyped-def]
     common = {"vocab_size": 96, "hidden_size": 64, "intermediate_size": 96, "moe_intermediate_size": 32,
               "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 4, "n_shared_experts": 1,
               "n_routed_experts": 4, "num_experts_per_tok": 2, "first_k_dense_replace": 1, "kv_lora_rank": 16,
-              "qk_rope_head_dim": 8, "v_head_dim": 12, "qk_nope_head_dim": 16, "max_position_embeddings": 64,
+              "qk_rope_head_dim": 8, "v_head_dim": 12, "qk_nope_head_dim": 16, "max_position_embeddings": 600,
               "attn_implementation": "eager"}
     torch.manual_seed(version)
     if version == 3:
@@ -168,10 +168,10 @@ def test_our_mla_layer_in_a_transformers_deepseek_model_gives_its_outputs(versio
     with torch.no_grad():
         want, got = theirs(x).logits, ours(x).logits
         assert float((got - want).abs().max() / want.abs().max()) < 1e-5
-        prompt = x[:1, :6]
-        want_tokens = theirs.generate(prompt, max_new_tokens=12, do_sample=False)
-        got_tokens = ours.generate(prompt, max_new_tokens=12, do_sample=False)
-    assert got_tokens.tolist() == want_tokens.tolist()
+        for prompt in (x[:1, :6], torch.randint(0, 96, (1, 250))):  # the second grows the latent cache past 256
+            want_tokens = theirs.generate(prompt, max_new_tokens=12, do_sample=False)
+            got_tokens = ours.generate(prompt, max_new_tokens=12, do_sample=False)
+            assert got_tokens.tolist() == want_tokens.tolist()
 
 
 def test_masks_and_sequences_of_different_lengths_in_the_latent_cache() -> None:

@@ -297,8 +297,6 @@ class MLAInTransformers(nn.Module):
     def forward(self, hidden_states: Tensor, position_embeddings: Any = None, attention_mask: Tensor | None = None,
                 position_ids: Tensor | None = None, cache: Any = None, use_cache: bool | None = None,
                 **kwargs: Any) -> tuple[Tensor, None]:
-        from multihead.cache import LatentCache
-
         b, s = hidden_states.shape[:2]
         positions = position_ids if position_ids is not None else torch.arange(s, device=hidden_states.device)[None]
         if attention_mask is not None and attention_mask.ndim == 2 and not bool(attention_mask.all()):
@@ -306,13 +304,27 @@ class MLAInTransformers(nn.Module):
         if cache is None and not use_cache:
             return self.layer(hidden_states, causal=True, positions=positions.expand(b, s), path=self.path), None
         if int(positions[0, 0]) == 0 or self.cache is None or self.cache.batch != b:
-            c = self.layer.config
-            self.cache = LatentCache(batch=b, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
-                                     max_len=self.max_len, dtype=hidden_states.dtype, device=hidden_states.device)
+            self.cache = self._latents(b, s, hidden_states)
+        elif self.cache.used + s > self.cache.max_len:  # grow by doubling, up to the model's context
+            old = self.cache
+            self.cache = self._latents(b, old.used + s, hidden_states)
+            self.cache.latent[:, :, :old.used].copy_(old.latent[:, :, :old.used])
+            self.cache.advance(old.used)
         out = self.layer(hidden_states, causal=True, positions=positions.expand(b, s), cache=self.cache.layer(0),
                          path=self.path)
         self.cache.advance(s)
         return out, None
+
+    def _latents(self, b: int, need: int, like: Tensor) -> Any:
+        """A latent cache for ``need`` tokens or more (room doubles as a generation grows)."""
+        from multihead.cache import LatentCache
+
+        c = self.layer.config
+        size = min(self.max_len, max(256, 1 << max(0, need - 1).bit_length()))
+        if need > size:
+            raise MultiheadError(f"{need} tokens exceed the model's context of {self.max_len}")
+        return LatentCache(batch=b, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, max_len=size,
+                           dtype=like.dtype, device=like.device)
 
 
 def use_mla_layers(model: nn.Module, *, path: str = "auto") -> nn.Module:
