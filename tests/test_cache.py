@@ -152,3 +152,13 @@ def test_a_decode_step_makes_no_positions_when_nothing_reads_them() -> None:
             last = layer(x[:, 4:], causal=True, cache=cache.layer(0))
     assert "arange.default" not in ops.names and "add.Tensor" not in ops.names, ops.names
     torch.testing.assert_close(last, layer(x, causal=True)[:, 4:], atol=1e-6, rtol=1e-5)
+
+
+def test_advance_refuses_negative_counts_and_overflow() -> None:
+    cache = KVCache(batch=1, n_kv_heads=2, head_dim=8, max_len=4)
+    with pytest.raises(MultiheadError, match="non-negative number of tokens, got -1"):
+        cache.advance(-1)
+    cache.advance(3)
+    with pytest.raises(MultiheadError, match="KV cache overflow: 2 more token"):
+        cache.advance(2)
+    assert cache.used == 3 and cache.lengths.tolist() == [3]  # nothing recorded by the refused calls

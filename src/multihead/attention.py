@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from multihead import cpu
 from multihead.cache import Cache, LayerCache
-from multihead.config import AttentionConfig
+from multihead.config import AttentionConfig, config_or_keywords
 from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint, add_hook_points, attend
 from multihead.hooks import explain as explain_call
@@ -141,14 +141,7 @@ class MultiHeadAttention(nn.Module):
         super().__init__()
         if not isinstance(validate, bool):
             raise MultiheadError(f"validate ({validate!r}) must be True or False")
-        if config is None:
-            config = AttentionConfig.from_kwargs(options)
-        elif not isinstance(config, AttentionConfig):
-            raise MultiheadError(f"config must be an AttentionConfig, got {type(config).__name__}")
-        elif options:
-            raise MultiheadError(f"give a config or its fields as keywords, not both (got a config and "
-                                 f"{', '.join(options)})")
-        self.config = config
+        self.config = config = config_or_keywords(AttentionConfig, config, options)
         factory: dict[str, Any] = {"device": device, "dtype": dtype}
         self.q_proj = Linear(config.d_model, config.q_dim, bias=config.bias, **factory)
         self.k_proj = Linear(config.kv_dim, config.k_dim, bias=config.bias, **factory)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from multihead.errors import MultiheadError, divisors
 
@@ -318,3 +318,20 @@ class MLAConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+ConfigT = TypeVar("ConfigT", AttentionConfig, "MLAConfig")
+
+
+def config_or_keywords(cls: type[ConfigT], config: object, options: dict[str, Any]) -> ConfigT:
+    """A layer's config: the one given, or one made of its fields given as keywords (``cls.from_kwargs``), never
+    both."""
+    if config is None:
+        made: ConfigT = cls.from_kwargs(options)
+        return made
+    if not isinstance(config, cls):
+        raise MultiheadError(f"config must be an {cls.__name__}, got {type(config).__name__}")
+    if options:
+        raise MultiheadError(f"give a config or its fields as keywords, not both (got a config and "
+                             f"{', '.join(options)})")
+    return config

@@ -24,32 +24,22 @@ from __future__ import annotations
 from typing import Any, Literal
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead import kernels
 from multihead.attention import Step, build_step
 from multihead.cache import LatentCache, LayerCache
-from multihead.config import MLAConfig
+from multihead.config import MLAConfig, config_or_keywords
 from multihead.errors import MultiheadError
 from multihead.hooks import POINTS, HookPoint, add_hook_points, attend
 from multihead.hooks import explain as explain_call
 from multihead.kernels import AttentionCall, KernelChoice, check_backend
 from multihead.linear import Linear
 from multihead.masks import MaskSpec
+from multihead.norms import RMSNorm
 from multihead.rope import RotaryEmbedding
 
 PATHS = ("auto", "expanded", "absorbed")
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, **factory: Any) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, **factory))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).to(x.dtype)
 
 
 class _AbsorbedPoints:
@@ -78,14 +68,7 @@ class MultiHeadLatentAttention(nn.Module):
                  device: torch.device | str | None = None, dtype: torch.dtype | None = None,
                  **options: Any) -> None:
         super().__init__()
-        if config is None:
-            config = MLAConfig.from_kwargs(options)
-        elif not isinstance(config, MLAConfig):
-            raise MultiheadError(f"config must be an MLAConfig, got {type(config).__name__}")
-        elif options:
-            raise MultiheadError(f"give a config or its fields as keywords, not both (got a config and "
-                                 f"{', '.join(options)})")
-        self.config = c = config
+        self.config = c = config_or_keywords(MLAConfig, config, options)
         f: dict[str, Any] = {"device": device, "dtype": dtype}
         h, qk = c.n_heads, c.qk_head_dim
         if c.q_lora_rank is None:

@@ -22,6 +22,7 @@ from multihead.cache import Cache, KVCache, LayerCache, LayeredCache, QuantizedK
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.linear import Linear, linear
+from multihead.norms import RMSNorm
 
 
 @dataclass(frozen=True)
@@ -67,24 +68,6 @@ class LlamaConfig:
         head_dim = self.head_dim if self.head_dim is not None else self.d_model // self.n_heads
         return AttentionConfig(d_model=self.d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim,
                                bias=False, rope=RopeConfig(self.rope_base))
-
-
-class RMSNorm(nn.Module):
-    """x / sqrt(mean(x^2) + eps) * weight, normalised in float32."""
-
-    def __init__(self, dim: int, eps: float, *, device: torch.device | str | None = None,
-                 dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
-
-    def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op, the same formula
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        out: Tensor = self.weight * normed.to(x.dtype)
-        return out
 
 
 class LlamaBlock(nn.Module):
