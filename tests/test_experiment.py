@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -11,14 +12,18 @@ import torch
 from multihead import AttentionConfig, MultiheadError, cost
 from multihead.cli import main
 from multihead.experiments.heads_vs_width import (
+    LM_HEADS,
+    LM_SETTINGS,
     Settings,
     TaskConfig,
+    TextTask,
     TinyLM,
     Variant,
     default_variants,
     run,
     train_one,
 )
+from multihead.tradeoff.text import read_text
 
 TINY = Settings(d_model=16, n_layers=1, steps=6, batch=8, seeds=(0,), eval_batches=1, workers=1,
                 task=TaskConfig(n_keys=8, n_values=8, n_pairs=3))
@@ -70,7 +75,11 @@ def test_cli_writes_a_plot_and_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["--heads", "1,x"], "must be comma-separated integers"),
     (["--heads", "3"], r"d_model \(16\) must be divisible by n_heads \(3\)"),
     (["--pairs", "99"], r"n_pairs \(99\) must be between 1 and n_keys \(64\)"),
-    (["--lr", "-1"], r"lr \(-1.0\) must be positive"),
+    (["--lr", "-1"], r"lr \(-1.0\) must be a number in \(0, 1\]"),
+    (["--lr", "inf"], r"lr \(inf\) must be a number in \(0, 1\]"),
+    (["--lr", "nan"], r"lr \(nan\) must be a number in \(0, 1\]"),
+    (["--task", "lm", "--text", "/nonexistent/text.gz"], r"the evaluation text /nonexistent/text.gz is missing"),
+    (["--task", "lm", "--context", "1"], r"context \(1\) must be an int of at least 2 bytes"),
 ])
 def test_bad_experiment_flags(argv: list[str], message: str, tmp_path: Path,
                               capsys: pytest.CaptureFixture[str]) -> None:
@@ -86,3 +95,68 @@ def test_bad_experiment_flags(argv: list[str], message: str, tmp_path: Path,
 def test_settings_validate() -> None:
     with pytest.raises(MultiheadError, match=r"steps \(0\) must be a positive int"):
         Settings(steps=0)
+
+
+def test_text_task_trains_on_the_first_80_percent_and_scores_every_held_out_byte_once() -> None:
+    task = TextTask(context=16)
+    data = read_text().encode("utf-8")
+    cut = int(len(data) * 0.8)
+    tokens, scored = task.batch(5, torch.Generator().manual_seed(0))
+    assert tokens.shape == (5, 17) and scored.shape == (5, 16) and bool(scored.all())
+    for row in tokens.tolist():  # each window is a contiguous run of the training bytes
+        assert bytes(row) in data[:cut]
+    windows = task.evaluation(2, 3)
+    assert [w[0].shape for w in windows] == [(3, 17), (3, 17)]
+    held = torch.cat([w[0] for w in windows]).tolist()
+    for k, row in enumerate(held):  # consecutive windows from the start of the held-out part, overlapping by one
+        assert bytes(row) == data[cut + 16 * k: cut + 16 * k + 17]
+
+
+def test_lm_rows_have_equal_attention_parameters_and_flops_across_1_to_32_heads(tmp_path: Path) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(read_text()[:20_000], encoding="utf-8")
+    settings = Settings(d_model=32, n_layers=1, steps=3, batch=4, seeds=(0,), eval_batches=2, workers=1,
+                        task=TextTask(context=16, path=str(text)))
+    result = run(settings, default_variants(32, LM_HEADS), progress=False)
+    rows = {r["variant"]: r for r in result["rows"]}
+    mha = [rows[f"MHA h={h}"] for h in LM_HEADS]
+    assert [r["head_dim"] for r in mha] == [32, 16, 8, 4, 2, 1]
+    assert len({r["attention_params_per_layer"] for r in mha}) == 1
+    assert len({r["attention_flops_per_layer"] for r in mha}) == 1
+    assert mha[0]["attention_flops_per_layer"] == cost.flops(AttentionConfig(d_model=32, n_heads=1), s=16,
+                                                             causal=True).forward
+    models = [TinyLM(AttentionConfig(d_model=32, n_heads=h), n_layers=1, vocab=256, max_len=17) for h in LM_HEADS]
+    assert len({sum(p.numel() for p in m.parameters()) for m in models}) == 1
+    gqa, mqa = rows["GQA h=8 g=2"], rows["MQA h=8 g=1"]
+    assert mqa["attention_params_per_layer"] < gqa["attention_params_per_layer"] < mha[0]["attention_params_per_layer"]
+    assert gqa["kv_cache_bytes_per_token"] * 4 == rows["MHA h=8"]["kv_cache_bytes_per_token"]
+    for r in result["rows"]:
+        run_ = r["runs"][0]
+        assert run_["scored"] == 2 * 4 * 16  # every byte of the held-out windows
+        assert r["perplexity_mean"] == pytest.approx(math.exp(r["loss_mean"]))
+        assert 1 < r["perplexity_mean"] < 400  # a few steps from random init: about the 256-byte vocabulary
+        labels = run_["heads"]["labels"]
+        assert len(labels) == 1 and len(labels[0]) == r["n_heads"]
+        assert sum(r["label_counts"].values()) == r["n_heads"]
+
+
+def test_lm_defaults_are_the_documented_run() -> None:
+    assert (LM_SETTINGS.d_model, LM_SETTINGS.n_layers, LM_SETTINGS.steps, LM_SETTINGS.batch, LM_SETTINGS.lr) == (
+        128, 2, 400, 32, 1e-2)
+    assert isinstance(LM_SETTINGS.task, TextTask) and LM_SETTINGS.task.context == 64
+    names = [v.name for v in default_variants(128, LM_HEADS)]
+    assert names == ["MHA h=1", "MHA h=2", "MHA h=4", "MHA h=8", "MHA h=16", "MHA h=32", "GQA h=8 g=2", "MQA h=8 g=1"]
+
+
+def test_cli_lm_task_writes_its_own_plot_and_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    text = tmp_path / "text.txt"
+    text.write_text(read_text()[:20_000], encoding="utf-8")
+    argv = ["experiment", "heads-vs-width", "--task", "lm", "--text", str(text), "--context", "16", "--d-model", "16",
+            "--layers", "1", "--steps", "3", "--seeds", "1", "--batch", "4", "--workers", "1", "--heads", "1,4",
+            "--out", str(tmp_path / "out")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "byte-level LM" in out and "MHA h=4" in out and "head labels" in out
+    data = json.loads((tmp_path / "out" / "heads-vs-width-lm.json").read_text())
+    assert data["task"] == "lm" and [r["n_heads"] for r in data["rows"]] == [1, 4]
+    assert (tmp_path / "out" / "heads-vs-width-lm.png").read_bytes()[:4] == b"\x89PNG"

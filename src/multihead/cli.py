@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 from collections.abc import Callable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any, NoReturn
@@ -673,15 +674,22 @@ def _run_heads(args: argparse.Namespace) -> int:
 def _add_experiment(sub: Any) -> None:
     p = sub.add_parser("experiment", help="experiments on heads (heads-vs-width: many small heads or one wide head)")
     p.add_argument("name", choices=["heads-vs-width"], help="which experiment")
-    p.add_argument("--d-model", type=_positive, default=64, help="model width (default 64)")
+    p.add_argument("--task", choices=["recall", "lm"], default="recall",
+                   help="recall: multi-query associative recall (default); lm: byte-level language modelling on the "
+                        "Jargon File (held-out perplexity), Vaswani et al.'s setting")
+    p.add_argument("--d-model", type=_positive, default=None, help="model width (default 64; 128 for lm)")
     p.add_argument("--layers", type=_positive, default=2, help="layers (default 2)")
-    p.add_argument("--steps", type=_positive, default=500, help="training steps per model (default 500)")
+    p.add_argument("--steps", type=_positive, default=None, help="training steps per model (default 500; 400 for lm)")
     p.add_argument("--seeds", type=_positive, default=3, help="seeds per configuration (default 3)")
-    p.add_argument("--pairs", type=_positive, default=8, help="key-value pairs per sequence (default 8)")
-    p.add_argument("--batch", type=_positive, default=64, help="sequences per step (default 64)")
-    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (default 3e-3)")
+    p.add_argument("--pairs", type=_positive, default=8, help="recall: key-value pairs per sequence (default 8)")
+    p.add_argument("--context", type=_positive, default=64, help="lm: bytes per training window (default 64)")
+    p.add_argument("--text", default=None,
+                   help="lm: a UTF-8 text file, plain or .gz (default: the Jargon File that `make text` installs)")
+    p.add_argument("--batch", type=_positive, default=None, help="sequences per step (default 64; 32 for lm)")
+    p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3; 1e-2 for lm)")
     p.add_argument("--workers", type=_positive, default=2, help="training processes side by side (default 2)")
-    p.add_argument("--heads", default=None, help="comma-separated head counts (default 1,2,4,8,16, plus GQA and MQA)")
+    p.add_argument("--heads", default=None,
+                   help="comma-separated head counts (default 1,2,4,8,16; 1,2,4,8,16,32 for lm; plus GQA and MQA)")
     p.add_argument("--out", default="multihead-experiment", help="folder for the plot and the JSON")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=_run_experiment)
@@ -690,12 +698,33 @@ def _add_experiment(sub: Any) -> None:
 def _run_experiment(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from multihead.experiments.heads_vs_width import Settings, TaskConfig, Variant, default_variants, plot, run
+    from multihead.experiments.heads_vs_width import (
+        LM_HEADS,
+        LM_SETTINGS,
+        Settings,
+        TaskConfig,
+        TextTask,
+        Variant,
+        default_variants,
+        plot,
+        run,
+    )
     from multihead.heads.report import prepare_out_dir
 
-    settings = Settings(d_model=args.d_model, n_layers=args.layers, steps=args.steps, batch=args.batch, lr=args.lr,
-                        seeds=tuple(range(args.seeds)), workers=args.workers, task=TaskConfig(n_pairs=args.pairs))
-    variants = default_variants(args.d_model)
+    lm = args.task == "lm"
+    base = LM_SETTINGS if lm else Settings()
+    task: TaskConfig | TextTask
+    if lm:
+        task = TextTask(context=args.context, path=args.text)
+        task.splits()  # a missing or unreadable text fails here, before any training
+    else:
+        task = TaskConfig(n_pairs=args.pairs)
+    d_model = args.d_model or base.d_model
+    settings = dataclasses.replace(base, d_model=d_model, n_layers=args.layers, steps=args.steps or base.steps,
+                                   batch=args.batch or base.batch, lr=base.lr if args.lr is None else args.lr,
+                                   seeds=tuple(range(args.seeds)),
+                                   workers=args.workers, task=task)
+    variants = default_variants(d_model, LM_HEADS if lm else (1, 2, 4, 8, 16))
     if args.heads:
         try:
             counts = [int(h) for h in args.heads.split(",")]
@@ -703,17 +732,34 @@ def _run_experiment(args: argparse.Namespace) -> int:
             raise CliError(f"--heads {args.heads!r} must be comma-separated integers, e.g. 1,4,16") from None
         variants = [Variant(f"MHA h={h}", h, h) for h in counts]
     out = prepare_out_dir(args.out)
+    stem = "heads-vs-width-lm" if lm else "heads-vs-width"
     result = run(settings, variants, progress=not args.json)
-    png = plot(result, str(Path(out) / "heads-vs-width.png"))
+    png = plot(result, str(Path(out) / f"{stem}.png"))
     from multihead.files import write_text
 
-    write_text(Path(out) / "heads-vs-width.json", json.dumps(result))
+    write_text(Path(out) / f"{stem}.json", json.dumps(result))
     if args.json:
         slim = {**result, "rows": [{k: v for k, v in r.items() if k != "runs"} | {
             "heads": [run_["heads"] for run_ in r["runs"]]} for r in result["rows"]], "plot": png}
         print(json.dumps(slim))
         return 0
-    print(f"MQAR, {settings.task.n_pairs} pairs, d_model {settings.d_model}, {settings.n_layers} layers, "
+    if lm:
+        print(f"byte-level LM on {args.text or 'the Jargon File'}, context {task.seq_len - 1}, d_model "
+              f"{settings.d_model}, {settings.n_layers} layers, {settings.steps} steps of {settings.batch}, "
+              f"{len(settings.seeds)} seeds, {result['rows'][0]['runs'][0]['scored']:,} held-out bytes "
+              f"({result['seconds']} s)")
+        print(f"{'variant':<13} {'d_k':>4} {'attn params':>11} {'attn FLOPs':>11} {'KV B/token':>10} "
+              f"{'held-out ppl':>15} {'bits/byte':>9}  head labels (mean per model)")
+        for r in result["rows"]:
+            labels = ", ".join(f"{name} {n:g}" for name, n in sorted(r["label_counts"].items(), key=lambda x: -x[1]))
+            print(f"{r['variant']:<13} {r['head_dim']:>4} {r['attention_params_per_layer']:>11,} "
+                  f"{r['attention_flops_per_layer']:>11,} {r['kv_cache_bytes_per_token']:>10,} "
+                  f"{r['perplexity_mean']:>7.3f} ± {r['perplexity_std']:<5.3f} "
+                  f"{r['loss_mean'] / math.log(2):>9.3f}  {labels}")
+        print(f"plot: {png}")
+        return 0
+    assert isinstance(task, TaskConfig)
+    print(f"MQAR, {task.n_pairs} pairs, d_model {settings.d_model}, {settings.n_layers} layers, "
           f"{settings.steps} steps, {len(settings.seeds)} seeds ({result['seconds']} s)")
     print(f"{'variant':<13} {'d_k':>4} {'attn params':>11} {'attn FLOPs':>11} {'KV B/token':>10} "
           f"{'loss':>13} {'accuracy':>13} {'prev heads':>10} {'ind heads':>9}")

@@ -6,11 +6,16 @@ multi-query associative recall (MQAR; Arora et al., 2023): a sequence of key-val
 another order, and the model must answer each key with its value. Answering needs two routing patterns at once: a
 head that moves each key into the position of its value (previous-token) and a head that finds, from a repeated key,
 the position after its earlier occurrence (induction).
+
+With ``--task lm`` the same models are byte-level language models trained on the project's evaluation text (the
+Jargon File, :mod:`multihead.tradeoff.text`): random windows of the first 80% for training, held-out perplexity per
+byte on fixed windows of the last 20%. That is where Vaswani et al. (2017, Table 3 rows A) measured the claim.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import time
@@ -26,7 +31,7 @@ from multihead import AttentionConfig, MultiHeadAttention, cost
 from multihead.errors import MultiheadError
 from multihead.files import save_figure
 from multihead.heads.capture import capture_weights
-from multihead.heads.scores import pattern_scores, repeat_scores
+from multihead.heads.scores import label_heads, pattern_scores, repeat_scores
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,80 @@ class TaskConfig:
         scored = torch.zeros(size, 4 * p - 1, dtype=torch.bool)
         scored[:, 2 * p::2] = True  # predicting the token after each query key: its value
         return tokens, scored
+
+    def evaluation(self, batches: int, size: int) -> list[tuple[Tensor, Tensor]]:
+        """The held-out batches: the same for every model (a fixed generator)."""
+        gen = torch.Generator().manual_seed(99)
+        return [self.batch(size, gen) for _ in range(batches)]
+
+    def natural(self, size: int, generator: torch.Generator) -> Tensor:
+        """Sequences to score head patterns on: task sequences."""
+        return self.batch(size, generator)[0]
+
+
+@functools.lru_cache(maxsize=2)
+def _text_bytes(path: str | None) -> tuple[Tensor, Tensor]:
+    """The reflowed text as UTF-8 bytes, split by position: (training bytes, held-out bytes), uint8."""
+    from multihead.tradeoff.text import HELD_OUT, read_text
+
+    data = torch.frombuffer(bytearray(read_text(path).encode("utf-8")), dtype=torch.uint8)
+    cut = int(len(data) * (1 - HELD_OUT))
+    return data[:cut], data[cut:]
+
+
+@dataclass(frozen=True)
+class TextTask:
+    """Byte-level language modelling on a real text: every next byte is scored.
+
+    Training batches are windows of ``context`` + 1 bytes at random offsets in the first 80% of the text; the
+    held-out set is consecutive non-overlapping windows from the start of the last 20%, the same for every model.
+    """
+
+    context: int = 64
+    path: str | None = None  # None: the Jargon File that `make text` installs
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.context, int) or self.context < 2:
+            raise MultiheadError(f"context ({self.context!r}) must be an int of at least 2 bytes")
+
+    @property
+    def vocab(self) -> int:
+        return 256
+
+    @property
+    def seq_len(self) -> int:
+        return self.context + 1
+
+    def splits(self) -> tuple[Tensor, Tensor]:
+        train, test = _text_bytes(self.path)
+        if len(train) <= self.seq_len or len(test) < self.seq_len:
+            raise MultiheadError(f"the text has {len(train):,} training and {len(test):,} held-out bytes, too few "
+                                 f"for windows of {self.seq_len} bytes")
+        return train, test
+
+    def _windows(self, data: Tensor, starts: Tensor) -> Tensor:
+        return data[starts[:, None] + torch.arange(self.seq_len)].long()
+
+    def batch(self, size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        train, _ = self.splits()
+        starts = torch.randint(0, len(train) - self.seq_len + 1, (size,), generator=generator)
+        tokens = self._windows(train, starts)
+        return tokens, torch.ones(size, self.context, dtype=torch.bool)
+
+    def evaluation(self, batches: int, size: int) -> list[tuple[Tensor, Tensor]]:
+        _, test = self.splits()
+        available = (len(test) - 1) // self.context
+        n = min(batches * size, available)
+        starts = torch.arange(n) * self.context  # consecutive windows: every held-out byte is scored once
+        out = []
+        for first in range(0, n, size):
+            chunk = starts[first:first + size]
+            out.append((self._windows(test, chunk), torch.ones(len(chunk), self.context, dtype=torch.bool)))
+        return out
+
+    def natural(self, size: int, generator: torch.Generator) -> Tensor:
+        """Held-out windows (natural text) to score head patterns on."""
+        return self.evaluation(1, size)[0][0]
 
 
 class Block(nn.Module):
@@ -108,9 +187,13 @@ class Variant:
     n_kv_heads: int
 
 
-def default_variants(d_model: int) -> list[Variant]:
-    rows = [Variant(f"MHA h={h}", h, h) for h in (1, 2, 4, 8, 16) if d_model % h == 0]
+def default_variants(d_model: int, heads: tuple[int, ...] = (1, 2, 4, 8, 16)) -> list[Variant]:
+    """MHA rows for each head count that divides d_model, then GQA (8 query heads, 2 KV) and MQA (8 query, 1 KV)."""
+    rows = [Variant(f"MHA h={h}", h, h) for h in heads if d_model % h == 0]
     return [*rows, Variant("GQA h=8 g=2", 8, 2), Variant("MQA h=8 g=1", 8, 1)]
+
+
+LM_HEADS = (1, 2, 4, 8, 16, 32)  # Vaswani et al.'s rows A, at the same compute
 
 
 @dataclass(frozen=True)
@@ -123,7 +206,7 @@ class Settings:
     seeds: tuple[int, ...] = (0, 1, 2)
     eval_batches: int = 8
     workers: int = 2  # training processes side by side, one thread each (tiny models are overhead-bound)
-    task: TaskConfig = field(default_factory=TaskConfig)
+    task: TaskConfig | TextTask = field(default_factory=TaskConfig)
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "steps", "batch", "eval_batches", "workers"):
@@ -132,8 +215,12 @@ class Settings:
                 raise MultiheadError(f"{name} ({value!r}) must be a positive int")
         if not self.seeds:
             raise MultiheadError("give at least one seed")
-        if not self.lr > 0:
-            raise MultiheadError(f"lr ({self.lr}) must be positive")
+        if not (isinstance(self.lr, float | int) and 0 < self.lr <= 1):
+            raise MultiheadError(f"lr ({self.lr}) must be a number in (0, 1]")
+
+
+LM_SETTINGS = Settings(d_model=128, n_layers=2, steps=400, batch=32, lr=1e-2, seeds=(0, 1, 2), eval_batches=64,
+                       task=TextTask())
 
 
 def _loss_and_accuracy(model: TinyLM, tokens: Tensor, scored: Tensor) -> tuple[Tensor, Tensor]:
@@ -163,31 +250,36 @@ def train_one(variant: Variant, settings: Settings, seed: int) -> dict[str, Any]
         opt.step()
         schedule.step()
         curve.append(float(loss.detach()))
-    eval_gen = torch.Generator().manual_seed(99)  # the same evaluation batches for every model
-    losses, accs = [], []
+    total, count, correct = 0.0, 0, 0.0  # pooled over every scored position of the held-out batches
     with torch.no_grad():
         model.eval()
-        for _ in range(settings.eval_batches):
-            loss, acc = _loss_and_accuracy(model, *settings.task.batch(settings.batch, eval_gen))
-            losses.append(float(loss))
-            accs.append(float(acc))
-    return {"seed": seed, "curve": curve, "loss": statistics.fmean(losses), "accuracy": statistics.fmean(accs),
-            "heads": head_summary(model, settings.task)}
+        for tokens, scored in settings.task.evaluation(settings.eval_batches, settings.batch):
+            loss, acc = _loss_and_accuracy(model, tokens, scored)
+            n = int(scored.sum())
+            total, count, correct = total + float(loss) * n, count + n, correct + float(acc) * n
+    return {"seed": seed, "curve": curve, "loss": total / count, "accuracy": correct / count,
+            "scored": count, "heads": head_summary(model, settings.task)}
 
 
-def head_summary(model: TinyLM, task: TaskConfig) -> dict[str, Any]:
-    """Previous-token scores on task sequences and induction scores on repeated random tokens, per layer and head."""
+def head_summary(model: TinyLM, task: TaskConfig | TextTask) -> dict[str, Any]:
+    """Every pattern score of every head (:mod:`multihead.heads.scores`) and its label: the natural-text scores on
+    the task's own sequences (held-out windows for text), duplicate-token and induction on random tokens repeated."""
     gen = torch.Generator().manual_seed(7)
-    tokens, _ = task.batch(16, gen)
+    tokens = task.natural(16, gen)
     layers = model.attention_layers()
     with torch.no_grad():
         weights = capture_weights(layers, lambda: model(tokens))
         period = task.seq_len // 2
         random = torch.randint(0, task.vocab, (16, period), generator=gen)
         rep = capture_weights(layers, lambda: model(torch.cat([random, random], dim=1)))
-    prev = pattern_scores(weights, [tokens.shape[1]] * tokens.shape[0], causal=True)["previous_token"]
-    ind = repeat_scores(rep, period)["induction"]
+    scores = pattern_scores(weights, [tokens.shape[1]] * tokens.shape[0], causal=True)
+    scores |= repeat_scores(rep, period)
+    labels = label_heads(scores)
+    prev, ind = scores["previous_token"], scores["induction"]
+    flat = [label for row in labels for label in row]
     return {"previous_token": prev.round(4).tolist(), "induction": ind.round(4).tolist(),
+            "local": scores["local"].round(4).tolist(), "entropy": scores["entropy"].round(4).tolist(),
+            "labels": labels, "label_counts": {label: flat.count(label) for label in sorted(set(flat))},
             "max_previous_token": float(prev.max()), "max_induction": float(ind.max()),
             "previous_token_heads": int((prev >= 0.4).sum()), "induction_heads": int((ind >= 0.3).sum())}
 
@@ -235,13 +327,27 @@ def run(settings: Settings, variants: list[Variant] | None = None, *, progress: 
             "variant": variant.name, "n_heads": variant.n_heads, "n_kv_heads": variant.n_kv_heads,
             "head_dim": attention.head_dim,
             "attention_params_per_layer": cost.parameters(attention).total,
-            "attention_flops_per_layer": cost.flops(attention, s=settings.task.seq_len, causal=True).forward,
+            "attention_flops_per_layer": cost.flops(attention, s=settings.task.seq_len - 1, causal=True).forward,
             "kv_cache_bytes_per_token": cost.kv_cache_bytes_per_token_per_layer(attention, "fp32") * settings.n_layers,
             "loss_mean": statistics.fmean(losses), "loss_std": statistics.pstdev(losses),
             "accuracy_mean": statistics.fmean(accs), "accuracy_std": statistics.pstdev(accs),
+            "perplexity_mean": statistics.fmean(math.exp(x) for x in losses),
+            "perplexity_std": statistics.pstdev(math.exp(x) for x in losses),
+            "label_counts": _mean_counts([r["heads"]["label_counts"] for r in runs]),
             "runs": runs,
         })
-    return {"settings": _settings_json(settings), "seconds": round(time.perf_counter() - start, 1), "rows": rows}
+    return {"task": task_name(settings.task), "settings": _settings_json(settings),
+            "seconds": round(time.perf_counter() - start, 1), "rows": rows}
+
+
+def task_name(task: TaskConfig | TextTask) -> str:
+    return "lm" if isinstance(task, TextTask) else "recall"
+
+
+def _mean_counts(counts: list[dict[str, int]]) -> dict[str, float]:
+    """Mean number of heads per label over runs (a label absent from a run counts 0 there)."""
+    labels = sorted({label for c in counts for label in c})
+    return {label: statistics.fmean(c.get(label, 0) for c in counts) for label in labels}
 
 
 def _settings_json(settings: Settings) -> dict[str, Any]:
@@ -250,8 +356,13 @@ def _settings_json(settings: Settings) -> dict[str, Any]:
     return d
 
 
+LABEL_COLOURS = {"induction": "#c33", "duplicate-token": "#e80", "previous-token": "#36c", "self": "#9c3",
+                 "attention-sink": "#777", "local": "#6bd", "broad": "#dc8", "mixed": "#ccc"}
+
+
 def plot(result: dict[str, Any], path: str) -> str:
-    """Training curves (mean over seeds, smoothed) and final accuracy per variant, in one PNG."""
+    """Training curves (mean over seeds, smoothed), the final metric per variant and, for the text task, the labels
+    of the trained models' heads, in one PNG."""
     from multihead.errors import require
 
     matplotlib = require("matplotlib", "plots")
@@ -259,7 +370,9 @@ def plot(result: dict[str, Any], path: str) -> str:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.5), dpi=100)
+    lm = result.get("task") == "lm"
+    fig, axes = plt.subplots(1, 3 if lm else 2, figsize=(17 if lm else 12, 4.5), dpi=100)
+    left, right = axes[0], axes[1]
     for row in result["rows"]:
         curves = np.array([r["curve"] for r in row["runs"]])
         mean = curves.mean(0)
@@ -267,17 +380,39 @@ def plot(result: dict[str, Any], path: str) -> str:
         smooth = np.convolve(mean, np.ones(k) / k, mode="valid")
         left.plot(smooth, label=row["variant"])
     left.set_xlabel("step")
-    left.set_ylabel("training loss (recalled values)")
+    left.set_ylabel("training loss (nats per byte)" if lm else "training loss (recalled values)")
     left.set_yscale("log")
     left.legend(fontsize=8)
     left.set_title("training curves, mean over seeds")
     names = [r["variant"] for r in result["rows"]]
-    right.bar(range(len(names)), [r["accuracy_mean"] for r in result["rows"]],
-              yerr=[r["accuracy_std"] for r in result["rows"]], capsize=3, color="#58a")
+    metric = "perplexity" if lm else "accuracy"
+    right.bar(range(len(names)), [r[f"{metric}_mean"] for r in result["rows"]],
+              yerr=[r[f"{metric}_std"] for r in result["rows"]], capsize=3, color="#58a")
     right.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
-    right.set_ylabel("recall accuracy (held-out batches)")
-    right.set_ylim(0, 1.05)
-    right.set_title("final accuracy, mean and spread over seeds")
+    if lm:
+        values = [r["perplexity_mean"] for r in result["rows"]]
+        spread = max(r["perplexity_std"] for r in result["rows"])
+        right.set_ylim(min(values) - 3 * spread - 0.05, max(values) + 3 * spread + 0.05)
+        right.set_ylabel("held-out perplexity per byte")
+        right.set_title("held-out perplexity, mean and spread over seeds")
+    else:
+        right.set_ylabel("recall accuracy (held-out batches)")
+        right.set_ylim(0, 1.05)
+        right.set_title("final accuracy, mean and spread over seeds")
+    if lm:
+        labels_ax = axes[2]
+        bottom = np.zeros(len(names))
+        for label, colour in LABEL_COLOURS.items():
+            share = np.array([r["label_counts"].get(label, 0.0) / (r["n_heads"] * result["settings"]["n_layers"])
+                              for r in result["rows"]])
+            if share.any():
+                labels_ax.bar(range(len(names)), share, bottom=bottom, color=colour, label=label)
+                bottom += share
+        labels_ax.set_xticks(range(len(names)), names, rotation=30, ha="right", fontsize=8)
+        labels_ax.set_ylabel("share of the model's heads")
+        labels_ax.set_ylim(0, 1.0)
+        labels_ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+        labels_ax.set_title("head labels of the trained models")
     fig.tight_layout()
     save_figure(fig, path)
     plt.close(fig)
