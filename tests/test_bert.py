@@ -86,7 +86,7 @@ def test_bad_config_and_tokenizer(tmp_path: Path) -> None:
     (folder / "tokenizer.json").write_text("{broken")
     with pytest.raises(MultiheadError, match=r"tokenizer file .* could not be read"):
         load_sentence_encoder(folder)
-    (folder / "config.json").write_text('{"model_type": "bert", "hidden_size": 384}')
+    (folder / "config.json").write_text('{"model_type": "bert", "hidden_size": 384, "num_attention_heads": 12}')
     with pytest.raises(MultiheadError, match="has no 'vocab_size' field"):
         load_sentence_encoder(folder)
     (folder / "config.json").write_text('{"model_type": "gpt2"}')

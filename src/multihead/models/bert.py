@@ -39,18 +39,32 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> BertConfig:
+        """Every value checked for its type and range; errors name the file and the key."""
+        from multihead.models.values import MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Values
+
         if cfg.get("model_type") not in ("bert",):
-            raise MultiheadError(f"{where} describes a {cfg.get('model_type')!r} model: supported is bert")
-        try:
-            return cls(vocab_size=int(cfg["vocab_size"]), d_model=int(cfg["hidden_size"]),
-                       n_layers=int(cfg["num_hidden_layers"]), n_heads=int(cfg["num_attention_heads"]),
-                       ffn_dim=int(cfg["intermediate_size"]),
-                       max_positions=int(cfg.get("max_position_embeddings", 512)),
-                       type_vocab_size=int(cfg.get("type_vocab_size", 2)),
-                       layer_norm_eps=float(cfg.get("layer_norm_eps", 1e-12)),
-                       activation=str(cfg.get("hidden_act", "gelu")))
-        except KeyError as err:
-            raise MultiheadError(f"{where} has no {err.args[0]!r} field") from None
+            raise MultiheadError(f"{where!r} describes a {str(cfg.get('model_type'))[:60]!r} model: supported is bert")
+        v = Values(where)
+
+        def need(key: str, high: int, default: Any = ...) -> int:
+            if key not in cfg and default is ...:
+                raise MultiheadError(f"{where!r} has no {key!r} field")
+            return v.integer(key, cfg.get(key, default), low=1, high=high)
+
+        d_model, n_heads = need("hidden_size", MAX_WIDTH), need("num_attention_heads", MAX_HEADS)
+        if d_model % n_heads:
+            raise v.fail("num_attention_heads", n_heads, f"a divisor of hidden_size ({d_model})")
+        activation = v.text("hidden_act", cfg.get("hidden_act", "gelu"))
+        if activation not in _ACTIVATIONS:
+            raise v.fail("hidden_act", activation, f"one of {', '.join(_ACTIVATIONS)}")
+        return cls(vocab_size=need("vocab_size", MAX_VOCAB), d_model=d_model,
+                   n_layers=need("num_hidden_layers", MAX_LAYERS), n_heads=n_heads,
+                   ffn_dim=need("intermediate_size", 4 * MAX_WIDTH),
+                   max_positions=need("max_position_embeddings", 1 << 24, 512),
+                   type_vocab_size=need("type_vocab_size", 1 << 16, 2),
+                   layer_norm_eps=v.number("layer_norm_eps", cfg.get("layer_norm_eps", 1e-12), low=0, high=1,
+                                           open_low=True),
+                   activation=activation)
 
     def attention(self) -> AttentionConfig:
         return AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, bias=True)
@@ -188,6 +202,7 @@ def load_sentence_encoder(folder: str | Path | None = None) -> SentenceEncoder:
     1_Pooling/config.json, modules.json); default: all-MiniLM-L6-v2 from the installed package."""
     from multihead.models.loaders import default_minilm_dir, read_json, read_safetensors, safetensors_files
     from multihead.models.tokenizer import from_tokenizer_json
+    from multihead.models.values import Values
 
     root = default_minilm_dir() if folder is None else Path(folder)
     if not root.is_dir():
@@ -195,28 +210,47 @@ def load_sentence_encoder(folder: str | Path | None = None) -> SentenceEncoder:
     config = BertConfig.from_hf(read_json(root / "config.json"), where=str(root / "config.json"))
     raw = read_safetensors(safetensors_files(root))
     prefix = "bert." if any(k.startswith("bert.") for k in raw) else ""
-    encoder = BertEncoder(config)
+    with torch.device("meta"):  # shapes from the config, compared with the tensors before anything is allocated
+        expected = BertEncoder(config).state_dict()
     state = {}
     for ours, theirs in BertEncoder.hf_names(config).items():
         if prefix + theirs not in raw:
             raise MultiheadError(f"{str(root)!r}: the checkpoint has no tensor {prefix + theirs!r}")
-        state[ours] = raw[prefix + theirs].float()
+        tensor = raw[prefix + theirs]
+        if tensor.shape != expected[ours].shape:
+            raise MultiheadError(f"{str(root)!r}: tensor {prefix + theirs!r} has shape {tuple(tensor.shape)} but "
+                                 f"config.json makes {tuple(expected[ours].shape)}")
+        state[ours] = tensor.float()
+    encoder = BertEncoder(config)
     encoder.load_state_dict(state)
     pooling = Pooling()
     pool_cfg = root / "1_Pooling" / "config.json"
     if pool_cfg.exists():
         p = read_json(pool_cfg)
-        mode = "cls" if p.get("pooling_mode_cls_token") else "max" if p.get("pooling_mode_max_tokens") else "mean"
+        v = Values(pool_cfg)
+        modes = [name for name in ("cls", "max", "mean")
+                 if v.flag(f"pooling_mode_{name}_token" + ("s" if name != "cls" else ""),
+                           p.get(f"pooling_mode_{name}_token" + ("s" if name != "cls" else ""), False))]
+        mode = modes[0] if modes else "mean"
         pooling = Pooling(mode=mode, normalize=False)
     modules = root / "modules.json"
     if modules.exists():
-        kinds = [m.get("type", "") for m in json.loads(modules.read_text())]
+        from multihead.models.loaders import _guard
+
+        listed = _guard(modules, "JSON file", lambda: json.loads(modules.read_text(encoding="utf-8")))
+        if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
+            raise Values(modules).fail("modules", listed, "a list of objects")
+        kinds = [Values(modules).text(f"[{i}].type", m.get("type", "")) for i, m in enumerate(listed)]
         pooling = Pooling(mode=pooling.mode, normalize=any(k.endswith("Normalize") for k in kinds))
     max_length = config.max_positions
     st_cfg = root / "sentence_bert_config.json"
     if st_cfg.exists():
-        max_length = int(read_json(st_cfg).get("max_seq_length", max_length))
+        max_length = Values(st_cfg).integer("max_seq_length", read_json(st_cfg).get("max_seq_length", max_length),
+                                            low=1, high=config.max_positions)
     tokenizer = from_tokenizer_json(root / "tokenizer.json")
+    if tokenizer.vocab_size > config.vocab_size:
+        raise MultiheadError(f"{str(root / 'tokenizer.json')!r} has {tokenizer.vocab_size:,} tokens but the model's "
+                             f"vocabulary is {config.vocab_size:,} (token ids past it have no embedding)")
     tokenizer.tokenizer.no_truncation()
     tokenizer.tokenizer.no_padding()
     return SentenceEncoder(encoder.eval(), tokenizer, pooling=pooling, max_length=max_length)

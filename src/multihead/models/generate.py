@@ -22,8 +22,10 @@ class Sampling:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.temperature >= 0.0:
-            raise MultiheadError(f"temperature ({self.temperature}) must be >= 0 (0 is greedy)")
+        if not 0.0 <= self.temperature < float("inf"):
+            raise MultiheadError(f"temperature ({self.temperature}) must be finite and >= 0 (0 is greedy)")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise MultiheadError(f"seed ({self.seed}) must be from 0 to 2^63 - 1")
         if not 0.0 < self.top_p <= 1.0:
             raise MultiheadError(f"top_p ({self.top_p}) must be in (0, 1]")
 
@@ -39,7 +41,8 @@ def sample(logits: Tensor, sampling: Sampling, generator: torch.Generator | None
     """Next tokens (b,) from logits (b, vocab)."""
     if sampling.temperature == 0.0:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)
+    logits = logits.double()  # shifted first, so a tiny temperature gives 0 and -inf, never inf - inf
+    probs = torch.softmax((logits - logits.amax(-1, keepdim=True)) / sampling.temperature, dim=-1)
     if sampling.top_p < 1.0:
         sorted_probs, order = probs.sort(dim=-1, descending=True)
         before = sorted_probs.cumsum(-1) - sorted_probs  # mass of the tokens ranked above each one

@@ -15,6 +15,7 @@ Layout (little-endian)::
 
 from __future__ import annotations
 
+import math
 import mmap
 import struct
 from dataclasses import dataclass
@@ -25,6 +26,7 @@ import numpy as np
 
 from multihead.errors import MultiheadError
 
+_MAX_DEPTH = 8  # arrays of arrays: real files nest one level at most
 _SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
 _STRING, _ARRAY = 8, 9
 
@@ -77,7 +79,7 @@ class GGUFFile:
         except UnicodeDecodeError:
             raise self._fail("a string is not UTF-8") from None
 
-    def _value(self, kind: int) -> Any:
+    def _value(self, kind: int, depth: int = 0) -> Any:
         if kind in _SCALARS:
             return self._unpack(_SCALARS[kind])
         if kind == _STRING:
@@ -90,7 +92,9 @@ class GGUFFile:
                 return np.frombuffer(raw, dtype=np.dtype(_SCALARS[item])).tolist()
             if count > len(self._map) - self._pos:  # every item takes at least one byte
                 raise self._fail(f"an array claims {count} items")
-            return [self._value(item) for _ in range(count)]
+            if item == _ARRAY and depth >= _MAX_DEPTH:
+                raise self._fail(f"arrays nest more than {_MAX_DEPTH} deep")
+            return [self._value(item, depth + 1) for _ in range(count)]
         raise self._fail(f"unknown value type {kind}")
 
     # ------------------------------------------------------------------ structure
@@ -107,23 +111,39 @@ class GGUFFile:
             raise self._fail(f"it claims {n_kv} metadata items and {n_tensors} tensors")
         for _ in range(n_kv):
             key = self._string()
+            if key in self.fields:
+                raise self._fail(f"metadata key {key!r} appears twice")
             self.fields[key] = self._value(self._unpack("<I"))
         infos = []
         for _ in range(n_tensors):
             name = self._string()
             n_dims = self._unpack("<I")
-            if n_dims > 8:
-                raise self._fail(f"tensor {name!r} claims {n_dims} dimensions")
+            if not 1 <= n_dims <= 8:
+                raise self._fail(f"tensor {name!r} claims {n_dims} dimensions (1 to 8 are read)")
             dims = [self._unpack("<Q") for _ in range(n_dims)]
+            if any(d == 0 for d in dims):
+                raise self._fail(f"tensor {name!r} has an empty dimension: {dims}")
             infos.append((name, tuple(reversed(dims)), self._unpack("<I"), self._unpack("<Q")))
-        alignment = int(self.fields.get("general.alignment", 32))
+        raw_alignment = self.fields.get("general.alignment", 32)
+        alignment = raw_alignment if isinstance(raw_alignment, int) and not isinstance(raw_alignment, bool) else 0
+        if not 1 <= alignment <= 1 << 16 or alignment & (alignment - 1):
+            raise MultiheadError(f"GGUF file {str(self.path)!r}: general.alignment = {raw_alignment!r}: expected a "
+                                 "power of two from 1 to 65,536")
         start = -(-self._pos // alignment) * alignment
         for name, shape, kind, offset in infos:
             try:
                 block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType(kind)]
             except (ValueError, KeyError):
                 raise MultiheadError(f"GGUF file {str(self.path)!r}: tensor {name!r} has unknown type {kind}") from None
-            n = int(np.prod(shape)) if shape else 1
+            if name in self.tensors:
+                raise MultiheadError(f"GGUF file {str(self.path)!r}: tensor {name!r} appears twice")
+            n = math.prod(shape)  # Python ints: no overflow, whatever the dims claim
+            if shape[-1] % block:
+                raise MultiheadError(f"GGUF file {str(self.path)!r}: tensor {name!r} of shape {shape} does not "
+                                     f"split into blocks of {block} values (its type {kind} needs that)")
+            if offset % alignment:
+                raise MultiheadError(f"GGUF file {str(self.path)!r}: tensor {name!r} starts at offset {offset}, "
+                                     f"not a multiple of the alignment {alignment}")
             nbytes = n // block * block_bytes
             if start + offset + nbytes > len(self._map):
                 raise MultiheadError(
@@ -154,7 +174,11 @@ class GGUFFile:
         elif kind == GGMLQuantizationType.F16:
             values = raw.view(np.float16)
         else:
-            values = dequantize(raw.reshape(-1, raw.shape[0] // max(1, int(np.prod(info.shape[:-1])))), kind)
+            try:
+                values = dequantize(raw.reshape(math.prod(info.shape[:-1]), -1), kind)
+            except NotImplementedError:
+                raise MultiheadError(f"GGUF file {str(self.path)!r}: tensor {name!r} has type {kind.name}, which "
+                                     "the gguf package cannot dequantise") from None
         return np.array(values, dtype=np.float32).reshape(info.shape)
 
     def close(self) -> None:

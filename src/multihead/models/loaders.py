@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -18,6 +19,7 @@ from torch import Tensor
 from multihead.errors import MultiheadError
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.models.tokenizer import TextTokenizer, from_gguf_metadata, from_tokenizer_json
+from multihead.models.values import MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Values
 
 T = TypeVar("T")
 
@@ -74,8 +76,18 @@ def safetensors_files(folder: Path) -> list[Path]:
     if single.exists():
         return [single]
     if index.exists():
-        data = _guard(index, "safetensors index", lambda: json.loads(index.read_text()))
-        return sorted({folder / name for name in data["weight_map"].values()})
+        data = read_json(index)
+        weight_map = data.get("weight_map")
+        v = Values(index)
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise v.fail("weight_map", weight_map, "an object from tensor names to shard files")
+        shards = set()
+        for tensor, name in weight_map.items():
+            shard = folder / v.text(f"weight_map[{tensor!r}]", name)
+            if Path(name).name != name or not shard.name.endswith(".safetensors"):
+                raise v.fail(f"weight_map[{tensor!r}]", name, "the name of a .safetensors file in the model folder")
+            shards.add(shard)
+        return sorted(shards)
     raise MultiheadError(f"{str(folder)!r} has no model.safetensors (nor model.safetensors.index.json)")
 
 
@@ -100,6 +112,27 @@ def _unpermute(w: np.ndarray, n_heads: int) -> np.ndarray:
 
 
 SUPPORTED_GGUF = ("llama",)
+_BLOCK = re.compile(r"blk\.(\d+)\.")
+_LAYER = re.compile(r"layers\.(\d+)\.")
+_GGUF_LAYER = {"attn_norm.weight": "attn_norm", "attn.q_proj.weight": "attn_q", "attn.k_proj.weight": "attn_k",
+               "attn.v_proj.weight": "attn_v", "attn.o_proj.weight": "attn_output", "ffn_norm.weight": "ffn_norm",
+               "gate_proj.weight": "ffn_gate", "up_proj.weight": "ffn_up", "down_proj.weight": "ffn_down"}
+
+
+def _gguf_layer_name(ours: str) -> str:
+    """layers.3.attn.q_proj.weight -> blk.3.attn_q.weight"""
+    _, i, rest = ours.split(".", 2)
+    return f"blk.{i}.{_GGUF_LAYER[rest]}.weight"
+
+
+def _meta_state(config: LlamaConfig, where: Path) -> dict[str, tuple[int, ...]]:
+    """The shape of every tensor the config makes, from a model on the meta device (nothing allocated)."""
+    try:
+        with torch.device("meta"):
+            model = LlamaModel(config)
+    except MultiheadError as err:
+        raise MultiheadError(f"{str(where)!r}: {err}") from None
+    return {k: tuple(t.shape) for k, t in model.state_dict().items()}
 
 
 def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, Tensor], TextTokenizer]:
@@ -108,32 +141,65 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, Tensor], TextTok
 
     p = Path(path)
     gguf = GGUFFile(p)
+    v = Values(p)
     arch = gguf.field("general.architecture")
     if arch not in SUPPORTED_GGUF:
-        raise MultiheadError(f"GGUF architecture {arch!r} is not supported: supported are {', '.join(SUPPORTED_GGUF)}")
+        raise v.fail("general.architecture", arch, f"a supported architecture: {', '.join(SUPPORTED_GGUF)}")
 
     def meta(key: str, default: Any = ...) -> Any:
         return gguf.field(f"{arch}.{key}", default)
 
-    n_heads = int(meta("attention.head_count"))
-    n_kv_heads = int(meta("attention.head_count_kv", n_heads))
-    d_model = int(meta("embedding_length"))
-    tokens = list(gguf.field("tokenizer.ggml.tokens"))
+    def number(key: str, low: int, high: int, default: Any = ...) -> int:
+        return v.integer(f"{arch}.{key}", meta(key, default), low=low, high=high)
+
+    n_heads = number("attention.head_count", 1, MAX_HEADS)
+    n_kv_heads = number("attention.head_count_kv", 1, n_heads, n_heads)
+    if n_heads % n_kv_heads:
+        raise v.fail(f"{arch}.attention.head_count_kv", n_kv_heads, f"a divisor of the head count {n_heads}")
+    d_model = number("embedding_length", 1, MAX_WIDTH)
+    tokens = v.strings("tokenizer.ggml.tokens", gguf.field("tokenizer.ggml.tokens"))
+    vocab_size = number("vocab_size", max(1, len(tokens)), MAX_VOCAB, len(tokens))
+    head_dim = number("attention.key_length", 2, MAX_WIDTH, d_model // n_heads)
+    if head_dim % 2:
+        raise v.fail(f"{arch}.attention.key_length", head_dim, "an even head size (RoPE rotates pairs)")
+    number("attention.value_length", head_dim, head_dim, head_dim)  # the layer has one head size for K and V
+    n_layers = number("block_count", 1, MAX_LAYERS)
+    blocks = {int(m.group(1)) for name in gguf.tensors if (m := _BLOCK.match(name))}
+    if blocks != set(range(n_layers)):
+        held = (f"{len(blocks)}: blk.0 to blk.{len(blocks) - 1}" if blocks == set(range(len(blocks)))
+                else f"numbered {sorted(blocks)[:8]}")
+        raise v.fail(f"{arch}.block_count", n_layers, f"the number of blocks the file holds ({held})")
     config = LlamaConfig(
-        vocab_size=int(meta("vocab_size", len(tokens))),
+        vocab_size=vocab_size,
         d_model=d_model,
-        n_layers=int(meta("block_count")),
+        n_layers=n_layers,
         n_heads=n_heads,
         n_kv_heads=n_kv_heads,
-        ffn_dim=int(meta("feed_forward_length")),
-        head_dim=int(meta("attention.key_length", d_model // n_heads)),
-        rope_base=float(meta("rope.freq_base", 10000.0)),
-        rms_eps=float(meta("attention.layer_norm_rms_epsilon")),
-        max_context=int(meta("context_length")),
+        ffn_dim=number("feed_forward_length", 1, 4 * MAX_WIDTH),
+        head_dim=head_dim,
+        rope_base=v.number(f"{arch}.rope.freq_base", meta("rope.freq_base", 10000.0), low=0, high=1e12, open_low=True),
+        rms_eps=v.number(f"{arch}.attention.layer_norm_rms_epsilon", meta("attention.layer_norm_rms_epsilon"),
+                        low=0, high=1, open_low=True),
+        max_context=number("context_length", 1, MAX_CONTEXT),
         tie_embeddings="output.weight" not in gguf.tensors,
-        bos_id=gguf.field("tokenizer.ggml.bos_token_id", None),
-        eos_id=gguf.field("tokenizer.ggml.eos_token_id", None),
+        bos_id=v.token_id("tokenizer.ggml.bos_token_id", gguf.field("tokenizer.ggml.bos_token_id", None), vocab_size),
+        eos_id=v.token_id("tokenizer.ggml.eos_token_id", gguf.field("tokenizer.ggml.eos_token_id", None), vocab_size),
     )
+    expected = _meta_state(config, p)
+    gguf_names = {"embed.weight": "token_embd.weight", "norm.weight": "output_norm.weight",
+                  "lm_head.weight": "output.weight"}
+    for ours, shape in expected.items():
+        name = gguf_names.get(ours) or _gguf_layer_name(ours)
+        info = gguf.tensors.get(name)
+        if info is None:
+            raise MultiheadError(f"GGUF file {str(p)!r} has no tensor {name!r}")
+        if info.shape != shape:
+            raise MultiheadError(f"GGUF file {str(p)!r}: tensor {name!r} has shape {info.shape} but the metadata "
+                                 f"makes {shape}")
+    token_types = v.integers("tokenizer.ggml.token_type", gguf.field("tokenizer.ggml.token_type"))
+    if len(token_types) != len(tokens):
+        raise v.fail("tokenizer.ggml.token_type", f"{len(token_types)} entries",
+                     f"one per token ({len(tokens)})")
 
     def weight(name: str) -> Tensor:
         arr = gguf.tensor(name)
@@ -146,25 +212,71 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, Tensor], TextTok
     state = {"embed.weight": weight("token_embd.weight"), "norm.weight": weight("output_norm.weight")}
     if not config.tie_embeddings:
         state["lm_head.weight"] = weight("output.weight")
-    names = {"attn_norm": "attn_norm.weight", "attn_q": "attn.q_proj.weight", "attn_k": "attn.k_proj.weight",
-             "attn_v": "attn.v_proj.weight", "attn_output": "attn.o_proj.weight", "ffn_norm": "ffn_norm.weight",
-             "ffn_gate": "gate_proj.weight", "ffn_up": "up_proj.weight", "ffn_down": "down_proj.weight"}
     for i in range(config.n_layers):
-        for gguf_name, ours in names.items():
-            state[f"layers.{i}.{ours}"] = weight(f"blk.{i}.{gguf_name}.weight")
+        for ours in _GGUF_LAYER:
+            state[f"layers.{i}.{ours}"] = weight(_gguf_layer_name(f"layers.{i}.{ours}"))
+    pre = gguf.field("tokenizer.ggml.pre", None)
+    template = gguf.field("tokenizer.chat_template", None)
     tokenizer = from_gguf_metadata(
-        model=str(gguf.field("tokenizer.ggml.model")),
-        pre=gguf.field("tokenizer.ggml.pre", None),
+        model=v.text("tokenizer.ggml.model", gguf.field("tokenizer.ggml.model")),
+        pre=None if pre is None else v.text("tokenizer.ggml.pre", pre),
         tokens=tokens,
-        token_types=list(gguf.field("tokenizer.ggml.token_type")),
-        merges=list(gguf.field("tokenizer.ggml.merges")),
+        token_types=token_types,
+        merges=v.strings("tokenizer.ggml.merges", gguf.field("tokenizer.ggml.merges")),
         bos_id=config.bos_id,
         eos_id=config.eos_id,
-        add_bos=bool(gguf.field("tokenizer.ggml.add_bos_token", False)),
-        chat_template=gguf.field("tokenizer.chat_template", None),
+        add_bos=v.flag("tokenizer.ggml.add_bos_token", gguf.field("tokenizer.ggml.add_bos_token", False)),
+        chat_template=None if template is None else v.text("tokenizer.chat_template", template),
+        where=str(p),
     )
     gguf.close()
     return config, state, tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- configs
+HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "num_hidden_layers",
+           "n_heads": "num_attention_heads", "n_kv_heads": "num_key_value_heads", "ffn_dim": "intermediate_size",
+           "head_dim": "head_dim", "rope_base": "rope_theta", "rms_eps": "rms_norm_eps",
+           "max_context": "max_position_embeddings", "tie_embeddings": "tie_word_embeddings",
+           "bos_id": "bos_token_id", "eos_id": "eos_token_id"}
+_SIZES = {"vocab_size": MAX_VOCAB, "d_model": MAX_WIDTH, "n_layers": MAX_LAYERS, "n_heads": MAX_HEADS,
+          "n_kv_heads": MAX_HEADS, "ffn_dim": 4 * MAX_WIDTH, "max_context": MAX_CONTEXT}
+
+
+def checked_llama(where: Path, raw: dict[str, Any], keys: dict[str, str] | None = None) -> LlamaConfig:
+    """A LlamaConfig from a file's values (by our field names; ``...`` marks a missing required one), each checked
+    for its type and range; errors name the file and the file's own key (``keys`` maps our names to it)."""
+    v = Values(where)
+    key = (keys or {}).get
+    for name, value in raw.items():
+        if value is ...:
+            raise MultiheadError(f"{str(where)!r} has no {key(name, name)!r} field")
+    out: dict[str, Any] = {name: v.integer(key(name, name), raw[name], low=1, high=high)
+                           for name, high in _SIZES.items()}
+    if out["n_kv_heads"] > out["n_heads"] or out["n_heads"] % out["n_kv_heads"]:
+        raise v.fail(key("n_kv_heads", "n_kv_heads"), out["n_kv_heads"],
+                     f"a divisor of {key('n_heads', 'n_heads')} ({out['n_heads']})")
+    head_dim = raw.get("head_dim")
+    if head_dim is None:
+        if out["d_model"] % out["n_heads"]:
+            raise v.fail(key("n_heads", "n_heads"), out["n_heads"],
+                         f"a divisor of {key('d_model', 'd_model')} ({out['d_model']}) when there is no head_dim")
+        head_dim = out["d_model"] // out["n_heads"]
+    out["head_dim"] = v.integer(key("head_dim", "head_dim"), head_dim, low=2, high=MAX_WIDTH)
+    if out["head_dim"] % 2:
+        raise v.fail(key("head_dim", "head_dim"), out["head_dim"], "an even head size (RoPE rotates pairs)")
+    out["rope_base"] = v.number(key("rope_base", "rope_base"), raw.get("rope_base", 10000.0), low=0, high=1e12,
+                                open_low=True)
+    out["rms_eps"] = v.number(key("rms_eps", "rms_eps"), raw.get("rms_eps", 1e-5), low=0, high=1, open_low=True)
+    out["tie_embeddings"] = v.flag(key("tie_embeddings", "tie_embeddings"), raw.get("tie_embeddings", True))
+    for name in ("bos_id", "eos_id"):
+        out[name] = v.token_id(key(name, name), raw.get(name), out["vocab_size"])
+    layer_heads = raw.get("layer_heads")
+    try:
+        return LlamaConfig(**out, layer_heads=layer_heads)
+    except (MultiheadError, TypeError, ValueError) as err:
+        raise MultiheadError(f"{str(where)!r}: {key('layer_heads', 'layer_heads')} = {layer_heads!r:.80}: {err}") \
+            from None
 
 
 # ---------------------------------------------------------------------------------------------- HF folders
@@ -182,30 +294,23 @@ def read_hf_llama(folder: str | Path) -> tuple[LlamaConfig, dict[str, Tensor], T
             f"{str(root / 'config.json')!r} describes a {model_type!r} model: supported is llama"
         )
 
-    def need(key: str) -> Any:
-        if key not in cfg:
-            raise MultiheadError(f"{str(root / 'config.json')!r} has no {key!r} field")
-        return cfg[key]
-
-    rope = cfg.get("rope_parameters") or {}
     if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise MultiheadError("Llama checkpoints with attention_bias or mlp_bias are not supported")
-    n_heads = int(need("num_attention_heads"))
-    config = LlamaConfig(
-        vocab_size=int(need("vocab_size")),
-        d_model=int(need("hidden_size")),
-        n_layers=int(need("num_hidden_layers")),
-        n_heads=n_heads,
-        n_kv_heads=int(cfg.get("num_key_value_heads") or n_heads),
-        ffn_dim=int(need("intermediate_size")),
-        head_dim=cfg.get("head_dim"),
-        rope_base=float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0))),
-        rms_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_context=int(cfg.get("max_position_embeddings", 2048)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        bos_id=cfg.get("bos_token_id"),
-        eos_id=cfg.get("eos_token_id") if not isinstance(cfg.get("eos_token_id"), list) else cfg["eos_token_id"][0],
-    )
+        raise MultiheadError(f"{str(root / 'config.json')!r}: Llama checkpoints with attention_bias or mlp_bias are "
+                             "not supported")
+    rope = cfg.get("rope_parameters")
+    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0)
+    eos = cfg.get("eos_token_id")
+    n_heads = cfg.get("num_attention_heads")
+    n_kv_heads = cfg.get("num_key_value_heads")
+    config = checked_llama(root / "config.json", {
+        "vocab_size": cfg.get("vocab_size", ...), "d_model": cfg.get("hidden_size", ...),
+        "n_layers": cfg.get("num_hidden_layers", ...), "n_heads": n_heads if n_heads is not None else ...,
+        "n_kv_heads": n_heads if n_kv_heads is None else n_kv_heads, "ffn_dim": cfg.get("intermediate_size", ...),
+        "head_dim": cfg.get("head_dim"), "rope_base": rope_theta, "rms_eps": cfg.get("rms_norm_eps", 1e-6),
+        "max_context": cfg.get("max_position_embeddings", 2048),
+        "tie_embeddings": cfg.get("tie_word_embeddings", False), "bos_id": cfg.get("bos_token_id"),
+        "eos_id": eos[0] if isinstance(eos, list) and eos else eos,
+    }, HF_KEYS)
     raw = read_safetensors(safetensors_files(root))
     state: dict[str, Tensor] = {}
     for name, tensor in raw.items():
@@ -222,6 +327,8 @@ def read_hf_llama(folder: str | Path) -> tuple[LlamaConfig, dict[str, Tensor], T
     tok_cfg = root / "tokenizer_config.json"
     if tok_cfg.exists():
         template = read_json(tok_cfg).get("chat_template")
+        if template is not None:
+            template = Values(tok_cfg).text("chat_template", template)
     tokenizer = from_tokenizer_json(root / "tokenizer.json", bos_id=config.bos_id, eos_id=config.eos_id,
                                     chat_template=template,
                                     stop_ids={config.eos_id} if config.eos_id is not None else set())
@@ -264,17 +371,24 @@ def read_own_llama(folder: Path) -> tuple[LlamaConfig, dict[str, Tensor], TextTo
     unknown = sorted(set(raw) - fields)
     if unknown:
         raise MultiheadError(f"{str(folder / OWN_CONFIG)!r}: unknown config keys {unknown}")
-    try:
-        config = LlamaConfig(**raw)
-    except TypeError as err:
-        raise MultiheadError(f"{str(folder / OWN_CONFIG)!r}: {err}") from None
+    required = {f.name for f in dataclasses.fields(LlamaConfig) if f.default is dataclasses.MISSING}
+    config = checked_llama(folder / OWN_CONFIG, {name: raw.get(name, ...) for name in required} | {
+        name: raw[name] for name in raw if name not in required})
     state = read_safetensors([folder / "model.safetensors"])
     tokenizer = None
     if (folder / "tokenizer.json").exists():
         t = meta.get("tokenizer") or {}
-        tokenizer = from_tokenizer_json(folder / "tokenizer.json", bos_id=t.get("bos_id"), eos_id=t.get("eos_id"),
-                                        add_bos=bool(t.get("add_bos")), chat_template=t.get("chat_template"),
-                                        stop_ids=set(t.get("stop_ids") or ()))
+        v = Values(folder / OWN_CONFIG)
+        if not isinstance(t, dict):
+            raise v.fail("tokenizer", t, "an object")
+        template = t.get("chat_template")
+        tokenizer = from_tokenizer_json(
+            folder / "tokenizer.json", bos_id=v.token_id("tokenizer.bos_id", t.get("bos_id"), config.vocab_size),
+            eos_id=v.token_id("tokenizer.eos_id", t.get("eos_id"), config.vocab_size),
+            add_bos=v.flag("tokenizer.add_bos", t.get("add_bos", False)),
+            chat_template=None if template is None else v.text("tokenizer.chat_template", template),
+            stop_ids={v.integer("tokenizer.stop_ids", i, low=0, high=config.vocab_size - 1)
+                      for i in v.integers("tokenizer.stop_ids", t.get("stop_ids") or [])})
     return config, state, tokenizer
 
 
@@ -293,7 +407,7 @@ def load_llama(path: str | Path | None = None, *, dtype: torch.dtype = torch.flo
         config, state, tokenizer = read_hf_llama(p)
     else:
         config, state, tokenizer = read_gguf(p)
-    return _build(config, state, p, dtype, device), tokenizer
+    return _build(config, state, p, dtype, device, tokenizer), tokenizer
 
 
 def load_llama_weights(folder: str | Path, *, dtype: torch.dtype = torch.float32,
@@ -304,18 +418,32 @@ def load_llama_weights(folder: str | Path, *, dtype: torch.dtype = torch.float32
 
 
 def _build(config: LlamaConfig, state: dict[str, Tensor], p: Path, dtype: torch.dtype,
-           device: torch.device | str) -> LlamaModel:
-    with torch.device("meta"):
-        model = LlamaModel(config)
-    model = model.to_empty(device=device)
+           device: torch.device | str, tokenizer: TextTokenizer | None = None) -> LlamaModel:
+    """The model the config describes, filled from ``state``: every tensor's name and shape is compared with the
+    config (on the meta device) before any memory is allocated, so a config that disagrees with its tensors fails
+    with both shapes instead of allocating what it claims."""
+    layers = {int(m.group(1)) for k in state if (m := _LAYER.match(k))}
+    if layers != set(range(config.n_layers)):
+        raise MultiheadError(f"checkpoint {str(p)!r}: the config says {config.n_layers} layers but the tensors hold "
+                             f"{len(layers)} (layers {sorted(layers)[:3]} to {max(layers, default=-1)})")
+    try:
+        with torch.device("meta"):
+            model = LlamaModel(config)
+    except MultiheadError as err:
+        raise MultiheadError(f"checkpoint {str(p)!r}: {err}") from None
     expected = model.state_dict()
     wrong = [(k, tuple(v.shape), tuple(expected[k].shape)) for k, v in state.items()
              if k in expected and v.shape != expected[k].shape]
     if wrong:
         name, got, want = wrong[0]
         raise MultiheadError(f"checkpoint {str(p)!r}: tensor {name!r} has shape {got} but the config makes {want}")
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    missing, unexpected = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
     if missing or unexpected:
-        raise MultiheadError(f"checkpoint {str(p)!r} does not match the model: missing {sorted(missing)[:5]}, "
-                             f"unexpected {sorted(unexpected)[:5]}")
+        raise MultiheadError(f"checkpoint {str(p)!r} does not match the model: missing {missing[:5]}, "
+                             f"unexpected {unexpected[:5]}")
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+        raise MultiheadError(f"checkpoint {str(p)!r}: its tokenizer has {tokenizer.vocab_size:,} tokens but the "
+                             f"model's vocabulary is {config.vocab_size:,} (token ids past it have no embedding)")
+    model = model.to_empty(device=device)
+    model.load_state_dict(state)
     return model.to(dtype).eval()

@@ -87,6 +87,7 @@ def from_gguf_metadata(
     eos_id: int | None,
     add_bos: bool,
     chat_template: str | None,
+    where: str = "GGUF metadata",
 ) -> TextTokenizer:
     """A byte-level BPE tokenizer (GGUF ``tokenizer.ggml.model == "gpt2"``) from the file's vocabulary and merges.
 
@@ -94,10 +95,23 @@ def from_gguf_metadata(
     are not supported here) splits every digit on its own before the GPT-2 split.
     """
     if model != "gpt2":
-        raise MultiheadError(f"GGUF tokenizer model {model!r} is not supported: only byte-level BPE ('gpt2') is")
+        raise MultiheadError(f"{where!r}: GGUF tokenizer model {model[:60]!r} is not supported: only byte-level BPE "
+                             "('gpt2') is")
     vocab = {t: i for i, t in enumerate(tokens)}
-    pairs = [tuple(m.split(" ", 1)) for m in merges]
-    bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)  # type: ignore[arg-type]
+    if len(vocab) != len(tokens):
+        dup = next(t for i, t in enumerate(tokens) if vocab[t] != i)
+        raise MultiheadError(f"{where!r}: tokenizer.ggml.tokens holds {dup!r} twice")
+    pairs = []
+    for k, merge in enumerate(merges):
+        pair = merge.split(" ", 1)
+        if len(pair) != 2 or pair[0] not in vocab or pair[1] not in vocab or pair[0] + pair[1] not in vocab:
+            raise MultiheadError(f"{where!r}: tokenizer.ggml.merges[{k}] = {merge[:60]!r}: expected two tokens of "
+                                 "the vocabulary, separated by a space, whose join is a token too")
+        pairs.append((pair[0], pair[1]))
+    try:
+        bpe = models.BPE(vocab=vocab, merges=pairs, fuse_unk=False, byte_fallback=False)
+    except Exception as err:  # the library raises plain Exception subclasses
+        raise MultiheadError(f"{where!r}: the tokenizer cannot be built: {err}") from None
     tok = Tokenizer(bpe)
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     if pre in ("smollm",):
@@ -105,7 +119,8 @@ def from_gguf_metadata(
     elif pre in (None, "default", "gpt2", "gpt-2"):
         tok.pre_tokenizer = byte_level
     else:
-        raise MultiheadError(f"GGUF pre-tokenizer {pre!r} is not supported: supported are smollm and gpt2")
+        raise MultiheadError(f"{where!r}: GGUF pre-tokenizer {pre[:60]!r} is not supported: supported are smollm "
+                             "and gpt2")
     tok.decoder = decoders.ByteLevel()
     special = [AddedToken(tokens[i], special=True, normalized=False) for i, kind in enumerate(token_types)
                if kind == _CONTROL]
