@@ -192,7 +192,7 @@ def test_generate_compile_flag_gives_the_same_tokens(monkeypatch: pytest.MonkeyP
     (["generate", "hi", "--max-new-tokens", "0"], r"--max-new-tokens \(0\) must be at least 1"),
     (["generate", "hi", "--max-new-tokens", "-2"], r"--max-new-tokens \(-2\) must be at least 1"),
     (["generate", "hi", "--greedy", "--temperature", "0.7"], "--greedy cannot be combined"),
-    (["generate", "hi", "--top-p", "1.5"], r"top_p \(1.5\) must be in \(0, 1\]"),
+    (["generate", "hi", "--top-p", "1.5"], r"argument --top-p: '1.5' must be a finite number in \(0, 1\]"),
     (["generate", "hi", "--model", "/nonexistent.gguf"], "does not exist"),
     (["generate", "hi", "--compile", "--tp", "2"], r"--compile cannot be combined with --tp"),
     (["embed", "hi", "--model", "/nonexistent"], "does not exist"),

@@ -75,9 +75,9 @@ def test_cli_writes_a_plot_and_json(tmp_path: Path, capsys: pytest.CaptureFixtur
     (["--heads", "1,x"], "must be comma-separated integers"),
     (["--heads", "3"], r"d_model \(16\) must be divisible by n_heads \(3\)"),
     (["--pairs", "99"], r"n_pairs \(99\) must be between 1 and n_keys \(64\)"),
-    (["--lr", "-1"], r"lr \(-1.0\) must be a number in \(0, 1\]"),
-    (["--lr", "inf"], r"lr \(inf\) must be a number in \(0, 1\]"),
-    (["--lr", "nan"], r"lr \(nan\) must be a number in \(0, 1\]"),
+    (["--lr", "-1"], r"argument --lr: '-1' must be a finite number in \(0, 1\]"),
+    (["--lr", "inf"], r"argument --lr: 'inf' must be a finite number in \(0, 1\]"),
+    (["--lr", "nan"], r"argument --lr: 'nan' must be a finite number in \(0, 1\]"),
     (["--task", "lm", "--text", "/nonexistent/text.gz"], r"the evaluation text /nonexistent/text.gz is missing"),
     (["--task", "lm", "--context", "1"], r"context \(1\) must be an int of at least 2 bytes"),
 ])
@@ -95,6 +95,9 @@ def test_bad_experiment_flags(argv: list[str], message: str, tmp_path: Path,
 def test_settings_validate() -> None:
     with pytest.raises(MultiheadError, match=r"steps \(0\) must be a positive int"):
         Settings(steps=0)
+    for lr in (-1.0, math.inf, math.nan, 2.0):
+        with pytest.raises(MultiheadError, match=r"must be a number in \(0, 1\]"):
+            Settings(lr=lr)
 
 
 def test_text_task_trains_on_the_first_80_percent_and_scores_every_held_out_byte_once() -> None:

@@ -31,14 +31,58 @@ class _Parser(argparse.ArgumentParser):
         raise CliError(f"{self.prog}: {message}")
 
 
-def _positive(text: str) -> int:
+MAX_INT = 2**50  # sizes and counts: far above any real model, low enough that products stay exact and fast
+MAX_SEED = 2**63 - 1
+
+
+def _integer(text: str, low: int, high: int, what: str) -> int:
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+        raise argparse.ArgumentTypeError(f"{_show(text)} is not an integer") from None
+    if not low <= value <= high:
+        shown = f"{value:,}" if len(str(value)) <= 30 else f"{str(value)[:12]}... ({len(str(value))} digits)"
+        raise argparse.ArgumentTypeError(f"{shown} must be {what} (from {low:,} to {high:,})")
     return value
+
+
+def _show(text: str) -> str:
+    """A flag's text as typed, shortened, with undecodable bytes shown as escapes."""
+    shown = text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+    return repr(shown if len(shown) <= 60 else shown[:57] + "...")
+
+
+def _positive(text: str) -> int:
+    return _integer(text, 1, MAX_INT, "a positive integer")
+
+
+def _count(text: str) -> int:
+    return _integer(text, 0, MAX_INT, "a count")
+
+
+def _int(text: str) -> int:
+    return _integer(text, -MAX_INT, MAX_INT, "an integer")
+
+
+def _seed(text: str) -> int:
+    return _integer(text, 0, MAX_SEED, "a seed")
+
+
+def _number(low: float, high: float, *, open_low: bool = False) -> Any:
+    """An argparse type: a finite float in [low, high] ((low, high] with open_low)."""
+    import math
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{_show(text)} is not a number") from None
+        if not math.isfinite(value) or value < low or value > high or (open_low and value == low):
+            raise argparse.ArgumentTypeError(f"{_show(text)} must be a finite number in "
+                                             f"{'(' if open_low else '['}{low:g}, {high:g}]")
+        return value
+
+    return parse
 
 
 def _layers(n: int) -> str:
@@ -233,7 +277,7 @@ def _run_count(args: argparse.Namespace) -> int:
     a = model.attention
     r = cost.report(a, n_layers=model.n_layers, seq=args.seq, batch=args.batch, dtype=args.dtype, causal=causal)
     r["model"] = model.name
-    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     if memory is not None:
         r["device_memory_bytes"] = memory
         r["max_context_in_device_memory"] = cost.max_context(
@@ -395,7 +439,7 @@ def _run_compare(args: argparse.Namespace) -> int:
     from multihead.units import format_bytes, parse_bytes
 
     model = _model_from_args(args)
-    memory = parse_bytes(args.device_memory) if args.device_memory else None
+    memory = parse_bytes(args.device_memory) if args.device_memory is not None else None
     rows = compare_variants(model, seq=args.seq, batch=args.batch, dtype=args.dtype, memory_bytes=memory)
     plot_path = None if args.no_plot else plot_variants(model, rows, args.plot, batch=args.batch, dtype=args.dtype,
                                                          memory_bytes=memory, seq=args.seq)
@@ -514,11 +558,12 @@ def _add_generate(sub: Any) -> None:
     p = sub.add_parser("generate", help="generate text with SmolLM2 running on multihead's layer and KV cache")
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--model", metavar="PATH", help="a Llama GGUF file or Hugging Face folder (default: SmolLM2)")
-    p.add_argument("--max-new-tokens", type=int, default=64, help="tokens to generate (default 64)")
+    p.add_argument("--max-new-tokens", type=_int, default=64, help="tokens to generate (default 64)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
-    p.add_argument("--temperature", type=float, default=None, help="sample at this temperature")
-    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling: keep the top tokens with this mass")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("--temperature", type=_number(0, 1e6), default=None, help="sample at this temperature")
+    p.add_argument("--top-p", type=_number(0, 1, open_low=True), default=None,
+                   help="nucleus sampling: keep the top tokens with this mass")
+    p.add_argument("--seed", type=_seed, default=None, help="random seed for sampling")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32", help="weights (default float32)")
     p.add_argument("--compile", action="store_true",
@@ -526,7 +571,7 @@ def _add_generate(sub: Any) -> None:
     p.add_argument("--window", type=_positive, default=None,
                    help="decode with attention sinks + a sliding window of this many tokens: constant memory, "
                         "any length (StreamingLLM)")
-    p.add_argument("--sinks", type=int, default=4, help="sink tokens kept beside --window (default 4)")
+    p.add_argument("--sinks", type=_count, default=4, help="sink tokens kept beside --window (default 4)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     _add_tp(p)
     p.set_defaults(run=_run_generate)
@@ -686,7 +731,8 @@ def _add_experiment(sub: Any) -> None:
     p.add_argument("--text", default=None,
                    help="lm: a UTF-8 text file, plain or .gz (default: the Jargon File that `make text` installs)")
     p.add_argument("--batch", type=_positive, default=None, help="sequences per step (default 64; 32 for lm)")
-    p.add_argument("--lr", type=float, default=None, help="learning rate (default 3e-3; 1e-2 for lm)")
+    p.add_argument("--lr", type=_number(0, 1, open_low=True), default=None,
+                   help="learning rate (default 3e-3; 1e-2 for lm)")
     p.add_argument("--workers", type=_positive, default=2, help="training processes side by side (default 2)")
     p.add_argument("--heads", default=None,
                    help="comma-separated head counts (default 1,2,4,8,16; 1,2,4,8,16,32 for lm; plus GQA and MQA)")
@@ -751,7 +797,7 @@ def _run_experiment(args: argparse.Namespace) -> int:
         print(f"{'variant':<13} {'d_k':>4} {'attn params':>11} {'attn FLOPs':>11} {'KV B/token':>10} "
               f"{'held-out ppl':>15} {'bits/byte':>9}  head labels (mean per model)")
         for r in result["rows"]:
-            labels = ", ".join(f"{name} {n:g}" for name, n in sorted(r["label_counts"].items(), key=lambda x: -x[1]))
+            labels = ", ".join(f"{name} {n:.1f}" for name, n in sorted(r["label_counts"].items(), key=lambda x: -x[1]))
             print(f"{r['variant']:<13} {r['head_dim']:>4} {r['attention_params_per_layer']:>11,} "
                   f"{r['attention_flops_per_layer']:>11,} {r['kv_cache_bytes_per_token']:>10,} "
                   f"{r['perplexity_mean']:>7.3f} ± {r['perplexity_std']:<5.3f} "
@@ -876,7 +922,9 @@ def _ints(text: str) -> tuple[int, ...]:
     try:
         values = tuple(int(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated integers") from None
+        raise argparse.ArgumentTypeError(f"{_show(text)} must be comma-separated integers") from None
+    if any(not 0 <= v <= MAX_INT for v in values):
+        raise argparse.ArgumentTypeError(f"{_show(text)}: each value must be from 0 to {MAX_INT:,}")
     return values
 
 
@@ -886,7 +934,9 @@ def _fractions(text: str) -> tuple[float, ...]:
     try:
         values = tuple(float(v) for v in text.split(",") if v.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} must be comma-separated fractions, e.g. 0.1,0.3") from None
+        raise argparse.ArgumentTypeError(f"{_show(text)} must be comma-separated fractions, e.g. 0.1,0.3") from None
+    if any(not 0 <= v <= 1 for v in values):  # nan fails this too
+        raise argparse.ArgumentTypeError(f"{_show(text)}: each fraction must be in [0, 1]")
     return values
 
 
@@ -906,12 +956,13 @@ def _add_tradeoff(sub: Any) -> None:
     p.add_argument("--sinks", type=_ints, default=(1, 4), help="sink token counts beside the window (default 1,4)")
     p.add_argument("--bits", type=_ints, default=(8, 4, 2), help="quantized cache widths (default 8,4,2)")
     p.add_argument("--group", type=_positive, default=32, help="quantization group size (default 32)")
-    p.add_argument("--residual", type=int, default=128, help="newest tokens kept in full precision (default 128)")
+    p.add_argument("--residual", type=_count, default=128, help="newest tokens kept in full precision (default 128)")
     p.add_argument("--prune", type=_fractions, default=(0.1, 0.25, 0.5),
                    help="fractions of KV groups pruned by importance (default 0.1,0.25,0.5; 'none' for none)")
-    p.add_argument("--uptrain-steps", type=int, default=40, help="distillation steps for pooled MQA (0: none; "
+    p.add_argument("--uptrain-steps", type=_count, default=40, help="distillation steps for pooled MQA (0: none; "
                                                                   "default 40)")
-    p.add_argument("--uptrain-lr", type=float, default=3e-3, help="uptraining learning rate (default 3e-3)")
+    p.add_argument("--uptrain-lr", type=_number(0, 1, open_low=True), default=3e-3,
+                   help="uptraining learning rate (default 3e-3)")
     p.add_argument("--train", choices=("kv", "attention", "all"), default="kv",
                    help="what uptraining changes: the pooled K/V projections (default), attention, or all")
     p.add_argument("--resume", action="store_true", help="continue the uptraining checkpoint in --out")
@@ -1005,6 +1056,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 2 user error)."""
     parser = build_parser()
     try:
+        argv = list(sys.argv[1:] if argv is None else argv)
+        for i, arg in enumerate(argv):  # undecodable bytes arrive as lone surrogates (PEP 383)
+            try:
+                arg.encode("utf-8")
+            except UnicodeEncodeError:
+                raise CliError(f"multihead: argument {i + 1} ({_show(arg)}) is not valid UTF-8 text") from None
         args = parser.parse_args(argv)
         if args.command is None:
             parser.print_help()
@@ -1016,6 +1073,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             message = f"multihead: error: {message}"
         print(message.replace("\n", " "), file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: files are whole or absent (multihead.files), so one line is all to say
+        print("multihead: interrupted", file=sys.stderr)
+        return 130
 
 
 def entry() -> NoReturn:

@@ -165,7 +165,6 @@ def plot_variants(
     ax.legend(fontsize=8, loc="upper left")
     fig.tight_layout()
     out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
     save_figure(fig, out)
     plt.close(fig)
     return str(out)

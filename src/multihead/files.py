@@ -4,20 +4,51 @@ once complete, so an interrupted run (Ctrl-C included) never leaves a half-writt
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from multihead.errors import MultiheadError
+
+
+def output_file(path: str | Path, suffixes: Iterable[str] | None = None) -> Path:
+    """``path`` checked as a file to write: not a folder, a suffix among ``suffixes`` (lower case, no dot) when
+    given, its folder created if needed; a clear error otherwise."""
+    target = Path(path)
+    shown = str(path) if len(str(path)) <= 100 else str(path)[:97] + "..."
+    if target.name in ("", ".", ".."):
+        raise MultiheadError(f"{shown!r} is not a file name")
+    if any(len(part.encode("utf-8", "surrogateescape")) > 255 for part in target.parts):
+        raise MultiheadError(f"{shown!r}: a file or folder name is longer than 255 bytes")
+    if target.is_dir():
+        raise MultiheadError(f"{shown!r} is a folder: give a file name")
+    if suffixes is not None:
+        allowed = sorted(suffixes)
+        if target.suffix.lstrip(".").lower() not in allowed:
+            raise MultiheadError(f"{shown!r}: the file type {target.suffix[:20] or '(none)'!r} cannot be written; "
+                                 f"use one of {', '.join('.' + a for a in allowed)}")
+    blocking = next((a for a in reversed(target.parents) if a.exists() and not a.is_dir()), None)
+    if blocking is not None:
+        raise MultiheadError(f"cannot write {shown!r}: {str(blocking)!r} is a file, not a folder")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise MultiheadError(f"cannot create the folder of {shown!r}: {err.strerror or err}") from None
+    return target
+
 
 @contextmanager
 def atomic_path(path: str | Path) -> Iterator[Path]:
-    """A temporary sibling of ``path`` to write; renamed onto ``path`` when the block completes, removed otherwise."""
-    target = Path(path)
+    """A temporary sibling of ``path`` to write; renamed onto ``path`` when the block completes, removed otherwise.
+    A failure of the file system (a folder in the way, no space, no permission) is one clear error."""
+    target = output_file(path)
     partial = target.with_name(f".{target.name}.{os.getpid()}.partial")
     try:
         yield partial
         os.replace(partial, target)
+    except OSError as err:
+        raise MultiheadError(f"cannot write {str(path)!r}: {err.strerror or err}") from None
     finally:
         if partial.exists():
             partial.unlink()
@@ -32,7 +63,7 @@ def write_text(path: str | Path, text: str) -> Path:
 
 def save_figure(fig: Any, path: str | Path) -> Path:
     """``fig.savefig(path)`` whole or not at all (the format from the target's suffix)."""
-    target = Path(path)
+    target = output_file(path, fig.canvas.get_supported_filetypes())
     with atomic_path(target) as partial:
-        fig.savefig(partial, format=target.suffix.lstrip(".") or "png")
+        fig.savefig(partial, format=target.suffix.lstrip(".").lower())
     return target

@@ -51,12 +51,25 @@ class ShapeWalk:
         return sum(self.parameters.values())
 
 
+_MAX_ELEMENTS = 2**62  # torch sizes tensors in int64, even on the meta device
+
+
+def _check_size(batch: int, seq: int, widths: list[int]) -> None:
+    """The walk's largest tensors (activations, weights, the b*h*s*s scores) must be sizeable in int64."""
+    largest = max(batch * seq * max(widths), batch * max(widths) * seq * seq, max(widths) ** 2)
+    if largest > _MAX_ELEMENTS:
+        raise MultiheadError(f"width {max(widths):,}, batch {batch:,} and seq {seq:,} give tensors of up to "
+                             f"{largest:.3g} elements, more than torch can size ({_MAX_ELEMENTS:.3g}): use "
+                             "`multihead count` for the arithmetic of sizes this large")
+
+
 def shape_walk(config: AttentionConfig, *, batch: int = 1, seq: int = 128) -> ShapeWalk:
     """Run ``config``'s layer on the meta device (no memory, no arithmetic) and record each step's shape.
 
     The attention core's steps are read at its hook points (q, k, v, pattern, z, out); the projections' outputs and
     the merged heads by forward hooks on the four linear layers.
     """
+    _check_size(batch, seq, [config.d_model, config.n_heads * config.head_dim])
     layer = MultiHeadAttention(config, backend="math", device="meta")
     seen: list[tuple[int, Step]] = []  # (order, step): a forward hook on o_proj sees the merged heads first
 
@@ -112,6 +125,7 @@ def mla_shape_walk(config: MLAConfig, *, batch: int = 1, seq: int = 128, path: s
 
     if path not in ("expanded", "absorbed"):
         raise MultiheadError(f"path {path!r} must be 'expanded' or 'absorbed'")
+    _check_size(batch, seq, [config.d_model, config.n_heads * max(config.qk_head_dim, config.v_head_dim)])
     layer = MultiHeadLatentAttention(config, backend="math", device="meta")
     steps: list[Step] = []
     absorbed = path == "absorbed"

@@ -284,6 +284,31 @@ def head_summary(model: TinyLM, task: TaskConfig | TextTask) -> dict[str, Any]:
             "previous_token_heads": int((prev >= 0.4).sum()), "induction_heads": int((ind >= 0.3).sum())}
 
 
+def training_bytes(settings: Settings, variant: Variant) -> int:
+    """About the memory one training process needs: weights, gradients and AdamW's two moments (16 bytes per
+    parameter), and the activations autograd keeps for one step (float32)."""
+    d, n_layers, s, b = settings.d_model, settings.n_layers, settings.task.seq_len, settings.batch
+    attention = AttentionConfig(d_model=d, n_heads=variant.n_heads, n_kv_heads=variant.n_kv_heads)
+    per_layer = cost.parameters(attention).total + 8 * d * d + 9 * d
+    params = 2 * settings.task.vocab * d + s * d + n_layers * per_layer
+    activations = n_layers * b * s * (20 * d + 2 * variant.n_heads * s) + 3 * b * s * settings.task.vocab
+    return 16 * params + 4 * activations
+
+
+def _check_memory(settings: Settings, variants: list[Variant]) -> None:
+    import os
+
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    need = max(training_bytes(settings, v) for v in variants) * min(settings.workers, len(variants) * len(
+        settings.seeds))
+    if need > physical // 2:
+        from multihead.units import format_bytes
+
+        raise MultiheadError(f"these settings need about {format_bytes(need)} to train ({settings.workers} "
+                             f"process(es) side by side), more than half this machine's {format_bytes(physical)}: "
+                             "use a smaller --d-model, --batch or --context, or fewer --workers")
+
+
 def _init_worker() -> None:
     torch.set_num_threads(1)
 
@@ -302,6 +327,7 @@ def run(settings: Settings, variants: list[Variant] | None = None, *, progress: 
     variants = default_variants(settings.d_model) if variants is None else variants
     for v in variants:
         AttentionConfig(d_model=settings.d_model, n_heads=v.n_heads, n_kv_heads=v.n_kv_heads)  # fail before training
+    _check_memory(settings, variants)
     jobs = [(v, seed) for v in variants for seed in settings.seeds]
     start = time.perf_counter()
     results: dict[tuple[str, int], dict[str, Any]] = {}

@@ -29,7 +29,8 @@ def prepare_out_dir(out: str | Path) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as err:
-        raise MultiheadError(f"cannot write to the output folder {str(path)!r}: {err.strerror or err}") from None
+        shown = str(path) if len(str(path)) <= 100 else str(path)[:97] + "..."
+        raise MultiheadError(f"cannot write to the output folder {shown!r}: {err.strerror or err}") from None
     return path
 
 
