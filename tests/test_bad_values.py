@@ -57,9 +57,9 @@ def test_integer_masks_are_refused(dtype: torch.dtype) -> None:
 
 
 def test_nan_in_the_inputs_reaches_the_same_outputs_on_every_backend() -> None:
-    """Documented: NaN in one token of x makes every row of that sequence NaN on every backend, also the rows whose
-    mask hides that token (a zero weight times a NaN value is NaN, as in PyTorch's own kernels); the other sequences
-    of the batch are untouched."""
+    """Documented: NaN in one (unpadded) token of x makes every row of that sequence NaN on every backend, also rows
+    whose mask hides that token (a zero weight times a NaN value is NaN, as in PyTorch's own kernels); the other
+    sequences of the batch are untouched. (A key that key_padding_mask pads out is the exception: see below.)"""
     x = torch.randn(2, 6, 32)
     x[0, 3, 5] = float("nan")
     for backend in BACKENDS:
@@ -92,3 +92,44 @@ def test_two_threads_on_one_layer_with_different_masks_get_what_each_gets_alone(
         assert len(results[i]) == 50
         for out in results[i]:
             torch.testing.assert_close(out, alone[i], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math", "flex"])
+def test_a_nan_in_a_padded_key_never_reaches_the_real_rows(backend: str) -> None:
+    """Keys the key_padding_mask pads out have their K and V zeroed before attention, so whatever they hold (NaN from
+    an uninitialised buffer) cannot reach a real row; the real rows equal those of the sequence without the padding."""
+    layer = _layer()
+    context = torch.randn(2, 7, 32)
+    real = context[:, :5].clone()
+    context[0, 5:] = float("nan")
+    context[1, 6] = float("inf")
+    padding = torch.ones(2, 7, dtype=torch.bool)
+    padding[:, 5:] = False
+    x = torch.randn(2, 4, 32)
+    with torch.no_grad():
+        out = layer(x, context=context, key_padding_mask=padding, backend=backend)
+        alone = layer(x, context=real, backend=backend)
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out, alone, atol=1e-5, rtol=1e-5)
+
+
+def test_positions_and_empty_inputs_are_checked() -> None:
+    from multihead import AttentionConfig, KVCache, RopeConfig
+
+    layer = MultiHeadAttention(AttentionConfig(d_model=32, n_heads=4, n_kv_heads=2, rope=RopeConfig(10000.0)))
+    x = torch.randn(2, 3, 32)
+    with pytest.raises(MultiheadError, match="positions is on meta but the inputs are on cpu"):
+        layer(x, causal=True, positions=torch.arange(3, device="meta"))
+    cache = KVCache(batch=2, max_len=8, n_layers=1, n_kv_heads=2, head_dim=8)
+    for bad in (8, -1):  # past the slots, and negative (which would silently write the last slot)
+        with pytest.raises(MultiheadError, match=r"fall outside the cache's slots: with max_len 8 they must lie in "
+                                                 r"0 \.\. 7"):
+            layer(x[:, :1], causal=True, cache=cache.layer(0), positions=torch.full((2, 1), bad))
+    with pytest.raises(MultiheadError, match="positions into a KV cache index its slots: they must be integers"):
+        layer(x[:, :1], causal=True, cache=cache.layer(0), positions=torch.full((2, 1), 1.0))
+    for empty in (torch.randn(2, 0, 32), torch.randn(0, 3, 32)):
+        for backend in ("sdpa", "math", "flex"):
+            with pytest.raises(MultiheadError, match=r"is empty: attention needs at least one sequence"):
+                layer(empty, causal=True, backend=backend)
+    with pytest.raises(MultiheadError, match=r"context of shape \(2, 0, 32\) is empty"):
+        _layer()(x, context=torch.randn(2, 0, 32))

@@ -70,6 +70,7 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
         by_position = not cpu.plain_decode_mask(b, at_end)
         if not at_end:
             pos = MultiHeadAttention._positions(positions, b, s, x.device).expand(b, s)
+            _check_slots(pos, kv, validate)
         elif rotary is not None or start is None or by_position:
             pos = kv.next_positions(s)  # made only when RoPE, the indexed write or the mask reads them
         else:
@@ -87,6 +88,27 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
         assert pos is not None
         rope = rotary.tables(pos, dtype or x.dtype)
     return Step(mask=spec, positions=pos, rope=rope, cache_start=start)
+
+
+def _check_slots(pos: Tensor, kv: Cache, validate: bool) -> None:
+    """Positions that index a cache's slots: integers in [0, max_len) (the range check reads the tensor, so it
+    follows ``validate`` and is skipped under torch.compile)."""
+    if pos.is_floating_point():
+        raise MultiheadError(f"positions into a KV cache index its slots: they must be integers, not {pos.dtype}")
+    if validate and kv.max_len is not None and pos.numel() and not torch.compiler.is_compiling():
+        low, high = int(pos.min()), int(pos.max())
+        if low < 0 or high >= kv.max_len:
+            raise MultiheadError(f"positions from {low} to {high} fall outside the cache's slots: with max_len "
+                                 f"{kv.max_len} they must lie in 0 .. {kv.max_len - 1}")
+
+
+def _zero_padding(k: Tensor, v: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
+    """K and V (b, g, t, d) with the padded keys' rows zeroed (padding: (b, t), True = real): masked scores are -inf
+    and their weights 0, but 0 * NaN is NaN, so a NaN in a padded position would otherwise reach every real row."""
+    if padding is None:
+        return k, v
+    dead = ~padding[:, None, :, None]  # (b, 1, t, 1)
+    return k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
 
 
 def _evicting_step(kv: Cache, x: Tensor, positions: Tensor | None, dtype: torch.dtype | None, *, n_heads: int,
@@ -216,6 +238,7 @@ class MultiHeadAttention(nn.Module):
         k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d): k = c W_K
         v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d): v = c W_V
         q, k = self._rotate(q, k, step)  # RoPE at the step's positions (unchanged without rope)
+        k, v = _zero_padding(k, v, step.mask.padding)  # a padded key has no influence, even if it holds NaN
         if cache is not None:
             k, v = cache.write(k, v, step.positions, start=step.cache_start, t=step.mask.t)
         z, weights = attend(self._call(q, k, v, step, return_weights, backend), self)  # (b, h, s, d), hooked
@@ -246,6 +269,7 @@ class MultiHeadAttention(nn.Module):
             k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
             v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
             q, k = self._rotate(q, k, step)
+            k, v = _zero_padding(k, v, step.mask.padding)
             if cache is not None:
                 k, v = cache.peek(k, v, step.positions, start=step.cache_start, t=step.mask.t)
         return explain_call(self._call(q, k, v, step, return_weights, backend), self)
@@ -393,6 +417,9 @@ class MultiHeadAttention(nn.Module):
             )
         if not x.is_floating_point():
             raise MultiheadError(f"{name} has dtype {x.dtype}: it must be a floating-point tensor")
+        if x.shape[0] == 0 or x.shape[1] == 0:
+            raise MultiheadError(f"{name} of shape {tuple(x.shape)} is empty: attention needs at least one sequence "
+                                 "of at least one token")
         return x.shape[0], x.shape[1]
 
     def _check_matches_weights(self, name: str, x: Tensor) -> None:
@@ -413,6 +440,11 @@ class MultiHeadAttention(nn.Module):
         batched = positions if positions.ndim != 1 else positions[None]  # (b|1, s)
         if batched.ndim != 2 or batched.shape[-1] != s or batched.shape[0] not in (1, b):
             raise MultiheadError(f"positions of shape {tuple(positions.shape)} must be (s,) or (b, s) = {(b, s)}")
+        if positions.device != device:
+            raise MultiheadError(f"positions is on {positions.device} but the inputs are on {device}: move it, e.g. "
+                                 f"positions.to({str(device)!r})")
+        if positions.is_complex() or positions.dtype == torch.bool:
+            raise MultiheadError(f"positions has dtype {positions.dtype}: give integer (or float) positions")
         return batched
 
     # ------------------------------------------------------------------ conversion

@@ -77,6 +77,7 @@ class MaskSpec:
     bias: Tensor | None = None
     q_positions: Tensor | None = None  # (b, s): with a KV cache, causal by absolute positions instead of alignment
     documents: Tensor | None = None  # (b, s) document ids, s == t: a token sees its own document only
+    padding: Tensor | None = None  # (b, t) bool, True = a real key: padded keys' K and V are zeroed before attention
     memo: dict[Any, Any] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     @property
@@ -252,4 +253,4 @@ def build_mask(
         if tuple(documents.shape) != (batch, s):
             raise MultiheadError(f"documents of shape {tuple(documents.shape)} must be (b, s) = {(batch, s)}")
     return MaskSpec(batch=batch, n_heads=n_heads, s=s, t=t, causal=causal, window=window, keep=keep, bias=bias,
-                    q_positions=q_positions, documents=documents)
+                    q_positions=q_positions, documents=documents, padding=key_padding_mask)
