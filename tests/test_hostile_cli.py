@@ -98,5 +98,6 @@ def test_every_flag_of_every_subcommand_takes_hostile_values(tmp_path: Path) -> 
         if status not in allowed or "Traceback" in err or (status == "2" and len(lines) != 1):
             bad.append(f"{name}: status {status}, stderr {err[-600:]!r}")
         seen[status] += 1
+    print(f"\nfuzz cases, command lines: {len(all_cases)} (exit status: {dict(seen)})")
     assert not bad, "\n".join(bad[:40]) + f"\n({len(bad)} of {len(all_cases)})"
     assert sum(seen.values()) >= 600, seen

@@ -54,6 +54,7 @@ def check(outcomes: dict[str, Outcome], where: str) -> Counter[str]:
     """Every outcome ok or a MultiheadError naming the file; the tally of kinds."""
     bad = {name: o for name, o in outcomes.items() if o.kind not in ("ok", "error")
            or (o.kind == "error" and where not in o.detail)}
+    print(f"\nfuzz cases under {where}: {len(outcomes)} ({dict(Counter(o.kind for o in outcomes.values()))})")
     assert not bad, "\n".join(f"{name}: {o.kind}: {o.detail.strip().splitlines()[-1][:300]}"
                                for name, o in bad.items()) + f"\n({len(bad)} of {len(outcomes)})"
     return Counter(o.kind for o in outcomes.values())
@@ -312,14 +313,17 @@ def test_damaged_gguf_bytes(tmp_path: Path) -> None:
     fields, _ = tiny_llama_gguf()
     header = len(gguf_bytes(fields, {}))
     seen: Counter[str] = Counter()
-    fuzz_file(path, lambda: use_llama(path), examples=1500, hot=header + 2000, seen=seen)
-    assert sum(seen.values()) >= 1500 and seen["error"] > 0, seen
+    fuzz_file(path, lambda: use_llama(path), examples=1000, hot=header + 2000, seen=seen)
+    print(f"\nfuzz cases, damaged GGUF bytes: {sum(seen.values())} ({dict(seen)})")
+    assert sum(seen.values()) >= 1000 and seen["error"] > 0, seen
 
 
 def test_damaged_safetensors_config_and_tokenizer_bytes(tmp_path: Path) -> None:
     folder = write_tiny_hf_llama(tmp_path / "llama")
     seen: Counter[str] = Counter()
-    for name, examples, hot in (("model.safetensors", 600, 4096), ("config.json", 300, 1 << 20),
-                                ("tokenizer.json", 400, 1 << 20)):
+    for name, examples, hot in (("model.safetensors", 400, 4096), ("config.json", 200, 1 << 20),
+                                ("tokenizer.json", 300, 1 << 20)):
         fuzz_file(folder / name, lambda: use_llama(folder), examples=examples, hot=hot, seen=seen)
-    assert sum(seen.values()) >= 1300 and seen["error"] > 0, seen
+    print(f"\nfuzz cases, damaged safetensors, config.json and tokenizer.json bytes: {sum(seen.values())} "
+          f"({dict(seen)})")
+    assert sum(seen.values()) >= 900 and seen["error"] > 0, seen
