@@ -84,8 +84,7 @@ def test_ctrl_c_at_any_file_leaves_only_whole_files(argv: list[str], files: int,
     trials = [("rename", at) for at in range(1, files + 1)] + [("write", at) for at in range(1, figures + 1)]
     for where, at in trials:
         out = tmp_path / f"{where}{at}"
-        outcome = isolated(lambda out=out, at=at, where=where: interrupted_run([*argv, "--out", str(out)], at=at,
-                                                                              where=where), seconds=120)
+        outcome = isolated(interrupted_run, [*argv, "--out", str(out)], at=at, where=where, seconds=120)
         assert outcome.kind == "ok", outcome
         status, _, err = outcome.detail.partition("\n")
         assert status == "130" and err.strip().splitlines()[-1] == "multihead: interrupted", (where, at, err[-500:])

@@ -257,14 +257,14 @@ def checked_llama(where: Path, raw: dict[str, Any], keys: dict[str, str] | None 
         raise v.fail(key("n_kv_heads", "n_kv_heads"), out["n_kv_heads"],
                      f"a divisor of {key('n_heads', 'n_heads')} ({out['n_heads']})")
     head_dim = raw.get("head_dim")
-    if head_dim is None:
-        if out["d_model"] % out["n_heads"]:
-            raise v.fail(key("n_heads", "n_heads"), out["n_heads"],
-                         f"a divisor of {key('d_model', 'd_model')} ({out['d_model']}) when there is no head_dim")
-        head_dim = out["d_model"] // out["n_heads"]
-    out["head_dim"] = v.integer(key("head_dim", "head_dim"), head_dim, low=2, high=MAX_WIDTH)
-    if out["head_dim"] % 2:
-        raise v.fail(key("head_dim", "head_dim"), out["head_dim"], "an even head size (RoPE rotates pairs)")
+    if head_dim is None and out["d_model"] % out["n_heads"]:  # None is kept (d_model / n_heads), as the file says
+        raise v.fail(key("n_heads", "n_heads"), out["n_heads"],
+                     f"a divisor of {key('d_model', 'd_model')} ({out['d_model']}) when there is no head_dim")
+    checked = v.integer(key("head_dim", "head_dim"), out["d_model"] // out["n_heads"] if head_dim is None else head_dim,
+                        low=2, high=MAX_WIDTH)
+    if checked % 2:
+        raise v.fail(key("head_dim", "head_dim"), checked, "an even head size (RoPE rotates pairs)")
+    out["head_dim"] = head_dim
     out["rope_base"] = v.number(key("rope_base", "rope_base"), raw.get("rope_base", 10000.0), low=0, high=1e12,
                                 open_low=True)
     out["rms_eps"] = v.number(key("rms_eps", "rms_eps"), raw.get("rms_eps", 1e-5), low=0, high=1, open_low=True)
