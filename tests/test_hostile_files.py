@@ -10,6 +10,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -328,3 +329,30 @@ def test_damaged_safetensors_config_and_tokenizer_bytes(tmp_path: Path) -> None:
     print(f"\nfuzz cases, damaged safetensors, config.json and tokenizer.json bytes: {sum(seen.values())} "
           f"({dict(seen)})")
     assert sum(seen.values()) >= 600 and seen["error"] > 0, seen
+
+
+def test_a_tensor_type_the_gguf_package_cannot_dequantise_is_named(tmp_path: Path) -> None:
+    from gguf.constants import GGMLQuantizationType
+
+    from multihead import MultiheadError
+
+    fields, tensors = tiny_llama_gguf()
+    path = tmp_path / "i32.gguf"  # 16 float32 values relabelled as 16 int32 ones: the same bytes, a type not read
+    path.write_bytes(gguf_bytes(fields, tensors, kinds={"output_norm.weight": GGMLQuantizationType.I32.value}))
+    with pytest.raises(MultiheadError, match=r"tensor 'output_norm.weight' has type I32, which the gguf package "
+                                             r"cannot dequantise"):
+        load_llama(path)
+
+
+def test_a_safetensors_index_cannot_point_outside_the_model_folder(tmp_path: Path) -> None:
+    import json
+
+    from multihead import MultiheadError
+
+    folder = write_tiny_hf_llama(tmp_path / "llama")
+    (folder / "model.safetensors").rename(tmp_path / "outside.safetensors")
+    for name in ("../outside.safetensors", "/etc/passwd", "sub/model.safetensors", "model.bin"):
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"model.norm.weight": name}}))
+        with pytest.raises(MultiheadError, match=r"weight_map\['model.norm.weight'\] = .*: expected the name of a "
+                                                 r"\.safetensors file in the model folder"):
+            load_llama(folder)

@@ -38,8 +38,10 @@ def _value(kind: int, value: Any) -> bytes:
     raise ValueError(kind)
 
 
-def gguf_bytes(fields: list[Field], tensors: dict[str, np.ndarray], *, alignment: int = 32) -> bytes:
-    """A GGUF v3 file: the fields as given, float32 tensors (shape outermost first, as numpy)."""
+def gguf_bytes(fields: list[Field], tensors: dict[str, np.ndarray], *, alignment: int = 32,
+               kinds: dict[str, int] | None = None) -> bytes:
+    """A GGUF v3 file: the fields as given, float32 tensors (shape outermost first, as numpy); ``kinds`` labels a
+    tensor's bytes with another ggml type code (its bytes unchanged)."""
     out = [b"GGUF", struct.pack("<IQQ", 3, len(tensors), len(fields))]
     for key, kind, value in fields:
         out.append(_string(key) + struct.pack("<I", kind) + _value(kind, value))
@@ -49,7 +51,7 @@ def gguf_bytes(fields: list[Field], tensors: dict[str, np.ndarray], *, alignment
         data = np.ascontiguousarray(array, dtype=np.float32).tobytes()
         dims = list(reversed(array.shape))
         out.append(_string(name) + struct.pack("<I", len(dims)) + b"".join(struct.pack("<Q", d) for d in dims)
-                   + struct.pack("<IQ", 0, offset))
+                   + struct.pack("<IQ", (kinds or {}).get(name, 0), offset))
         pad = -len(data) % alignment
         blobs.append(data + b"\0" * pad)
         offset += len(data) + pad
