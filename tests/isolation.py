@@ -17,16 +17,18 @@ outcome back. Outcomes:
 from __future__ import annotations
 
 import multiprocessing
+import os
 import resource
 import signal
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 PRELOAD = ["torch", "multihead", "multihead.cli", "multihead.models.loaders", "multihead.models.bert", "tokenizers",
            "safetensors.torch", "hypothesis", "isolation", "tiny_checkpoints", "test_hostile_files",
-           "test_hostile_cli", "test_interrupt"]
+           "test_hostile_cli", "test_interrupt", "fuzz_warmup"]
 _context: Any = None
 
 
@@ -67,13 +69,32 @@ def _child(conn: Any, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dic
     conn.close()
 
 
+def _start_server() -> Any:
+    """The fork server, started now with the preloads importable: Python 3.11's fork server ignores the sys.path
+    it is given, so this folder goes to it through PYTHONPATH (restored afterwards)."""
+    from multiprocessing import forkserver
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PRELOAD)
+    here = str(Path(__file__).resolve().parent)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = here if not before else here + os.pathsep + before
+    try:
+        forkserver.ensure_running()
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
+    return context
+
+
 def isolated(fn: Callable[..., Any], *args: Any, seconds: float = 20.0, memory: int = 1 << 30,
              **kwargs: Any) -> Outcome:
     """Run ``fn(*args, **kwargs)`` (a module-level function) in a child under the limits."""
     global _context
     if _context is None:
-        _context = multiprocessing.get_context("forkserver")
-        _context.set_forkserver_preload(PRELOAD)
+        _context = _start_server()
     receive, send = _context.Pipe(duplex=False)
     child = _context.Process(target=_child, args=(send, fn, args, kwargs, seconds, memory), daemon=True)
     child.start()
