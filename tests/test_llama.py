@@ -256,3 +256,16 @@ def test_prompts_and_lengths_out_of_range(smollm2) -> None:  # type: ignore[no-u
         next(generate_ids(model, [[]], max_new_tokens=1))
 
 
+
+
+def test_a_tiny_temperature_samples_the_most_likely_token_instead_of_nan() -> None:
+    from multihead.models.generate import Sampling, sample
+
+    logits = torch.tensor([[1.0, 3.0, 2.0, -5.0], [0.5, 0.25, 4.0, 4.0 - 1e-3]])
+    sampling = Sampling(temperature=1e-40, seed=0)
+    for _ in range(20):
+        assert sample(logits, sampling, sampling.generator()).tolist() == [1, 2]
+    with pytest.raises(MultiheadError, match=r"seed \(1180591620717411303424\) must be from 0 to 2\^63 - 1"):
+        Sampling(temperature=1.0, seed=2**70)
+    with pytest.raises(MultiheadError, match=r"temperature \(inf\) must be finite and >= 0"):
+        Sampling(temperature=float("inf"))
