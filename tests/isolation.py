@@ -28,7 +28,7 @@ from typing import Any
 
 PRELOAD = ["torch", "multihead", "multihead.cli", "multihead.models.loaders", "multihead.models.bert", "tokenizers",
            "safetensors.torch", "hypothesis", "isolation", "tiny_checkpoints", "test_hostile_files",
-           "test_hostile_cli", "test_interrupt", "fuzz_warmup"]
+           "test_hostile_cli", "test_hostile_tensors", "test_interrupt", "fuzz_warmup"]
 _context: Any = None
 
 
