@@ -268,3 +268,36 @@ def test_an_output_folder_that_cannot_be_written(tmp_path: Path, capsys: pytest.
     blocker.write_text("")
     assert main(["heads", "--model", "minilm", "--text", TEXT, "--out", str(blocker / "report")]) == 2
     assert "cannot write to the output folder" in capsys.readouterr().err
+
+
+HOSTILE_PASSAGE = ("Heads </script><script>window.pwned=1;document.title='pwned'</script> &amp; &lt;b&gt; &#x3C;i> "
+                   "<!-- ]]> ${window.pwned=2} `x` \u202eevil\u202c \u05e9\u05dc\u05d5\u05dd "
+                   "\u0645\u0631\u062d\u0628\u0627 zero\u200bwidth\u200d\ufeff joiners, "
+                   "<img src=x onerror=window.pwned=3> \U0001f600 the end. ")
+
+
+def test_a_5000_token_hostile_passage_renders_safely(tmp_path: Path) -> None:
+    """The report of a 5,000-token passage full of markup, entities, right-to-left and zero-width characters: every
+    layer's weights are reduced as they are made (scores and the displayed tokens' patterns), the page renders in
+    headless Chromium without a console error, and nothing in the passage runs. (A 2-layer random-weight Llama with
+    an 8,192-token context: the model does not matter to the page, the passage's length and content do.)"""
+    from tiny_checkpoints import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", context=8192)
+    model = load_head_model(str(gguf))
+    text = HOSTILE_PASSAGE * 24
+    n_tokens = len(model.encode([text]).ids[0])
+    assert 5000 <= n_tokens <= 8192, n_tokens
+    report = analyse(model, text, display_tokens=64)
+    assert len(report.tokens) == 64 and report.patterns[0].shape == (4, 64, 64)
+    files = write_all(report, tmp_path / "out")
+    html = Path(files["html"])
+    dom = _browse(html, "--dump-dom")
+    assert dom.returncode == 0, dom.stderr[-2000:]
+    assert 'data-ready="1"' in dom.stdout  # the page's own script ran to its end
+    assert "<title>multihead: what each head does</title>" in dom.stdout  # the passage's did not
+    assert "pwned" not in dom.stdout.split("<body")[0]
+    assert "<img" not in dom.stdout and "<script>window" not in dom.stdout
+    console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+    assert not console, console
+    assert dom.stdout.count("&lt;/script&gt;&lt;script&gt;window.pwned=1") == 24  # the whole passage, as text

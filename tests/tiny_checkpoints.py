@@ -86,7 +86,7 @@ TINY = {"d_model": 16, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2, "head_dim":
 MERGES = ["Ġ t", "h e", "Ġt he"]
 
 
-def tiny_llama_gguf() -> tuple[list[Field], dict[str, np.ndarray]]:
+def tiny_llama_gguf(context: int = 128) -> tuple[list[Field], dict[str, np.ndarray]]:
     """Fields and tensors of a 2-layer Llama (d_model 16, 4 query heads, 2 KV heads) with a byte-level BPE
     vocabulary of 256 bytes, 3 merges and 2 control tokens (262 tokens)."""
     tokens = [*byte_tokens(), "Ġt", "he", "Ġthe", "<s>", "</s>", "<pad>"]
@@ -96,7 +96,7 @@ def tiny_llama_gguf() -> tuple[list[Field], dict[str, np.ndarray]]:
         ("general.architecture", STRING, "llama"),
         ("general.alignment", U32, 32),
         ("llama.block_count", U32, TINY["n_layers"]),
-        ("llama.context_length", U32, 128),
+        ("llama.context_length", U32, context),
         ("llama.embedding_length", U32, d),
         ("llama.feed_forward_length", U32, f),
         ("llama.attention.head_count", U32, h),
@@ -130,8 +130,8 @@ def tiny_llama_gguf() -> tuple[list[Field], dict[str, np.ndarray]]:
     return fields, tensors
 
 
-def write_tiny_gguf(path: Path) -> Path:
-    fields, tensors = tiny_llama_gguf()
+def write_tiny_gguf(path: Path, context: int = 128) -> Path:
+    fields, tensors = tiny_llama_gguf(context)
     path.write_bytes(gguf_bytes(fields, tensors))
     return path
 

@@ -13,9 +13,9 @@ import torch
 
 from multihead.errors import MultiheadError, divisors
 from multihead.heads.adapters import Batch, HeadModel, ablate_edit, pool_edits, split_sentences
-from multihead.heads.capture import capture_weights
+from multihead.heads.capture import capture_reduced, capture_weights
 from multihead.heads.patching import PromptPair, patch_pairs
-from multihead.heads.scores import HeadScores, label_heads, pattern_scores, repeat_scores
+from multihead.heads.scores import HeadScores, label_heads, layer_pattern_sums, repeat_scores, scores_from_sums
 
 
 def default_passage() -> str:
@@ -71,8 +71,15 @@ def analyse(
         raise MultiheadError(f"repeat_len ({repeat_len}) must be at least 20 random tokens")
     layers = model.layers()
     batch = model.encode([text])
-    weights = capture_weights(layers, lambda: model.run(batch))
-    scores = pattern_scores(weights, batch.lengths, causal=model.causal)
+    n = min(display_tokens, batch.lengths[0])
+
+    def reduce(_layer: int, w: torch.Tensor) -> tuple[dict[str, np.ndarray], np.ndarray]:
+        """A layer's score sums and its pattern over the displayed tokens; its full weights are dropped."""
+        return (layer_pattern_sums(w, batch.lengths, causal=model.causal),
+                w[0, :, :n, :n].numpy().astype(np.float32, copy=True))
+
+    reduced = capture_reduced(layers, lambda: model.run(batch), reduce)
+    scores = scores_from_sums([sums for sums, _ in reduced], batch.lengths, causal=model.causal)
 
     gen = torch.Generator().manual_seed(0)
     random = torch.stack([model.random_token_ids(repeat_len, gen) for _ in range(seeds)])  # (seeds, T)
@@ -83,9 +90,8 @@ def analyse(
     scores.update(repeat_scores(core, repeat_len))
     head_scores = HeadScores(scores=scores, n_kv_heads=model.n_kv_heads, labels=label_heads(scores))
 
-    n = min(display_tokens, batch.lengths[0])
     tokens = model.token_strings(batch.ids[0, :n].tolist())
-    patterns = [w[0, :, :n, :n].numpy().astype(np.float32) for w in weights]
+    patterns = [pattern for _, pattern in reduced]
     report = HeadReport(model=model.name, causal=model.causal, n_layers=len(layers), n_heads=model.n_heads,
                         n_kv_heads=model.n_kv_heads, text=text, tokens=tokens, patterns=patterns,
                         scores=head_scores, metric_name=model.metric_name, engine=model.engine)

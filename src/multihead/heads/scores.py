@@ -67,25 +67,37 @@ def _counts(n: int, causal: bool) -> dict[str, int]:
             "entropy": entropy_rows}
 
 
+def layer_pattern_sums(w: Tensor, lengths: list[int], *, causal: bool) -> dict[str, np.ndarray]:
+    """One layer's per-head sums (not yet means) of the natural-text scores over the sequences of a batch:
+    w (b, h, s, t). :func:`pattern_scores` divides by the row counts; taking the sums layer by layer lets a caller
+    drop each layer's weights before the next (a long text's weights do not fit in memory all at once)."""
+    out = {name: np.zeros(w.shape[1]) for name in _counts(2, causal)}
+    for b, n in enumerate(lengths):
+        for name, value in _sums(w[b], n, causal).items():
+            out[name] += value.numpy()
+    return out
+
+
 def pattern_scores(weights: list[Tensor], lengths: list[int], *, causal: bool) -> dict[str, np.ndarray]:
     """Scores of every (layer, head) from weights [(b, h, s, t) per layer] of sequences of the given real lengths.
 
     Returns {score name: array (n_layers, n_heads)} for the scores defined on natural text (all but duplicate_token
     and induction).
     """
-    n_layers, n_heads = len(weights), weights[0].shape[1]
+    return scores_from_sums([layer_pattern_sums(w, lengths, causal=causal) for w in weights], lengths, causal=causal)
+
+
+def scores_from_sums(sums: list[dict[str, np.ndarray]], lengths: list[int], *, causal: bool) -> dict[str, np.ndarray]:
+    """The means of :func:`layer_pattern_sums` of every layer: {score name: (n_layers, n_heads)}."""
     names = list(_counts(2, causal))
-    sums = {name: np.zeros((n_layers, n_heads)) for name in names}
     counts = dict.fromkeys(names, 0)
-    for b, n in enumerate(lengths):
+    for n in lengths:
         for name, c in _counts(n, causal).items():
             counts[name] += c
-        for layer, w in enumerate(weights):
-            for name, value in _sums(w[b], n, causal).items():
-                sums[name][layer] += value.numpy()
-    out = {name: sums[name] / counts[name] if counts[name] else np.zeros((n_layers, n_heads)) for name in names}
+    out = {name: np.stack([layer[name] for layer in sums]) / counts[name] if counts[name]
+           else np.zeros((len(sums), len(sums[0][name]))) for name in names}
     if causal:
-        out["next_token"] = np.zeros((n_layers, n_heads))
+        out["next_token"] = np.zeros_like(out["next_token"])
     return out
 
 
