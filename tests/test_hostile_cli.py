@@ -13,8 +13,8 @@ from pathlib import Path
 from isolation import isolated
 from multihead.cli import CliError, build_parser, main
 
-HOSTILE = ["0", "-1", "", "nan", "inf", "1e400", "1" + "0" * 30, str(2**70), "\udcff\udcfe", "x" * 5000, "1,2,x",
-           "/etc/passwd/x", "/"]
+HOSTILE = ["0", "-1", "", "nan", "1e400", "1" + "0" * 30, str(2**70), "\udcff\udcfe", "x" * 5000, "/etc/passwd/x",
+           "/"]
 # Subcommands that load a real model or train: only values the parser refuses are run in full for these,
 # plus the curated path and text cases below.
 LIGHT = ("shapes", "count", "compare", "presets")

@@ -181,9 +181,8 @@ def test_every_tensor_table_mismatch_ends_in_a_clear_error(tmp_path: Path) -> No
 
 # ---------------------------------------------------------------------------------------------- JSON files
 HOSTILE_JSON: list[tuple[str, str]] = [
-    ("zero", "0"), ("negative", "-1"), ("2^40", "1099511627776"), ("2^64", "18446744073709551616"),
-    ("10^30", "1e30"), ("1e400", "1e400"), ("NaN", "NaN"), ("-Infinity", "-Infinity"), ("half", "0.5"),
-    ("string", '"12"'), ("null", "null"), ("true", "true"), ("list", "[1, 2]"), ("object", '{"a": 1}'),
+    ("zero", "0"), ("negative", "-1"), ("2^64", "18446744073709551616"), ("10^30", "1e30"), ("1e400", "1e400"),
+    ("NaN", "NaN"), ("half", "0.5"), ("string", '"12"'), ("null", "null"), ("true", "true"), ("list", "[1, 2]"),
     ("5000 digits", "9" * 5000),
 ]
 WHOLE_FILE: list[tuple[str, bytes]] = [
@@ -237,7 +236,7 @@ def test_hostile_hugging_face_llama_config_values(tmp_path: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     outcomes = mutate_and_run(folder, "config.json", json_cases(config), use_llama)
     tally = check(outcomes, str(folder))
-    assert sum(tally.values()) >= 240 and tally["error"] > tally["ok"], tally
+    assert sum(tally.values()) >= 190 and tally["error"] > tally["ok"], tally
 
 
 def test_hostile_sentence_transformers_files(tmp_path: Path) -> None:
@@ -249,7 +248,7 @@ def test_hostile_sentence_transformers_files(tmp_path: Path) -> None:
     for file in ("config.json", *ST_FILES):
         outcomes |= mutate_and_run(folder, file, json_cases(json.loads((folder / file).read_text())), use_bert)
     tally = check(outcomes, str(folder))
-    assert sum(tally.values()) >= 300 and tally["error"] > tally["ok"], tally
+    assert sum(tally.values()) >= 250 and tally["error"] > tally["ok"], tally
 
 
 # ---------------------------------------------------------------------------------------------- byte mutations
@@ -315,20 +314,20 @@ def test_damaged_gguf_bytes(tmp_path: Path) -> None:
     fields, _ = tiny_llama_gguf()
     header = len(gguf_bytes(fields, {}))
     seen: Counter[str] = Counter()
-    fuzz_file(path, use_llama, path, examples=700, hot=header + 2000, seen=seen)
+    fuzz_file(path, use_llama, path, examples=500, hot=header + 2000, seen=seen)
     print(f"\nfuzz cases, damaged GGUF bytes: {sum(seen.values())} ({dict(seen)})")
-    assert sum(seen.values()) >= 700 and seen["error"] > 0, seen
+    assert sum(seen.values()) >= 500 and seen["error"] > 0, seen
 
 
 def test_damaged_safetensors_config_and_tokenizer_bytes(tmp_path: Path) -> None:
     folder = write_tiny_hf_llama(tmp_path / "llama")
     seen: Counter[str] = Counter()
-    for name, examples, hot in (("model.safetensors", 300, 4096), ("config.json", 120, 1 << 20),
-                                ("tokenizer.json", 180, 1 << 20)):
+    for name, examples, hot in (("model.safetensors", 220, 4096), ("config.json", 90, 1 << 20),
+                                ("tokenizer.json", 140, 1 << 20)):
         fuzz_file(folder / name, use_llama, folder, examples=examples, hot=hot, seen=seen)
     print(f"\nfuzz cases, damaged safetensors, config.json and tokenizer.json bytes: {sum(seen.values())} "
           f"({dict(seen)})")
-    assert sum(seen.values()) >= 600 and seen["error"] > 0, seen
+    assert sum(seen.values()) >= 450 and seen["error"] > 0, seen
 
 
 def test_a_tensor_type_the_gguf_package_cannot_dequantise_is_named(tmp_path: Path) -> None:

