@@ -14,7 +14,7 @@ from safetensors import safe_open
 from torch.utils.flop_counter import FlopCounterMode
 
 from multihead import AttentionConfig, MultiHeadAttention, MultiheadError, cost
-from multihead.errors import divisors
+from multihead.divisors import divisors
 from multihead.presets import PRESET_NAMES, from_hf_config, from_hf_dict, preset
 from tests_support import minilm_dir, smollm2_gguf
 

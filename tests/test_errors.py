@@ -97,17 +97,6 @@ def test_there_are_at_least_25_distinct_bad_inputs() -> None:
     assert len(CONFIG_ERRORS) + len(CALL_ERRORS) >= 25
 
 
-def test_divisors_come_from_the_factorisation_and_match_brute_force() -> None:
-    from multihead.errors import divisors
-
-    for n in range(1, 3001):
-        assert divisors(n) == [k for k in range(1, n + 1) if n % k == 0]
-    assert len(divisors(10**12)) == 169 and len(divisors(10**30)) == 961  # answered at once, not by n divisions
-    p, q = 2**61 - 1, 2**31 - 1  # two Mersenne primes: Pollard's rho splits their product
-    assert divisors(p * q) == [1, q, p, p * q]
-    assert divisors(0) == [] and divisors(-4) == []
-
-
 def test_a_huge_width_that_does_not_divide_is_one_line_at_once(capsys) -> None:  # type: ignore[no-untyped-def]
     from multihead.cli import main
 

@@ -8,7 +8,8 @@ from pathlib import Path
 
 from multihead import cost
 from multihead.config import MLAConfig
-from multihead.errors import MultiheadError, divisors
+from multihead.divisors import divisors
+from multihead.errors import MultiheadError
 from multihead.files import save_figure
 from multihead.presets import ModelConfig
 

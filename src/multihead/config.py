@@ -25,7 +25,8 @@ import math
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from multihead.errors import MultiheadError, divisors
+from multihead.divisors import divisors
+from multihead.errors import MultiheadError
 
 if TYPE_CHECKING:
     import torch

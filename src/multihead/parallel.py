@@ -29,7 +29,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from multihead.attention import MultiHeadAttention
-from multihead.errors import MultiheadError, divisors
+from multihead.divisors import divisors
+from multihead.errors import MultiheadError
 
 
 def valid_world_sizes(*counts: int) -> list[int]:

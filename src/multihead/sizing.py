@@ -273,7 +273,7 @@ def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str
 
 
 def valid_tp(model: ModelConfig) -> list[int]:
-    from multihead.errors import divisors
+    from multihead.divisors import divisors
 
     a = model.attention
     heads = model.mla.n_heads if model.mla is not None else a.n_heads

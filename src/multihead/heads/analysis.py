@@ -11,7 +11,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from multihead.errors import MultiheadError, divisors
+from multihead.divisors import divisors
+from multihead.errors import MultiheadError
 from multihead.heads.adapters import Batch, HeadModel, ablate_edit, pool_edits, split_sentences
 from multihead.heads.capture import capture_reduced, capture_weights
 from multihead.heads.patching import PromptPair, patch_pairs

@@ -7,7 +7,8 @@ import dataclasses
 import torch
 
 from multihead.attention import MultiHeadAttention
-from multihead.errors import MultiheadError, divisors
+from multihead.divisors import divisors
+from multihead.errors import MultiheadError
 
 
 def pool_kv_heads(layer: MultiHeadAttention, n_kv_heads: int) -> MultiHeadAttention:
