@@ -101,13 +101,11 @@ def model_mla(model: ModelConfig) -> MLAConfig | None:
     if model.mla is not None:
         return model.mla
     a = model.attention
-    rope = max(2, a.head_dim // 2 // 2 * 2)
-    try:
-        return MLAConfig(d_model=a.d_model, n_heads=a.n_heads, kv_lora_rank=4 * a.head_dim,
-                         qk_nope_head_dim=a.head_dim, qk_rope_head_dim=rope, v_head_dim=a.head_dim,
-                         bias=a.bias)
-    except Exception:
+    latent, rope = 4 * a.head_dim, max(2, a.head_dim // 2 // 2 * 2)
+    if latent >= a.n_heads * 2 * a.head_dim:  # MLAConfig: narrower than the K and V it expands to
         return None
+    return MLAConfig(d_model=a.d_model, n_heads=a.n_heads, kv_lora_rank=latent, qk_nope_head_dim=a.head_dim,
+                     qk_rope_head_dim=rope, v_head_dim=a.head_dim, bias=a.bias)
 
 
 def plot_variants(
