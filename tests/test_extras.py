@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 # every finder answers "no such module" for the blocked packages, as when they are not installed
 BLOCK = """
@@ -58,3 +62,52 @@ raise SystemExit(main(["generate", "hi", "--max-new-tokens", "1"]))
     assert "needs 'gguf', which is not installed: pip install 'multihead[models]'" in done.stdout
     assert done.returncode == 2 and "pip install 'multihead[models]'" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def _pyproject_extras() -> dict[str, set[str]]:
+    """pyproject.toml's optional dependencies by extra, ``multihead[...]`` expanded (packaging parses each line)."""
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    from packaging.requirements import Requirement
+
+    root = Path(__file__).resolve().parents[1]
+    table = tomllib.loads((root / "pyproject.toml").read_text(encoding="utf-8"))["project"]["optional-dependencies"]
+
+    def expand(extra: str) -> set[str]:
+        out: set[str] = set()
+        for line in table[extra]:
+            req = Requirement(line)
+            out |= set().union(*map(expand, req.extras)) if req.name == "multihead" else {req.name}
+        return out
+
+    return {extra: expand(extra) for extra in table}
+
+
+def test_extras_are_pyprojects_optional_dependencies() -> None:
+    from multihead.errors import EXTRAS
+
+    assert {extra: set(names) for extra, names in EXTRAS.items()} == _pyproject_extras(), (
+        "EXTRAS differs from pyproject.toml: after editing it, reinstall (the installed metadata is what is read)")
+    assert all(len(set(names)) == len(names) for names in EXTRAS.values())
+
+
+def test_without_the_installed_metadata_the_extras_come_from_the_checkouts_pyproject(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    import importlib.metadata
+
+    from multihead.errors import _read_extras
+
+    def absent(name: str) -> None:
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", absent)
+    assert {extra: set(names) for extra, names in _read_extras().items()} == _pyproject_extras()
+    assert _read_extras(tmp_path / "pyproject.toml") == {}  # nor a checkout: nothing known, nothing checked up front
+    (tmp_path / "pyproject.toml").write_text('[project]\nname = "other"\n[project.optional-dependencies]\nx = ["y"]\n')
+    assert _read_extras(tmp_path / "pyproject.toml") == {}
+
+
+def test_the_packages_the_parts_check_are_importable_by_those_names() -> None:
+    from multihead.errors import EXTRAS
+
+    for extra in ("models", "heads"):  # each runs require(name, extra) for its extra's packages
+        assert EXTRAS[extra] and all(importlib.util.find_spec(name) is not None for name in EXTRAS[extra]), extra

@@ -5,7 +5,7 @@ Needs the ``heads`` extra (``pip install 'multihead[heads]'``): the models' depe
 
 from multihead.errors import EXTRAS, require
 
-for _module in EXTRAS["heads"]:
+for _module in EXTRAS.get("heads", ()):  # empty only where multihead's metadata is absent
     require(_module, "heads")
 
 from multihead.heads.adapters import HeadModel, load_head_model  # noqa: E402  (after the extra's check)

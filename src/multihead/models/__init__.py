@@ -5,7 +5,7 @@ Needs the ``models`` extra (``pip install 'multihead[models]'``): safetensors, t
 
 from multihead.errors import EXTRAS, require
 
-for _module in EXTRAS["models"]:
+for _module in EXTRAS.get("models", ()):  # empty only where multihead's metadata is absent
     require(_module, "models")
 
 from multihead.models.bert import BertConfig, BertEncoder, SentenceEncoder, load_sentence_encoder  # noqa: E402  (after the extra's check)
