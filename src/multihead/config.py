@@ -175,11 +175,6 @@ class AttentionConfig:
 
     # Derived values, named as the formula names them.
     @property
-    def n_groups(self) -> int:
-        """Query heads per KV head: n_heads / n_kv_heads."""
-        return self.n_heads // self.n_kv_heads
-
-    @property
     def q_dim(self) -> int:
         """Width of all query heads together: n_heads * head_dim."""
         return self.n_heads * self.head_dim

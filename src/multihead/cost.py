@@ -146,10 +146,6 @@ class FlopCount:
         """
         return 2 * self.forward
 
-    @property
-    def forward_backward(self) -> int:
-        return self.forward + self.backward
-
 
 def flops(
     config: AttentionConfig,

@@ -63,10 +63,5 @@ class RotaryEmbedding(nn.Module):
         roll(x, d/2) = [x2, x1] times the signed sin [-sin, sin] (the same products, bit for bit)."""
         return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
-    def forward(self, q: Tensor, k: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
-        """q (b, h, s, d) and k (b, g, s, d) rotated at positions (b|1, s)."""
-        cos, signed_sin = self.tables(positions, q.dtype)
-        return self.rotate(q, cos, signed_sin), self.rotate(k, cos, signed_sin)
-
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, base={self.base}"

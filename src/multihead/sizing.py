@@ -70,10 +70,6 @@ def _int(cfg: dict[str, Any], *names: str, default: Any = ...) -> int:
     return value
 
 
-def _gated(cfg: dict[str, Any], family: str) -> bool:
-    return family not in ("gpt2", "bert", "falcon")
-
-
 def model_size(model: ModelConfig) -> ModelSize:
     """The whole model's parameters from the config it was read from (``model.hf``)."""
     cfg = model.hf
