@@ -109,5 +109,5 @@ def test_without_the_installed_metadata_the_extras_come_from_the_checkouts_pypro
 def test_the_packages_the_parts_check_are_importable_by_those_names() -> None:
     from multihead.errors import EXTRAS
 
-    for extra in ("models", "heads"):  # each runs require(name, extra) for its extra's packages
+    for extra in ("models", "heads"):  # each imports them by these names (require_extra)
         assert EXTRAS[extra] and all(importlib.util.find_spec(name) is not None for name in EXTRAS[extra]), extra

@@ -74,3 +74,10 @@ def require(module: str, extra: str) -> ModuleType:
     except ImportError as err:
         raise MultiheadError(f"this part of multihead needs {module.split('.')[0]!r}, which is not installed: "
                              f"pip install 'multihead[{extra}]'") from err
+
+
+def require_extra(extra: str) -> None:
+    """Import every package that the extra brings (EXTRAS), or raise a MultiheadError naming the extra for the first
+    one missing. Checks nothing where multihead's metadata is absent (EXTRAS is then empty)."""
+    for module in EXTRAS.get(extra, ()):
+        require(module, extra)

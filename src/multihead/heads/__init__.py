@@ -3,10 +3,9 @@
 Needs the ``heads`` extra (``pip install 'multihead[heads]'``): the models' dependencies, matplotlib and tqdm.
 """
 
-from multihead.errors import EXTRAS, require
+from multihead.errors import require_extra
 
-for _module in EXTRAS.get("heads", ()):  # empty only where multihead's metadata is absent
-    require(_module, "heads")
+require_extra("heads")
 
 from multihead.heads.adapters import HeadModel, load_head_model  # noqa: E402  (after the extra's check)
 from multihead.heads.capture import capture_weights  # noqa: E402  (after the extra's check)

@@ -3,10 +3,9 @@
 Needs the ``models`` extra (``pip install 'multihead[models]'``): safetensors, tokenizers, gguf, jinja2.
 """
 
-from multihead.errors import EXTRAS, require
+from multihead.errors import require_extra
 
-for _module in EXTRAS.get("models", ()):  # empty only where multihead's metadata is absent
-    require(_module, "models")
+require_extra("models")
 
 from multihead.models.bert import BertConfig, BertEncoder, SentenceEncoder, load_sentence_encoder  # noqa: E402  (after the extra's check)
 from multihead.models.llama import LlamaConfig, LlamaModel  # noqa: E402  (after the extra's check)
