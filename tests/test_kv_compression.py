@@ -257,3 +257,54 @@ def test_a_long_windowed_generation_keeps_resident_memory_flat() -> None:
         if i % 400 == 399:
             samples.append(rss())
     assert samples[-1] <= samples[0] * 1.05, [s // 2**20 for s in samples]
+
+
+def _kinds(model: LlamaModel, batch: int):  # type: ignore[no-untyped-def]
+    """One cache of every kind a LlamaModel makes, each with room for 40 tokens."""
+    return {"full": model.new_cache(batch, 40), "sink": model.new_cache(batch, window=6, sink_tokens=2),
+            "quantized": model.new_cache(batch, 40, bits=4, group=4, residual=4)}
+
+
+@pytest.mark.parametrize("kind", ["full", "sink", "quantized"])
+def test_every_kind_holds_a_steps_tokens_only_once_advance_commits_them(kind: str) -> None:
+    """The protocol's one rule: update places, advance commits. A step that is never advanced (here: run, then
+    dropped) leaves the cache holding what it held, and the next step replaces what it placed; explain (a
+    read-only update) places nothing."""
+    model = _model()
+    tokens, junk = torch.randint(0, 50, (2, 12)), torch.randint(0, 50, (2, 3))
+    reference = _decode(model, _kinds(model, 2)[kind], tokens, [5])
+    cache = _kinds(model, 2)[kind]
+    with torch.no_grad():
+        first = model(tokens[:, :5], cache=cache)
+        cache.advance(5)
+        before = {name: buf.clone() for name, buf in cache.named_buffers()}
+        model(junk, cache=cache)  # placed, never committed
+        assert cache.used == 5 and cache.lengths.tolist() == [5, 5]
+        block = model.layers[0]
+        h = model.embed(junk[:, :1])
+        block.attn.explain(block.attn_norm(h), step=model.step(h, cache=cache), cache=cache.layer(0))
+        if kind == "full":  # it placed the junk in slots its lengths do not count: the held ones are unchanged
+            assert torch.equal(cache.k[..., :5, :], before["k"][..., :5, :])
+        else:  # the others kept it beside their store, which is unchanged
+            assert all(torch.equal(buf, before[name]) for name, buf in cache.named_buffers())
+        rest = [first]
+        for i in range(5, 12):
+            rest.append(model(tokens[:, i:i + 1], cache=cache))
+            cache.advance(1)
+    torch.testing.assert_close(torch.cat(rest, 1), reference, atol=1e-5, rtol=1e-5)
+
+
+def test_caches_that_continue_every_sequence_refuse_positions() -> None:
+    """A sink or quantized cache appends the new tokens after the held ones: positions given to it would be read by
+    RoPE and the mask but not by the write, so they are refused (the quantized cache used to ignore them)."""
+    model = _model()
+    tokens = torch.randint(0, 50, (1, 4))
+    for kind, cache in _kinds(model, 1).items():
+        model(tokens, cache=cache)
+        cache.advance(4)
+        if kind == "full":
+            model(tokens, cache=cache, positions=torch.arange(2, 6))  # a slot-addressed cache: positions name slots
+            continue
+        with pytest.raises(MultiheadError, match=f"a {type(cache).__name__} places new tokens after the cached "
+                                                 "ones: positions cannot be given"):
+            model(tokens, cache=cache, positions=torch.arange(4))

@@ -134,6 +134,8 @@ def test_a_latent_cache_and_a_plain_cache_are_not_interchangeable() -> None:
             cache=LatentCache(batch=1, kv_lora_rank=8, rope_dim=4, max_len=4).layer(0))
     with pytest.raises(MultiheadError, match="path 'fast' is unknown"):
         mla(torch.randn(1, 2, 64), path="fast")
+    with pytest.raises(MultiheadError, match=r"one layer of the LatentCache \(cache.layer\(i\)\), not the whole"):
+        mla(torch.randn(1, 2, 64), causal=True, cache=latent)  # type: ignore[arg-type]
 
 
 def _deepseek(version: int):  # type: ignore[no-untyped-def]

@@ -6,100 +6,27 @@ The forward reads as the formula: project, split into heads, rotate, cache, atte
     z = attend(q, k, v)  -> (b, h, s, d)   # head i uses KV head i // (h / g)
     y = Concat(z_1 .. z_h) W_O  -> (b, s, d_model)
 
-What every layer of a model shares in one step (positions, RoPE tables, the mask) is a :class:`Step`, made once by
-the model (``layer.step(...)``) and passed to each layer; a layer called alone makes its own.
+What every layer of a model shares in one step (positions, RoPE tables, the mask, the cache's plan) is a
+:class:`multihead.step.Step`, made once by the model (``layer.step(...)``) and passed to each layer; a layer called
+alone makes its own.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, overload
 
 import torch
 from torch import Tensor, nn
 
-from multihead import cpu
-from multihead.cache import Cache, LayerCache
-from multihead.config import AttentionConfig, config_or_keywords
+from multihead.cache import Cache, LatentLayer, LayerCache
+from multihead.config import AttentionConfig, config_or_keywords, register_layer
 from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint, add_hook_points, attend
 from multihead.hooks import explain as explain_call
 from multihead.kernels import AttentionCall, KernelChoice, check_backend
 from multihead.linear import Linear
-from multihead.masks import MaskSpec, build_mask
 from multihead.rope import RotaryEmbedding
-
-
-@dataclass(frozen=True)
-class Step:
-    """What every attention layer of a model shares in one forward step, made once (``layer.step(...)``).
-
-    ``mask`` covers (b, h, s, t), t counting the cached keys when there is a cache; ``positions`` (b|1, s) are the
-    tokens' positions for RoPE, the cache's indexed write and the mask (None when none of them reads them);
-    ``rope`` the cos and signed sin tables (b|1, 1, s, d) or None; ``cache_start`` the slot where every sequence
-    continues (one slice write), or None.
-    A step made by one layer serves every layer with the same window, rope and head counts (a model's layers).
-    """
-
-    mask: MaskSpec
-    positions: Tensor | None = None
-    rope: tuple[Tensor, Tensor] | None = None
-    cache_start: int | None = None
-
-
-def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window: int | None,
-               rotary: RotaryEmbedding | None, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-               causal: bool = False, documents: Tensor | None = None, positions: Tensor | None = None,
-               cache: Cache | LayerCache | None = None, dtype: torch.dtype | None = None,
-               validate: bool = True) -> Step:
-    """The :class:`Step` of one call on x (b, s, .) for a layer of ``n_heads`` query heads with this window and
-    RoPE: the mask, the positions, the RoPE tables, the cache slot (inputs already checked). ``validate`` checks a
-    float mask's values (:func:`multihead.masks.build_mask`)."""
-    b, s = x.shape[0], x.shape[1]
-    t = s if context is None else context.shape[1]
-    pos: Tensor | None = None
-    start: int | None = None
-    by_position = False
-    if cache is not None:
-        MultiHeadAttention._check_cache_call(cache, context, mask, key_padding_mask, causal)
-        kv = cache.cache if isinstance(cache, LayerCache) else cache
-        if not kv.positional:
-            return _evicting_step(kv, x, positions, dtype, n_heads=n_heads, window=window, rotary=rotary)
-        at_end = positions is None  # the new tokens continue each sequence at its cached length
-        start = kv.slice_start() if at_end else None
-        by_position = not cpu.plain_decode_mask(b, at_end)
-        if not at_end:
-            pos = MultiHeadAttention._positions(positions, b, s, x.device).expand(b, s)
-            _check_slots(pos, kv, validate)
-        elif rotary is not None or start is None or by_position:
-            pos = kv.next_positions(s)  # made only when RoPE, the indexed write or the mask reads them
-        else:
-            kv.check_room(s)
-        t = kv.span(s)
-    elif rotary is not None:
-        pos = MultiHeadAttention._positions(positions, b, s, x.device)  # (b|1, s)
-    elif positions is not None:
-        raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
-    spec = build_mask(batch=b, n_heads=n_heads, s=s, t=t, mask=mask, key_padding_mask=key_padding_mask,
-                      causal=causal, window=window, documents=documents, q_positions=pos if by_position else None,
-                      device=x.device, validate=validate)
-    rope = None
-    if rotary is not None:
-        assert pos is not None
-        rope = rotary.tables(pos, dtype or x.dtype)
-    return Step(mask=spec, positions=pos, rope=rope, cache_start=start)
-
-
-def _check_slots(pos: Tensor, kv: Cache, validate: bool) -> None:
-    """Positions that index a cache's slots: integers in [0, max_len) (the range check reads the tensor, so it
-    follows ``validate`` and is skipped under torch.compile)."""
-    if pos.is_floating_point():
-        raise MultiheadError(f"positions into a KV cache index its slots: they must be integers, not {pos.dtype}")
-    if validate and kv.max_len is not None and pos.numel() and not torch.compiler.is_compiling():
-        low, high = int(pos.min()), int(pos.max())
-        if low < 0 or high >= kv.max_len:
-            raise MultiheadError(f"positions from {low} to {high} fall outside the cache's slots: with max_len "
-                                 f"{kv.max_len} they must lie in 0 .. {kv.max_len - 1}")
+from multihead.step import Step, build_step, check_cache_call
 
 
 def _zero_padding(k: Tensor, v: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -109,21 +36,6 @@ def _zero_padding(k: Tensor, v: Tensor, padding: Tensor | None) -> tuple[Tensor,
         return k, v
     dead = ~padding[:, None, :, None]  # (b, 1, t, 1)
     return k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
-
-
-def _evicting_step(kv: Cache, x: Tensor, positions: Tensor | None, dtype: torch.dtype | None, *, n_heads: int,
-                   window: int | None, rotary: RotaryEmbedding | None) -> Step:
-    """The step of a cache that evicts tokens (attention sinks + window): it says which held keys each query sees;
-    the new tokens continue the sequences (which hold one length)."""
-    if positions is not None:
-        raise MultiheadError(f"a {type(kv).__name__} places new tokens after the cached ones: positions cannot be "
-                             "given")
-    b, s = x.shape[0], x.shape[1]
-    pos = kv.next_positions(s)  # (b, s)
-    keep = kv.keep(pos, s, window=window)
-    spec = MaskSpec(batch=b, n_heads=n_heads, s=s, t=kv.span(s), keep=keep)
-    rope = None if rotary is None else rotary.tables(pos, dtype or x.dtype)
-    return Step(mask=spec, positions=pos, rope=rope, cache_start=None)
 
 
 class MultiHeadAttention(nn.Module):
@@ -220,9 +132,10 @@ class MultiHeadAttention(nn.Module):
                 only its own document's tokens.
             positions: positions of the tokens, (s,) or (b, s), for RoPE and the cache; default 0 .. s - 1, or the
                 next positions of each sequence in the cache.
-            cache: one layer of a :class:`~multihead.cache.KVCache` (``cache.layer(i)``): the new keys and values
-                are written at ``positions`` and the queries attend to everything cached up to their own position
-                (needs causal=True). The caller advances the cache after the step (``cache.advance(s)``).
+            cache: one layer of a cache of keys and values (``cache.layer(i)``, any kind of
+                :mod:`multihead.cache`): the new keys and values are placed as the step's plan says and the queries
+                attend to what the cache holds up to their own position (needs causal=True). The caller commits
+                them after the step (``cache.advance(s)``).
             step: the model's per-step state from :meth:`step` (instead of mask, key_padding_mask, causal,
                 documents and positions).
             return_weights: also return the per-head attention weights (never averaged over heads).
@@ -240,7 +153,8 @@ class MultiHeadAttention(nn.Module):
         q, k = self._rotate(q, k, step)  # RoPE at the step's positions (unchanged without rope)
         k, v = _zero_padding(k, v, step.mask.padding)  # a padded key has no influence, even if it holds NaN
         if cache is not None:
-            k, v = cache.write(k, v, step.positions, start=step.cache_start, t=step.mask.t)
+            assert step.slots is not None  # checked: a cache call's step carries the cache's plan
+            k, v = cache.update(k, v, step.slots)  # (b, g, t, d): the cached keys and values, the new ones included
         z, weights = attend(self._call(q, k, v, step, return_weights, backend), self)  # (b, h, s, d), hooked
         del q, k, v  # free the projections before merging: a long sequence's peak is q, k, v and the output
         y = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
@@ -271,7 +185,8 @@ class MultiHeadAttention(nn.Module):
             q, k = self._rotate(q, k, step)
             k, v = _zero_padding(k, v, step.mask.padding)
             if cache is not None:
-                k, v = cache.peek(k, v, step.positions, start=step.cache_start, t=step.mask.t)
+                assert step.slots is not None
+                k, v = cache.update(k, v, step.slots, read_only=True)
         return explain_call(self._call(q, k, v, step, return_weights, backend), self)
 
     # ------------------------------------------------------------------ the per-step state
@@ -280,7 +195,8 @@ class MultiHeadAttention(nn.Module):
              positions: Tensor | None = None, cache: Cache | LayerCache | None = None,
              dtype: torch.dtype | None = None) -> Step:
         """The state every layer of a model shares for one call on x (b, s, .): the mask, the positions, the RoPE
-        tables (in ``dtype``, default x's), the cache slot. Made once per model step and passed as ``step=``."""
+        tables (in ``dtype``, default x's), the cache's plan of the step (``cache.plan``). Made once per model step
+        and passed as ``step=``."""
         self._check_input("x", x, self.config.d_model, "d_model")
         if context is not None:
             self._check_input("context", context, self.config.kv_dim, "kv_dim")
@@ -358,13 +274,17 @@ class MultiHeadAttention(nn.Module):
         if self.rotary is not None and context is not None:
             raise MultiheadError("rope is for self-attention: a layer with rope cannot take a context")
         if cache is not None:
+            if isinstance(cache, LatentLayer):
+                raise MultiheadError("a LatentCache holds the latents of multi-head latent attention: use it with "
+                                     "MultiHeadLatentAttention, and a KVCache (model.new_cache) with "
+                                     "MultiHeadAttention")
             causal_step = step is not None and (step.mask.causal or not cache.cache.positional)  # evicting: by keep
-            self._check_cache_call(cache, context, mask, key_padding_mask, causal if step is None else causal_step,
-                                   layer=True)
-            if (cache.n_kv_heads, cache.head_dim) != (self._local_kv_heads(), cfg.head_dim):
+            check_cache_call(cache, context, mask, key_padding_mask, causal if step is None else causal_step,
+                             layer=True)
+            if (cache.n_kv_heads, cache.head_dim) != (self.local_kv_heads, cfg.head_dim):
                 raise MultiheadError(
                     f"the cache holds n_kv_heads {cache.n_kv_heads} of head_dim {cache.head_dim} but "
-                    f"this layer has n_kv_heads {self._local_kv_heads()} of head_dim {cfg.head_dim}"
+                    f"this layer has n_kv_heads {self.local_kv_heads} of head_dim {cfg.head_dim}"
                 )
         if step is not None:
             if not isinstance(step, Step):
@@ -377,31 +297,17 @@ class MultiHeadAttention(nn.Module):
             if (step.mask.batch, step.mask.s) != (b, s):
                 raise MultiheadError(f"the step was made for (b, s) = {(step.mask.batch, step.mask.s)} but x has "
                                      f"{(b, s)}")
-            if cache is not None and step.positions is None and step.cache_start is None:
+            if cache is not None and step.slots is None:
                 raise MultiheadError("a cache was passed but the step was made without one: make it with "
                                      "layer.step(x, causal=True, cache=cache)")
         return kv_in, v_in
 
-    def _local_kv_heads(self) -> int:
+    @property
+    def local_kv_heads(self) -> int:
         """KV heads held here: all of them, or this rank's share when the projections are sharded by heads."""
         w: Any = self.k_proj.weight
         rows = w.shape[0] if type(w) in (Tensor, nn.Parameter) else w.to_local().shape[0]  # a DTensor shard: local
         return int(rows) // self.config.head_dim
-
-    @staticmethod
-    def _check_cache_call(cache: Cache | LayerCache, context: Tensor | None, mask: Tensor | None,
-                          key_padding_mask: Tensor | None, causal: bool, *, layer: bool = False) -> None:
-        if not isinstance(cache, LayerCache) and (layer or not isinstance(cache, Cache)):
-            raise MultiheadError(f"cache must be one layer of a cache (cache.layer(i)), got {type(cache).__name__}")
-        if context is not None:
-            raise MultiheadError("a KV cache holds this layer's own past keys: it cannot be used with a context")
-        if not causal:
-            raise MultiheadError("a KV cache is for causal decoding: call with causal=True")
-        if mask is not None or key_padding_mask is not None:
-            raise MultiheadError(
-                "mask and key_padding_mask cannot be combined with a KV cache: the cache's per-sequence lengths "
-                "already keep padding out (write a padded prompt, then cache.advance(s, lengths=real_lengths))"
-            )
 
     @staticmethod
     def _check_input(name: str, x: Tensor, width: int, width_name: str) -> tuple[int, int]:
@@ -430,22 +336,6 @@ class MultiHeadAttention(nn.Module):
         if x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type):
             raise MultiheadError(f"{name} has dtype {x.dtype} but the layer's weights are {w.dtype}: convert one "
                                  f"(layer.to({x.dtype}) or {name}.to({w.dtype})), or run under torch.autocast")
-
-    @staticmethod
-    def _positions(positions: Tensor | None, b: int, s: int, device: torch.device) -> Tensor:
-        if positions is None:
-            return torch.arange(s, device=device)[None]  # (1, s)
-        if not isinstance(positions, Tensor):
-            raise MultiheadError(f"positions must be a torch.Tensor, got {type(positions).__name__}")
-        batched = positions if positions.ndim != 1 else positions[None]  # (b|1, s)
-        if batched.ndim != 2 or batched.shape[-1] != s or batched.shape[0] not in (1, b):
-            raise MultiheadError(f"positions of shape {tuple(positions.shape)} must be (s,) or (b, s) = {(b, s)}")
-        if positions.device != device:
-            raise MultiheadError(f"positions is on {positions.device} but the inputs are on {device}: move it, e.g. "
-                                 f"positions.to({str(device)!r})")
-        if positions.is_complex() or positions.dtype == torch.bool:
-            raise MultiheadError(f"positions has dtype {positions.dtype}: give integer (or float) positions")
-        return batched
 
     # ------------------------------------------------------------------ conversion
     @classmethod
@@ -499,3 +389,6 @@ class MultiHeadAttention(nn.Module):
         if c.window is not None:
             parts.append(f"window={c.window}")
         return ", ".join(parts)
+
+
+register_layer(AttentionConfig, MultiHeadAttention)  # AttentionConfig.build makes this layer

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -30,8 +31,6 @@ from multihead.errors import MultiheadError
 
 if TYPE_CHECKING:
     import torch
-
-    from multihead.attention import MultiHeadAttention
 
 
 @dataclass(frozen=True)
@@ -200,11 +199,13 @@ class AttentionConfig:
         return asdict(self)
 
     def build(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
-              ) -> MultiHeadAttention:
-        """Make the layer this config describes."""
-        from multihead.attention import MultiHeadAttention
-
-        return MultiHeadAttention(self, device=device, dtype=dtype)
+              ) -> torch.nn.Module:
+        """Make the layer this config describes (a :class:`multihead.attention.MultiHeadAttention`, which names
+        itself the builder of this config: :func:`register_layer`)."""
+        make = _LAYERS.get(type(self))
+        if make is None:
+            raise MultiheadError(f"no layer is registered for {type(self).__name__}: import multihead first")
+        return make(self, device=device, dtype=dtype)
 
 
 @dataclass(frozen=True, init=False)
@@ -317,6 +318,15 @@ class MLAConfig:
 
 
 ConfigT = TypeVar("ConfigT", AttentionConfig, "MLAConfig")
+
+# the layer each config type builds (``config.build()``): the layer's module registers it, so that data flows one way,
+# config -> layer, and this module imports no layer (as transformers' AutoModel.register(config_class, model_class))
+_LAYERS: dict[type, Callable[..., torch.nn.Module]] = {}
+
+
+def register_layer(config_type: type, make: Callable[..., torch.nn.Module]) -> None:
+    """Name the layer ``config_type.build()`` makes: ``make(config, device=..., dtype=...)``."""
+    _LAYERS[config_type] = make
 
 
 def config_or_keywords(cls: type[ConfigT], config: object, options: dict[str, Any]) -> ConfigT:

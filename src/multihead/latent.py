@@ -27,8 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import kernels
-from multihead.attention import Step, build_step
-from multihead.cache import LatentCache, LayerCache
+from multihead.cache import LatentCache, LatentLayer, LayerView
 from multihead.config import MLAConfig, config_or_keywords
 from multihead.errors import MultiheadError
 from multihead.hooks import POINTS, HookPoint, add_hook_points, attend
@@ -38,6 +37,7 @@ from multihead.linear import Linear
 from multihead.masks import MaskSpec
 from multihead.norms import RMSNorm
 from multihead.rope import RotaryEmbedding
+from multihead.step import Step, build_step
 
 PATHS = ("auto", "expanded", "absorbed")
 
@@ -93,7 +93,7 @@ class MultiHeadLatentAttention(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, x: Tensor, *, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-                causal: bool = False, positions: Tensor | None = None, cache: LayerCache | None = None,
+                causal: bool = False, positions: Tensor | None = None, cache: LatentLayer | None = None,
                 step: Step | None = None, return_weights: bool = False, backend: str | None = None,
                 path: str = "auto") -> Any:
         """x (b, s, d_model) -> (b, s, d_model), or (output, weights (b, n_heads, s, t)) with return_weights."""
@@ -106,7 +106,7 @@ class MultiHeadLatentAttention(nn.Module):
         return (y, weights) if return_weights else y
 
     def explain(self, x: Tensor, *, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-                causal: bool = False, positions: Tensor | None = None, cache: LayerCache | None = None,
+                causal: bool = False, positions: Tensor | None = None, cache: LatentLayer | None = None,
                 step: Step | None = None, return_weights: bool = False, backend: str | None = None,
                 path: str = "auto") -> KernelChoice:
         """Which path and kernel a call runs, and why; the cache is read from a copy (left unchanged)."""
@@ -117,7 +117,7 @@ class MultiHeadLatentAttention(nn.Module):
         return choice
 
     def step(self, x: Tensor, *, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
-             causal: bool = False, positions: Tensor | None = None, cache: LatentCache | LayerCache | None = None,
+             causal: bool = False, positions: Tensor | None = None, cache: LatentCache | LatentLayer | None = None,
              dtype: torch.dtype | None = None) -> Step:
         """The state every layer of a model shares for one call (mask, positions, RoPE tables, cache slot)."""
         self._check_x(x)
@@ -136,12 +136,12 @@ class MultiHeadLatentAttention(nn.Module):
 
     # ------------------------------------------------------------------ the two paths
     def _run(self, x: Tensor, mask: Tensor | None, key_padding_mask: Tensor | None, causal: bool,
-             positions: Tensor | None, cache: LayerCache | None, step: Step | None, return_weights: bool,
+             positions: Tensor | None, cache: LatentLayer | None, step: Step | None, return_weights: bool,
              backend: str | None, path: str, *, explain: bool) -> tuple[Tensor | None, Tensor | None,
                                                                        KernelChoice | None]:
         c = self.config
         self._check_x(x)
-        self._check_cache(cache)
+        self._check_cache(cache, layer=True)
         if path not in PATHS:
             raise MultiheadError(f"path {path!r} is unknown: choose one of {', '.join(map(repr, PATHS))}")
         if step is None:
@@ -170,9 +170,8 @@ class MultiHeadLatentAttention(nn.Module):
         k_pe = RotaryEmbedding.rotate(k_pe[:, None], cos, sin)[:, 0]  # (b, s, rope): one key for all heads
         latent = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)  # (b, s, r + rope): what is cached
         if cache is not None:
-            assert isinstance(cache.cache, LatentCache)
-            latent = cache.cache.write_latent(cache.index, latent, step.positions, start=step.cache_start,
-                                              t=step.mask.t, copy=explain)
+            assert step.slots is not None, "a cache call's step carries the cache's plan"
+            latent = cache.update(latent, step.slots, read_only=explain)  # (b, t, r + rope), the new ones included
         t = latent.shape[1]
         if step.mask.t != t:
             raise MultiheadError(f"the step's mask covers {step.mask.t} keys but this call has {t}: make the step "
@@ -222,7 +221,7 @@ class MultiHeadLatentAttention(nn.Module):
         return z, weights, None
 
     def _core_hooked(self) -> bool:
-        return any(p._fns for p in (self.hook_q, self.hook_k, self.hook_v, self.hook_pattern))
+        return any(p.active for p in (self.hook_q, self.hook_k, self.hook_v, self.hook_pattern))
 
     def _explained(self, choice: KernelChoice, path: str, s: int, t: int) -> KernelChoice:
         c = self.config
@@ -244,13 +243,16 @@ class MultiHeadLatentAttention(nn.Module):
         if x.device != w.device or (x.dtype != w.dtype and not torch.is_autocast_enabled(x.device.type)):
             raise MultiheadError(f"x is {x.dtype} on {x.device} but the layer's weights are {w.dtype} on {w.device}")
 
-    def _check_cache(self, cache: object) -> None:
+    def _check_cache(self, cache: object, *, layer: bool = False) -> None:
+        """A LatentCache of this layer's widths: one of its layers (``layer``, a call), or the whole (a step)."""
         if cache is None:
             return
-        kv = cache.cache if isinstance(cache, LayerCache) else cache
+        kv = cache.cache if isinstance(cache, LayerView) else cache
         if not isinstance(kv, LatentCache):
             raise MultiheadError(f"multi-head latent attention caches latents: give it a LatentCache layer "
                                  f"(cache.layer(i)), not a {type(kv).__name__}")
+        if layer and not isinstance(cache, LatentLayer):
+            raise MultiheadError("give the layer one layer of the LatentCache (cache.layer(i)), not the whole cache")
         if (kv.kv_lora_rank, kv.rope_dim) != (self.config.kv_lora_rank, self.config.qk_rope_head_dim):
             raise MultiheadError(f"the cache holds latents of kv_lora_rank {kv.kv_lora_rank} + rope {kv.rope_dim} but "
                                  f"this layer has {self.config.kv_lora_rank} + {self.config.qk_rope_head_dim}")

@@ -13,12 +13,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.attention import MultiHeadAttention, Step
+from multihead.attention import MultiHeadAttention
 from multihead.errors import MultiheadError
 from multihead.hooks import HookedAttention, HookFn, HookPoint, pool_kv_heads, zero_heads
 from multihead.models.bert import SentenceEncoder
 from multihead.models.llama import LlamaModel
 from multihead.models.tokenizer import TextTokenizer
+from multihead.step import Step
 
 MODEL_NAMES = ("smollm2", "minilm")
 

@@ -19,10 +19,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention, Step
+from multihead.attention import MultiHeadAttention
 from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
 from multihead.models.tokenizer import TextTokenizer
+from multihead.step import Step
 
 
 @dataclass(frozen=True)

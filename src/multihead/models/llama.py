@@ -17,12 +17,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention, Step
+from multihead.attention import MultiHeadAttention
 from multihead.cache import Cache, KVCache, LayerCache, LayeredCache, QuantizedKVCache, SinkCache
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.linear import Linear, linear
 from multihead.norms import RMSNorm
+from multihead.step import Step
 
 
 @dataclass(frozen=True)
@@ -122,7 +123,7 @@ class LlamaModel(nn.Module):
           (:class:`QuantizedKVCache`).
         """
         a = self.config.attention()
-        kv_heads = [cast(LlamaBlock, block).attn._local_kv_heads() for block in self.layers]
+        kv_heads = [cast(LlamaBlock, block).attn.local_kv_heads for block in self.layers]
         where: dict[str, Any] = {"batch": batch, "head_dim": a.head_dim, "dtype": self.dtype, "device": self.device}
         if window is not None:
             if max_len is not None or bits is not None:

@@ -1,0 +1,133 @@
+"""SinkCache: attention sinks plus a sliding window (StreamingLLM, Xiao et al. 2023), at constant memory."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from multihead.cache.base import Cache, Slots, check_count
+from multihead.errors import MultiheadError
+
+
+class SinkCache(Cache):
+    """Attention sinks plus a sliding window (StreamingLLM, Xiao et al. 2023), at constant memory.
+
+    Each layer keeps the first ``sink_tokens`` tokens of every sequence and the last ``window - 1`` ones, in
+    ``sink_tokens + window - 1`` slots; a query at position p sees the sinks and the keys in ``(p - window, p]``
+    (itself included)::
+
+        sees(p, j) = j <= p and (j > p - window or j < sink_tokens)
+
+    ``sink_tokens=0`` is a plain sliding window (the cache StreamingLLM shows failing once the first tokens leave
+    it). Keys keep the positions they had in the text (RoPE is applied before they are cached), so this equals
+    the uncached model under the mask above (:func:`sink_keep`), token for token. The sequences of a batch hold one
+    length (prompts of different lengths: one cache each). :meth:`update` keeps a step's tokens beside the slots
+    until :meth:`advance` places the ones that stay, so a chunk of many tokens attends exactly as one token at a
+    time would.
+    """
+
+    addressed = False
+    positional = False
+    k: Tensor
+    v: Tensor
+    slot_positions: Tensor
+
+    def __init__(self, *, batch: int, n_kv_heads: int, head_dim: int, window: int, sink_tokens: int = 4,
+                 n_layers: int = 1, dtype: torch.dtype = torch.float32,
+                 device: torch.device | str | None = None) -> None:
+        super().__init__(batch=batch, n_kv_heads=n_kv_heads, head_dim=head_dim, n_layers=n_layers, max_len=None,
+                         device=device)
+        self.window = check_count("window", window, least=1)
+        self.sink_tokens = check_count("sink_tokens", sink_tokens, least=0)
+        if sink_tokens > window:
+            raise MultiheadError(f"sink_tokens ({sink_tokens}) must not exceed the window ({window}): the sinks are "
+                                 "a few first tokens kept beside a longer window")
+        slots = sink_tokens + window - 1  # a new token joins them: it sees the sinks and the last `window` keys
+        shape = (n_layers, batch, n_kv_heads, slots, head_dim)  # (L, b, g, slots, d)
+        self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        # the text position each slot holds (-1: empty); slots fill in order, so the held ones are a prefix
+        self.register_buffer("slot_positions", torch.full((slots,), -1, dtype=torch.long, device=device),
+                             persistent=False)
+        self._held = 0
+        self._pending: dict[int, tuple[Tensor, Tensor]] = {}
+
+    @property
+    def slots(self) -> int:
+        """Tokens held between steps: the sinks and the ``window - 1`` keys before the next token."""
+        return self.sink_tokens + self.window - 1
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the key and value slots: 2 * n_layers * b * g * (sink_tokens + window - 1) * d * element size."""
+        return self.k.nbytes + self.v.nbytes
+
+    def reset(self) -> None:
+        super().reset()
+        self.slot_positions.fill_(-1)
+        self._held = 0
+        self._pending.clear()
+
+    def _span(self, s: int) -> int:
+        return self._held + s
+
+    def _keep(self, q_positions: Tensor | None, s: int, window: int | None) -> Tensor | None:
+        w = self.window if window is None else min(window, self.window)
+        if s == 1 and w == self.window:
+            return None  # one new token sees every held slot: the slots are exactly its sinks and window
+        assert q_positions is not None
+        new = q_positions[0]  # (s,): the sequences hold one length
+        keys = torch.cat([self.slot_positions[:self._held], new])  # (t,)
+        return sink_keep(new, keys, window=w, sink_tokens=self.sink_tokens)[None, None]  # (1, 1, s, t)
+
+    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
+               ) -> tuple[Tensor, Tensor]:
+        """The held slots and the new keys and values (b, g, held + s, d); the new ones wait for :meth:`advance`
+        (``read_only``: they are not kept)."""
+        self._check_keys(layer, k)
+        held = self._held
+        keys = torch.cat([self.k[layer, :, :, :held], k.to(self.k.dtype)], dim=2)  # (b, g, held + s, d)
+        values = torch.cat([self.v[layer, :, :, :held], v.to(self.v.dtype)], dim=2)
+        if not read_only:
+            self._pending[layer] = (k, v)
+        return keys, values
+
+    def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
+        """Keep the sinks and the last ``window`` tokens of what the layers wrote this step; evict the rest."""
+        self._check_commit(s, lengths, self._pending)
+        first, ring = self._used, self.window - 1
+        kept = [(i, p) for i, p in enumerate(range(first, first + s))
+                if p < self.sink_tokens or (ring and p >= first + s - ring)]
+        if kept:
+            device = self.k.device
+            index = torch.tensor([i for i, _ in kept], device=device)
+            slots = torch.tensor([self._slot(p) for _, p in kept], device=device)
+            for layer, (k, v) in self._pending.items():
+                self.k[layer].index_copy_(2, slots, k.index_select(2, index).to(self.k.dtype))
+                self.v[layer].index_copy_(2, slots, v.index_select(2, index).to(self.v.dtype))
+            self.slot_positions.index_copy_(0, slots, torch.tensor([p for _, p in kept], device=device))
+        self._pending.clear()
+        self._held = min(self._used + s, self.slots)
+        super().advance(s)
+
+    def _slot(self, p: int) -> int:
+        """Slot of position p: the sinks in order, then a ring of ``window - 1`` slots."""
+        if p < self.sink_tokens:
+            return p
+        return self.sink_tokens + (p - self.sink_tokens) % (self.window - 1)
+
+    def extra_repr(self) -> str:
+        return (f"n_layers={self.n_layers}, batch={self.batch}, n_kv_heads={self.n_kv_heads}, "
+                f"sink_tokens={self.sink_tokens}, window={self.window}, head_dim={self.head_dim}, "
+                f"dtype={self.k.dtype}, bytes={self.bytes:,}")
+
+
+def sink_keep(q_positions: Tensor, k_positions: Tensor, *, window: int, sink_tokens: int) -> Tensor:
+    """(s, t) bool: query at position p may see the key at position j iff j <= p and (j > p - window or
+    j < sink_tokens). With k_positions = q_positions = 0..n-1 it is the uncached model's mask for a
+    :class:`SinkCache`."""
+    q = q_positions[:, None]  # (s, 1)
+    j = k_positions[None, :]  # (1, t)
+    return (j <= q) & ((j > q - window) | (j < sink_tokens)) & (j >= 0)

@@ -1,0 +1,138 @@
+"""The package's shape: its import graph has no cycle, and no module reaches into another module's private names.
+
+Both read the source with ast, so every import counts: module level, inside functions, under TYPE_CHECKING.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import multihead
+
+PACKAGE = Path(multihead.__file__).parent
+# private names used across modules that another change of issue 26 removes (the config.json reader's work)
+KNOWN: dict[tuple[str, str], str] = {
+    ("models/bert.py", "_guard"): "issue 26 item 4: one config.json reader replaces models.loaders._guard",
+}
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = ["multihead", *path.relative_to(PACKAGE).with_suffix("").parts]
+        found[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return found
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The package's modules that ``name`` imports (``from a import b`` is a.b when that is a module, else a)."""
+
+    def resolve(target: str) -> str | None:
+        while target and target not in modules:
+            target = target.rpartition(".")[0]
+        return target or None
+
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                package = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+                base = ".".join(package[:len(package) - node.level + 1] + ([base] if base else []))
+            targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+        out |= {r for t in targets if t.startswith("multihead") and (r := resolve(t)) is not None and r != name}
+    return out
+
+
+def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import cycle of the graph, as a path that returns to its start, or None."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph[node]):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt):], nxt]
+            if nxt not in state and (found := visit(nxt)) is not None:
+                return found
+        path.pop()
+        state[node] = 2
+        return None
+
+    for start in sorted(graph):
+        if start not in state and (found := visit(start)) is not None:
+            return found
+    return None
+
+
+def test_the_import_graph_has_no_cycle() -> None:
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert {"multihead.step", "multihead.cache.base", "multihead.config"} <= set(graph)
+    assert "multihead.attention" not in graph["multihead.config"]  # config describes, the layer builds
+    assert "multihead.attention" not in graph["multihead.latent"]  # Step lives in its own module
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
+
+
+def test_the_cycle_finder_finds_one() -> None:
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _private_names(tree: ast.AST) -> set[str]:
+    """The _names a module defines: functions, classes, assigned names and attributes, arguments, imports."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.arg):
+            names.add(node.arg)
+        elif isinstance(node, ast.alias):
+            names.add(node.asname or node.name.split(".")[0])
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def _violations(trees: dict[str, ast.AST]) -> list[str]:
+    """``file:line name`` for each _name a module uses that only other modules define."""
+    own = {rel: _private_names(tree) for rel, tree in trees.items()}
+    everyone = set().union(*own.values())
+    found = []
+    for rel, tree in trees.items():
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("multihead"):
+                used = [a.name for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+                on_self = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+                used = [] if on_self or node.attr not in everyone or node.attr in own[rel] else [node.attr]
+            else:
+                continue
+            found += [f"{rel}:{node.lineno} {name}" for name in used if (rel, name) not in KNOWN]
+    return found
+
+
+def test_no_module_uses_another_modules_private_names() -> None:
+    """A module may use its own _names (on self or on anything else), never one that only another module of the
+    package defines: no ``from m import _x``, no ``MultiHeadAttention._positions(...)``, no ``attn._heads()``."""
+    trees: dict[str, ast.AST] = {path.relative_to(PACKAGE).as_posix(): ast.parse(path.read_text(encoding="utf-8"))
+                                 for path in _modules().values()}
+    assert _violations(trees) == []
+
+
+def test_the_private_name_check_sees_calls_across_modules() -> None:
+    trees = {
+        "a.py": ast.parse("class A:\n    def _heads(self):\n        return self._n\n    def f(self, o):\n"
+                          "        return o._heads()\n"),
+        "b.py": ast.parse("from multihead.a import _helper\ndef f(attn):\n    return attn._heads() + A._heads(attn)\n"),
+        "c.py": ast.parse("def g(x):\n    return x._unknown_to_the_package\n"),
+    }
+    assert _violations(trees) == ["b.py:1 _helper", "b.py:3 _heads", "b.py:3 _heads"]
