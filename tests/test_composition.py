@@ -124,6 +124,18 @@ def test_a_subset_of_layers_gives_the_same_scores() -> None:
         np.testing.assert_array_equal(some.scores(kind, 1, 3), full.scores(kind, 1, 3))
 
 
+def test_the_head_analysis_adapters_are_read_through() -> None:
+    from multihead.heads.adapters import DecoderHeads, EncoderHeads
+    from multihead.models.bert import Pooling, SentenceEncoder
+
+    llama, bert = _llama(2), _bert()
+    for adapter, model in ((DecoderHeads(llama, None), llama),  # type: ignore[arg-type]
+                           (EncoderHeads(SentenceEncoder(bert, None, pooling=Pooling(), max_length=16)), bert)):  # type: ignore[arg-type]
+        got, expected = composition_scores(adapter, samples=2), composition_scores(model, samples=2)
+        for kind in KINDS:
+            np.testing.assert_array_equal(got.scores(kind, 0, 2), expected.scores(kind, 0, 2))
+
+
 # ---------------------------------------------------------------------------------------------- the norms
 def test_the_folded_rmsnorm_is_exact_for_the_linear_part() -> None:
     """What a layer's q, k and v really are in a forward (position 0: RoPE is the identity) equals x / rms(x) times

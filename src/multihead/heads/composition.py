@@ -31,7 +31,8 @@ heads).
 **Random baseline.** A score is only high against what random matrices of the same shapes give (the correction of
 the ARENA / TransformerLens tutorials: the mean score of random factored matrices, subtracted or used as the colour
 midpoint): the mean of C(A, B) over ``samples`` draws of A = L R, L (D, d), R (d, D) and B = L' R', L' (D, d),
-R' (d, r D), all with Gaussian entries from a fixed seed (the score is scale-invariant, so only the shapes matter).
+R' (d, r D), all with Gaussian entries from a fixed seed (the score ignores scale; the tutorials' uniform draws
+give the same mean within sampling error).
 ``Composition.corrected`` is the score minus the baseline of its shape (r = 1 for the per-query-head kinds).
 
 **Norms, biases, RoPE: what sits outside the static circuit.**
