@@ -49,10 +49,10 @@ give the same mean within sampling error).
   0 (R = I), and so are the Q- and K-scores; values are not rotated, V-composition has no such caveat.
 - The softmax and the MLPs are outside the circuit (as in Elhage et al.).
 
-**Cost.** No (D, D) matrix is formed. With T_W the R factor of the QR of W (n, d) (so W^T W = T_W^T T_W):
-||L R X||_F = ||T_L R X||_F and ||X L R||_F = ||X L T_(R^T)^T||_F, so a writer is its (d, D) factor T_L R, a reader
-its (D, d) factor, and a pair of layers is one (h d, D) x (D, (3 h + 2 g) d) product whose (d, d) blocks are summed.
-K-composition per KV head reads each KV head's W_K once for its group (nothing is repeated to h heads).
+**Cost.** No (D, D) matrix is formed and nothing is factorised: with A = L R, B = L' R' (L, L' (D, d)),
+||A B||_F^2 = sum((G M) * (M G')) where M = R L' (d, d), G = L^T L and G' = R' R'^T (d, d). A pair of layers is one
+(h d, D) x (D, (3 h + 2 g) d) product (every M at once) and (d, d) products; K and V per KV head read each KV head's
+W_K, W_V once, with its group's Gram matrices summed (nothing is repeated to h heads).
 """
 
 from __future__ import annotations
@@ -372,43 +372,54 @@ def composition_score(a: Tensor, b: Tensor) -> float:
     return float((a64 @ b64).norm()) / denominator if denominator else 0.0
 
 
-def _r(w: Tensor) -> Tensor:
-    """T_W (..., d, d), the R factor of W (..., n, d): W^T W = T_W^T T_W, so ||W Y|| = ||T_W Y|| for any Y."""
-    r: Tensor = torch.linalg.qr(w, mode="r")[1]
-    return r
+def _gram(w: Tensor) -> Tensor:
+    """W^T W (..., d, d) of W (..., n, d)."""
+    return w.transpose(-1, -2) @ w
 
 
-def _writers(layer: LayerCircuit) -> Tensor:
-    """Each head's (d, D) factor U_w = T_(N W_V^g(w)) W_O^w: ||W_OV^w X|| = ||U_w X|| for any X. (h, d, D)"""
+def _writers(layer: LayerCircuit) -> tuple[Tensor, Tensor]:
+    """Each writer head's W_OV^w = L_w R_w as (G_w, R_w): G_w = L_w^T L_w (h, d, d) of L_w = N W_V^g(w), and
+    R_w = W_O^w (h, d, D)."""
     kv = torch.arange(layer.n_heads, device=layer.w_o.device) // layer.group
-    return _r(layer.w_v)[kv] @ layer.w_o  # (h, d, D)
+    return _gram(layer.w_v)[kv], layer.w_o
 
 
-def _readers(layer: LayerCircuit) -> Tensor:
-    """Every reading matrix B of the layer as a (D, d) factor F with ||X B|| = ||X F|| and ||B|| = ||F||, side by
-    side: [Q (h) | K (h) | V (h) | K per KV head (g) | V per KV head (g)] -> (D, (3 h + 2 g) d)."""
-    h, g, r, d, dm = layer.n_heads, layer.n_kv_heads, layer.group, layer.head_dim, layer.d_model
-    kv = torch.arange(h, device=layer.w_q.device) // r
-    q_side = _r(layer.w_q)  # (h, d, d): T of N W_Q^i
-    o_side = _r(layer.w_o.transpose(1, 2))  # (h, d, d): T of W_O^i^T
-    q_group = _r(layer.w_q.reshape(g, r * dm, d))  # (g, d, d): T of the group's N W_Q^i stacked (r D, d)
-    o_group = _r(layer.w_o.transpose(1, 2).reshape(g, r * dm, d))  # (g, d, d): T of the group's W_O^i^T stacked
-    factors = [
-        layer.w_q @ _r(layer.w_k)[kv].transpose(1, 2),  # Q: W_QK^i = N W_Q^i (N W_K^g(i))^T
-        layer.w_k[kv] @ q_side.transpose(1, 2),  # K: (W_QK^i)^T = N W_K^g(i) (N W_Q^i)^T
-        layer.w_v[kv] @ o_side.transpose(1, 2),  # V: W_OV^i = N W_V^g(i) W_O^i
-        layer.w_k @ q_group.transpose(1, 2),  # K per KV head: N W_K^j [(N W_Q^i)^T for i in G(j)]
-        layer.w_v @ o_group.transpose(1, 2),  # V per KV head: N W_V^j [W_O^i for i in G(j)]
-    ]
-    return torch.cat(factors).permute(1, 0, 2).reshape(dm, -1)  # (D, (3h + 2g) d)
+def _readers(layer: LayerCircuit) -> tuple[Tensor, Tensor]:
+    """Every reading matrix B = L R of the layer as (L (D, d), G = R R^T (d, d)), side by side:
+    [Q (h) | K (h) | V (h) | K per KV head (g) | V per KV head (g)] -> L (D, (3 h + 2 g) d), G (3 h + 2 g, d, d)."""
+    h, g, d, dm = layer.n_heads, layer.n_kv_heads, layer.head_dim, layer.d_model
+    kv = torch.arange(h, device=layer.w_q.device) // layer.group
+    q_gram, k_gram = _gram(layer.w_q), _gram(layer.w_k)  # (h | g, d, d)
+    o_gram = layer.w_o @ layer.w_o.transpose(1, 2)  # (h, d, d): W_O^i W_O^i^T
+    lefts = torch.cat([layer.w_q, layer.w_k[kv], layer.w_v[kv], layer.w_k, layer.w_v])  # (3h + 2g, D, d)
+    grams = torch.cat([
+        k_gram[kv],  # Q: W_QK^i = N W_Q^i (N W_K^g(i))^T
+        q_gram,  # K: (W_QK^i)^T = N W_K^g(i) (N W_Q^i)^T
+        o_gram,  # V: W_OV^i = N W_V^g(i) W_O^i
+        q_gram.view(g, -1, d, d).sum(1),  # K per KV head: N W_K^j [(N W_Q^i)^T for i in G(j)]
+        o_gram.view(g, -1, d, d).sum(1),  # V per KV head: N W_V^j [W_O^i for i in G(j)]
+    ])
+    return lefts.permute(1, 0, 2).reshape(dm, -1), grams
 
 
-def _scores(u: Tensor, f: Tensor, d: int) -> Tensor:
-    """C for every writer factor u (h_w, d, D) and reader factor f (D, n d): (n, h_w)."""
-    h_w = u.shape[0]
-    blocks = (u.reshape(h_w * d, -1) @ f).view(h_w, d, -1, d)  # (h_w, d, n, d): U_w F_i
-    numerator = blocks.pow(2).sum((1, 3)).sqrt()  # (h_w, n)
-    denominator = u.pow(2).sum((1, 2)).sqrt()[:, None] * f.view(f.shape[0], -1, d).pow(2).sum((0, 2)).sqrt()
+def _frobenius2(g_left: Tensor, m: Tensor, g_right: Tensor) -> Tensor:
+    """||L M R||_F^2 = sum((G_L M) * (M G_R)) with G_L = L^T L, G_R = R R^T (no factor of L or R is formed)."""
+    return ((g_left @ m) * (m @ g_right)).sum((-2, -1)).clamp(min=0)
+
+
+def _scores(writer: tuple[Tensor, Tensor], reader: tuple[Tensor, Tensor], d: int) -> Tensor:
+    """C for every writer head (G_w (h_w, d, d), R_w T (h_w, d, D)) and reading matrix (L (D, n d), G (n, d, d)):
+    (n, h_w). ||W_OV^w T B||^2 = ||L_w (R_w T L) R||^2, the middle a (d, d) block of one product."""
+    g_w, r_w = writer
+    left, g_r = reader
+    h_w, n = r_w.shape[0], g_r.shape[0]
+    middle = (r_w.reshape(h_w * d, -1) @ left).view(h_w, d, n, d).transpose(1, 2)  # (h_w, n, d, d)
+    numerator = torch.cat([_frobenius2(g_w[i:i + 1, None], middle[i:i + 1], g_r) for i in range(h_w)]).sqrt()
+    eye = torch.eye(d, dtype=r_w.dtype, device=r_w.device)
+    writer_norm = _frobenius2(g_w, eye, r_w @ r_w.transpose(1, 2)).sqrt()  # ||L_w R_w T|| (h_w,)
+    left_gram = _gram(left.view(left.shape[0], n, d).transpose(0, 1))  # (n, d, d): L^T L
+    reader_norm = _frobenius2(left_gram, eye, g_r).sqrt()  # ||B|| (n,)
+    denominator = writer_norm[:, None] * reader_norm
     safe = torch.where(denominator > 0, denominator, torch.ones_like(denominator))
     return torch.where(denominator > 0, numerator / safe, torch.zeros_like(numerator)).transpose(0, 1)
 
@@ -423,17 +434,19 @@ def random_baseline(d_model: int, head_dim: int, *, group: int = 1, samples: int
         if not isinstance(value, int) or isinstance(value, bool) or value < low:
             raise MultiheadError(f"{name} ({value!r}) must be an int >= {low}")
     generator = torch.Generator().manual_seed(seed)
-    chunk = max(1, min(samples, (1 << 23) // (d_model * head_dim * (3 + group))))
+    chunk = max(1, min(samples, (1 << 23) // (d_model * head_dim * (3 + group))))  # ~64 MB of draws at a time
     found = []
     for start in range(0, samples, chunk):
         n = min(chunk, samples - start)
-        left, right, left_b = (torch.randn(n, *shape, generator=generator, dtype=torch.float64)
-                               for shape in ((d_model, head_dim), (head_dim, d_model), (d_model, head_dim)))
-        right_b = torch.randn(n, group * d_model, head_dim, generator=generator, dtype=torch.float64)  # R'^T
-        u = _r(left) @ right  # (n, d, D)
-        f = left_b @ _r(right_b).transpose(1, 2)  # (n, D, d)
-        numerator = (u @ f).pow(2).sum((1, 2)).sqrt()
-        found.append(numerator / (u.pow(2).sum((1, 2)).sqrt() * f.pow(2).sum((1, 2)).sqrt()))
+        left, left_b = (torch.randn(n, d_model, head_dim, generator=generator, dtype=torch.float64) for _ in "ab")
+        right = torch.randn(n, head_dim, d_model, generator=generator, dtype=torch.float64)
+        right_b = torch.randn(n, head_dim, group * d_model, generator=generator, dtype=torch.float64)
+        eye = torch.eye(head_dim, dtype=torch.float64)
+        g_a, g_b = _gram(left), right_b @ right_b.transpose(1, 2)
+        numerator = _frobenius2(g_a, right @ left_b, g_b).sqrt()
+        norm_a = _frobenius2(g_a, eye, right @ right.transpose(1, 2)).sqrt()
+        norm_b = _frobenius2(_gram(left_b), eye, g_b).sqrt()
+        found.append(numerator / (norm_a * norm_b))
     values = torch.cat(found)
     return float(values.mean()), float(values.std()) if samples > 1 else 0.0
 
@@ -556,14 +569,15 @@ def composition_scores(model: Any, *, layers: Sequence[int] | None = None, sampl
                                  f"{circ.layers[i].head_dim}, layer {chosen[0]} {d_model} and {d}: one shape is needed")
     pairs: dict[tuple[int, int], PairScores] = {}
     with torch.no_grad():
-        writers = {i: _writers(circ.layers[i]) for i in chosen[:-1]}  # (h, d, D) each: the size of W_O
+        writers = {i: _writers(circ.layers[i]) for i in chosen[:-1]}  # W_O (h, d, D) and (h, d, d) each
         for reader in chosen[1:]:
             layer = circ.layers[reader]
             h, g = layer.n_heads, layer.n_kv_heads
-            f = _readers(layer)  # (D, (3h + 2g) d)
+            f = _readers(layer)  # (D, (3h + 2g) d) and (3h + 2g, d, d)
             for writer in [w for w in chosen if w < reader]:
-                u = circ.write(writer, reader, writers[writer])  # U_w T
-                s = _scores(u, f, d).double().cpu().numpy()  # (3h + 2g, h_w)
+                g_w, r_w = writers[writer]
+                written = (g_w, circ.write(writer, reader, r_w))  # R_w T
+                s = _scores(written, f, d).double().cpu().numpy()  # (3h + 2g, h_w)
                 pairs[(writer, reader)] = PairScores(writer, reader, s[:h], s[h:2 * h], s[2 * h:3 * h],
                                                      s[3 * h:3 * h + g], s[3 * h + g:])
     groups = {circ.layers[i].group for i in chosen[1:]}
