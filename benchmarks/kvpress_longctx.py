@@ -214,7 +214,7 @@ def make_press(name: str, ratio: float, *, duo_pattern_file: str | None = None) 
                             "the model's tokenizer from the hub and the BookSum data set; neither is reachable here")
         sink, recent, scores = duo_pattern(duo_pattern_file)
 
-        class LocalPatternDuoAttentionPress(kvpress.DuoAttentionPress):  # type: ignore[misc,name-defined]
+        class LocalPatternDuoAttentionPress(kvpress.DuoAttentionPress):
             """kvpress's DuoAttentionPress with its head scores read from a local file instead of downloaded."""
 
             def post_init_from_model(self, model: Any) -> None:
@@ -320,6 +320,16 @@ def run_case(model: Any, press: Any, case: Case, *, extra_tokens: int) -> dict[s
     }
 
 
+def pipeline_answer(pipe: Any, press: Any, case: Case, max_new_tokens: int) -> str:
+    """kvpress's own pipeline (``KVPressTextGenerationPipeline._forward``, past its text preprocessing) on the
+    case's ids: the answer text that run_case's greedy tokens must decode to."""
+    import torch
+
+    inputs = {"context_ids": torch.tensor([case.context_ids]), "questions_ids": [torch.tensor([case.question_ids])]}
+    with torch.inference_mode():
+        return str(pipe._forward(inputs, max_new_tokens=max_new_tokens, press=press)[0])
+
+
 # ---------------------------------------------------------------------------------------------- the run
 def _atomic_write(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -372,7 +382,13 @@ def cmd_run(args: argparse.Namespace) -> int:
         torch.set_num_threads(args.threads)
     import kvpress  # noqa: F401  (patches transformers' attention functions for the head-wise presses)
 
-    model, _ = load_transformers_smollm2()
+    model, tokenizer = load_transformers_smollm2()
+    pipe = None
+    if args.check_pipeline:
+        from kvpress import KVPressTextGenerationPipeline
+
+        pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
+    checked: dict[str, int] = {}
     for c in cases:
         check_fits(c, vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
 
@@ -391,6 +407,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     for n, (name, ratio, case) in enumerate(todo, start=1):
         press = None if name == "full" else make_press(name, ratio, duo_pattern_file=args.duo_pattern)
         result = run_case(model, press, case, extra_tokens=args.extra_tokens)
+        setting = f"{name}@{ratio}"
+        if pipe is not None and checked.get(setting, 0) < args.check_pipeline:
+            checked[setting] = checked.get(setting, 0) + 1
+            ours = str(tokenizer.decode(result["greedy_ids"], skip_special_tokens=True))
+            theirs = pipeline_answer(pipe, press, case, len(case.answer_ids) + args.extra_tokens)
+            result["pipeline_answer_equal"] = ours == theirs
+            print(f"  kvpress pipeline: {theirs!r}, ours: {ours!r}: {'equal' if ours == theirs else 'DIFFERENT'}")
         result.update({"task": case.task, "length": case.length, "depth": case.depth, "haystack": case.haystack})
         data["results"].setdefault(f"{name}@{ratio}", {})[case.id] = result
         _atomic_write(out, data)
@@ -441,7 +464,7 @@ def cmd_cases(args: argparse.Namespace) -> int:
     def enc(text: str) -> list[int]:
         return list(tok(text, add_special_tokens=False).input_ids)
 
-    head = enc("There is a pass key hidden inside a lot of irrelevant text. Find it and remember it. ")
+    head = enc("Remember the pass key in this text. ")
     filler = enc(FILLER)
     question = enc("\nWhat is the pass key? The pass key is")
     lines = []
@@ -525,6 +548,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--limit", type=int, default=0, help="at most N cases per (length, task)")
     r.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     r.add_argument("--extra-tokens", type=int, default=4, help="greedy tokens past the answer's length")
+    r.add_argument("--check-pipeline", type=int, default=0, metavar="N",
+                   help="for the first N cases of each press setting, also run kvpress's own pipeline and compare")
     r.add_argument("--duo-pattern", help="JSON {sink_size, recent_size, head_scores} for duo_attention")
     r.add_argument("--note", default="", help="free text kept in the results (e.g. 'machine shared by 7 agents')")
     c = sub.add_parser("cases", help="write passkey smoke cases (repeated filler)")
