@@ -263,66 +263,83 @@ def truncate(cache: Any, lengths: list[int]) -> None:
         layer.values = layer.values[:, :, :n]
 
 
-def run_case(model: Any, press: Any, case: Case, *, extra_tokens: int) -> dict[str, Any]:
+@dataclass
+class Prefilled:
+    """A context prefilled under a press: the cache, the seconds it took, its measured bytes and per-layer lengths
+    (what :func:`truncate` restores after each question, so the cases of one prompt share one prefill)."""
+
+    cache: Any
+    context_length: int
+    seconds: float
+    measured: dict[str, Any]
+    lengths: list[int]
+
+
+def prefill(model: Any, press: Any, context_ids: tuple[int, ...]) -> Prefilled:
+    """kvpress's pipeline prefill: ``model.model(context)`` (no LM head) inside ``with press(model)``."""
     import torch
     from transformers import DynamicCache
 
-    context = torch.tensor([case.context_ids])
-    question = torch.tensor([case.question_ids])
-    answer = torch.tensor([case.answer_ids])
-    context_length = context.shape[1]
+    context = torch.tensor([context_ids])
     cache = DynamicCache()
     with torch.inference_mode():
         start = time.perf_counter()
         with press(model) if press is not None else contextlib.nullcontext():
-            model.model(input_ids=context, past_key_values=cache)  # the pipeline's prefill: no LM head
-        prefill_s = time.perf_counter() - start
-        measured = cache_bytes(cache, model)
-        lengths = [cache.get_seq_length(i) for i in range(len(cache))]
+            model.model(input_ids=context, past_key_values=cache)
+        seconds = time.perf_counter() - start
+    return Prefilled(cache, context.shape[1], seconds, cache_bytes(cache, model),
+                     [cache.get_seq_length(i) for i in range(len(cache))])
 
-        # the pipeline's generate_answer: the question at positions after the *uncompressed* context, then greedy
+
+def answer_case(model: Any, done: Prefilled, case: Case, *, extra_tokens: int) -> dict[str, Any]:
+    """The question and a greedy answer after the prefilled context (kvpress's ``generate_answer``: positions
+    continue after the *uncompressed* context), then the answer teacher-forced; the cache is restored after each."""
+    import torch
+
+    cache, context_length = done.cache, done.context_length
+    question = torch.tensor([case.question_ids])
+    answer = torch.tensor([case.answer_ids])
+    with torch.inference_mode():
         start = time.perf_counter()
         positions = torch.arange(context_length, context_length + question.shape[1]).unsqueeze(0)
         out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
         generated = [int(out.logits[0, -1].argmax())]
         stop = model.generation_config.eos_token_id
         stops = set(stop if isinstance(stop, list) else [stop])
-        n_new = len(case.answer_ids) + extra_tokens
         nxt = positions[:, -1:] + 1
-        for i in range(n_new - 1):
+        for i in range(len(case.answer_ids) + extra_tokens - 1):
             if generated[-1] in stops:
                 break
             out = model(input_ids=torch.tensor([[generated[-1]]]), past_key_values=cache, position_ids=nxt + i)
             generated.append(int(out.logits[0, -1].argmax()))
         answer_s = time.perf_counter() - start
-        truncate(cache, lengths)
+        truncate(cache, done.lengths)
 
         # teacher forcing: the question and the answer but its last token, one forward; log p of each answer token
         ids = torch.cat([question, answer[:, :-1]], dim=1)
         positions = torch.arange(context_length, context_length + ids.shape[1]).unsqueeze(0)
         logits = model(input_ids=ids, past_key_values=cache, position_ids=positions).logits[0, question.shape[1] - 1:]
-        logp = torch.log_softmax(logits.float(), dim=-1)
-        token_logp = logp.gather(1, answer[0].unsqueeze(1)).squeeze(1)
+        token_logp = torch.log_softmax(logits.float(), dim=-1).gather(1, answer[0].unsqueeze(1)).squeeze(1)
         tf_argmax = logits.argmax(-1).tolist()
-        truncate(cache, lengths)
+        truncate(cache, done.lengths)
     n = len(case.answer_ids)
     return {
-        "exact": generated[:n] == list(case.answer_ids),
+        "exact": generated[:n] == list(case.answer_ids),  # the greedy answer starts with the answer's tokens
         "greedy_ids": generated,
-        "tf_exact": tf_argmax == list(case.answer_ids),
+        "tf_exact": tf_argmax == list(case.answer_ids),  # every teacher-forced argmax right (multihead's `correct`)
         "answer_logprob": float(token_logp.sum()),
         "answer_logprob_mean": float(token_logp.mean()),
-        "prefill_s": round(prefill_s, 4),
+        "prefill_s": round(done.seconds, 4),
         "answer_s": round(answer_s, 4),
         "context_tokens": context_length,
-        "kept_tokens": max(lengths),
-        **measured,
+        "kept_tokens": max(done.lengths),
+        **done.measured,
     }
 
 
 def pipeline_answer(pipe: Any, press: Any, case: Case, max_new_tokens: int) -> str:
     """kvpress's own pipeline (``KVPressTextGenerationPipeline._forward``, past its text preprocessing) on the
-    case's ids: the answer text that run_case's greedy tokens must decode to."""
+    case's ids: the answer text that answer_case's greedy tokens must decode to."""
     import torch
 
     inputs = {"context_ids": torch.tensor([case.context_ids]), "questions_ids": [torch.tensor([case.question_ids])]}
@@ -400,26 +417,40 @@ def cmd_run(args: argparse.Namespace) -> int:
                     "versions": _versions(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "machine": platform.machine(), "note": args.note, "cases_file": str(args.cases),
                     "extra_tokens": args.extra_tokens}
-    todo = [(p, r, c) for p, r in _settings(args.presses, args.ratios) for c in cases
-            if c.id not in data["results"].get(f"{p}@{r}", {})]
-    print(f"{len(todo)} runs to do ({len(cases)} cases; {sum(1 for _ in _settings(args.presses, args.ratios))} "
-          f"press settings); {out}", flush=True)
-    for n, (name, ratio, case) in enumerate(todo, start=1):
-        press = None if name == "full" else make_press(name, ratio, duo_pattern_file=args.duo_pattern)
-        result = run_case(model, press, case, extra_tokens=args.extra_tokens)
+    # the cases left to do, by press setting and then by prompt: cases that share context_ids share one prefill
+    todo: list[tuple[str, float, list[Case]]] = []
+    for name, ratio in _settings(args.presses, args.ratios):
+        groups: dict[tuple[int, ...], list[Case]] = {}
+        for c in cases:
+            if c.id not in data["results"].get(f"{name}@{ratio}", {}):
+                groups.setdefault(c.context_ids, []).append(c)
+        todo += [(name, ratio, group) for group in groups.values()]
+    n_runs = sum(len(g) for _, _, g in todo)
+    print(f"{n_runs} runs to do in {len(todo)} prefills ({len(cases)} cases; "
+          f"{sum(1 for _ in _settings(args.presses, args.ratios))} press settings); {out}", flush=True)
+    n = 0
+    for name, ratio, group in todo:
         setting = f"{name}@{ratio}"
-        if pipe is not None and checked.get(setting, 0) < args.check_pipeline:
-            checked[setting] = checked.get(setting, 0) + 1
-            ours = str(tokenizer.decode(result["greedy_ids"], skip_special_tokens=True))
-            theirs = pipeline_answer(pipe, press, case, len(case.answer_ids) + args.extra_tokens)
-            result["pipeline_answer_equal"] = ours == theirs
-            print(f"  kvpress pipeline: {theirs!r}, ours: {ours!r}: {'equal' if ours == theirs else 'DIFFERENT'}")
-        result.update({"task": case.task, "length": case.length, "depth": case.depth, "haystack": case.haystack})
-        data["results"].setdefault(f"{name}@{ratio}", {})[case.id] = result
-        _atomic_write(out, data)
-        print(f"[{n}/{len(todo)}] {name}@{ratio} {case.id}: exact={result['exact']} "
-              f"logp={result['answer_logprob']:.2f} prefill={result['prefill_s']:.2f}s "
-              f"bytes={result['tensor_bytes']:,} effective={result['effective_bytes']:,}", flush=True)
+        press = None if name == "full" else make_press(name, ratio, duo_pattern_file=args.duo_pattern)
+        done = prefill(model, press, group[0].context_ids)
+        for k, case in enumerate(group):
+            n += 1
+            result = answer_case(model, done, case, extra_tokens=args.extra_tokens)
+            result.update({"task": case.task, "length": case.length, "depth": case.depth, "haystack": case.haystack,
+                           "prefill_shared_by": len(group)})
+            if pipe is not None and checked.get(setting, 0) < args.check_pipeline:
+                checked[setting] = checked.get(setting, 0) + 1
+                ours = str(tokenizer.decode(result["greedy_ids"], skip_special_tokens=True))
+                theirs = pipeline_answer(pipe, press, case, len(case.answer_ids) + args.extra_tokens)
+                result["pipeline_answer_equal"] = ours == theirs
+                print(f"  kvpress pipeline: {theirs!r}, ours: {ours!r}: {'equal' if ours == theirs else 'DIFFERENT'}")
+                if k + 1 < len(group):  # the pipeline's prefill set the head-wise presses' masks on the modules
+                    done = prefill(model, press, group[0].context_ids)
+            data["results"].setdefault(setting, {})[case.id] = result
+            _atomic_write(out, data)
+            print(f"[{n}/{n_runs}] {setting} {case.id}: exact={result['exact']} "
+                  f"logp={result['answer_logprob']:.2f} prefill={result['prefill_s']:.2f}s "
+                  f"bytes={result['tensor_bytes']:,} effective={result['effective_bytes']:,}", flush=True)
     summarise(data)
     return 0
 
