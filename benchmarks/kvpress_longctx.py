@@ -9,6 +9,7 @@ kvpress 0.5.5 pins transformers < 5.3, so this runs in its own environment, neve
     $PY benchmarks/kvpress_longctx.py run --cases out/kvpress/smoke.jsonl --out out/kvpress/smoke.json
 
 Subcommands:
+    summary      the table of a results file (per press setting and length).
     run          each (press, compression ratio, case): prefill the context under the press (as kvpress's pipeline
                  does: ``model.model(context)`` inside ``with press(model)``), then the question and a greedy
                  answer outside it; scores exact match of the greedy answer's tokens and the answer tokens'
@@ -456,26 +457,39 @@ def cmd_run(args: argparse.Namespace) -> int:
 
 
 def summarise(data: dict[str, Any]) -> None:
-    """Per press setting: accuracy, mean answer log-likelihood, bytes real and effective against the full cache."""
+    """Per press setting and length: accuracy (greedy and teacher-forced), mean answer log-likelihood, prefill
+    seconds, and the cache's real and effective bytes after prefill against the full cache's on the same cases."""
     full = data["results"].get("full@0.0", {})
-    print(f"\n{'press@ratio':34} {'n':>4} {'exact':>6} {'logp':>8} {'prefill s':>9} {'real/full':>9} "
-          f"{'effective/full':>14}  frees memory?")
+    print(f"\n{'press@ratio':32} {'length':>6} {'n':>4} {'exact':>6} {'tf':>5} {'logp':>7} {'prefill s':>9} "
+          f"{'real MB':>8} {'real/full':>9} {'eff/full':>8}  frees memory?")
     for key, by_case in data["results"].items():
-        rows = list(by_case.items())
-        if not rows:
-            continue
-        exact = sum(r["exact"] for _, r in rows) / len(rows)
-        logp = sum(r["answer_logprob"] for _, r in rows) / len(rows)
-        pre = sum(r["prefill_s"] for _, r in rows) / len(rows)
-        real = [r["tensor_bytes"] / full[c]["tensor_bytes"] for c, r in rows if c in full]
-        eff = [r["effective_bytes"] / full[c]["tensor_bytes"] for c, r in rows if c in full]
-        if real:
-            r_mean, e_mean = sum(real) / len(real), sum(eff) / len(eff)
-            frees = "yes" if r_mean < 0.999 else ("no (masks, keeps every position)" if e_mean < 0.999 else "-")
-            ratios = f"{r_mean:9.3f} {e_mean:14.3f}  {frees}"
-        else:
-            ratios = f"{'?':>9} {'?':>14}  (no full-cache run of these cases)"
-        print(f"{key:34} {len(rows):4d} {exact:6.2f} {logp:8.2f} {pre:9.2f} {ratios}")
+        for length in sorted({r["length"] for r in by_case.values()}):
+            rows = [(c, r) for c, r in by_case.items() if r["length"] == length]
+            n = len(rows)
+            exact = sum(r["exact"] for _, r in rows) / n
+            tf = sum(r["tf_exact"] for _, r in rows) / n
+            logp = sum(r["answer_logprob"] for _, r in rows) / n
+            pre = sum(r["prefill_s"] for _, r in rows) / n
+            mb = sum(r["tensor_bytes"] for _, r in rows) / n / 1e6
+            real = [r["tensor_bytes"] / full[c]["tensor_bytes"] for c, r in rows if c in full]
+            eff = [r["effective_bytes"] / full[c]["tensor_bytes"] for c, r in rows if c in full]
+            if real:
+                r_mean, e_mean = sum(real) / len(real), sum(eff) / len(eff)
+                frees = "yes" if r_mean < 0.999 else ("NO: masks, keeps every position" if e_mean < 0.999 else "-")
+                ratios = f"{r_mean:9.3f} {e_mean:8.3f}  {frees}"
+            else:
+                ratios = f"{'?':>9} {'?':>8}  (no full-cache run of these cases)"
+            print(f"{key:32} {length:6d} {n:4d} {exact:6.2f} {tf:5.2f} {logp:7.2f} {pre:9.2f} {mb:8.1f} {ratios}")
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    p = Path(args.out)
+    if not p.is_file():
+        raise CaseError(f"results file {str(p)!r} does not exist: give the --out of a run")
+    data = json.loads(p.read_text(encoding="utf-8"))
+    print(json.dumps(data.get("meta", {})))
+    summarise(data)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- smoke cases
@@ -495,9 +509,10 @@ def cmd_cases(args: argparse.Namespace) -> int:
     def enc(text: str) -> list[int]:
         return list(tok(text, add_special_tokens=False).input_ids)
 
-    head = enc("Remember the pass key in this text. ")
+    head = enc("Somewhere in the long text below there is a pass key. Keep it in mind: the question at the end "
+               "asks for it.\n\n")
     filler = enc(FILLER)
-    question = enc("\nWhat is the pass key? The pass key is")
+    question = enc("\n\nWhat is the pass key? The pass key is")
     lines = []
     for length in args.lengths:
         for depth in args.depths:
@@ -583,6 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="for the first N cases of each press setting, also run kvpress's own pipeline and compare")
     r.add_argument("--duo-pattern", help="JSON {sink_size, recent_size, head_scores} for duo_attention")
     r.add_argument("--note", default="", help="free text kept in the results (e.g. 'machine shared by 7 agents')")
+    sm = sub.add_parser("summary", help="the table of a results file")
+    sm.add_argument("--out", required=True, help="the results JSON of a run")
     c = sub.add_parser("cases", help="write passkey smoke cases (repeated filler)")
     c.add_argument("--out", required=True)
     c.add_argument("--lengths", nargs="+", type=int, default=[1024])
@@ -598,7 +615,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("run", "cases") and any(not 0 < x < 1 for x in getattr(args, "ratios", [0.5])):
         p.error(f"--ratios must lie in (0, 1), got {args.ratios}")
     try:
-        return {"run": cmd_run, "cases": cmd_cases, "port-logits": cmd_port_logits, "check": cmd_check}[args.cmd](args)
+        commands = {"run": cmd_run, "summary": cmd_summary, "cases": cmd_cases, "port-logits": cmd_port_logits,
+                    "check": cmd_check}
+        return commands[args.cmd](args)
     except CaseError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
