@@ -192,22 +192,3 @@ HEAD_COUNTS = Listed(POSITIVE, "integers (head counts), e.g. 1,4,16")
 BITS = Listed(_quant_bits, "integers (cache widths), e.g. 8,4,2")
 BACKENDS = Listed(OneOf(("sdpa", "math", "flex"), "backend {value} is unknown: choose from {names}"), "backends")
 DEVICE = OneOf(("cpu", "cuda"), "device {value} is not supported: choose cpu or cuda")
-
-
-class Size:
-    """A memory size such as 80GB or 24GiB (multihead.units.parse_bytes), more than zero bytes."""
-
-    def __call__(self, text: str) -> int:
-        from multihead.errors import MultiheadError
-        from multihead.units import parse_bytes
-
-        try:
-            value = parse_bytes(text)
-        except MultiheadError as err:
-            raise argparse.ArgumentTypeError(str(err)) from None
-        if value < 1:
-            raise argparse.ArgumentTypeError(f"size {show(text)} is no memory at all: give more than 0 bytes")
-        return value
-
-
-SIZE = Size()

@@ -25,6 +25,20 @@ def preset_name(text: str) -> str:
     return text
 
 
+def memory_size(text: str) -> int:
+    """--device-memory: a size such as 80GB or 24GiB (multihead.units.parse_bytes), more than zero bytes."""
+    from multihead.errors import MultiheadError
+    from multihead.units import parse_bytes
+
+    try:
+        value = parse_bytes(text)
+    except MultiheadError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"size {flags.show(text)} is no memory at all: give more than 0 bytes")
+    return value
+
+
 def cache_kind(text: str) -> str:
     """--cache: full, window:N (N a positive number of tokens), int8, int4, int2 or latent."""
     if text in ("full", "int8", "int4", "int2", "latent"):
@@ -61,7 +75,7 @@ def add_model_flags(p: argparse.ArgumentParser, *, seq_default: int = 4096) -> N
                    help=f"{DTYPE_HELP}, here the KV cache and activations: fp32, fp16, bf16, int8, fp8 (default bf16)")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                    help="causal attention (default: the model's; decoders are causal, encoders not)")
-    p.add_argument("--device-memory", type=flags.SIZE, metavar="SIZE",
+    p.add_argument("--device-memory", type=memory_size, metavar="SIZE",
                    help="memory for the KV cache, e.g. 80GB or 24GiB: prints the longest context that fits")
     p.add_argument("--json", action="store_true", help="print one JSON object")
 
