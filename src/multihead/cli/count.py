@@ -18,7 +18,7 @@ def add(sub: Any) -> None:
     add_model_flags(p)
     spelled = {s for names in flags.DTYPE_SPELLINGS.values() for s in names}
     gguf = tuple(k for k in WEIGHT_BITS if k not in spelled)  # int4 and llama.cpp's types, by multihead.sizing
-    weights = flags.Dtype(("fp32", "fp16", "bf16", "int8", "fp8"), extra=gguf)
+    weights = flags.Dtype(("fp32", "fp16", "bf16", "int8", "fp8"), extra=gguf, what="weight dtype")
     p.add_argument("--weights-dtype", type=weights, default=None,
                    help="how the weights are stored: fp32, bf16, fp8, int8, int4, or a GGUF type such as q4_1, "
                         "q8_0 (default: --dtype)")

@@ -96,15 +96,15 @@ class Dtype:
     further names taken as they are (lowercased), such as --weights-dtype's int4 and GGUF types."""
 
     def __init__(self, allowed: tuple[str, ...] = tuple(DTYPE_SPELLINGS), *, many: bool = False,
-                 extra: tuple[str, ...] = ()) -> None:
-        self.allowed, self.many, self.extra = allowed, many, extra
+                 extra: tuple[str, ...] = (), what: str = "dtype") -> None:
+        self.allowed, self.many, self.extra, self.what = allowed, many, extra, what
         self.names = {s: name for name in allowed for s in DTYPE_SPELLINGS[name]} | {e: e for e in extra}
 
     def one(self, text: str) -> str:
         key = text.strip().lower().removeprefix("torch.")
         if key not in self.names:
             choices = ", ".join(list(self.allowed) + list(self.extra))
-            raise argparse.ArgumentTypeError(f"dtype {show(text)[:80]} is unknown: choose one of {choices} "
+            raise argparse.ArgumentTypeError(f"{self.what} {show(text)[:80]} is unknown: choose one of {choices} "
                                              "(other spellings such as bfloat16 or float16 work too)")
         return self.names[key]
 

@@ -47,7 +47,8 @@ def cache_kind(text: str) -> str:
         try:
             return f"window:{POSITIVE(text.split(':', 1)[1])}"
         except argparse.ArgumentTypeError as err:
-            raise argparse.ArgumentTypeError(f"cache {flags.show(text)}: the window {err}") from None
+            raise argparse.ArgumentTypeError(f"cache {flags.show(text)[:80]}: give window:N with N a number of tokens "
+                                             f"({err})") from None
     raise argparse.ArgumentTypeError(f"cache {flags.show(text)[:80]} is unknown: choose full, window:N, int8, int4, "
                                      "int2 or latent")
 
