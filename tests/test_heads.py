@@ -157,6 +157,9 @@ def test_html_report_renders_in_a_browser_and_shows_script_as_text(tmp_path: Pat
     assert "<title>multihead: what each head does</title>" in dom.stdout  # the passage's script never ran
     assert "&lt;script&gt;document.title='pwned';window.pwned=1&lt;/script&gt;" in dom.stdout  # shown as text
     assert "<b>bold</b>" not in dom.stdout
+    best = max(report.scores.records(), key=lambda r: r["previous_token"])  # the head the report opens on
+    assert (f'<span id="headinfo">L{best["layer"]}H{best["head"]} (KV head {best["kv_head"]}) | label: '
+            in dom.stdout)  # heads named as TransformerLens names them
     console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
     shot = tmp_path / "shot.png"

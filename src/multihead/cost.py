@@ -405,3 +405,31 @@ def mla_cache_bytes(config: MLAConfig, *, context: int, batch: int = 1, n_layers
     RoPE key per token, whatever n_heads (:class:`multihead.cache.LatentCache`)."""
     _check_sizes(context=context, batch=batch, n_layers=n_layers)
     return config.latent_dim * dtype_bytes(dtype) * context * batch * n_layers
+
+
+# ---------------------------------------------------------------------------------------------- MLA against MHA
+def mla_as_mha(config: MLAConfig) -> AttentionConfig:
+    """The same query heads as plain MHA, each key and value head v_head_dim wide: what an MLA layer's latent cache
+    is compared with."""
+    return AttentionConfig(d_model=config.d_model, n_heads=config.n_heads, head_dim=config.v_head_dim)
+
+
+def mla_report(config: MLAConfig, *, n_layers: int, seq: int, batch: int = 1, dtype: str = "bf16",
+               causal: bool = True) -> dict[str, Any]:
+    """An MLA model's attention figures, as :func:`report` gives them for MHA/GQA/MQA: parameters, the latent cache
+    (per token and for ``seq`` x ``batch``; ``cache_vs_mha`` against :func:`mla_as_mha`'s KV cache), the expanded
+    forward's FLOPs and one decode step's FLOPs after ``seq`` tokens on each path."""
+    params = mla_parameters(config).total
+    total = mla_cache_bytes(config, context=seq, batch=batch, n_layers=n_layers, dtype=dtype)
+    mha = kv_cache_bytes(mla_as_mha(config), context=seq, batch=batch, n_layers=n_layers, dtype=dtype)
+    return {
+        "kv_lora_rank": config.kv_lora_rank, "qk_rope_head_dim": config.qk_rope_head_dim,
+        "q_lora_rank": config.q_lora_rank, "qk_nope_head_dim": config.qk_nope_head_dim,
+        "v_head_dim": config.v_head_dim, "latent_dim": config.latent_dim,
+        "params_per_layer": params, "params_total": params * n_layers,
+        "cache_bytes_per_token": mla_cache_bytes(config, context=1, n_layers=n_layers, dtype=dtype),
+        "cache_bytes_total": total, "cache_vs_mha": total / mha,
+        "flops_forward_expanded": mla_flops(config, s=seq, batch=batch, causal=causal).forward,
+        "decode_flops_absorbed": mla_flops(config, s=1, t=seq + 1, batch=batch, causal=True, path="absorbed").forward,
+        "decode_flops_expanded": mla_flops(config, s=1, t=seq + 1, batch=batch, causal=True).forward,
+    }

@@ -313,3 +313,35 @@ def largest(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype:
         lo, hi = (mid, hi) if ok(mid) else (lo, mid)
     return lo
 
+
+
+# ---------------------------------------------------------------------------------------------- the whole model
+def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights_dtype: str, tp: int = 1,
+                cache: str = "full", memory: int | None = None) -> dict[str, Any] | None:
+    """The whole model's parameters, memory and fit (what `multihead count` reports as ``whole_model``), or None for
+    a model described by its attention sizes alone (no vocabulary). A model whose parts cannot be sized gives
+    ``{"unavailable": why}``. With ``memory`` (bytes per device): whether it fits, on how few devices, and the
+    largest context and batch that do."""
+    if model.hf is None or "vocab_size" not in model.hf:
+        return None
+    try:
+        size = model_size(model)
+    except MultiheadError as err:
+        return {"unavailable": str(err)}
+    check_tp(model, tp)
+    out: dict[str, Any] = {
+        "total_parameters": size.total, "active_parameters": size.active, "parameters_by_part": size.parts,
+        "tied_embeddings": size.tied, "notes": size.notes, "weights_dtype": weights_dtype, "tp": tp, "cache": cache,
+    }
+    f = fit(model, size, seq=seq, batch=batch, dtype=dtype, weights_dtype=weights_dtype, memory=memory or 0, tp=tp,
+            cache=cache)
+    out.update({"weight_bytes": f.weights, "kv_bytes": f.kv, "activation_bytes": f.activations,
+                "bytes_per_device": f.per_device})
+    if memory is not None:
+        common: dict[str, Any] = {"dtype": dtype, "weights_dtype": weights_dtype, "memory": memory, "cache": cache}
+        out["fits"] = f.fits
+        out["devices_needed"] = devices_needed(model, size, seq=seq, batch=batch, **common)
+        if f.fits:
+            out["largest_context"] = largest(model, size, seq=seq, batch=batch, tp=tp, what="context", **common)
+            out["largest_batch"] = largest(model, size, seq=seq, batch=batch, tp=tp, what="batch", **common)
+    return out

@@ -388,7 +388,7 @@ class TransformersHeads(HeadModel):
             return float(losses[batch.valid[:, 1:]].mean())
 
 
-ENGINES = ("auto", "ours", "transformers")
+from multihead.names import ENGINES  # noqa: E402  (one list, shared with the CLI, which must not import this file)
 
 
 def load_head_model(name: str | None, engine: str = "auto") -> HeadModel:

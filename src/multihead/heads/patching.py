@@ -248,16 +248,21 @@ class PairsResult:
 
 def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Callable[[str], list[int]],
                 pairs: Sequence[PromptPair], *, point: str = "hook_z", patching: bool = True,
-                attribution: bool = True, chunk: int = 16) -> PairsResult:
-    """Activation and/or attribution patching of every head over prompt pairs (each run on its own, pooled)."""
+                attribution: bool = True, chunk: int = 16, progress: bool = False) -> PairsResult:
+    """Activation and/or attribution patching of every head over prompt pairs (each run on its own, pooled);
+    ``progress``: a bar on stderr, one step per pair."""
     import time
+
+    from tqdm import tqdm
 
     if not pairs:
         raise MultiheadError("no prompt pairs given")
     sums: dict[str, np.ndarray] = {}
     span_total = clean_total = corrupt_total = 0.0
     seconds = {"patching": 0.0, "attribution": 0.0}
-    for i, pair in enumerate(pairs):
+    what = " and ".join(name for name, on in (("patching", patching), ("attribution", attribution)) if on)
+    for i, pair in enumerate(tqdm(pairs, desc=f"{what} over {len(pairs)} prompt pair(s)", unit="pair",
+                                  disable=not progress)):
         clean, corrupt = encode(pair.clean), encode(pair.corrupt)
         answer, wrong = encode(pair.answer), encode(pair.wrong)
         if len(clean) != len(corrupt):

@@ -18,6 +18,7 @@ from multihead.errors import MultiheadError
 from multihead.files import save_figure, write_text
 from multihead.heads.analysis import HeadReport
 from multihead.heads.scores import SCORE_NAMES
+from multihead.names import head_name
 
 
 def prepare_out_dir(out: str | Path) -> Path:
@@ -117,7 +118,7 @@ def write_heads_png(report: HeadReport, path: Path, max_tokens: int = 32) -> Pat
                              squeeze=False)
     for ax, (name, layer, head, value) in zip(axes[0], chosen, strict=False):
         ax.imshow(report.patterns[layer][head][:n, :n], cmap="viridis", vmin=0, vmax=1)
-        ax.set_title(f"{name} {value:.2f}: layer {layer} head {head}", fontsize=9)
+        ax.set_title(f"{name} {value:.2f}: {head_name(layer, head)} (layer {layer}, head {head})", fontsize=9)
         ax.set_xticks(range(n), labels, rotation=90, fontsize=6)
         ax.set_yticks(range(n), labels, fontsize=6)
         ax.set_xlabel("key")
@@ -304,7 +305,8 @@ function drawTable() {
 }
 function select(l, h) {
   layer = l; head = h; ls.value = String(l); hs.selectedIndex = h; const r = rec(l, h);
-  document.getElementById("headinfo").textContent = "label: " + r.label + " | previous " + r.previous_token.toFixed(2) +
+  document.getElementById("headinfo").textContent = "L" + l + "H" + h + " (KV head " + r.kv_head + ") | label: " +
+    r.label + " | previous " + r.previous_token.toFixed(2) +
     " | induction " + r.induction.toFixed(2) + " | first " + r.first_token.toFixed(2) + " | entropy " + r.entropy.toFixed(2);
   drawPattern(); drawGrid(); drawTokens(); drawAblation(); drawPatching(); drawTable();
 }

@@ -1,0 +1,52 @@
+"""Flag groups and helpers that several subcommands share: --tp over processes, --out folders, --json."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+from multihead.cli.flags import POSITIVE
+from multihead.cli.model import TP_HELP
+
+
+def add_tp(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tp", type=POSITIVE, default=1, metavar="N",
+                   help=f"{TP_HELP} (default 1); here run for real: start under torchrun --nproc-per-node N")
+
+
+def add_json(p: argparse.ArgumentParser, what: str = "print one JSON object") -> None:
+    p.add_argument("--json", action="store_true", help=what)
+
+
+def is_rank0() -> bool:
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+@contextlib.contextmanager
+def out_folder(out: str | Path) -> Iterator[Path]:
+    """The output folder, made and checked before the long work (multihead.heads.report.prepare_out_dir); if the
+    command then fails or is interrupted, the folders this made are removed again where they are still empty, so a
+    failed run leaves nothing it created (a folder that holds results, such as a checkpoint, stays)."""
+    from multihead.heads.report import prepare_out_dir
+
+    path = Path(out)
+    made = []  # the folders that do not exist yet, deepest first
+    for folder in (path, *path.parents):
+        try:
+            if folder.exists():
+                break
+        except OSError:  # a name too long, say: prepare_out_dir reports it
+            break
+        made.append(folder)
+    folder = prepare_out_dir(path)
+    try:
+        yield folder
+    except BaseException:
+        for folder in made:
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only if empty
+        raise

@@ -1,0 +1,62 @@
+"""`multihead compare`: the same model as MHA, GQA and MQA (and MLA), KV-cache memory side by side, and a plot."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from typing import Any
+
+from multihead.cli import COMMANDS, flags
+from multihead.cli.model import add_model_flags, layers, model_from_args
+
+
+def add(sub: Any) -> None:
+    p = sub.add_parser("compare", help=COMMANDS["compare"])
+    add_model_flags(p, seq_default=8192)
+    p.add_argument("--plot", type=flags.PATH, default="multihead-compare.png", metavar="PNG",
+                   help="where to write the plot of cache memory against context (default multihead-compare.png)")
+    p.add_argument("--no-plot", action="store_true", help="print the table only")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from multihead.compare import compare_variants, plot_variants
+    from multihead.units import format_bytes
+
+    model = model_from_args(args)
+    memory = args.device_memory
+    rows = compare_variants(model, seq=args.seq, batch=args.batch, dtype=args.dtype, memory_bytes=memory)
+    plot_path = None if args.no_plot else plot_variants(model, rows, args.plot, batch=args.batch, dtype=args.dtype,
+                                                         memory_bytes=memory, seq=args.seq)
+    if args.json:
+        print(json.dumps({"model": model.name, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
+                          "device_memory_bytes": memory, "variants": [dataclasses.asdict(r) for r in rows],
+                          "plot": plot_path}, indent=2))
+        return 0
+    print(f"{model.name}: {layers(model.n_layers)}, {model.attention.n_heads} query heads, head_dim "
+          f"{model.attention.head_dim}; KV cache for {args.seq} tokens x batch {args.batch} in {args.dtype}")
+    header = ["variant", "kv heads", "q per kv", "KV / token", "KV cache", "vs MHA", "attn params / layer"]
+    whole = rows[0].weight_bytes is not None
+    if whole:
+        header.append(f"weights ({args.dtype})")
+    if memory is not None:
+        header.append(f"context in {format_bytes(memory)}" + (" beside the weights" if whole else ""))
+    table = [header]
+    for r in rows:
+        line = [r.variant + (" *" if r.is_model else ""), str(r.n_kv_heads), str(r.group_size),
+                format_bytes(r.kv_bytes_per_token), format_bytes(r.kv_cache_bytes), f"{r.ratio_to_mha:.3f}",
+                f"{r.params_per_layer:,}"]
+        if whole:
+            line.append(format_bytes(r.weight_bytes or 0))
+        if memory is not None:
+            line.append("any" if r.max_context is None else f"{r.max_context:,}")
+        table.append(line)
+    widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+    for row in table:
+        print("  ".join(cell.rjust(w) if i else cell.ljust(w)
+                        for i, (cell, w) in enumerate(zip(row, widths, strict=True))))
+    print("* the model's own configuration")
+    if plot_path:
+        print(f"plot: {plot_path}")
+    return 0

@@ -1,0 +1,89 @@
+"""`multihead heads`: what each head of a real model does: scores, labels, pictures, an HTML report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from multihead.cli import COMMANDS, flags
+from multihead.cli.common import out_folder
+from multihead.cli.flags import CliError
+from multihead.names import ENGINES, head_name
+
+
+def add(sub: Any) -> None:
+    p = sub.add_parser("heads", help=COMMANDS["heads"])
+    p.add_argument("--model", type=flags.MODEL, default="smollm2",
+                   help="smollm2 (default), minilm, a .gguf file or a model folder")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="auto (default): multihead's own port where one applies (Llama-style GGUF or folder, BERT), "
+                        "else transformers with its attention on multihead; or force one")
+    text = p.add_mutually_exclusive_group()
+    text.add_argument("--text", type=flags.TEXT,
+                      help="the text to analyse (default: the shipped public-domain passage)")
+    text.add_argument("--file", type=flags.PATH, help="a UTF-8 text file to analyse")
+    p.add_argument("--out", type=flags.PATH, default="multihead-heads",
+                   help="folder for the report and pictures (default multihead-heads)")
+    p.add_argument("--ablate", action="store_true", help="zero each head in turn and measure the change in loss")
+    p.add_argument("--convert", action="store_true", help="mean-pool K/V into fewer KV heads (MHA -> GQA) and "
+                   "measure the change")
+    p.add_argument("--patch", action="store_true", help="activation patching of every head on the shipped "
+                   "indirect-object prompt pairs (causal models), shown in the report")
+    p.add_argument("--tokens", type=flags.POSITIVE, default=64, help="tokens shown in the pictures (default 64)")
+    p.add_argument("--top", type=flags.POSITIVE, default=3, help="heads listed per score (default 3)")
+    p.add_argument("--json", action="store_true", help="print one JSON object (a record per head)")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    text = args.text
+    if args.file is not None:
+        try:
+            text = Path(args.file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as err:
+            raise CliError(f"cannot read --file {args.file!r}: {err}") from None
+    if text is not None and not text.strip():
+        raise CliError("the text is empty: give some text to analyse")
+    with out_folder(args.out) as out:  # fails before the long work if the report cannot be written
+        from multihead.heads.adapters import load_head_model
+        from multihead.heads.analysis import analyse
+        from multihead.heads.patching import shipped_pairs
+        from multihead.heads.report import result_json, write_all
+
+        model = load_head_model(args.model, engine=args.engine)
+        report = analyse(model, text, display_tokens=args.tokens, ablate=args.ablate, convert=args.convert,
+                         pairs=shipped_pairs() if args.patch else None, progress=not args.json)
+        files = write_all(report, out)
+    if args.json:
+        print(json.dumps({**result_json(report), "files": files}))
+        return 0
+    scores = report.scores
+    print(f"{report.model}: {report.n_layers} layers x {report.n_heads} query heads ({report.n_kv_heads} KV heads), "
+          f"{'causal' if report.causal else 'bidirectional'}; engine: {report.engine}")
+    names = ["previous_token", "induction", "duplicate_token", "first_token", "self", "local", "entropy"]
+    if not report.causal:
+        names.insert(1, "next_token")
+    print(f"{'score':<16} top heads (LxHy: layer x, head y = score)")
+    for name in names:
+        tops = "  ".join(f"{head_name(layer, head)} = {value:.2f}" for layer, head, value in scores.top(name, args.top))
+        print(f"{name:<16} {tops}")
+    counts: dict[str, int] = {}
+    for row in scores.labels:
+        for label in row:
+            counts[label] = counts.get(label, 0) + 1
+    print("labels: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
+    summary = report.ablation_summary()
+    if summary:
+        top = ", ".join(f"{head_name(r['layer'], r['head'])} ({r['delta']:+.4f})"
+                        for r in summary["most_important"][:5])
+        print(f"ablation ({report.metric_name}, baseline {report.baseline:.4f}): most important {top}; "
+              f"{summary['share_below_1_percent']:.0%} of heads change it by less than 1%")
+    for converted in report.conversion:
+        print(f"GQA by mean-pooling to {converted['n_kv_heads']} KV heads: {report.metric_name} "
+              f"{converted['metric']:.4f} ({converted['delta']:+.4f})")
+    print(f"report: {files['html']}")
+    print(f"pictures: {files['grid_png']}, {files['heads_png']}")
+    return 0

@@ -1,0 +1,30 @@
+"""`multihead presets`: the named real-model configurations."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+from multihead.cli import COMMANDS
+
+
+def add(sub: Any) -> None:
+    p = sub.add_parser("presets", help=COMMANDS["presets"])
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from multihead.presets import PRESET_NAMES, preset
+
+    models = [preset(n) for n in PRESET_NAMES]
+    if args.json:
+        print(json.dumps({m.name: {"attention": m.attention.to_dict(), "n_layers": m.n_layers, "causal": m.causal,
+                                   "max_context": m.max_context, "source": m.source} for m in models}, indent=2))
+        return 0
+    for m in models:
+        a = m.attention
+        print(f"{m.name:<18} d_model {a.d_model:>5}  heads {a.n_heads:>3}/{a.n_kv_heads:<3} ({a.variant})  "
+              f"head_dim {a.head_dim:>3}  layers {m.n_layers:>3}  {m.source}")
+    return 0

@@ -1,0 +1,104 @@
+"""`multihead tradeoff`: the KV-cache trade-off, quality against KV bytes for each way of saving cache."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from multihead.cli import COMMANDS, flags
+from multihead.cli.common import out_folder
+from multihead.cli.flags import COUNT, POSITIVE, CliError
+from multihead.cli.model import WINDOW_HELP
+
+
+def add(sub: Any) -> None:
+    p = sub.add_parser("tradeoff", help=COMMANDS["tradeoff"])
+    p.add_argument("--model", type=flags.MODEL, default="smollm2",
+                   help="smollm2 (default), minilm (the encoder: 1 - cosine), or a .gguf file or Llama model folder")
+    p.add_argument("--text", type=flags.PATH, default=None,
+                   help="another evaluation text (plain or .gz; default: the Jargon File)")
+    p.add_argument("--texts", type=POSITIVE, default=256, help="minilm: held-out paragraphs embedded (default 256)")
+    p.add_argument("--context", type=POSITIVE, default=1024, help="tokens per evaluation window (default 1024)")
+    p.add_argument("--stride", type=POSITIVE, default=512,
+                   help="tokens between windows, each scoring its last stride tokens (default 512)")
+    p.add_argument("--windows", type=POSITIVE, default=10, help="evaluation windows at most (default 10)")
+    p.add_argument("--chunk", type=POSITIVE, default=64, help="tokens per step through a cache (default 64)")
+    p.add_argument("--window", type=POSITIVE, default=256, metavar="N",
+                   help=f"{WINDOW_HELP}, beside --sinks: the sink + window caches measured (default 256)")
+    p.add_argument("--sinks", type=flags.COUNTS, default=(1, 4), help="sink token counts beside the window "
+                                                                       "(default 1,4)")
+    p.add_argument("--bits", type=flags.BITS, default=(8, 4, 2), help="quantized cache widths (default 8,4,2)")
+    p.add_argument("--group", type=POSITIVE, default=32, help="quantization group size (default 32)")
+    p.add_argument("--residual", type=COUNT, default=128, help="newest tokens kept in full precision (default 128)")
+    p.add_argument("--prune", type=flags.FRACTIONS, default=(0.1, 0.25, 0.5),
+                   help="fractions of KV groups pruned by importance (default 0.1,0.25,0.5; 'none' for none)")
+    p.add_argument("--uptrain-steps", type=COUNT, default=40,
+                   help="distillation steps for pooled MQA (0: none; default 40)")
+    p.add_argument("--uptrain-lr", type=flags.Number(0, 1, open_low=True), default=3e-3,
+                   help="uptraining learning rate (default 3e-3)")
+    p.add_argument("--train", choices=("kv", "attention", "all"), default="kv",
+                   help="what uptraining changes: the pooled K/V projections (default), attention, or all")
+    p.add_argument("--resume", action="store_true", help="continue the uptraining checkpoint in --out")
+    p.add_argument("--out", type=flags.PATH, default="multihead-tradeoff",
+                   help="folder for the PNG, the JSON and the checkpoint")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.model not in ("smollm2", "minilm") and not Path(args.model).exists():
+        raise CliError(f"--model {args.model!r} is neither smollm2, minilm nor an existing .gguf file or folder")
+    if args.model == "minilm":
+        return _encoder(args)
+    from multihead.files import write_text
+    from multihead.tradeoff.lm import Settings, plot
+    from multihead.tradeoff.lm import run as measure
+    from multihead.tradeoff.uptrain import UptrainSettings
+
+    settings = Settings(context=args.context, stride=args.stride, windows=args.windows, chunk=args.chunk,
+                        window=args.window, sinks=args.sinks, bits=args.bits, group=args.group,
+                        residual=args.residual, prune=args.prune)
+    up = None if args.uptrain_steps == 0 else UptrainSettings(steps=args.uptrain_steps, lr=args.uptrain_lr,
+                                                               train=args.train)
+    with out_folder(args.out) as out:
+        result = measure(settings, model_path=None if args.model == "smollm2" else args.model, text_path=args.text,
+                         uptrain_settings=up, out=out, resume=args.resume, progress=not args.json)
+        result["plot"] = plot(result, out / "kv-tradeoff.png")
+        write_text(out / "kv-tradeoff.json", json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['model']}; {result['text']['scored_tokens']:,} held-out tokens of {result['text']['source']}; "
+          f"KV bytes for one sequence of {settings.context} tokens in bf16 ({result['seconds']:.0f} s)")
+    print(f"{'method':<30} {'KV MiB':>8} {'of full':>8} {'perplexity':>11} {'vs full':>9}")
+    full = next(r for r in result["rows"] if r["series"] == "full")
+    for r in result["rows"]:
+        print(f"{r['method']:<30} {r['kv_bytes'] / 2**20:>8.2f} {r['kv_ratio']:>8.1%} {r['perplexity']:>11.3f} "
+              f"{r['perplexity'] / full['perplexity'] - 1:>+9.1%}")
+    print(f"plot: {result['plot']}")
+    return 0
+
+
+def _encoder(args: argparse.Namespace) -> int:
+    from multihead.files import write_text
+    from multihead.tradeoff.encoder import EncoderSettings, plot
+    from multihead.tradeoff.encoder import run as measure
+
+    settings = EncoderSettings(texts=args.texts, bits=args.bits, group=args.group, prune=args.prune)
+    with out_folder(args.out) as out:
+        result = measure(settings, text_path=args.text, progress=not args.json)
+        result["plot"] = plot(result, out / "kv-tradeoff-minilm.png")
+        write_text(out / "kv-tradeoff-minilm.json", json.dumps(result, indent=1))
+    if args.json:
+        print(json.dumps(result))
+        return 0
+    print(f"{result['model']}: {result['metric']} over {result['text']['texts']} held-out paragraphs "
+          f"({result['seconds']:.0f} s)")
+    print(f"{'method':<28} {'K/V B/token':>11} {'of full':>8} {'1 - cos':>10}")
+    for r in result["rows"]:
+        print(f"{r['method']:<28} {r['kv_bytes_per_token']:>11,.0f} {r['kv_ratio']:>8.1%} "
+              f"{r['one_minus_cosine']:>10.2e}")
+    print(f"plot: {result['plot']}")
+    return 0
