@@ -11,10 +11,8 @@ from pathlib import Path
 import multihead
 
 PACKAGE = Path(multihead.__file__).parent
-# private names used across modules that another change of issue 26 removes (the config.json reader's work)
-KNOWN: dict[tuple[str, str], str] = {
-    ("models/bert.py", "_guard"): "issue 26 item 4: one config.json reader replaces models.loaders._guard",
-}
+# private names a module may use from another, with the reason (none today)
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _modules() -> dict[str, Path]:

@@ -215,7 +215,7 @@ def test_config_file_errors(tmp_path: Path) -> None:
     with pytest.raises(MultiheadError, match=r"n_heads \(32\) must be divisible by n_kv_heads \(5\)"):
         from_hf_dict({"hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 5,
                       "num_hidden_layers": 2})
-    with pytest.raises(MultiheadError, match=r"n_layers \(0\) must be a positive int"):
+    with pytest.raises(MultiheadError, match=r"'config': num_hidden_layers = 0: expected an integer from 1 to 4,096"):
         from_hf_dict({"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 0})
 
 

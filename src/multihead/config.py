@@ -47,11 +47,32 @@ class RopeConfig:
             raise MultiheadError(f"rope base ({self.base!r}) must be a finite number greater than 1, e.g. 10000.0")
 
 
+# torch counts a tensor's bytes in int64: with 8-byte elements (float64) a weight may hold at most this many
+MAX_ELEMENTS = ((1 << 63) - 1) // 8
+
+
 def _check_positive_int(name: str, value: object) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise MultiheadError(f"{name} ({value!r}) must be an int")
     if value < 1:
         raise MultiheadError(f"{name} ({value}) must be a positive int")
+    if value > MAX_ELEMENTS:
+        raise MultiheadError(f"{name} ({_big(value)}) is 2^60 or more: torch counts a tensor's bytes in int64, so no "
+                             "weight that wide can be allocated; choose a size below 2^60")
+
+
+def _big(n: int) -> str:
+    return f"{n:,}" if n.bit_length() <= 200 else f"about 2^{n.bit_length() - 1}"
+
+
+def _check_allocatable(weights: dict[str, tuple[str, int, str, int]]) -> None:
+    """Each weight (name -> rows named and counted, columns named and counted) must be allocatable by torch."""
+    for weight, (rows, n_rows, cols, n_cols) in weights.items():
+        if n_rows * n_cols > MAX_ELEMENTS:
+            raise MultiheadError(
+                f"{weight} would hold {rows} x {cols} = {n_rows:,} x {n_cols:,} = {_big(n_rows * n_cols)} elements: "
+                "2^60 or more, whose float64 bytes pass 2^63, the int64 limit of a torch tensor's size; choose smaller "
+                "sizes")
 
 
 @dataclass(frozen=True, init=False)
@@ -153,6 +174,10 @@ class AttentionConfig:
         if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise MultiheadError(f"window ({window!r}) must be a positive int (the number of keys a query "
                                  "may see), or None for no window")
+        _check_allocatable({"W_Q": ("d_model", d_model, "n_heads * head_dim", n_heads * head_dim),
+                            "W_K": ("kv_dim", kv_dim, "n_kv_heads * head_dim", n_kv_heads * head_dim),
+                            "W_V": ("value_dim", value_dim, "n_kv_heads * head_dim", n_kv_heads * head_dim),
+                            "W_O": ("n_heads * head_dim", n_heads * head_dim, "d_model", d_model)})
         resolved = {
             "d_model": d_model, "n_heads": n_heads, "n_kv_heads": n_kv_heads, "head_dim": head_dim,
             "kv_dim": kv_dim, "value_dim": value_dim, "bias": bias,
@@ -256,6 +281,15 @@ class MLAConfig:
         if head_dim is not None and head_dim != qk_nope_head_dim + qk_rope_head_dim:
             raise MultiheadError(f"head_dim ({head_dim}) must equal qk_nope_head_dim + qk_rope_head_dim "
                                  f"({qk_nope_head_dim} + {qk_rope_head_dim} = {qk_nope_head_dim + qk_rope_head_dim})")
+        q_width = ("n_heads * (qk_nope_head_dim + qk_rope_head_dim)", n_heads * (qk_nope_head_dim + qk_rope_head_dim))
+        _check_allocatable({
+            **({"W_Q": ("d_model", d_model, *q_width)} if q_lora_rank is None else
+               {"W_DQ": ("d_model", d_model, "q_lora_rank", q_lora_rank),
+                "W_UQ": ("q_lora_rank", q_lora_rank, *q_width)}),
+            "W_DKV": ("d_model", d_model, "kv_lora_rank + qk_rope_head_dim", kv_lora_rank + qk_rope_head_dim),
+            "W_UKV": ("kv_lora_rank", kv_lora_rank, "n_heads * (qk_nope_head_dim + v_head_dim)",
+                      n_heads * (qk_nope_head_dim + v_head_dim)),
+            "W_O": ("n_heads * v_head_dim", n_heads * v_head_dim, "d_model", d_model)})
         expanded = n_heads * (qk_nope_head_dim + v_head_dim)
         if kv_lora_rank >= expanded:
             raise MultiheadError(f"kv_lora_rank ({kv_lora_rank}) must be smaller than the keys and values it expands "

@@ -1,19 +1,23 @@
 """Configurations of real models, and reading any Hugging Face ``config.json``.
 
 Each preset is the attention-relevant part of the model's published ``config.json``, read by the same
-:func:`from_hf_dict` that reads user files, so a preset and the file it was copied from give the same config.
+:func:`from_hf_dict` that reads user files (through :mod:`multihead.hfconfig`, the one reader of config.json), so a
+preset and the file it was copied from give the same config.
 Names are exact (no fuzzy matching): an unknown name raises and lists the known ones.
 """
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from multihead.config import AttentionConfig, MLAConfig, RopeConfig
+from multihead import cost
+from multihead.config import AttentionConfig, MLAConfig
 from multihead.errors import MultiheadError
+from multihead.hfconfig import HFConfig, read_config
+from multihead.values import MAX_PARAMETERS
 
 
 @dataclass(frozen=True)
@@ -27,7 +31,7 @@ class ModelConfig:
     max_context: int | None = None
     source: str = ""
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); ``attention`` is then MHA with its heads
-    hf: dict[str, Any] | None = None  # the config it was read from (for the whole-model count, multihead.sizing)
+    hf: HFConfig | None = None  # the config it was read from (for the whole-model count, multihead.sizing)
 
 
 # Excerpts of the published config.json of each model (Hugging Face Hub, the model's own repository).
@@ -102,35 +106,10 @@ _PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PUBLISHED)
 
-# Encoders attend both ways; everything else here is a causal decoder.
-_ENCODERS = {"bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "albert", "deberta", "deberta-v2"}
-# Families whose attention projections have biases by design (no flag in their config).
-_BIASED = {"gpt2", "bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "albert", "gpt_neox",
-           "gptj", "opt", "bloom", "phi"}
-_ABSOLUTE = {"gpt2", "bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "albert", "opt", "bloom"}
 
-_SPELLINGS = {
-    "d_model": ("hidden_size", "n_embd", "d_model", "dim", "model_dim"),
-    "n_heads": ("num_attention_heads", "n_head", "n_heads", "num_heads", "encoder_attention_heads"),
-    "n_layers": ("num_hidden_layers", "n_layer", "n_layers", "num_layers"),
-    "n_kv_heads": ("num_key_value_heads", "num_kv_heads", "n_head_kv", "n_kv_heads", "multi_query_group_num"),
-    "max_context": ("max_position_embeddings", "n_positions", "max_seq_len", "seq_length", "n_ctx"),
-}
-
-
-def _first(cfg: dict[str, Any], field: str, *, required: bool, where: str) -> Any:
-    for key in _SPELLINGS[field]:
-        if cfg.get(key) is not None:
-            return cfg[key]
-    if required:
-        raise MultiheadError(
-            f"{where} has no {field}: expected one of the fields {', '.join(_SPELLINGS[field])}"
-        )
-    return None
-
-
-def from_hf_dict(cfg: dict[str, Any], *, name: str = "config", source: str = "") -> ModelConfig:
-    """A :class:`ModelConfig` from the contents of a Hugging Face ``config.json``.
+def from_hf_dict(cfg: Mapping[str, Any], *, name: str = "config", source: str = "") -> ModelConfig:
+    """A :class:`ModelConfig` from the contents of a Hugging Face ``config.json``, read by
+    :class:`multihead.hfconfig.HFConfig` (every value typed and ranged; errors name ``name``).
 
     Reads the spellings real configs use: hidden_size / n_embd / d_model; num_attention_heads / n_head;
     num_key_value_heads / num_kv_heads / n_head_kv, or ``multi_query: true`` (one KV head, Falcon);
@@ -138,81 +117,27 @@ def from_hf_dict(cfg: dict[str, Any], *, name: str = "config", source: str = "")
     attention_bias / bias (and the families whose projections are biased by design: GPT-2, BERT, ...; Qwen2 has q/k/v
     biases and none on W_O).
     """
-    if not isinstance(cfg, dict):
-        raise MultiheadError(f"{name}: a config must be a JSON object, got {type(cfg).__name__}")
-    text_cfg = cfg.get("text_config")
-    if isinstance(text_cfg, dict) and not any(k in cfg for k in _SPELLINGS["d_model"]):
-        cfg = {**text_cfg, "model_type": text_cfg.get("model_type", cfg.get("model_type"))}
-    model_type = str(cfg.get("model_type", "")).lower()
-    d_model = _first(cfg, "d_model", required=True, where=name)
-    n_heads = _first(cfg, "n_heads", required=True, where=name)
-    n_layers = _first(cfg, "n_layers", required=True, where=name)
-    n_kv_heads = _first(cfg, "n_kv_heads", required=False, where=name)
-    if n_kv_heads is None and cfg.get("multi_query"):
-        n_kv_heads = 1
-    if model_type == "falcon" and not cfg.get("new_decoder_architecture"):
-        n_kv_heads = 1 if cfg.get("multi_query", True) else n_heads  # num_kv_heads counts only in the new layout
-    head_dim = cfg.get("head_dim")
-    mla = _mla(cfg, d_model, n_heads, name) if cfg.get("kv_lora_rank") is not None else None
-    if mla is not None:
-        head_dim = mla.v_head_dim  # the MHA it is compared with: n_heads keys and values of v_head_dim
-    window = cfg.get("sliding_window")
-    if cfg.get("use_sliding_window") is False:
-        window = None
-    if model_type == "qwen2" or cfg.get("qkv_bias") is True:
-        bias, out_bias = True, False  # q/k/v biases, none on W_O (Qwen2; Qwen2-MoE says qkv_bias)
-    elif "attention_bias" in cfg:
-        bias = out_bias = bool(cfg["attention_bias"])
-    elif "bias" in cfg and isinstance(cfg["bias"], bool):
-        bias = out_bias = cfg["bias"]
-    else:
-        bias = out_bias = model_type in _BIASED
-    rope: RopeConfig | None = None
-    if model_type not in _ABSOLUTE and not cfg.get("alibi") and cfg.get("position_embedding_type") in (
-            None, "rotary", "rope"):
-        rope = RopeConfig(base=float(cfg.get("rope_theta", 10000.0)))
-    try:
-        attention = AttentionConfig(
-            d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, bias=bias,
-            out_bias=out_bias, rope=rope, window=window,
-        )
-    except MultiheadError as err:
-        raise MultiheadError(f"{name}: {err}") from None
-    if isinstance(n_layers, bool) or not isinstance(n_layers, int) or n_layers < 1:
-        raise MultiheadError(f"{name}: n_layers ({n_layers!r}) must be a positive int")
-    causal = model_type not in _ENCODERS or bool(cfg.get("is_decoder"))
-    return ModelConfig(
-        name=name, attention=attention, n_layers=n_layers, causal=causal,
-        max_context=_first(cfg, "max_context", required=False, where=name), source=source, mla=mla, hf=cfg,
-    )
+    return _model(HFConfig(cfg, where=name), name=name, source=source)
 
 
-def _mla(cfg: dict[str, Any], d_model: Any, n_heads: Any, name: str) -> MLAConfig:
-    """The MLA layer of a DeepSeek-V2/V3 config (YaRN rope scaling changes the softmax scale, not the cost)."""
-    try:
-        fields: dict[str, Any] = {
-            "d_model": d_model, "n_heads": n_heads, "kv_lora_rank": cfg["kv_lora_rank"],
-            "qk_nope_head_dim": cfg.get("qk_nope_head_dim"), "qk_rope_head_dim": cfg.get("qk_rope_head_dim"),
-            "v_head_dim": cfg.get("v_head_dim"), "q_lora_rank": cfg.get("q_lora_rank"),
-            "rope": float(cfg.get("rope_theta", 10000.0)), "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)),
-            "bias": bool(cfg.get("attention_bias", False))}
-        return MLAConfig(**fields)
-    except (MultiheadError, TypeError, ValueError) as err:
-        raise MultiheadError(f"{name}: its MLA fields: {err}") from None
+def _model(cfg: HFConfig, *, name: str, source: str) -> ModelConfig:
+    attention, mla, n_layers = cfg.attention(), cfg.mla(), cfg.n_layers
+    per_layer = cost.mla_parameters(mla).total if mla is not None else cost.parameters(attention).total
+    if n_layers * per_layer > MAX_PARAMETERS:
+        raise MultiheadError(
+            f"{cfg.where!r}: {n_layers:,} layers of {per_layer:,} attention parameters make {n_layers * per_layer:,}: "
+            "past MAX_PARAMETERS (2^61, whose float32 bytes pass 2^63, the most an int64 byte count holds): no "
+            "machine can allocate them")
+    return ModelConfig(name=name, attention=attention, n_layers=n_layers, causal=cfg.causal,
+                       max_context=cfg.max_context, source=source, mla=mla, hf=cfg)
 
 
 def from_hf_config(path: str | Path) -> ModelConfig:
-    """A :class:`ModelConfig` from a Hugging Face ``config.json`` file (or a folder holding one)."""
-    p = Path(path)
-    if p.is_dir():
-        p = p / "config.json"
-    if not p.is_file():
-        raise MultiheadError(f"config file {str(p)!r} does not exist")
-    try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise MultiheadError(f"config file {str(p)!r} is not valid JSON: {err}") from None
-    return from_hf_dict(cfg, name=p.parent.name or str(p), source=str(p))
+    """A :class:`ModelConfig` from a Hugging Face ``config.json`` file (or a folder holding one); every failure
+    (a missing, unreadable or malformed file, a bad value) is one MultiheadError naming the file."""
+    cfg = read_config(path)
+    p = Path(cfg.where)
+    return _model(cfg, name=p.parent.name or str(p), source=str(p))
 
 
 def preset(name: str) -> ModelConfig:

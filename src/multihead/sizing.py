@@ -19,7 +19,9 @@ from typing import Any
 
 from multihead import cost
 from multihead.errors import MultiheadError
+from multihead.hfconfig import HFConfig
 from multihead.presets import ModelConfig
+from multihead.values import MAX_PARAMETERS
 
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite", "cohere", "phi3",
               "smollm3", "starcoder2", "internlm2"}
@@ -35,6 +37,11 @@ GGUF_BITS: dict[str, float] = {
 WEIGHT_BITS: dict[str, float] = {"fp32": 32.0, "float32": 32.0, "fp16": 16.0, "float16": 16.0, "bf16": 16.0,
                                  "bfloat16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.0,
                                  **{k.lower(): v for k, v in GGUF_BITS.items()}}
+
+
+class NotCounted(MultiheadError):
+    """A model the whole-model count does not know yet (a family, a layout, a missing field): `count` says so and
+    still answers for the attention; a bad value in a config raises a plain MultiheadError instead."""
 
 
 @dataclass(frozen=True)
@@ -54,46 +61,51 @@ class ModelSize:
         return sum(self.parts.values())
 
 
-def _get(cfg: dict[str, Any], *names: str, default: Any = ...) -> Any:
-    for n in names:
-        if cfg.get(n) is not None:
-            return cfg[n]
-    if default is ...:
-        raise MultiheadError(f"the config has none of {', '.join(names)}: needed for the whole-model count")
-    return default
+def _config(model: ModelConfig) -> HFConfig:
+    """The config the model was read from (every value already typed and ranged by multihead.hfconfig)."""
+    if model.hf is None:
+        raise NotCounted(f"{model.name}: no config to count the whole model from (give --preset or --config)")
+    return model.hf
 
 
-def _int(cfg: dict[str, Any], *names: str, default: Any = ...) -> int:
-    value = _get(cfg, *names, default=default)
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise MultiheadError(f"config field {names[0]} ({value!r}) must be a non-negative int")
-    return value
+def _positions(cfg: HFConfig) -> int:
+    """The rows of a position-embedding table: max_position_embeddings (n_positions, ...)."""
+    if cfg.max_context is None:
+        raise NotCounted(f"{cfg.where!r} has no max_position_embeddings (nor n_positions): needed for the "
+                             "whole-model count")
+    return cfg.max_context
+
+
+def _width(cfg: HFConfig, key: str) -> int:
+    """An MLP width (intermediate_size and kin); a list of per-layer widths (Gemma 3n) is not counted yet."""
+    value = cfg.integer(key)
+    if isinstance(value, list):
+        raise NotCounted(f"{cfg.where!r}: {key} is a list of per-layer widths: not counted yet")
+    return int(value)
 
 
 def model_size(model: ModelConfig) -> ModelSize:
     """The whole model's parameters from the config it was read from (``model.hf``)."""
-    cfg = model.hf
-    if cfg is None:
-        raise MultiheadError(f"{model.name}: no config to count the whole model from (give --preset or --config)")
-    family = str(cfg.get("model_type", "")).lower()
+    cfg = _config(model)
+    family = cfg.model_type
     a, n_layers = model.attention, model.n_layers
     D = a.d_model
-    V = _int(cfg, "vocab_size")
+    V = int(cfg.integer("vocab_size"))
     attn_params = cost.mla_parameters(model.mla).total if model.mla is not None else cost.parameters(a).total
     parts: dict[str, int] = {}
     notes: list[str] = []
     if family == "gpt2":
-        positions = _int(cfg, "n_positions", "max_position_embeddings")
-        inner = _int(cfg, "n_inner", default=4 * D) or 4 * D
+        positions = _positions(cfg)
+        inner = int(cfg.integer("n_inner", default=4 * D))
         parts["embeddings"] = V * D + positions * D
         parts["attention"] = n_layers * attn_params
         parts["mlp"] = n_layers * (2 * D * inner + inner + D)
         parts["norms"] = n_layers * 4 * D + 2 * D
         tied = True
     elif family == "bert":
-        positions = _int(cfg, "max_position_embeddings")
-        types = _int(cfg, "type_vocab_size", default=2)
-        inner = _int(cfg, "intermediate_size")
+        positions = _positions(cfg)
+        types = int(cfg.integer("type_vocab_size", default=2))
+        inner = _width(cfg, "intermediate_size")
         parts["embeddings"] = (V + positions + types) * D
         parts["attention"] = n_layers * attn_params
         parts["mlp"] = n_layers * (2 * D * inner + inner + D)
@@ -102,17 +114,17 @@ def model_size(model: ModelConfig) -> ModelSize:
         tied = True
         notes.append("BERT with its pooler (BertModel); the masked-LM head is not counted")
     elif family == "falcon":
-        if cfg.get("new_decoder_architecture"):
-            raise MultiheadError("Falcon's new decoder architecture (40B/180B) is not counted yet: only Falcon-7B's")
-        bias = bool(cfg.get("bias", False))
+        if cfg.flag("new_decoder_architecture", default=False):
+            raise NotCounted("Falcon's new decoder architecture (40B/180B) is not counted yet: only Falcon-7B's")
+        bias = bool(cfg.flag("bias", default=False))
         parts["embeddings"] = V * D
         parts["attention"] = n_layers * attn_params
         parts["mlp"] = n_layers * (8 * D * D + (5 * D if bias else 0))
         parts["norms"] = n_layers * 2 * D + 2 * D  # one LayerNorm (weight and bias) per layer: parallel attention
-        tied = bool(cfg.get("tie_word_embeddings", True))
+        tied = bool(cfg.flag("tie_word_embeddings", default=True))
     elif family in LLAMA_LIKE or family in ("mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"):
-        tied = bool(cfg.get("tie_word_embeddings", family in ("gemma", "gemma2")))
-        inner = _int(cfg, "intermediate_size")
+        tied = bool(cfg.flag("tie_word_embeddings", default=family in ("gemma", "gemma2")))
+        inner = _width(cfg, "intermediate_size")
         parts["embeddings"] = V * D
         parts["attention"] = n_layers * attn_params
         norms_per_layer = 4 * D if family == "gemma2" else 2 * D
@@ -127,14 +139,18 @@ def model_size(model: ModelConfig) -> ModelSize:
             if shared:
                 parts["shared_experts"] = moe_layers * shared
             parts["routers"] = moe_layers * router
-        if family == "deepseek_v3" and cfg.get("num_nextn_predict_layers"):
+        if family == "deepseek_v3" and cfg.integer("num_nextn_predict_layers", default=0):
             notes.append("DeepSeek-V3's multi-token-prediction layer is not counted (transformers does not load it)")
     else:
-        raise MultiheadError(f"model_type {family!r} is not counted yet: the whole-model count knows "
+        raise NotCounted(f"model_type {family!r} is not counted yet: the whole-model count knows "
                              f"{', '.join(FAMILIES)}")
     if not tied:
         parts["lm_head"] = V * D
     total = sum(parts.values())
+    if total > MAX_PARAMETERS:
+        raise MultiheadError(f"{cfg.where!r} describes {total:,} parameters: past MAX_PARAMETERS (2^61, whose "
+                             "float32 bytes pass 2^63, the most an int64 byte count holds): no machine can allocate "
+                             "them")
     active = total
     if "experts" in parts:
         moe_layers, routed, per_tok, expert = _moe_shape(cfg, family, n_layers, D)
@@ -145,25 +161,31 @@ def model_size(model: ModelConfig) -> ModelSize:
                      notes=notes)
 
 
-def _moe_shape(cfg: dict[str, Any], family: str, n_layers: int, D: int) -> tuple[int, int, int, int]:
+def _moe_shape(cfg: HFConfig, family: str, n_layers: int, D: int) -> tuple[int, int, int, int]:
     """(MoE layers, routed experts, experts per token, parameters of one routed expert)."""
     if family == "mixtral":
-        return n_layers, _int(cfg, "num_local_experts"), _int(cfg, "num_experts_per_tok"), \
-            3 * D * _int(cfg, "intermediate_size")
-    if family == "qwen2_moe":
-        sparse = [i for i in range(n_layers) if i not in (cfg.get("mlp_only_layers") or [])
-                  and (i + 1) % max(1, _int(cfg, "decoder_sparse_step", default=1)) == 0]
-        return len(sparse), _int(cfg, "num_experts"), _int(cfg, "num_experts_per_tok"), \
-            3 * D * _int(cfg, "moe_intermediate_size")
-    first = _int(cfg, "first_k_dense_replace", default=0)
-    every = max(1, _int(cfg, "moe_layer_freq", default=1))
-    moe = [i for i in range(n_layers) if i >= first and i % every == 0] if _get(
-        cfg, "n_routed_experts", default=None) else []
-    return len(moe), _int(cfg, "n_routed_experts", default=0), _int(cfg, "num_experts_per_tok", default=0), \
-        3 * D * _int(cfg, "moe_intermediate_size", default=0)
+        shape = (n_layers, int(cfg.integer("num_local_experts")), int(cfg.integer("num_experts_per_tok")),
+                 3 * D * _width(cfg, "intermediate_size"))
+    elif family == "qwen2_moe":
+        dense = set(cfg.integers("mlp_only_layers", default=[]))
+        every = int(cfg.integer("decoder_sparse_step", default=1))
+        sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % every == 0]
+        shape = (len(sparse), int(cfg.integer("num_experts")), int(cfg.integer("num_experts_per_tok")),
+                 3 * D * _width(cfg, "moe_intermediate_size"))
+    else:
+        first = int(cfg.integer("first_k_dense_replace", default=0))
+        every = int(cfg.integer("moe_layer_freq", default=1))
+        routed = int(cfg.integer("n_routed_experts", default=0))
+        moe = [i for i in range(n_layers) if i >= first and i % every == 0] if routed else []
+        shape = (len(moe), routed, int(cfg.integer("num_experts_per_tok", default=0)),
+                 3 * D * int(cfg.integer("moe_intermediate_size", default=0)))
+    if shape[0] and shape[2] > shape[1]:
+        raise MultiheadError(f"{cfg.where!r}: num_experts_per_tok = {shape[2]:,}: expected at most the "
+                             f"{shape[1]:,} experts a layer has")
+    return shape
 
 
-def _mlp(cfg: dict[str, Any], family: str, D: int, inner: int, n_layers: int
+def _mlp(cfg: HFConfig, family: str, D: int, inner: int, n_layers: int
          ) -> tuple[int, int, int, int, int, int]:
     """(dense MLP parameters of all dense layers, MoE layers, one routed expert, routed experts per layer, shared
     expert parameters per layer, router parameters per layer)."""
@@ -175,10 +197,10 @@ def _mlp(cfg: dict[str, Any], family: str, D: int, inner: int, n_layers: int
     if family == "mixtral":
         return 0, moe_layers, expert, routed, 0, D * routed
     if family == "qwen2_moe":
-        shared_inner = _int(cfg, "shared_expert_intermediate_size", default=0)
+        shared_inner = int(cfg.integer("shared_expert_intermediate_size", default=0))
         shared = 3 * D * shared_inner + D if shared_inner else 0  # the shared expert and its sigmoid gate
         return dense_layers * gated, moe_layers, expert, routed, shared, D * routed
-    shared = _int(cfg, "n_shared_experts", default=0) * expert
+    shared = int(cfg.integer("n_shared_experts", default=0)) * expert
     router = D * routed  # (V3's router also keeps a score-correction bias per expert: a buffer, not a parameter)
     return dense_layers * gated, moe_layers, expert, routed, shared, router
 
@@ -200,20 +222,21 @@ def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, b
 
         b s bytes (D + max(2 D + 2 g d, 3 I)) + b V 4
     """
-    cfg = model.hf or {}
+    cfg = _config(model)
     a = model.attention
     D, g, d = a.d_model, a.n_kv_heads, a.head_dim
-    inner = _int(cfg, "intermediate_size", "n_inner", default=4 * D) or 4 * D
+    inner = _width(cfg, "intermediate_size") if cfg.has("intermediate_size") else int(
+        cfg.integer("n_inner", default=4 * D))
     if "experts" in size.parts:
-        moe_inner = _int(cfg, "moe_intermediate_size", "intermediate_size", default=inner)
-        per_tok = _int(cfg, "num_experts_per_tok", default=1)
+        moe_inner = int(cfg.integer("moe_intermediate_size", default=inner))
+        per_tok = int(cfg.integer("num_experts_per_tok", default=1))
         inner = max(inner if "mlp" in size.parts else 0, moe_inner * per_tok)
     attention = 2 * D + 2 * g * d
     if model.mla is not None:
         m = model.mla
         attention = m.n_heads * (2 * m.qk_head_dim + m.v_head_dim) + m.latent_dim
     per_token = D + max(attention, 3 * inner)
-    V = _int(cfg, "vocab_size", default=0)
+    V = int(cfg.integer("vocab_size", default=0))
     return batch * seq * per_token * cost.dtype_bytes(dtype) + batch * V * 4
 
 
@@ -326,7 +349,7 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
         return None
     try:
         size = model_size(model)
-    except MultiheadError as err:
+    except NotCounted as err:  # a family or layout the count does not know: said, not refused (bad values raise)
         return {"unavailable": str(err)}
     check_tp(model, tp)
     out: dict[str, Any] = {

@@ -99,8 +99,8 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     else:
         if args.d_model is None or args.heads is None:
             raise CliError("--d-model and --heads are both needed to describe a model by its sizes")
-        cfg: dict[str, Any] = {"hidden_size": args.d_model, "num_attention_heads": args.heads,
-                               "num_hidden_layers": args.layers or 1, "num_key_value_heads": args.kv_heads,
+        cfg: dict[str, Any] = {"d_model": args.d_model, "n_heads": args.heads,  # (spellings the reader knows)
+                               "n_layers": args.layers or 1, "n_kv_heads": args.kv_heads,
                                "head_dim": args.head_dim, "sliding_window": args.window,
                                "attention_bias": bool(args.bias), "position_embedding_type": "none"}
         model = from_hf_dict(cfg, name=f"d_model {args.d_model}, {args.heads} heads")

@@ -10,7 +10,7 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +24,7 @@ from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
 from multihead.models.tokenizer import TextTokenizer
 from multihead.step import Step
+from multihead.values import MAX_FFN
 
 
 @dataclass(frozen=True)
@@ -39,33 +40,31 @@ class BertConfig:
     activation: str = "gelu"
 
     @classmethod
-    def from_hf(cls, cfg: dict[str, Any], where: str = "config.json") -> BertConfig:
-        """Every value checked for its type and range; errors name the file and the key."""
-        from multihead.models.values import MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Values
+    def from_hf(cls, cfg: Mapping[str, Any], where: str = "config.json") -> BertConfig:
+        """Every value checked for its type and range (by multihead.hfconfig, as ``count --config`` reads it);
+        errors name the file and the key."""
+        from multihead.hfconfig import HFConfig
+        from multihead.values import Values
 
-        if cfg.get("model_type") not in ("bert",):
-            raise MultiheadError(f"{where!r} describes a {str(cfg.get('model_type'))[:60]!r} model: supported is bert")
-        v = Values(where)
-
-        def need(key: str, high: int, default: Any = ...) -> int:
-            if key not in cfg and default is ...:
-                raise MultiheadError(f"{where!r} has no {key!r} field")
-            return v.integer(key, cfg.get(key, default), low=1, high=high)
-
-        d_model, n_heads = need("hidden_size", MAX_WIDTH), need("num_attention_heads", MAX_HEADS)
+        r = cfg if isinstance(cfg, HFConfig) else HFConfig(cfg, where=where)
+        if r.model_type != "bert":
+            raise MultiheadError(f"{where!r} describes a {str(r.get('model_type'))[:60]!r} model: supported is bert")
+        v = Values(where, json=True)
+        d_model, n_heads = r.d_model, r.n_heads
         if d_model % n_heads:
             raise v.fail("num_attention_heads", n_heads, f"a divisor of hidden_size ({d_model})")
-        activation = v.text("hidden_act", cfg.get("hidden_act", "gelu"))
+        activation = r.text("hidden_act", default="gelu")
         if activation not in _ACTIVATIONS:
             raise v.fail("hidden_act", activation, f"one of {', '.join(_ACTIVATIONS)}")
-        return cls(vocab_size=need("vocab_size", MAX_VOCAB), d_model=d_model,
-                   n_layers=need("num_hidden_layers", MAX_LAYERS), n_heads=n_heads,
-                   ffn_dim=need("intermediate_size", 4 * MAX_WIDTH),
-                   max_positions=need("max_position_embeddings", 1 << 24, 512),
-                   type_vocab_size=need("type_vocab_size", 1 << 16, 2),
-                   layer_norm_eps=v.number("layer_norm_eps", cfg.get("layer_norm_eps", 1e-12), low=0, high=1,
-                                           open_low=True),
-                   activation=activation)
+        # the tables this model allocates: positions (at most 2^24 here) and token types (at least one)
+        positions = v.integer("max_position_embeddings", 512 if r.max_context is None else r.max_context, low=1,
+                              high=1 << 24)
+        return cls(vocab_size=r.integer("vocab_size"), d_model=d_model, n_layers=r.n_layers, n_heads=n_heads,
+                   ffn_dim=v.integer("intermediate_size", r.integer("intermediate_size"), low=1, high=MAX_FFN),
+                   max_positions=positions,
+                   type_vocab_size=v.integer("type_vocab_size", r.integer("type_vocab_size", default=2), low=1,
+                                             high=1 << 16),
+                   layer_norm_eps=r.number("layer_norm_eps", default=1e-12), activation=activation)
 
     def attention(self) -> AttentionConfig:
         return AttentionConfig(d_model=self.d_model, n_heads=self.n_heads, bias=True)
@@ -202,8 +201,8 @@ def load_sentence_encoder(folder: str | Path | None = None) -> SentenceEncoder:
     """A sentence encoder from a sentence-transformers folder (config.json, model.safetensors, tokenizer.json,
     1_Pooling/config.json, modules.json); default: all-MiniLM-L6-v2 from the installed package."""
     from multihead.models.loaders import default_minilm_dir, read_json, read_safetensors, safetensors_files
-    from multihead.models.tokenizer import from_tokenizer_json
-    from multihead.models.values import Values
+    from multihead.models.tokenizer import check_against_model, from_tokenizer_json
+    from multihead.values import Values
 
     root = default_minilm_dir() if folder is None else Path(folder)
     if not root.is_dir():
@@ -236,9 +235,9 @@ def load_sentence_encoder(folder: str | Path | None = None) -> SentenceEncoder:
         pooling = Pooling(mode=mode, normalize=False)
     modules = root / "modules.json"
     if modules.exists():
-        from multihead.models.loaders import _guard
+        from multihead.hfconfig import read_json as read_any_json
 
-        listed = _guard(modules, "JSON file", lambda: json.loads(modules.read_text(encoding="utf-8")))
+        listed = read_any_json(modules, "JSON file")
         if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):
             raise Values(modules).fail("modules", listed, "a list of objects")
         kinds = [Values(modules).text(f"[{i}].type", m.get("type", "")) for i, m in enumerate(listed)]
@@ -249,9 +248,10 @@ def load_sentence_encoder(folder: str | Path | None = None) -> SentenceEncoder:
         max_length = Values(st_cfg).integer("max_seq_length", read_json(st_cfg).get("max_seq_length", max_length),
                                             low=1, high=config.max_positions)
     tokenizer = from_tokenizer_json(root / "tokenizer.json")
-    if tokenizer.vocab_size > config.vocab_size:
-        raise MultiheadError(f"{str(root / 'tokenizer.json')!r} has {tokenizer.vocab_size:,} tokens but the model's "
-                             f"vocabulary is {config.vocab_size:,} (token ids past it have no embedding)")
     tokenizer.tokenizer.no_truncation()
     tokenizer.tokenizer.no_padding()
+    check_against_model(tokenizer, config.vocab_size, repr(str(root / "tokenizer.json")))
+    if tokenizer.vocab_size > config.vocab_size:  # (ids shared by two tokens)
+        raise MultiheadError(f"{str(root / 'tokenizer.json')!r} has {tokenizer.vocab_size:,} tokens but the model's "
+                             f"vocabulary is {config.vocab_size:,} (token ids past it have no embedding)")
     return SentenceEncoder(encoder.eval(), tokenizer, pooling=pooling, max_length=max_length)

@@ -17,9 +17,10 @@ import torch
 from torch import Tensor
 
 from multihead.errors import MultiheadError
+from multihead.hfconfig import read_config, read_json_object
 from multihead.models.llama import LlamaConfig, LlamaModel
-from multihead.models.tokenizer import TextTokenizer, from_gguf_metadata, from_tokenizer_json
-from multihead.models.values import MAX_CONTEXT, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Values
+from multihead.models.tokenizer import TextTokenizer, check_against_model, from_gguf_metadata, from_tokenizer_json
+from multihead.values import MAX_CONTEXT, MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Values
 
 T = TypeVar("T")
 
@@ -92,10 +93,9 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    data = _guard(path, "JSON file", lambda: json.loads(path.read_text(encoding="utf-8")))
-    if not isinstance(data, dict):
-        raise MultiheadError(f"JSON file {str(path)!r} must hold an object")
-    return data
+    """A JSON object from a file, read by the package's one bounded JSON reader (multihead.hfconfig): size, nesting
+    and integer length bounded; a missing, unreadable or malformed file is one error naming it."""
+    return read_json_object(path, "JSON file")
 
 
 # ---------------------------------------------------------------------------------------------- GGUF
@@ -240,7 +240,7 @@ HF_KEYS = {"vocab_size": "vocab_size", "d_model": "hidden_size", "n_layers": "nu
            "max_context": "max_position_embeddings", "tie_embeddings": "tie_word_embeddings",
            "bos_id": "bos_token_id", "eos_id": "eos_token_id"}
 _SIZES = {"vocab_size": MAX_VOCAB, "d_model": MAX_WIDTH, "n_layers": MAX_LAYERS, "n_heads": MAX_HEADS,
-          "n_kv_heads": MAX_HEADS, "ffn_dim": 4 * MAX_WIDTH, "max_context": MAX_CONTEXT}
+          "n_kv_heads": MAX_HEADS, "ffn_dim": MAX_FFN, "max_context": MAX_CONTEXT}
 
 
 def checked_llama(where: Path, raw: dict[str, Any], keys: dict[str, str] | None = None) -> LlamaConfig:
@@ -287,28 +287,19 @@ def read_hf_llama(folder: str | Path) -> tuple[LlamaConfig, dict[str, Tensor], T
     """Config, weights and tokenizer of a Hugging Face Llama-family folder (config.json, safetensors,
     tokenizer.json)."""
     root = Path(folder)
-    cfg = read_json(root / "config.json")
-    model_type = cfg.get("model_type")
-    if model_type != "llama":
-        raise MultiheadError(
-            f"{str(root / 'config.json')!r} describes a {model_type!r} model: supported is llama"
-        )
-
-    if cfg.get("attention_bias") or cfg.get("mlp_bias"):
-        raise MultiheadError(f"{str(root / 'config.json')!r}: Llama checkpoints with attention_bias or mlp_bias are "
-                             "not supported")
-    rope = cfg.get("rope_parameters")
-    rope_theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0) if isinstance(rope, dict) else 10000.0)
+    cfg = read_config(root / "config.json")  # every value typed and ranged as count --config reads it
+    where = str(root / "config.json")
+    if cfg.model_type != "llama":
+        raise MultiheadError(f"{where!r} describes a {cfg.get('model_type')!r:.60} model: supported is llama")
+    if cfg.flag("attention_bias", default=False) or cfg.flag("mlp_bias", default=False):
+        raise MultiheadError(f"{where!r}: Llama checkpoints with attention_bias or mlp_bias are not supported")
     eos = cfg.get("eos_token_id")
-    n_heads = cfg.get("num_attention_heads")
-    n_kv_heads = cfg.get("num_key_value_heads")
     config = checked_llama(root / "config.json", {
-        "vocab_size": cfg.get("vocab_size", ...), "d_model": cfg.get("hidden_size", ...),
-        "n_layers": cfg.get("num_hidden_layers", ...), "n_heads": n_heads if n_heads is not None else ...,
-        "n_kv_heads": n_heads if n_kv_heads is None else n_kv_heads, "ffn_dim": cfg.get("intermediate_size", ...),
-        "head_dim": cfg.get("head_dim"), "rope_base": rope_theta, "rms_eps": cfg.get("rms_norm_eps", 1e-6),
-        "max_context": cfg.get("max_position_embeddings", 2048),
-        "tie_embeddings": cfg.get("tie_word_embeddings", False), "bos_id": cfg.get("bos_token_id"),
+        "vocab_size": cfg.integer("vocab_size"), "d_model": cfg.d_model, "n_layers": cfg.n_layers,
+        "n_heads": cfg.n_heads, "n_kv_heads": cfg.n_kv_heads, "ffn_dim": cfg.integer("intermediate_size"),
+        "head_dim": cfg.head_dim, "rope_base": cfg.rope_theta, "rms_eps": cfg.number("rms_norm_eps", default=1e-6),
+        "max_context": 2048 if cfg.max_context is None else cfg.max_context,
+        "tie_embeddings": cfg.flag("tie_word_embeddings", default=False), "bos_id": cfg.get("bos_token_id"),
         "eos_id": eos[0] if isinstance(eos, list) and eos else eos,
     }, HF_KEYS)
     raw = read_safetensors(safetensors_files(root))
@@ -441,7 +432,9 @@ def _build(config: LlamaConfig, state: dict[str, Tensor], p: Path, dtype: torch.
     if missing or unexpected:
         raise MultiheadError(f"checkpoint {str(p)!r} does not match the model: missing {missing[:5]}, "
                              f"unexpected {unexpected[:5]}")
-    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:
+    if tokenizer is not None:
+        check_against_model(tokenizer, config.vocab_size, f"checkpoint {str(p)!r}: its tokenizer")
+    if tokenizer is not None and tokenizer.vocab_size > config.vocab_size:  # (ids shared by two tokens)
         raise MultiheadError(f"checkpoint {str(p)!r}: its tokenizer has {tokenizer.vocab_size:,} tokens but the "
                              f"model's vocabulary is {config.vocab_size:,} (token ids past it have no embedding)")
     model = model.to_empty(device=device)

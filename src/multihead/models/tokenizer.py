@@ -76,6 +76,36 @@ def from_tokenizer_json(path: str | Path, **kwargs: object) -> TextTokenizer:
     return TextTokenizer(tok, **kwargs)  # type: ignore[arg-type]
 
 
+def check_against_model(tokenizer: TextTokenizer, vocab_size: int, where: str) -> None:
+    """Refuse, at load, a tokenizer that would fail at encode or embed time: a token of its vocabulary (added tokens
+    included) or a special token its post-processor adds ([CLS], [SEP], ...) whose id is past the model's
+    ``vocab_size`` embedding rows, or an unknown-word token (WordPiece's [UNK]) missing from its vocabulary. Errors
+    begin with ``where`` and name the token and its id."""
+    tok = tokenizer.tokenizer
+    last = vocab_size - 1
+    vocab = tok.get_vocab(with_added_tokens=True)
+    if vocab:
+        token, top = max(vocab.items(), key=lambda item: item[1])
+        if top > last:
+            raise MultiheadError(f"{where}: token {token[:60]!r} has id {top:,}, past the model's embedding of "
+                                 f"{vocab_size:,} tokens (ids 0 to {last:,}): it could not be embedded")
+    unk = getattr(tok.model, "unk_token", None)
+    if unk is not None and tok.model.token_to_id(unk) is None:
+        raise MultiheadError(f"{where}: its unknown-word token {unk[:60]!r} is not in its vocabulary: a word it "
+                             "cannot split into known pieces would fail to encode")
+    try:  # the special tokens its post-processor adds, with their ids (a pair, or a single text without a pair rule)
+        probe = tok.encode("a", "b", add_special_tokens=True)
+    except Exception:  # (the library raises plain Exception subclasses)
+        try:
+            probe = tok.encode("a", add_special_tokens=True)
+        except Exception as err:
+            raise MultiheadError(f"{where}: it cannot encode the text 'a': {err}") from None
+    for token, token_id in zip(probe.tokens, probe.ids, strict=True):
+        if token_id > last:
+            raise MultiheadError(f"{where}: it adds the special token {token[:60]!r} with id {token_id:,}, past the "
+                                 f"model's embedding of {vocab_size:,} tokens (ids 0 to {last:,})")
+
+
 def from_gguf_metadata(
     *,
     model: str,
