@@ -139,8 +139,11 @@ def add_hook_points(module: nn.Module) -> None:
     """Give ``module`` the six hook points (a no-op for those it has): our layer does this, and so can any module
     whose attention runs through :func:`multihead.kernels.attend` with ``hooks=call_hooks(module)``."""
     for name, legend in POINTS.items():
-        if not isinstance(getattr(module, name, None), HookPoint):
+        point = getattr(module, name, None)
+        if not isinstance(point, HookPoint):
             module.add_module(name, HookPoint(legend, role=name))
+        elif not point.role:
+            point.role = name  # a point made without its role takes the name it sits at
     # the same six modules as a plain tuple in the instance dict: read on every call without nn.Module.__getattr__
     module.__dict__["_hook_points"] = tuple(getattr(module, name) for name in POINTS)
 

@@ -44,13 +44,15 @@ PATHS = ("auto", "expanded", "absorbed")
 
 @dataclass(frozen=True)
 class _Core:
-    """One call's attention core on one path: the kernel call, and what the path does around it. ``folded``: an
-    absorbed decode step whose h query heads run as the rows of the one latent head (q (b, 1, h, r + rope))."""
+    """One call's attention core on one path: the kernel call, and what the path does around it. ``w_uv`` (h, dv, r)
+    up-projects the absorbed path's output; ``folded``: an absorbed decode step whose h query heads run as the rows
+    of the one latent head (q (b, 1, h, r + rope))."""
 
     path: Literal["expanded", "absorbed"]
     call: AttentionCall
     s: int
     t: int
+    w_uv: Tensor | None = None
     folded: bool = False
 
 
@@ -154,9 +156,9 @@ class MultiHeadLatentAttention(nn.Module):
     def _attend(self, core: _Core) -> tuple[Tensor, Tensor | None]:
         """Run the core: z (b, h, s, v_head_dim) through hook_z, and the weights when asked for."""
         z, weights = kernels.attend(core.call)  # expanded: hook_z ran in the core
-        if core.path == "absorbed":
+        if core.w_uv is not None:  # absorbed: W_UV after the weighted sum
             z_lat = z.transpose(1, 2) if core.folded else z  # (b, h, s, r)
-            z = torch.einsum("bhsr,hvr->bhsv", z_lat, self._w_b()[:, self.config.qk_nope_head_dim:])  # W_UV after
+            z = torch.einsum("bhsr,hvr->bhsv", z_lat, core.w_uv)  # (b, h, s, dv)
             z = self.hook_z(z) if self.hook_z.active else z
         return z, weights
 
@@ -208,11 +210,6 @@ class MultiHeadLatentAttention(nn.Module):
                                  "make the step for the same inputs and cache")
         return latent
 
-    def _w_b(self) -> Tensor:
-        """kv_b_proj's weight per head: W_UK (nope, r) above W_UV (dv, r), (h, nope + dv, r)."""
-        c = self.config
-        return self.kv_b_proj.weight.view(c.n_heads, c.qk_nope_head_dim + c.v_head_dim, c.kv_lora_rank)
-
     def _expanded_call(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, step: Step, backend: str,
                        dropout: float, return_weights: bool) -> AttentionCall:
         """Expanded: the latents up-projected to h keys [c W_UK^i, k_pe] (b, h, t, qk) and values c W_UV^i."""
@@ -232,7 +229,9 @@ class MultiHeadLatentAttention(nn.Module):
         after the weighted sum (:meth:`_attend`), and so does hook_z."""
         c = self.config
         b, s, t, r = q_nope.shape[0], q_nope.shape[2], latent.shape[1], c.kv_lora_rank
-        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, self._w_b()[:, :c.qk_nope_head_dim])  # (b, h, s, r)
+        w_b = self.kv_b_proj.weight.view(c.n_heads, c.qk_nope_head_dim + c.v_head_dim, r)  # per head: W_UK, W_UV
+        w_uk, w_uv = w_b[:, :c.qk_nope_head_dim], w_b[:, c.qk_nope_head_dim:]  # (h, nope, r), (h, dv, r)
+        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk)  # (b, h, s, r)
         q_abs = torch.cat([q_lat, q_pe], dim=-1)  # (b, h, s, r + rope)
         keys, values = latent[:, None], latent[:, None, :, :r]  # (b, 1, t, r + rope), (b, 1, t, r)
         hooked = call_hooks(self, z=False)
@@ -247,10 +246,10 @@ class MultiHeadLatentAttention(nn.Module):
             call = AttentionCall(q_abs.transpose(1, 2), keys, values, folded, scale=c.softmax_scale, backend=backend,
                                  hooks=None if hooked is None else CallHooks(names=hooked.names),
                                  rows_are_heads=True)  # (b, 1, h, r + rope) over (b, 1, t, .)
-            return _Core("absorbed", call, s, t, folded=True)
+            return _Core("absorbed", call, s, t, w_uv, folded=True)
         call = AttentionCall(q_abs, keys, values, step.mask, scale=c.softmax_scale, dropout_p=dropout,
                              backend=backend, need_weights=return_weights, hooks=hooked)
-        return _Core("absorbed", call, s, t)
+        return _Core("absorbed", call, s, t, w_uv)
 
     def _explained(self, choice: KernelChoice, core: _Core) -> KernelChoice:
         c = self.config
