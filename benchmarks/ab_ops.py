@@ -7,7 +7,8 @@ seed in both versions and run once under a TorchDispatchMode that records every 
 step (random weights; 30 layers, 9/3 heads, after a 6-token prompt; float32 and bfloat16), and single layer calls
 (bidirectional, causal, a causal train step with backward, a GQA decode step over 4,096 cached tokens, the same with
 a hook reading the pattern, MLA's absorbed decode step and its expanded prefill). It prints, per case, the op count
-of each version and whether the ops are the same kinds in the same numbers; then, as a rough check only, the median
+of each version and whether the ops are the same kinds in the same numbers, and the Python calls (functions and
+builtins, counted by cProfile) of one run; then, as a rough check only, the median
 time ratio (new / base) of the decode step over ``--repeats`` alternating calls (noise on a shared machine).
 """
 
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import cProfile
 import importlib
+import pstats
 import sys
 import tempfile
 from collections.abc import Callable
@@ -116,17 +119,21 @@ def main() -> None:
     sys.path.insert(0, str(tmp))
     new, base = cases("multihead"), cases("multihead_base")
     print(f"aten ops, this checkout against {base_rev} (torch {torch.__version__}, {torch.get_num_threads()} threads)")
-    print("| case | new | base | same kinds and counts |")
-    print("|---|---|---|---|")
+    print("| case | aten ops new | base | same kinds and counts | Python calls new | base |")
+    print("|---|---|---|---|---|---|")
     for name in new:
-        counts = []
+        counts, calls = [], []
         for run in (new[name], base[name]):
             run()  # warm-up: lazily made state (compiled chooser, cached tables) is not counted
             with Ops() as ops:
                 run()
             counts.append(ops.count)
+            profile = cProfile.Profile()
+            profile.runcall(run)
+            calls.append(pstats.Stats(profile).total_calls)  # type: ignore[attr-defined]
         same = counts[0] == counts[1]
-        print(f"| {name} | {sum(counts[0].values())} | {sum(counts[1].values())} | {'yes' if same else 'no'} |")
+        print(f"| {name} | {sum(counts[0].values())} | {sum(counts[1].values())} | {'yes' if same else 'no'} | "
+              f"{calls[0]} | {calls[1]} |")
         if not same:
             print("   new - base:", dict(counts[0] - counts[1]), " base - new:", dict(counts[1] - counts[0]))
     for name in ("SmolLM2 decode step float32", "GQA decode 9/3 over 4096 cached"):
