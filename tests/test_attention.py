@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from multihead import AttentionConfig, KVCache, MultiHeadAttention, MultiheadError
-from multihead.kernels import AttentionCall, attend
+from multihead.kernels import AttentionCall, attend, resolve_backend
 from multihead.masks import build_mask
 
 
@@ -72,12 +72,11 @@ def test_a_gqa_decode_step_folds_query_heads_and_equals_the_math_path(
 
 @pytest.mark.usefixtures("two_threads")
 def test_decode_steps_fold_where_it_measured_faster() -> None:
-    from multihead.kernels import _folds
-
     spec = build_mask(batch=1, n_heads=9, s=1, t=64)
 
-    def folds(b: int, h: int, g: int, s: int = 1) -> bool:
-        return _folds(torch.zeros(b, h, s, 8), torch.zeros(b, g, 64, 8), spec)
+    def folds(b: int, h: int, g: int, s: int = 1) -> bool:  # the plan of the one backend policy
+        k = torch.zeros(b, g, 64, 8)
+        return resolve_backend(AttentionCall(torch.zeros(b, h, s, 8), k, k, spec, scale=1.0)).fold
 
     assert folds(1, 32, 8) and folds(1, 8, 1) and folds(2, 9, 3)
     assert not folds(1, 9, 3)  # 3 work items for 2 threads: slower folded (SmolLM2's decode)

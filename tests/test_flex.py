@@ -147,13 +147,13 @@ def test_auto_dispatch_explains_its_choice() -> None:
     def call(spec: MaskSpec, dropout_p: float = 0.0) -> AttentionCall:
         return AttentionCall(q, k, k, spec, scale=1.0, dropout_p=dropout_p)
 
-    chosen, why = resolve_backend(call(window), device=cuda)
-    assert chosen == "flex" and "sliding window 64" in why
-    assert resolve_backend(call(plain), device=cuda)[0] == "sdpa"  # SDPA's causal flag
-    assert resolve_backend(call(short), device=cuda)[0] == "sdpa"  # under one block
-    assert resolve_backend(call(window, 0.1), device=cuda)[0] == "sdpa"
-    chosen, why = resolve_backend(call(window), device=cpu)
-    assert chosen == "sdpa" and "backend='flex'" in why
+    plan = resolve_backend(call(window), device=cuda)
+    assert plan.backend == "flex" and "sliding window 64" in plan.reason
+    assert resolve_backend(call(plain), device=cuda).backend == "sdpa"  # SDPA's causal flag
+    assert resolve_backend(call(short), device=cuda).backend == "sdpa"  # under one block
+    assert resolve_backend(call(window, 0.1), device=cuda).backend == "sdpa"
+    plan = resolve_backend(call(window), device=cpu)
+    assert plan.backend == "sdpa" and "backend='flex'" in plan.reason
     layer = _layer(window=64)
     x = torch.randn(1, 512, D_MODEL)
     choice = layer.explain(x, causal=True, backend="flex")

@@ -21,9 +21,9 @@ from torch import Tensor, nn
 from multihead.cache import Cache, LatentLayer, LayerCache
 from multihead.config import AttentionConfig, config_or_keywords, register_layer
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint, add_hook_points, attend
-from multihead.hooks import explain as explain_call
-from multihead.kernels import AttentionCall, KernelChoice, check_backend
+from multihead.hooks import HookPoint, add_hook_points, call_hooks
+from multihead.kernels import AttentionCall, KernelChoice, attend, check_backend
+from multihead.kernels import explain as explain_call
 from multihead.linear import Linear
 from multihead.rope import RotaryEmbedding
 from multihead.step import Step, build_step, check_cache_call
@@ -155,7 +155,7 @@ class MultiHeadAttention(nn.Module):
         if cache is not None:
             assert step.slots is not None  # checked: a cache call's step carries the cache's plan
             k, v = cache.update(k, v, step.slots)  # (b, g, t, d): the cached keys and values, the new ones included
-        z, weights = attend(self._call(q, k, v, step, return_weights, backend), self)  # (b, h, s, d), hooked
+        z, weights = attend(self._call(q, k, v, step, return_weights, backend))  # (b, h, s, d), hooked
         del q, k, v  # free the projections before merging: a long sequence's peak is q, k, v and the output
         y = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
         y = self.hook_out(y) if self.hook_out.active else y
@@ -187,7 +187,7 @@ class MultiHeadAttention(nn.Module):
             if cache is not None:
                 assert step.slots is not None
                 k, v = cache.update(k, v, step.slots, read_only=True)
-        return explain_call(self._call(q, k, v, step, return_weights, backend), self)
+        return explain_call(self._call(q, k, v, step, return_weights, backend))
 
     # ------------------------------------------------------------------ the per-step state
     def step(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,
@@ -234,7 +234,7 @@ class MultiHeadAttention(nn.Module):
         return AttentionCall(q, k, v, spec, scale=self.config.softmax_scale,
                              dropout_p=self.config.dropout if self.training else 0.0,
                              backend=self.backend if backend is None else check_backend(backend),
-                             need_weights=return_weights)
+                             need_weights=return_weights, hooks=call_hooks(self))
 
     # ------------------------------------------------------------------ input checks
     def _check(self, x: Tensor, context: Tensor | None, value: Tensor | None, cache: LayerCache | None,

@@ -6,7 +6,8 @@ code (within float32 rounding) and was measured faster on the 2-core machine of 
 - :func:`split_product`: few-row projections (decoding) as a batched product over row blocks of the weight, spread
   over the intra-op threads (:mod:`multihead.linear`);
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
-  kernel reads each KV head once (:func:`multihead.kernels.sdpa_attention`);
+  kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
+  which kernel runs and how; run by :func:`multihead.kernels.sdpa_attention`);
 - :func:`plain_decode_mask`: one sequence continuing at its cached length attends with a plain bottom-right causal
   mask instead of a mask by positions (no per-call position tensor in the kernel);
 - :func:`slice_cache_write`: sequences that all continue at the same length write the cache as one slice copy instead

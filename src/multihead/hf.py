@@ -41,8 +41,8 @@ import torch
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError, require
-from multihead.hooks import HookPoint, add_hook_points, attend
-from multihead.kernels import AttentionCall
+from multihead.hooks import HookPoint, add_hook_points, call_hooks
+from multihead.kernels import AttentionCall, attend
 from multihead.masks import MaskSpec
 
 NAME = "multihead"
@@ -115,11 +115,11 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             key, value, t = key[:, :, :s], value[:, :, :s], s
             position_bias = None if position_bias is None else position_bias[..., :s]
     spec = _mask(attention_mask, position_bias, b, h, s, t, causal)
+    hooked = call_hooks(module) if isinstance(getattr(module, "hook_z", None), HookPoint) else None  # type: ignore[arg-type]
     call = AttentionCall(query, key, value, spec, scale=d**-0.5 if scaling is None else float(scaling),
                          dropout_p=float(dropout), backend=getattr(module, "multihead_backend", "auto"),
-                         need_weights=bool(output_attentions), softcap=softcap, sinks=s_aux)
-    points = module if isinstance(getattr(module, "hook_z", None), HookPoint) else None
-    z, weights = attend(call, points)  # type: ignore[arg-type]  # (b, h, s, dv)
+                         need_weights=bool(output_attentions), softcap=softcap, sinks=s_aux, hooks=hooked)
+    z, weights = attend(call)  # (b, h, s, dv)
     return z.transpose(1, 2).contiguous(), weights
 
 

@@ -24,13 +24,14 @@ The verbs::
     logits, cache = run_with_cache(model, tokens, names="*.hook_pattern")  # keep named activations
     patch = patch_heads(5, source=cache["layers.2.attn.hook_z"])     # patch head 5 from another run
 
-The same points serve any module that runs its attention through :func:`attend` (our layer, and other models whose
-attention calls multihead's core).
+The same points serve any module that runs its attention through :func:`multihead.kernels.attend` with
+``hooks=call_hooks(module)`` (our layer, and other models whose attention calls multihead's core). Hooks only see
+and replace tensors: which kernel runs, also with a hooked pattern, is :func:`multihead.kernels.resolve_backend`'s
+rule, and the weighted sum of a replaced pattern is the math path's (:func:`multihead.kernels.weighted_sum`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import fnmatch
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -39,13 +40,12 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor, nn
 
-from multihead import kernels
 from multihead.errors import MultiheadError
-from multihead.kernels import AttentionCall, KernelChoice
+from multihead.kernels import CallHooks
 
 HookFn = Callable[[Tensor, "HookPoint"], "Tensor | None"]
 
-POINTS = {
+POINTS = {  # point -> its shape legend
     "hook_q": "(b, h, s, d)",
     "hook_k": "(b, g, t, d)",
     "hook_v": "(b, g, t, d)",
@@ -53,21 +53,32 @@ POINTS = {
     "hook_z": "(b, h, s, d)",
     "hook_out": "(b, s, d_model)",
 }
+KV_POINTS = ("hook_k", "hook_v")  # the points whose dimension 1 counts KV heads (g), not query heads
 
 
 class HookPoint(nn.Module):
     """One named place in the attention core. ``point.add(fn)`` attaches a hook and returns a handle whose
-    ``remove()`` (or ``with``) detaches it. A module without parameters or buffers: state dicts are unchanged."""
+    ``remove()`` (or ``with``) detaches it. A module without parameters or buffers: state dicts are unchanged.
+    ``legend`` is the shape as people read it; ``role`` which of the six points this is (``"hook_k"``), what code
+    reads (``point.kv_heads``)."""
 
-    def __init__(self, legend: str = "") -> None:
+    def __init__(self, legend: str = "", *, role: str = "") -> None:
         super().__init__()
+        if role and role not in POINTS:
+            raise MultiheadError(f"role {role!r} is not a hook point: choose one of {', '.join(POINTS)}")
         self.legend = legend
+        self.role = role
         self.name = ""  # the full module path, set when the point is found by name (hook_points)
         self._fns: list[HookFn] = []
 
     @property
     def active(self) -> bool:
         return bool(self._fns)
+
+    @property
+    def kv_heads(self) -> bool:
+        """Whether dimension 1 of what passes here counts KV heads (hook_k, hook_v), shared by h / g query heads."""
+        return self.role in KV_POINTS
 
     def add(self, fn: HookFn) -> HookHandle:
         if not callable(fn):
@@ -113,10 +124,6 @@ class HookHandle:
         self.remove()
 
 
-def _through(point: HookPoint, x: Tensor) -> Tensor:
-    return point(x) if point._fns else x
-
-
 class HookedAttention(Protocol):
     """What the hooked core needs of the module it runs for: its six hook points."""
 
@@ -130,10 +137,13 @@ class HookedAttention(Protocol):
 
 def add_hook_points(module: nn.Module) -> None:
     """Give ``module`` the six hook points (a no-op for those it has): our layer does this, and so can any module
-    whose attention runs through :func:`attend`."""
+    whose attention runs through :func:`multihead.kernels.attend` with ``hooks=call_hooks(module)``."""
     for name, legend in POINTS.items():
-        if not isinstance(getattr(module, name, None), HookPoint):
-            module.add_module(name, HookPoint(legend))
+        point = getattr(module, name, None)
+        if not isinstance(point, HookPoint):
+            module.add_module(name, HookPoint(legend, role=name))
+        elif not point.role:
+            point.role = name  # a point made without its role takes the name it sits at
     # the same six modules as a plain tuple in the instance dict: read on every call without nn.Module.__getattr__
     module.__dict__["_hook_points"] = tuple(getattr(module, name) for name in POINTS)
 
@@ -143,53 +153,17 @@ def _points(module: HookedAttention) -> tuple[HookPoint, ...]:
     return found if found is not None else tuple(getattr(module, name) for name in POINTS)
 
 
-def attend(call: AttentionCall, points: HookedAttention | None = None) -> tuple[Tensor, Tensor | None]:
-    """The attention core with its hook points: q, k, v hooked, attended (pattern hooked if asked), z hooked.
-
-    Returns (z (b, h, s, d), weights (b, h, s, t) or None), as :func:`multihead.kernels.attend`.
-    """
-    if points is None:
-        return kernels.attend(call)
-    hook_q, hook_k, hook_v, pattern, hook_z, _ = _points(points)
-    if not (hook_q._fns or hook_k._fns or hook_v._fns or pattern._fns or hook_z._fns):
-        return kernels.attend(call)  # nothing hooked: the core as it is
-    q, k, v = _through(hook_q, call.q), _through(hook_k, call.k), _through(hook_v, call.v)
-    if q is not call.q or k is not call.k or v is not call.v:
-        call = dataclasses.replace(call, q=q, k=k, v=v)
-    if not pattern._fns:
-        z, weights = kernels.attend(call)
-    elif call.need_weights or kernels.resolve_backend(call)[0] == "math":
-        weights = pattern(kernels.attention_weights(q, k, call.mask, scale=call.scale, softcap=call.softcap,
-                                                    sinks=call.sinks))  # (b, h, s, t)
-        if call.dropout_p > 0.0:
-            weights = torch.nn.functional.dropout(weights, p=call.dropout_p, training=True)
-        z = kernels.weighted_values(weights, v)
-        weights = weights if call.need_weights else None
-    else:
-        z, weights = kernels.attend(call)  # the fused kernel, unless a hook replaces the pattern
-        made = kernels.attention_weights(q, k, call.mask, scale=call.scale,  # exact: the same q, k and mask
-                                         softcap=call.softcap, sinks=call.sinks)
-        edited = pattern(made)
-        if edited is not made:
-            if call.dropout_p > 0.0:
-                edited = torch.nn.functional.dropout(edited, p=call.dropout_p, training=True)
-            z = kernels.weighted_values(edited, v)
-    return _through(hook_z, z), weights
-
-
-def explain(call: AttentionCall, points: HookedAttention | None = None) -> KernelChoice:
-    """:func:`multihead.kernels.explain`, plus what the attached hooks change."""
-    choice = kernels.explain(call)
-    if points is None:
-        return choice
-    hooked = [name for name in POINTS if getattr(points, name)._fns]
-    if not hooked:
-        return choice
-    reason = choice.reason + f"; hooked: {', '.join(hooked)}"
-    if "hook_pattern" in hooked and choice.backend != "math":
-        reason += ("; the pattern (b, h, s, t) is made from the same q, k and mask for the pattern hook, and a hook "
-                   "that returns a replacement makes this call's output pattern @ v (the math path)")
-    return KernelChoice(choice.backend, choice.kernel, reason, choice.mask)
+def call_hooks(module: HookedAttention, *, z: bool = True) -> CallHooks | None:
+    """The hooks of ``module``'s points at its attention core, for :class:`~multihead.kernels.AttentionCall`'s
+    ``hooks``: None when no point is hooked (the core runs as it is). ``z=False`` leaves hook_z to the module (MLA's
+    absorbed path applies it after its up-projection). What the hooks change about the kernel is decided by
+    :func:`multihead.kernels.resolve_backend`, not here."""
+    hq, hk, hv, hp, hz, ho = _points(module)
+    if not (hq._fns or hk._fns or hv._fns or hp._fns or hz._fns or ho._fns):
+        return None
+    return CallHooks(q=hq if hq._fns else None, k=hk if hk._fns else None, v=hv if hv._fns else None,
+                     pattern=hp if hp._fns else None, z=hz if z and hz._fns else None,
+                     names=tuple(name for name, p in zip(POINTS, (hq, hk, hv, hp, hz, ho), strict=True) if p._fns))
 
 
 # ------------------------------------------------------------------------------------------ finding points by name
@@ -289,7 +263,7 @@ def _check_heads(x: Tensor, point: HookPoint, heads: list[int]) -> None:
     n = x.shape[1]
     bad = [h for h in heads if not 0 <= h < n]
     if bad:
-        kind = "KV heads" if point.legend.startswith("(b, g") else "heads"
+        kind = "KV heads" if point.kv_heads else "heads"
         raise MultiheadError(f"head(s) {bad} out of range at {point.name or 'this hook point'}: it has {n} {kind}")
 
 

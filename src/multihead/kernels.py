@@ -16,12 +16,21 @@ Backends:
   to be skipped, no dropout); ``"sdpa"`` otherwise. On the CPU ``"auto"`` keeps SDPA, whose CPU flash kernel takes
   the mask without materialising scores, because flex attention must be compiled for each new shape there.
 
-``explain`` says which backend (and which SDPA kernel) will run for given inputs and why not a faster one.
+  MLA's absorbed decode step (its query heads folded into the rows of one latent head) runs ``"math"``.
+
+One policy: :func:`resolve_backend` holds every rule of which kernel runs (what the call requires, what was asked,
+the fastest for ``"auto"``, the CPU decisions it consults in :mod:`multihead.cpu`, what a hooked pattern needs) and
+returns a :class:`Plan`; :func:`attend` runs that plan with the call's hooks (:class:`CallHooks`: they see and
+replace tensors, nothing more), and :func:`explain` says which backend (and which SDPA kernel) the plan runs and why
+not a faster one. Both take the same :class:`AttentionCall`.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +70,28 @@ def structure(spec: MaskSpec) -> str | None:
     return ", ".join(parts) if parts else None
 
 
+TensorFn = Callable[[Tensor], Tensor]
+
+
+@dataclass(frozen=True)
+class CallHooks:
+    """The hooks at one call's core, made from a module's hook points by :func:`multihead.hooks.call_hooks`.
+
+    Each is a function tensor -> tensor that returns its input (to read it) or a replacement of the same shape, or
+    None where nothing is hooked: ``q`` (b, h, s, d), ``k`` and ``v`` (b, g, t, d) as they enter the kernel,
+    ``pattern`` the weights (b, h, s, t), ``z`` the output (b, h, s, dv). ``names`` are the module's hooked points,
+    as :func:`explain` lists them. Hooks only see and replace tensors: what a hooked pattern means for the kernel is
+    :func:`resolve_backend`'s rule, and the weighted sum of a replaced pattern is the math path's.
+    """
+
+    q: TensorFn | None = None
+    k: TensorFn | None = None
+    v: TensorFn | None = None
+    pattern: TensorFn | None = None
+    z: TensorFn | None = None
+    names: tuple[str, ...] = ()
+
+
 @dataclass(frozen=True)
 class AttentionCall:
     """One call of the attention core, as :func:`attend` runs it and :func:`explain` describes it.
@@ -70,7 +101,9 @@ class AttentionCall:
     training); ``backend`` one of BACKENDS; ``need_weights`` whether the (b, h, s, t) weights are returned;
     ``softcap`` caps the scaled scores as ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); ``sinks``
     (h,) are learned sink logits, one per query head, that take part in each row's softmax denominator and add
-    nothing to the output (gpt-oss).
+    nothing to the output (gpt-oss); ``hooks`` the hook points at this core (:class:`CallHooks`, None when nothing
+    is hooked); ``rows_are_heads`` marks a call whose query rows are one decode step's query heads folded onto
+    their single KV head (MLA's absorbed decode: q (b, 1, h, .) over k (b, 1, t, .)).
     """
 
     q: Tensor
@@ -83,50 +116,101 @@ class AttentionCall:
     need_weights: bool = False
     softcap: float | None = None
     sinks: Tensor | None = None
+    hooks: CallHooks | None = None
+    rows_are_heads: bool = False
 
     @property
     def needs_grad(self) -> bool:
         return torch.is_grad_enabled() and (self.q.requires_grad or self.k.requires_grad or self.v.requires_grad)
 
 
-def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) -> tuple[str, str]:
-    """The backend that runs for ``call`` (on ``device``, default q's: a what-if for another device), and why."""
-    backend, spec, dropout_p = call.backend, call.mask, call.dropout_p
+class Plan(NamedTuple):
+    """What :func:`attend` runs for a call, as :func:`resolve_backend` decides it.
+
+    ``backend`` is the kernel that computes the output ("math", "sdpa" or "flex"); ``reason`` why this one and what
+    keeps a faster one out; ``fold`` that SDPA runs a GQA decode step with each KV head's query heads as its rows
+    (:func:`multihead.cpu.fold_gqa_decode`); ``pattern_beside`` that a hooked pattern is made by the math path beside
+    the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's).
+    """
+
+    backend: str
+    reason: str
+    fold: bool = False
+    pattern_beside: bool = False
+
+
+PATTERN_BESIDE = ("; the pattern (b, h, s, t) is made from the same q, k and mask for the pattern hook, and a hook "
+                  "that returns a replacement makes this call's output pattern @ v (the math path)")
+
+
+def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) -> Plan:
+    """The one backend policy: what runs for ``call`` (on ``device``, default q's: a what-if for another device).
+
+    Every rule of which kernel runs is here: what the inputs require or forbid (weights, sink logits, softcap,
+    dropout, gradients, an explicit backend), what is fastest for them ('auto': the mask's structure, the device,
+    MLA's folded decode), what the hooks need (a hooked pattern beside a fused kernel) and the CPU decisions it
+    consults in :mod:`multihead.cpu`. :func:`attend` runs the plan and :func:`explain` describes it.
+    """
     device = call.q.device if device is None else device
-    check_backend(backend)
+    backend, reason = _backend(call, device)
+    fold = backend == "sdpa" and _folds(call, device)
+    beside = call.hooks is not None and call.hooks.pattern is not None and backend != "math"
+    return Plan(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside)
+
+
+def _backend(call: AttentionCall, device: torch.device) -> tuple[str, str]:
+    """The kernel for the output, and why: what the call requires first, then what was asked, then 'auto'."""
+    backend = check_backend(call.backend)
     if call.need_weights:
         if backend in ("sdpa", "flex"):
             raise MultiheadError(
                 f"backend {backend!r} cannot return attention weights (fused kernels never materialise them): "
                 "use backend='math' or 'auto' with return_weights=True"
             )
-        return "math", "weights requested: only the math path materialises the (b, h, s, t) weights"
+        return "math", ("weights requested: only the math path materialises the (b, h, s, t) weights; without "
+                        "return_weights the fused SDPA path runs")
     if backend == "math":
-        return "math", "math path asked for explicitly"
+        return "math", "math path asked for explicitly; the fused SDPA path ('auto') is faster"
     if call.sinks is not None:
         if backend in ("sdpa", "flex"):
             raise MultiheadError(
                 f"backend {backend!r} cannot take sink logits (s_aux): a sink needs each row's log-sum-exp, which "
                 "SDPA does not return and PyTorch's CPU flex attention cannot (return_lse); use 'math' or 'auto'"
             )
-        return "math", "sink logits (s_aux) join each row's softmax: the math path takes them"
-    if backend == "sdpa" and call.softcap is not None:
-        raise MultiheadError("backend 'sdpa' cannot cap scores (softcap): use 'auto', 'math' or 'flex'")
-    if backend == "flex":
-        if dropout_p > 0.0:
-            raise MultiheadError(f"backend 'flex' has no dropout (dropout_p {dropout_p}): use 'sdpa', or eval()")
-        if not flex.available():
-            raise MultiheadError(f"backend 'flex' needs torch >= 2.5 with flex attention (this is {torch.__version__})")
-        if call.needs_grad and device.type == "cpu":
-            raise MultiheadError("backend 'flex' has no backward on the CPU (PyTorch's flex attention): run under "
-                                 "torch.no_grad() or choose backend 'sdpa' for training on the CPU")
-        return "flex", "flex attention asked for explicitly"
+        return "math", ("sink logits (s_aux) join each row's softmax: the math path takes them (no fused kernel here "
+                        "returns the log-sum-exp they need)")
     if backend == "sdpa":
+        if call.softcap is not None:
+            raise MultiheadError("backend 'sdpa' cannot cap scores (softcap): use 'auto', 'math' or 'flex'")
         return "sdpa", "SDPA asked for explicitly"
+    if backend == "flex":
+        _check_flex(call, device)
+        return "flex", "flex attention asked for explicitly"
+    return _auto(call, device)
+
+
+def _check_flex(call: AttentionCall, device: torch.device) -> None:
+    if call.dropout_p > 0.0:
+        raise MultiheadError(f"backend 'flex' has no dropout (dropout_p {call.dropout_p}): use 'sdpa', or eval()")
+    if not flex.available():
+        raise MultiheadError(f"backend 'flex' needs torch >= 2.5 with flex attention (this is {torch.__version__})")
+    if call.needs_grad and device.type == "cpu":
+        raise MultiheadError("backend 'flex' has no backward on the CPU (PyTorch's flex attention): run under "
+                             "torch.no_grad() or choose backend 'sdpa' for training on the CPU")
+
+
+def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
+    """'auto': the fastest kernel that takes the call's inputs on ``device``."""
+    spec, dropout_p = call.mask, call.dropout_p
+    if call.rows_are_heads:
+        return "math", (f"the {spec.s} query heads of one decode step run as the rows of their one KV head: two "
+                        "matrix products (the math path) beat the fused kernels there, 1.2-3x on an H200 and a 2-core "
+                        "CPU (benchmarks/mla_decode.py)")
     if call.softcap is not None:
         if device.type == "cuda" and flex.available() and dropout_p == 0.0:
             return "flex", "scores are capped (softcap): flex attention applies it in its score_mod"
-        return "math", "scores are capped (softcap), which SDPA cannot do; the math path applies it"
+        return "math", ("scores are capped (softcap), which SDPA cannot do; the math path applies it (flex attention "
+                        "would, on a GPU without dropout)")
     found = structure(spec)
     if found is None:
         return "sdpa", "fused SDPA is the default"
@@ -140,6 +224,12 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
     if not flex.available():
         return "sdpa", f"the mask has structure ({found}) but this torch has no flex attention"
     return "flex", f"the mask has structure ({found}): flex attention skips the masked blocks, no dense mask"
+
+
+def _folds(call: AttentionCall, device: torch.device) -> bool:
+    """SDPA's GQA decode fold, as :mod:`multihead.cpu` decides it for this device."""
+    q, k = call.q, call.k
+    return cpu.fold_gqa_decode(q.shape[0], q.shape[1], k.shape[1], q.shape[2], device, call.mask.is_plain_causal)
 
 
 def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float, softcap: float | None = None,
@@ -184,28 +274,36 @@ def weighted_values(weights: Tensor, v: Tensor) -> Tensor:
 
 def math_attention(
     q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0,
-    softcap: float | None = None, sinks: Tensor | None = None,
+    softcap: float | None = None, sinks: Tensor | None = None, pattern: TensorFn | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """The readable path: (out (b, h, s, dv), weights (b, h, s, t))."""
+    """The readable path: (out (b, h, s, dv), weights (b, h, s, t)); ``pattern`` (a hook) sees the weights and may
+    replace them before dropout and the weighted sum."""
     weights = attention_weights(q, k, spec, scale=scale, softcap=softcap, sinks=sinks)  # (b, h, s, t)
+    if pattern is not None:
+        weights = pattern(weights)
+    return weighted_sum(weights, v, dropout_p)
+
+
+def weighted_sum(weights: Tensor, v: Tensor, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
+    """The math path after the softmax: dropout on the weights (b, h, s, t), then their product with v (b, g, t, dv).
+    Returns (out (b, h, s, dv), the weights multiplied into v)."""
     if dropout_p > 0.0:
         weights = F.dropout(weights, p=dropout_p, training=True)
     return weighted_values(weights, v), weights
 
 
 def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0
+    q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0, fold: bool = False
 ) -> Tensor:
     """PyTorch's fused kernel with native GQA: out (b, h, s, d).
 
-    A GQA decode step on the CPU (one query per head) can run with the query heads of each group folded into the
-    query dimension, (b, h, 1, d) -> (b, g, h/g, d): the kernel then reads each KV head once instead of once per
-    query head (FlashAttention does the same swap on the GPU), but has b * g work items to share among the threads
-    instead of b * h. :func:`multihead.cpu.fold_gqa_decode` decides when. Same result.
+    ``fold`` runs a GQA decode step (one query per head) with the query heads of each group folded into the query
+    dimension, (b, h, 1, d) -> (b, g, h/g, d): the kernel then reads each KV head once instead of once per query
+    head (FlashAttention does the same swap on the GPU), but has b * g work items to share among the threads instead
+    of b * h. :func:`resolve_backend` decides when, from :func:`multihead.cpu.fold_gqa_decode`. Same result.
     """
     b, h, s, d = q.shape
     g = k.shape[1]
-    fold = _folds(q, k, spec)
     run_q = q.reshape(b, g, h // g, d) if fold else q
     gqa = g != h and not fold
     if spec.is_empty or spec.is_plain_causal:
@@ -233,10 +331,6 @@ def sdpa_attention(
     return out
 
 
-def _folds(q: Tensor, k: Tensor, spec: MaskSpec) -> bool:
-    return cpu.fold_gqa_decode(q.shape[0], q.shape[1], k.shape[1], q.shape[2], q.device, spec.is_plain_causal)
-
-
 def _fold_mask(mask: Tensor, h: int, g: int) -> Tensor:
     """A mask broadcastable to (b, h, 1, t), made to broadcast to the folded (b, g, h/g, t)."""
     mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
@@ -246,26 +340,60 @@ def _fold_mask(mask: Tensor, h: int, g: int) -> Tensor:
 
 
 def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    """softmax(q k^T * scale + mask) v for q (b, h, s, d) and k, v (b, g, t, d).
+    """softmax(q k^T * scale + mask) v for q (b, h, s, d) and k, v (b, g, t, d), with the call's hooks.
 
     Returns (out (b, h, s, d), weights (b, h, s, t) or None). Weights are those multiplied into v, after dropout.
+    q, k and v pass their hooks first, the kernel :func:`resolve_backend` plans runs (a hooked pattern inside the
+    math path, or made beside a fused kernel), and the output passes the z hook.
     """
-    chosen, _ = resolve_backend(call)
+    hooks = call.hooks
+    if hooks is not None:
+        call = _hooked_inputs(call, hooks)
+    plan = resolve_backend(call)
     q, k, v, spec = call.q, call.k, call.v, call.mask
-    if chosen == "math":
+    pattern = None if hooks is None else hooks.pattern
+    weights: Tensor | None = None
+    if plan.backend == "math":
         out, weights = math_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p,
-                                      softcap=call.softcap, sinks=call.sinks)
-        return out, (weights if call.need_weights else None)
-    if chosen == "flex":
-        return flex.flex_attention(q, k, v, spec, scale=call.scale, softcap=call.softcap), None
-    return sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p), None
+                                      softcap=call.softcap, sinks=call.sinks, pattern=pattern)
+        weights = weights if call.need_weights else None
+    elif plan.backend == "flex":
+        out = flex.flex_attention(q, k, v, spec, scale=call.scale, softcap=call.softcap)
+    else:
+        out = sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
+    if plan.pattern_beside:
+        assert pattern is not None
+        out = _pattern_beside(call, out, pattern)
+    if hooks is not None and hooks.z is not None:
+        out = hooks.z(out)
+    return out, weights
+
+
+def _hooked_inputs(call: AttentionCall, hooks: CallHooks) -> AttentionCall:
+    """The call with q, k and v through their hooks."""
+    q = call.q if hooks.q is None else hooks.q(call.q)
+    k = call.k if hooks.k is None else hooks.k(call.k)
+    v = call.v if hooks.v is None else hooks.v(call.v)
+    if q is call.q and k is call.k and v is call.v:
+        return call
+    return dataclasses.replace(call, q=q, k=k, v=v)
+
+
+def _pattern_beside(call: AttentionCall, out: Tensor, pattern: TensorFn) -> Tensor:
+    """A fused kernel's output with the pattern hooked: the pattern made exactly as the math path makes it (same q, k
+    and mask) for the hook; a replacement makes the output its weighted sum (the math path's), else ``out`` stays."""
+    made = attention_weights(call.q, call.k, call.mask, scale=call.scale, softcap=call.softcap, sinks=call.sinks)
+    edited = pattern(made)
+    if edited is made:
+        return out
+    return weighted_sum(edited, call.v, call.dropout_p)[0]
 
 
 @dataclass(frozen=True)
 class KernelChoice:
     """Which attention kernel runs for a call, and why.
 
-    ``backend`` is the multihead backend ("sdpa" or "math"); ``kernel`` the implementation underneath
+    ``backend`` is the multihead backend ("sdpa", "math" or "flex"); ``kernel`` the implementation underneath
     (for SDPA the one PyTorch selects: "flash", "efficient", "cudnn", "math", ...); ``reason`` says why this one
     and, when it is not the fastest available, what keeps the faster one out.
     """
@@ -297,38 +425,47 @@ def _describe_mask(spec: MaskSpec) -> str:
 
 
 def explain(call: AttentionCall) -> KernelChoice:
-    """Which kernel :func:`attend` runs for this call, and why, without running it."""
-    q, k, v, spec = call.q, call.k, call.v, call.mask
-    dropout_p, scale, need_weights = call.dropout_p, call.scale, call.need_weights
-    chosen, reason = resolve_backend(call)
-    mask_text = _describe_mask(spec)
-    if chosen == "flex":
-        skipped = flex.sparsity(spec, q.device)
-        return KernelChoice("flex", "flex_attention", reason + f"; {skipped:.0%} of the 128 x 128 blocks skipped",
-                            mask_text)
-    if chosen == "math":
-        if need_weights:
-            reason += "; without return_weights the fused SDPA path runs"
-        else:
-            reason += "; the fused SDPA path ('auto') is faster"
-        return KernelChoice("math", "matmul+softmax", reason, mask_text)
-    kernel = "unknown"
-    choice_fn = getattr(torch, "_fused_sdp_choice", None)
-    if choice_fn is not None:
-        from torch.nn.attention import SDPBackend
+    """Which kernel :func:`attend` runs for this call, and why, without running it (nor its hooks): the plan of
+    :func:`resolve_backend`, the kernel underneath (for SDPA the one PyTorch selects), and the hooked points."""
+    plan = resolve_backend(call)
+    if plan.backend == "flex":
+        kernel = "flex_attention"
+        reason = plan.reason + f"; {flex.sparsity(call.mask, call.q.device):.0%} of the 128 x 128 blocks skipped"
+    elif plan.backend == "math":
+        kernel, reason = "matmul+softmax", plan.reason
+    else:
+        kernel = _sdpa_kernel(call)
+        reason = plan.reason + _sdpa_details(call, plan, kernel)
+    if call.hooks is not None and call.hooks.names:
+        reason += f"; hooked: {', '.join(call.hooks.names)}"
+    return KernelChoice(plan.backend, kernel, reason, _describe_mask(call.mask))
 
-        dense: Tensor | None = None
-        if not (spec.is_empty or spec.is_plain_causal):
-            keep, bias, _ = spec.dense(q.device, q.dtype)
-            dense = bias if bias is not None else keep
-        try:
-            code = choice_fn(
-                q, k, v, dense, dropout_p, spec.is_plain_causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
-            )
-            kernel = SDPBackend(code).name.lower().removesuffix("_attention")
-        except (RuntimeError, ValueError, TypeError):  # private API: report it as unknown rather than fail
-            kernel = "unknown"
-    if _folds(q, k, spec):
+
+def _sdpa_kernel(call: AttentionCall) -> str:
+    """The kernel PyTorch's SDPA selects for the call (its private chooser), or "unknown"."""
+    choice_fn = getattr(torch, "_fused_sdp_choice", None)
+    if choice_fn is None:
+        return "unknown"
+    from torch.nn.attention import SDPBackend
+
+    q, k, v, spec = call.q, call.k, call.v, call.mask
+    dense: Tensor | None = None
+    if not (spec.is_empty or spec.is_plain_causal):
+        keep, bias, _ = spec.dense(q.device, q.dtype)
+        dense = bias if bias is not None else keep
+    try:
+        code = choice_fn(q, k, v, dense, call.dropout_p, spec.is_plain_causal, scale=call.scale,
+                         enable_gqa=k.shape[1] != q.shape[1])
+        return str(SDPBackend(code).name.lower().removesuffix("_attention"))
+    except (RuntimeError, ValueError, TypeError):  # private API: report it as unknown rather than fail
+        return "unknown"
+
+
+def _sdpa_details(call: AttentionCall, plan: Plan, kernel: str) -> str:
+    """What the SDPA call does with the inputs, and what keeps a faster kernel out."""
+    q, k, spec = call.q, call.k, call.mask
+    reason = ""
+    if plan.fold:
         reason += f"; one query per head: the {q.shape[1] // k.shape[1]} query heads of each KV head run as its rows"
     if spec.is_empty or spec.is_plain_causal:
         reason += "; no dense mask is made" + (" (the kernel's own causal path)" if spec.causal else "")
@@ -342,10 +479,10 @@ def explain(call: AttentionCall) -> KernelChoice:
                        "(see benchmarks/RESULTS.md for when that pays on the CPU)")
     if kernel == "math":
         reason += "; PyTorch's math kernel runs, materialising the (s, t) scores"
-        if dropout_p > 0.0 and q.device.type == "cpu":
+        if call.dropout_p > 0.0 and q.device.type == "cpu":
             reason += ": its CPU fused kernel takes no dropout (eval() or dropout 0 gives the fused kernel)"
-        elif structure(spec) is not None and dropout_p == 0.0:
+        elif structure(spec) is not None and call.dropout_p == 0.0:
             reason += ": backend='flex' avoids it"
         else:
             reason += ": no fused kernel takes these inputs here"
-    return KernelChoice("sdpa", kernel, reason, mask_text)
+    return reason

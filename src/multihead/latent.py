@@ -21,6 +21,7 @@ before W_O) and ``hook_out`` are the same on both paths.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
@@ -30,9 +31,8 @@ from multihead import kernels
 from multihead.cache import LatentCache, LatentLayer, LayerView
 from multihead.config import MLAConfig, config_or_keywords
 from multihead.errors import MultiheadError
-from multihead.hooks import POINTS, HookPoint, add_hook_points, attend
-from multihead.hooks import explain as explain_call
-from multihead.kernels import AttentionCall, KernelChoice, check_backend
+from multihead.hooks import HookPoint, add_hook_points, call_hooks
+from multihead.kernels import AttentionCall, CallHooks, KernelChoice, check_backend
 from multihead.linear import Linear
 from multihead.masks import MaskSpec
 from multihead.norms import RMSNorm
@@ -42,14 +42,18 @@ from multihead.step import Step, build_step
 PATHS = ("auto", "expanded", "absorbed")
 
 
-class _AbsorbedPoints:
-    """The layer's hook points for the absorbed core, with hook_z left to after the up-projection."""
+@dataclass(frozen=True)
+class _Core:
+    """One call's attention core on one path: the kernel call, and what the path does around it. ``w_uv`` (h, dv, r)
+    up-projects the absorbed path's output; ``folded``: an absorbed decode step whose h query heads run as the rows
+    of the one latent head (q (b, 1, h, r + rope))."""
 
-    def __init__(self, layer: MultiHeadLatentAttention) -> None:
-        inert = HookPoint(POINTS["hook_z"])
-        self._hook_points = (layer.hook_q, layer.hook_k, layer.hook_v, layer.hook_pattern, inert, layer.hook_out)
-        self.hook_q, self.hook_k, self.hook_v = layer.hook_q, layer.hook_k, layer.hook_v
-        self.hook_pattern, self.hook_z, self.hook_out = layer.hook_pattern, inert, layer.hook_out
+    path: Literal["expanded", "absorbed"]
+    call: AttentionCall
+    s: int
+    t: int
+    w_uv: Tensor | None = None
+    folded: bool = False
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -97,9 +101,8 @@ class MultiHeadLatentAttention(nn.Module):
                 step: Step | None = None, return_weights: bool = False, backend: str | None = None,
                 path: str = "auto") -> Any:
         """x (b, s, d_model) -> (b, s, d_model), or (output, weights (b, n_heads, s, t)) with return_weights."""
-        z, weights, _ = self._run(x, mask, key_padding_mask, causal, positions, cache, step, return_weights,
-                                  backend, path, explain=False)
-        assert isinstance(z, Tensor)
+        core = self._core(x, mask, key_padding_mask, causal, positions, cache, step, return_weights, backend, path)
+        z, weights = self._attend(core)  # (b, h, s, dv), hook_z applied
         b, s = x.shape[:2]
         y = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
         y = self.hook_out(y) if self.hook_out.active else y
@@ -111,10 +114,9 @@ class MultiHeadLatentAttention(nn.Module):
                 path: str = "auto") -> KernelChoice:
         """Which path and kernel a call runs, and why; the cache is read from a copy (left unchanged)."""
         with torch.no_grad():
-            _, _, choice = self._run(x, mask, key_padding_mask, causal, positions, cache, step, return_weights,
-                                     backend, path, explain=True)
-        assert choice is not None
-        return choice
+            core = self._core(x, mask, key_padding_mask, causal, positions, cache, step, return_weights, backend,
+                              path, peek=True)
+        return self._explained(kernels.explain(core.call), core)
 
     def step(self, x: Tensor, *, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
              causal: bool = False, positions: Tensor | None = None, cache: LatentCache | LatentLayer | None = None,
@@ -135,11 +137,34 @@ class MultiHeadLatentAttention(nn.Module):
         return "absorbed" if absorbed < expanded else "expanded"
 
     # ------------------------------------------------------------------ the two paths
-    def _run(self, x: Tensor, mask: Tensor | None, key_padding_mask: Tensor | None, causal: bool,
-             positions: Tensor | None, cache: LatentLayer | None, step: Step | None, return_weights: bool,
-             backend: str | None, path: str, *, explain: bool) -> tuple[Tensor | None, Tensor | None,
-                                                                       KernelChoice | None]:
-        c = self.config
+    def _core(self, x: Tensor, mask: Tensor | None, key_padding_mask: Tensor | None, causal: bool,
+              positions: Tensor | None, cache: LatentLayer | None, step: Step | None, return_weights: bool,
+              backend: str | None, path: str, *, peek: bool = False) -> _Core:
+        """The path and the kernel call for these inputs; ``peek`` reads the cache from a copy (explain)."""
+        step = self._checked_step(x, mask, key_padding_mask, causal, positions, cache, step, path)
+        q_nope, q_pe, latent = self._project(x, step)
+        latent = self._latents(latent, cache, step, copy=peek)  # (b, t, r + rope): every key this call sees
+        s, t = x.shape[1], latent.shape[1]
+        chosen = self.choose_path(s, t) if path == "auto" else path
+        kind = check_backend(backend) if backend is not None else self.backend
+        dropout = self.config.dropout if self.training else 0.0
+        if chosen == "expanded":
+            return _Core("expanded", self._expanded_call(q_nope, q_pe, latent, step, kind, dropout, return_weights),
+                         s, t)
+        return self._absorbed_core(q_nope, q_pe, latent, step, kind, dropout, return_weights)
+
+    def _attend(self, core: _Core) -> tuple[Tensor, Tensor | None]:
+        """Run the core: z (b, h, s, v_head_dim) through hook_z, and the weights when asked for."""
+        z, weights = kernels.attend(core.call)  # expanded: hook_z ran in the core
+        if core.w_uv is not None:  # absorbed: W_UV after the weighted sum
+            z_lat = z.transpose(1, 2) if core.folded else z  # (b, h, s, r)
+            z = torch.einsum("bhsr,hvr->bhsv", z_lat, core.w_uv)  # (b, h, s, dv)
+            z = self.hook_z(z) if self.hook_z.active else z
+        return z, weights
+
+    def _checked_step(self, x: Tensor, mask: Tensor | None, key_padding_mask: Tensor | None, causal: bool,
+                      positions: Tensor | None, cache: LatentLayer | None, step: Step | None, path: str) -> Step:
+        """The call's step (made here unless given), after every check of the inputs."""
         self._check_x(x)
         self._check_cache(cache, layer=True)
         if path not in PATHS:
@@ -154,83 +179,85 @@ class MultiHeadLatentAttention(nn.Module):
         if (step.mask.batch, step.mask.s) != (b, s):
             raise MultiheadError(f"the step was made for (b, s) = {(step.mask.batch, step.mask.s)} but x has "
                                  f"{(b, s)}")
-        h, nope, rope, r, dv = c.n_heads, c.qk_nope_head_dim, c.qk_rope_head_dim, c.kv_lora_rank, c.v_head_dim
+        return step
+
+    def _project(self, x: Tensor, step: Step) -> tuple[Tensor, Tensor, Tensor]:
+        """(q_nope (b, h, s, nope), q_pe (b, h, s, rope) rotated, the new latents (b, s, r + rope) as cached)."""
+        c = self.config
+        b, s = x.shape[:2]
         if self.q_proj is not None:
             q = self.q_proj(x)
         else:
             assert self.q_a_proj is not None and self.q_a_norm is not None and self.q_b_proj is not None
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x)))
-        q = q.view(b, s, h, c.qk_head_dim).transpose(1, 2)  # (b, h, s, qk)
-        q_nope, q_pe = q.split([nope, rope], dim=-1)
-        latent = self.kv_a_proj(x)  # (b, s, r + rope): [c_KV, k_pe] before norm and RoPE
-        c_kv, k_pe = latent.split([r, rope], dim=-1)
+        q = q.view(b, s, c.n_heads, c.qk_head_dim).transpose(1, 2)  # (b, h, s, qk)
+        q_nope, q_pe = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
+        c_kv, k_pe = self.kv_a_proj(x).split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)  # before norm and RoPE
         assert step.rope is not None
         cos, sin = (table.to(q.dtype) for table in step.rope)
         q_pe = RotaryEmbedding.rotate(q_pe, cos, sin)
         k_pe = RotaryEmbedding.rotate(k_pe[:, None], cos, sin)[:, 0]  # (b, s, rope): one key for all heads
-        latent = torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)  # (b, s, r + rope): what is cached
+        return q_nope, q_pe, torch.cat([self.kv_a_norm(c_kv), k_pe], dim=-1)  # (b, s, r + rope): what is cached
+
+    def _latents(self, latent: Tensor, cache: LatentLayer | None, step: Step, *, copy: bool) -> Tensor:
+        """The latents the call attends to (b, t, r + rope): the new ones, or the cache's with them placed."""
         if cache is not None:
             assert step.slots is not None, "a cache call's step carries the cache's plan"
-            latent = cache.update(latent, step.slots, read_only=explain)  # (b, t, r + rope), the new ones included
-        t = latent.shape[1]
-        if step.mask.t != t:
-            raise MultiheadError(f"the step's mask covers {step.mask.t} keys but this call has {t}: make the step "
-                                 "for the same inputs and cache")
-        chosen = self.choose_path(s, t) if path == "auto" else path
-        w_b = self.kv_b_proj.weight.view(h, nope + dv, r)  # per head: W_UK (nope, r) above W_UV (dv, r)
-        kind = check_backend(backend) if backend is not None else self.backend
-        dropout = c.dropout if self.training else 0.0
-        if chosen == "expanded":
-            c_t, k_pe_t = latent.split([r, rope], dim=-1)
-            kv = self.kv_b_proj(c_t).view(b, t, h, nope + dv).transpose(1, 2)  # (b, h, t, nope + dv)
-            k_nope, v = kv.split([nope, dv], dim=-1)
-            k = torch.cat([k_nope, k_pe_t[:, None].expand(b, h, t, rope)], dim=-1)  # (b, h, t, qk)
-            call = AttentionCall(torch.cat([q_nope, q_pe], dim=-1), k, v.contiguous(), step.mask,
-                                 scale=c.softmax_scale, dropout_p=dropout, backend=kind, need_weights=return_weights)
-            if explain:
-                return None, None, self._explained(explain_call(call, self), "expanded", s, t)
-            z, weights = attend(call, self)  # (b, h, s, dv)
-            return z, weights, None
-        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_b[:, :nope])  # (b, h, s, r): W_UK absorbed into q
+            latent = cache.update(latent, step.slots, read_only=copy)  # (b, t, r + rope), the new ones included
+        if step.mask.t != latent.shape[1]:
+            raise MultiheadError(f"the step's mask covers {step.mask.t} keys but this call has {latent.shape[1]}: "
+                                 "make the step for the same inputs and cache")
+        return latent
+
+    def _expanded_call(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, step: Step, backend: str,
+                       dropout: float, return_weights: bool) -> AttentionCall:
+        """Expanded: the latents up-projected to h keys [c W_UK^i, k_pe] (b, h, t, qk) and values c W_UV^i."""
+        c = self.config
+        b, t, h = latent.shape[0], latent.shape[1], c.n_heads
+        c_t, k_pe = latent.split([c.kv_lora_rank, c.qk_rope_head_dim], dim=-1)
+        kv = self.kv_b_proj(c_t).view(b, t, h, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)  # (b, h, t, .)
+        k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].expand(b, h, t, c.qk_rope_head_dim)], dim=-1)  # (b, h, t, qk)
+        return AttentionCall(torch.cat([q_nope, q_pe], dim=-1), k, v.contiguous(), step.mask, scale=c.softmax_scale,
+                             dropout_p=dropout, backend=backend, need_weights=return_weights,
+                             hooks=call_hooks(self))
+
+    def _absorbed_core(self, q_nope: Tensor, q_pe: Tensor, latent: Tensor, step: Step, backend: str,
+                       dropout: float, return_weights: bool) -> _Core:
+        """Absorbed: W_UK folded into the queries, MQA over the one latent KV head (b, 1, t, r + rope); W_UV comes
+        after the weighted sum (:meth:`_attend`), and so does hook_z."""
+        c = self.config
+        b, s, t, r = q_nope.shape[0], q_nope.shape[2], latent.shape[1], c.kv_lora_rank
+        w_b = self.kv_b_proj.weight.view(c.n_heads, c.qk_nope_head_dim + c.v_head_dim, r)  # per head: W_UK, W_UV
+        w_uk, w_uv = w_b[:, :c.qk_nope_head_dim], w_b[:, c.qk_nope_head_dim:]  # (h, nope, r), (h, dv, r)
+        q_lat = torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk)  # (b, h, s, r)
         q_abs = torch.cat([q_lat, q_pe], dim=-1)  # (b, h, s, r + rope)
-        if s == 1 and not return_weights and not dropout and not self._core_hooked():
+        keys, values = latent[:, None], latent[:, None, :, :r]  # (b, 1, t, r + rope), (b, 1, t, r)
+        hooked = call_hooks(self, z=False)
+        core_hooked = hooked is not None and any(fn is not None for fn in (hooked.q, hooked.k, hooked.v,
+                                                                             hooked.pattern))
+        if s == 1 and not return_weights and not dropout and not core_hooked:
             # a decode step: the h query heads of the one latent KV head become h query rows of one head, so the
             # kernel reads the latent once (no GQA expansion of t x (r + rope)), as FlashMLA does
             spec = step.mask
-            keep, bias, _ = spec.dense(x.device, x.dtype) if not spec.is_empty else (None, None, None)
-            folded = MaskSpec(batch=b, n_heads=1, s=h, t=t, keep=keep, bias=bias)
-            # two matrix products (the math backend) beat the fused kernels on one head of h rows: 1.2-3x on an
-            # H200 and the 2-core CPU (benchmarks/mla_decode.py, RESULTS.md); a backend asked for is kept
-            folded_backend = "math" if kind == "auto" else kind
-            call = AttentionCall(q_abs.transpose(1, 2), latent[:, None], latent[:, None, :, :r], folded,
-                                 scale=c.softmax_scale, backend=folded_backend)  # (b, 1, h, r+rope) over (b, 1, t, .)
-            if explain:
-                return None, None, self._explained(kernels.explain(call), "absorbed", s, t)
-            z_lat = kernels.attend(call)[0].transpose(1, 2)  # (b, h, 1, r)
-            z = torch.einsum("bhsr,hvr->bhsv", z_lat, w_b[:, nope:])  # (b, h, 1, dv)
-            return (self.hook_z(z) if self.hook_z.active else z), None, None
-        call = AttentionCall(q_abs, latent[:, None], latent[:, None, :, :r],
-                             step.mask, scale=c.softmax_scale, dropout_p=dropout, backend=kind,
-                             need_weights=return_weights)  # MQA: one latent KV head (b, 1, t, r + rope)
-        points = _AbsorbedPoints(self)
-        if explain:
-            return None, None, self._explained(explain_call(call, points), "absorbed", s, t)  # type: ignore[arg-type,unused-ignore]
-        z_lat, weights = attend(call, points)  # type: ignore[arg-type,unused-ignore]  # (b, h, s, r)
-        z = torch.einsum("bhsr,hvr->bhsv", z_lat, w_b[:, nope:])  # (b, h, s, dv): W_UV after the weighted sum
-        z = self.hook_z(z) if self.hook_z.active else z
-        return z, weights, None
+            keep, bias, _ = spec.dense(latent.device, latent.dtype) if not spec.is_empty else (None, None, None)
+            folded = MaskSpec(batch=b, n_heads=1, s=c.n_heads, t=t, keep=keep, bias=bias)
+            call = AttentionCall(q_abs.transpose(1, 2), keys, values, folded, scale=c.softmax_scale, backend=backend,
+                                 hooks=None if hooked is None else CallHooks(names=hooked.names),
+                                 rows_are_heads=True)  # (b, 1, h, r + rope) over (b, 1, t, .)
+            return _Core("absorbed", call, s, t, w_uv, folded=True)
+        call = AttentionCall(q_abs, keys, values, step.mask, scale=c.softmax_scale, dropout_p=dropout,
+                             backend=backend, need_weights=return_weights, hooks=hooked)
+        return _Core("absorbed", call, s, t, w_uv)
 
-    def _core_hooked(self) -> bool:
-        return any(p.active for p in (self.hook_q, self.hook_k, self.hook_v, self.hook_pattern))
-
-    def _explained(self, choice: KernelChoice, path: str, s: int, t: int) -> KernelChoice:
+    def _explained(self, choice: KernelChoice, core: _Core) -> KernelChoice:
         c = self.config
-        if path == "absorbed":
+        if core.path == "absorbed":
             what = (f"MLA absorbed path: W_UK folded into the queries and W_UV after the weighted sum, so the kernel "
                     f"runs MQA over one latent KV head of width {c.latent_dim} ({c.n_heads} query heads"
-                    + (", folded into query rows of one head for this decode step" if s == 1 else "") + ")")
+                    + (", folded into query rows of one head for this decode step" if core.folded else "") + ")")
         else:
-            what = (f"MLA expanded path: the {t} cached latents are up-projected to {c.n_heads} keys of width "
+            what = (f"MLA expanded path: the {core.t} cached latents are up-projected to {c.n_heads} keys of width "
                     f"{c.qk_head_dim} and values of width {c.v_head_dim}")
         return KernelChoice(choice.backend, choice.kernel, f"{what}; {choice.reason}", choice.mask)
 
