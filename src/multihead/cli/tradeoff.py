@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from multihead.cli import COMMANDS, flags
+from multihead.cli import COMMANDS, flags, longctx
 from multihead.cli.common import out_folder
 from multihead.cli.flags import COUNT, POSITIVE, CliError
 from multihead.cli.model import WINDOW_HELP
@@ -20,20 +20,25 @@ def add(sub: Any) -> None:
     p.add_argument("--text", type=flags.PATH, default=None,
                    help="another evaluation text (plain or .gz; default: the Jargon File)")
     p.add_argument("--texts", type=POSITIVE, default=256, help="minilm: held-out paragraphs embedded (default 256)")
-    p.add_argument("--context", type=POSITIVE, default=1024, help="tokens per evaluation window (default 1024)")
-    p.add_argument("--stride", type=POSITIVE, default=512,
-                   help="tokens between windows, each scoring its last stride tokens (default 512)")
-    p.add_argument("--windows", type=POSITIVE, default=10, help="evaluation windows at most (default 10)")
-    p.add_argument("--chunk", type=POSITIVE, default=64, help="tokens per step through a cache (default 64)")
-    p.add_argument("--window", type=POSITIVE, default=256, metavar="N",
-                   help=f"{WINDOW_HELP}, beside --sinks: the sink + window caches measured (default 256)")
-    p.add_argument("--sinks", type=flags.COUNTS, default=(1, 4), help="sink token counts beside the window "
-                                                                       "(default 1,4)")
+    p.add_argument("--context", type=POSITIVE, default=None,
+                   help="tokens per perplexity window (default 1024; 4096 with --long)")
+    p.add_argument("--stride", type=POSITIVE, default=None,
+                   help="tokens between windows, each scoring its last stride tokens (default 512; 1024 with --long)")
+    p.add_argument("--windows", type=POSITIVE, default=None,
+                   help="perplexity windows at most (default 10; 1 with --long)")
+    p.add_argument("--chunk", type=POSITIVE, default=None,
+                   help="tokens per step through a cache (default 64; 512 with --long)")
+    p.add_argument("--window", type=POSITIVE, default=None, metavar="N",
+                   help=f"{WINDOW_HELP}, beside --sinks: the sink + window caches measured (default 256; with "
+                        "--long none beyond those --keep sizes)")
+    p.add_argument("--sinks", type=flags.COUNTS, default=None,
+                   help="sink token counts beside the window (default 1,4; one count with --long, default 4)")
     p.add_argument("--bits", type=flags.BITS, default=(8, 4, 2), help="quantized cache widths (default 8,4,2)")
     p.add_argument("--group", type=POSITIVE, default=32, help="quantization group size (default 32)")
     p.add_argument("--residual", type=COUNT, default=128, help="newest tokens kept in full precision (default 128)")
-    p.add_argument("--prune", type=flags.FRACTIONS, default=(0.1, 0.25, 0.5),
-                   help="fractions of KV groups pruned by importance (default 0.1,0.25,0.5; 'none' for none)")
+    p.add_argument("--prune", type=flags.FRACTIONS, default=None,
+                   help="fractions of KV groups pruned by importance (default 0.1,0.25,0.5, with --long 0.25; "
+                        "'none' for none)")
     p.add_argument("--uptrain-steps", type=COUNT, default=40,
                    help="distillation steps for pooled MQA (0: none; default 40)")
     p.add_argument("--uptrain-lr", type=flags.Number(0, 1, open_low=True), default=3e-3,
@@ -44,12 +49,20 @@ def add(sub: Any) -> None:
     p.add_argument("--out", type=flags.PATH, default="multihead-tradeoff",
                    help="folder for the PNG, the JSON and the checkpoint")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    longctx.add_flags(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     if args.model not in ("smollm2", "minilm") and not Path(args.model).exists():
         raise CliError(f"--model {args.model!r} is neither smollm2, minilm nor an existing .gguf file or folder")
+    if args.long:
+        return longctx.run(args)
+    longctx.refuse_without_long(args)
+    for name, default in (("context", 1024), ("stride", 512), ("windows", 10), ("chunk", 64), ("window", 256),
+                          ("sinks", (1, 4)), ("prune", (0.1, 0.25, 0.5))):
+        if getattr(args, name) is None:
+            setattr(args, name, default)
     if args.model == "minilm":
         return _encoder(args)
     from multihead.files import write_text
