@@ -145,6 +145,10 @@ def test_compare_puts_the_weights_beside_the_cache(capsys: pytest.CaptureFixture
     rows = {r["variant"]: r for r in json.loads(capsys.readouterr().out)["variants"]}
     model = rows["GQA-8"]
     assert model["weight_bytes"] == weight_bytes(8_030_261_248, "bf16")
-    room = 24 * 2**30 - model["weight_bytes"]
-    assert model["max_context"] == room // (32 * 2 * 8 * 128 * 2)  # what is left beside the weights, per token
+    # count's fit model: beside the weights, each token costs its KV (2 K/V x 8 heads x 128 x 2 B x 32 layers) and
+    # its prefill activations (D 4096 + 3 x 14336 for the MLP's gate, up and product, 2 B each), plus the last
+    # position's logits in float32; the model's own context (8,192) caps the answer
+    room = 24 * 2**30 - model["weight_bytes"] - 128256 * 4
+    assert model["max_context_by_memory"] == room // (32 * 2 * 8 * 128 * 2 + (4096 + 3 * 14336) * 2)
+    assert model["max_context"] == 8192
     assert rows["MHA"]["weight_bytes"] > model["weight_bytes"] > rows["MQA"]["weight_bytes"]  # K/V projections

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from multihead import cost
 from multihead.config import MLAConfig
@@ -12,6 +13,9 @@ from multihead.divisors import divisors
 from multihead.errors import MultiheadError
 from multihead.files import save_figure
 from multihead.presets import ModelConfig
+
+if TYPE_CHECKING:
+    from multihead.sizing import FitModel, ModelSize
 
 
 @dataclass(frozen=True)
@@ -23,70 +27,99 @@ class Variant:
     kv_cache_bytes: int
     ratio_to_mha: float
     params_per_layer: int
-    max_context: int | None
+    max_context: int | None  # the context that fits (count's answer for the model's own row); None: any
     is_model: bool
     weight_bytes: int | None = None  # the whole model's weights with this attention, when its config says enough
+    max_context_by_memory: int | None = None  # before the model's own context caps it
+    note: str | None = None  # why a row has no answer (a --tp this head count cannot split)
+
+
+def variant_model(model: ModelConfig, n_kv_heads: int | None = None, mla: MLAConfig | None = None) -> ModelConfig:
+    """The model with another KV head count (its layers' windows kept), or with ``mla`` on every layer."""
+    if mla is not None:
+        return dataclasses.replace(model, mla=mla)
+    g = model.attention.n_kv_heads if n_kv_heads is None else n_kv_heads
+    assert g is not None
+    return dataclasses.replace(model, attention=dataclasses.replace(model.attention, n_kv_heads=g), mla=None)
 
 
 def compare_variants(
-    model: ModelConfig, *, seq: int, batch: int = 1, dtype: str = "bf16", memory_bytes: int | None = None
+    model: ModelConfig, *, seq: int, batch: int = 1, dtype: str = "bf16", memory_bytes: int | None = None,
+    fitting: FitModel | None = None,
 ) -> list[Variant]:
-    """The model's attention with every valid KV head count (each divisor of n_heads), MHA first, MQA last."""
+    """The model's attention with every valid KV head count (each divisor of n_heads), MHA first, MQA last, and MLA.
+
+    The context that fits is `multihead count`'s (multihead.sizing's one fit model, ``fitting``: weights, KV cache,
+    prefill activations and reserve per device, capped at the model's own context) where the config describes the
+    whole model; the KV cache alone (less the reserve) where it gives only the attention's sizes."""
+    from multihead.sizing import FitModel, check_tp, kv_bytes, kv_max_context, largest_context
+
+    fitting = fitting or FitModel(dtype=dtype, weights_dtype=dtype)
     base = model.attention
     counts = sorted(divisors(base.n_heads), reverse=True)
-    rows = []
-    mha_bytes = None
-    others = _weights_without_attention(model)  # parameters outside attention, or None
+    candidates: list[tuple[str, ModelConfig, bool]] = []
     for g in counts:
         a = dataclasses.replace(base, n_kv_heads=g)
-        total = cost.kv_cache_bytes(a, context=seq, batch=batch, n_layers=model.n_layers, dtype=dtype)
-        mha_bytes = total if mha_bytes is None else mha_bytes
-        weights = None if others is None else weight_bytes(others + model.n_layers * cost.parameters(a).total, dtype)
-        room = memory_bytes if memory_bytes is None or weights is None else max(0, memory_bytes - weights)
-        rows.append(Variant(
-            variant=a.variant if a.variant != "GQA" else f"GQA-{g}",
-            n_kv_heads=g,
-            group_size=base.n_heads // g,
-            kv_bytes_per_token=cost.kv_cache_bytes_per_token_per_layer(a, dtype) * model.n_layers,
-            kv_cache_bytes=total,
-            ratio_to_mha=total / mha_bytes if mha_bytes else 0.0,
-            params_per_layer=cost.parameters(a).total,
-            max_context=None if room is None else cost.max_context(
-                a, memory_bytes=room, batch=batch, n_layers=model.n_layers, dtype=dtype),
-            is_model=g == base.n_kv_heads and model.mla is None,
-            weight_bytes=weights,
-        ))
+        candidates.append((a.variant if a.variant != "GQA" else f"GQA-{g}", variant_model(model, g),
+                           g == base.n_kv_heads and model.mla is None))
     mla = model_mla(model)
     if mla is not None:
-        per_token = mla.latent_dim * cost.dtype_bytes(dtype) * model.n_layers
-        total = cost.mla_cache_bytes(mla, context=seq, batch=batch, n_layers=model.n_layers, dtype=dtype)
-        weights = None if others is None else weight_bytes(
-            others + model.n_layers * cost.mla_parameters(mla).total, dtype)
-        room = memory_bytes if memory_bytes is None or weights is None else max(0, memory_bytes - weights)
+        name = "MLA" if model.mla is not None else f"MLA (r {mla.kv_lora_rank}, rope {mla.qk_rope_head_dim})"
+        candidates.append((name, variant_model(model, mla=mla), model.mla is not None))
+    rows = []
+    mha_bytes = None
+    for name, m, is_model in candidates:
+        total = kv_bytes(m, context=seq, batch=batch, dtype=dtype)
+        mha_bytes = total if mha_bytes is None else mha_bytes
+        per_layer = (cost.mla_parameters(m.mla).total if m.mla is not None else cost.parameters(m.attention).total)
+        size = _size(m)
+        weights = None if size is None else weight_bytes(size.total, fitting.weights_dtype)
+        context, by_memory, note = None, None, None
+        if memory_bytes is not None:
+            try:
+                check_tp(m, fitting.tp)
+            except MultiheadError:
+                note = f"--tp {fitting.tp} does not split {m.attention.n_kv_heads} KV heads"
+            if note is None and size is not None:
+                fit_m = fitting if m.mla is None or fitting.cache in ("full", "latent") else dataclasses.replace(
+                    fitting, cache="full")
+                context, by_memory, _ = largest_context(m, size, seq=seq, batch=batch, memory=memory_bytes,
+                                                        fitting=fit_m)
+            elif note is None:
+                room = max(0, memory_bytes - fitting.reserve) * (1 if m.mla is not None else fitting.tp)
+                by_memory = kv_max_context(m, memory=room, batch=batch, dtype=dtype,
+                                           cache="full" if m.mla is not None else fitting.cache)
+                limit = model.hf.context_limit if model.hf is not None else model.max_context
+                context = by_memory if limit is None or by_memory is None else min(by_memory, limit)
         rows.append(Variant(
-            variant="MLA" if model.mla is not None else f"MLA (r {mla.kv_lora_rank}, rope {mla.qk_rope_head_dim})",
-            n_kv_heads=1, group_size=base.n_heads, kv_bytes_per_token=per_token, kv_cache_bytes=total,
+            variant=name,
+            n_kv_heads=1 if m.mla is not None else int(m.attention.n_kv_heads or 0),
+            group_size=base.n_heads // (1 if m.mla is not None else int(m.attention.n_kv_heads or 1)),
+            kv_bytes_per_token=sum(cost.layer_cache_bytes_per_token(m.attention, layer, dtype=dtype, mla=m.mla)
+                                   for layer in m.layers()),
+            kv_cache_bytes=total,
             ratio_to_mha=total / mha_bytes if mha_bytes else 0.0,
-            params_per_layer=cost.mla_parameters(mla).total,
-            max_context=None if room is None else room // (per_token * batch),
-            is_model=model.mla is not None,
+            params_per_layer=per_layer,
+            max_context=context,
+            is_model=is_model,
             weight_bytes=weights,
+            max_context_by_memory=by_memory,
+            note=note,
         ))
     return rows
 
 
-def _weights_without_attention(model: ModelConfig) -> int | None:
-    """The whole model's parameters outside its attention layers (multihead.sizing), or None when the config does
-    not describe the whole model (sizes given on the command line)."""
+def _size(model: ModelConfig) -> ModelSize | None:
+    """The whole model's parameters (multihead.sizing), or None when the config does not describe the whole model
+    (sizes given on the command line)."""
     from multihead.sizing import model_size
 
     if model.hf is None or "vocab_size" not in model.hf:
         return None
     try:
-        size = model_size(model)
+        return model_size(model)
     except MultiheadError:
         return None
-    return size.total - size.parts["attention"]
 
 
 def weight_bytes(params: int, dtype: str) -> int:
@@ -135,15 +168,15 @@ def plot_variants(
     if model_row.weight_bytes is not None:
         ax.axhline(model_row.weight_bytes / gib, color="grey", linestyle="-.",
                    label=f"the model's weights alone ({dtype})")
+    from multihead.sizing import kv_bytes
+
     for r in rows:
+        m = variant_model(model, mla=mla) if r.variant.startswith("MLA") and mla is not None else variant_model(
+            model, r.n_kv_heads)
+        ys = [kv_bytes(m, context=c, batch=batch, dtype=dtype) / gib for c in contexts]
         if r.variant.startswith("MLA") and mla is not None:
-            ys = [cost.mla_cache_bytes(mla, context=c, batch=batch, n_layers=model.n_layers, dtype=dtype) / gib
-                  for c in contexts]
             label = f"{r.variant} (one latent of {mla.latent_dim} per token)"
         else:
-            a = dataclasses.replace(model.attention, n_kv_heads=r.n_kv_heads)
-            ys = [cost.kv_cache_bytes(a, context=c, batch=batch, n_layers=model.n_layers, dtype=dtype) / gib
-                  for c in contexts]
             label = f"{r.variant} ({r.n_kv_heads} KV head{'s' if r.n_kv_heads > 1 else ''})"
         if r.weight_bytes is not None:  # the whole model: its weights plus the cache
             ys = [y + r.weight_bytes / gib for y in ys]

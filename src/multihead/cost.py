@@ -10,7 +10,9 @@ and of ``torch.utils.flop_counter``); biases, scaling, masking and softmax are e
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -194,9 +196,11 @@ def kv_cache_bytes_per_token_per_layer(config: AttentionConfig, dtype: str = "bf
 
 
 def cached_tokens(config: AttentionConfig, context: int) -> int:
-    """Tokens each sequence keeps in the cache: the context, capped by the sliding window if there is one."""
+    """Tokens each sequence keeps in the cache between steps: the context, or with a sliding window of w the last
+    min(context, w - 1) (the next token joins them: it sees w keys, itself included), as transformers'
+    DynamicSlidingWindowLayer and :class:`multihead.cache.SinkCache` keep them."""
     _check_sizes(context=context)
-    return context if config.window is None else min(context, config.window)
+    return LayerAttention.of(config).cached_tokens(context)
 
 
 def kv_cache_bytes(
@@ -248,7 +252,7 @@ def max_context(
     if per_token == 0:
         return None
     fits = memory_bytes // per_token
-    if config.window is not None and fits >= config.window:
+    if config.window is not None and fits >= config.window - 1:
         return None
     return fits
 
@@ -270,6 +274,107 @@ def fused_attention_bytes(config: AttentionConfig, *, s: int, batch: int = 1) ->
     return batch * config.n_heads * s * 4
 
 
+# ---------------------------------------------------------------------------------------------- layer by layer
+LAYER_KINDS = ("full", "sliding", "latent")
+
+
+@dataclass(frozen=True)
+class LayerAttention:
+    """What one layer's attention sees and caches: ``full`` (every earlier key), ``sliding`` (the last ``window``
+    keys, itself included: min(context, window - 1) cached between steps) or ``latent`` (an MLA layer: one latent
+    and one RoPE key per token). A model is a tuple of these, one per layer (Gemma 2 alternates sliding and full;
+    :meth:`multihead.hfconfig.HFConfig.layer_kinds` reads them from a config)."""
+
+    kind: str = "full"
+    window: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind not in LAYER_KINDS:
+            raise MultiheadError(f"layer kind {self.kind!r} is unknown: choose one of {', '.join(LAYER_KINDS)}")
+        if self.kind == "sliding":
+            if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
+                raise MultiheadError(f"a sliding layer needs a window of at least 1 token, got {self.window!r}")
+        elif self.window is not None:
+            raise MultiheadError(f"a {self.kind} layer has no window (got {self.window!r}): use kind 'sliding'")
+
+    @classmethod
+    def of(cls, config: AttentionConfig) -> LayerAttention:
+        """The kind of a layer built from ``config`` (sliding when it has a window)."""
+        return cls("full") if config.window is None else cls("sliding", config.window)
+
+    def cached_tokens(self, context: int) -> int:
+        """Tokens of one sequence this layer holds after ``context`` tokens."""
+        if self.kind == "sliding":
+            assert self.window is not None
+            return min(context, self.window - 1)
+        return context
+
+    def describe(self) -> str:
+        return f"sliding {self.window}" if self.kind == "sliding" else self.kind
+
+
+def layers_summary(layers: Sequence[LayerAttention]) -> str:
+    """'21 sliding 4096 + 21 full', in the order first seen."""
+    counts: dict[str, int] = {}
+    for layer in layers:
+        counts[layer.describe()] = counts.get(layer.describe(), 0) + 1
+    return " + ".join(f"{n} {kind}" for kind, n in counts.items())
+
+
+def layer_cache_bytes_per_token(config: AttentionConfig, layer: LayerAttention, *, dtype: str = "bf16",
+                                mla: MLAConfig | None = None) -> int:
+    """Bytes one cached token costs in one layer: 2 g d bytes(dtype), or (kv_lora_rank + rope) bytes(dtype) for a
+    latent layer."""
+    if layer.kind == "latent":
+        if mla is None:
+            raise MultiheadError("a latent (MLA) layer needs its MLAConfig to be sized")
+        return mla.latent_dim * dtype_bytes(dtype)
+    return kv_cache_bytes_per_token_per_layer(config, dtype)
+
+
+def layers_kv_bytes(config: AttentionConfig, layers: Sequence[LayerAttention], *, context: int, batch: int = 1,
+                    dtype: str = "bf16", mla: MLAConfig | None = None) -> int:
+    """The whole cache summed layer by layer: sum over layers of per-token bytes * cached_tokens(context) * batch
+    (a full layer holds the context, a sliding one min(context, window - 1), a latent one the context's latents)."""
+    _check_sizes(context=context, batch=batch)
+    return sum(layer_cache_bytes_per_token(config, layer, dtype=dtype, mla=mla) * layer.cached_tokens(context)
+               for layer in layers) * batch
+
+
+def layers_max_context(config: AttentionConfig, layers: Sequence[LayerAttention], *, memory_bytes: int,
+                       batch: int = 1, dtype: str = "bf16", mla: MLAConfig | None = None) -> int | None:
+    """The longest context whose cache (:func:`layers_kv_bytes`) fits in memory_bytes; None when any context fits
+    (every layer is sliding, and the windows fit)."""
+    _check_sizes(memory_bytes=memory_bytes, batch=batch)
+
+    def ok(c: int) -> bool:
+        return layers_kv_bytes(config, layers, context=c, batch=batch, dtype=dtype, mla=mla) <= memory_bytes
+
+    if all(layer.kind == "sliding" for layer in layers):
+        longest = max(layer.window or 0 for layer in layers)
+        if ok(longest):
+            return None
+    lo, hi = 0, 1
+    while ok(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def layers_flops(config: AttentionConfig, layers: Sequence[LayerAttention], *, s: int, batch: int = 1,
+                 causal: bool = True, exact_mask: bool = True) -> dict[str, FlopCount]:
+    """Forward FLOPs of one layer of each kind the model has (``{"full": ..., "sliding": ...}``), each kind's window
+    counted pair by pair (:func:`flops`); a latent layer is counted by :func:`mla_flops` instead."""
+    out: dict[str, FlopCount] = {}
+    for layer in layers:
+        if layer.kind != "latent" and layer.describe() not in out:
+            c = dataclasses.replace(config, window=layer.window)
+            out[layer.describe()] = flops(c, s=s, batch=batch, causal=causal, exact_mask=exact_mask)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------- one report
 def report(
     config: AttentionConfig,
@@ -279,14 +384,33 @@ def report(
     batch: int = 1,
     dtype: str = "bf16",
     causal: bool = True,
+    layers: Sequence[LayerAttention] | None = None,
 ) -> dict[str, Any]:
-    """Every figure above for one configuration, as one JSON-ready dict (what ``multihead count --json`` prints)."""
-    _check_sizes(n_layers=n_layers)
+    """Every figure above for one configuration, as one JSON-ready dict (what ``multihead count --json`` prints).
+
+    ``layers``: the kind of each layer (:class:`LayerAttention`; n_layers is then their number). FLOPs and the cache
+    are summed layer by layer; the ``*_per_layer`` figures and ``attended_pairs`` are those of a full-attention layer
+    where the model has one (each kind's under ``by_layer_kind``). Without ``layers``: n_layers layers of ``config``.
+    """
+    if layers is None:
+        _check_sizes(n_layers=n_layers)
+        layers = (LayerAttention.of(config),) * n_layers
+    n_layers = len(layers)
+    if any(layer.kind == "latent" for layer in layers):
+        raise MultiheadError("report() sizes MHA/GQA/MQA layers: a latent (MLA) layer is reported by mla_report()")
     p = parameters(config)
-    f = flops(config, s=seq, batch=batch, causal=causal)
-    dense = flops(config, s=seq, batch=batch, causal=causal, exact_mask=False)
+    by_kind = layers_flops(config, layers, s=seq, batch=batch, causal=causal)
+    dense = layers_flops(config, layers, s=seq, batch=batch, causal=causal, exact_mask=False)
+    count = {kind: sum(1 for layer in layers if layer.describe() == kind) for kind in by_kind}
+    main_kind = "full" if "full" in by_kind else next(iter(by_kind))
+    f = by_kind[main_kind]
+    main_window = next(layer.window for layer in layers if layer.describe() == main_kind)
+
+    def total(of: Any) -> int:
+        return sum(of(by_kind[k]) * n for k, n in count.items())
+
     per_token = kv_cache_bytes_per_token_per_layer(config, dtype)
-    return {
+    out = {
         "config": config.to_dict(),
         "variant": config.variant,
         "head_dim": config.head_dim,
@@ -300,20 +424,27 @@ def report(
         "params_per_layer": p.total,
         "params_per_layer_by_projection": {k: v for k, v in asdict(p).items() if k.endswith("proj")},
         "params_total": p.total * n_layers,
-        "flops_forward": f.forward * n_layers,
+        "flops_forward": total(lambda c: c.forward),
         "flops_forward_per_layer": f.forward,
         "flops_forward_by_part_per_layer": asdict(f),
-        "flops_attention_core": f.attention * n_layers,
-        "flops_backward": f.backward * n_layers,
-        "flops_forward_dense_mask": dense.forward * n_layers,
-        "attended_pairs": attended_pairs(seq, seq, causal=causal, window=config.window),
+        "flops_attention_core": total(lambda c: c.attention),
+        "flops_backward": total(lambda c: c.backward),
+        "flops_forward_dense_mask": sum(dense[k].forward * n for k, n in count.items()),
+        "attended_pairs": attended_pairs(seq, seq, causal=causal, window=main_window),
         "kv_cache_bytes_per_token_per_layer": per_token,
         "kv_cache_bytes_per_token": per_token * n_layers,
-        "kv_cache_tokens": cached_tokens(config, seq),
-        "kv_cache_bytes_total": kv_cache_bytes(config, context=seq, batch=batch, n_layers=n_layers, dtype=dtype),
+        "kv_cache_tokens": max(layer.cached_tokens(seq) for layer in layers),
+        "kv_cache_bytes_total": layers_kv_bytes(config, layers, context=seq, batch=batch, dtype=dtype),
         "attention_matrix_bytes_per_layer": attention_matrix_bytes(config, s=seq, batch=batch, dtype=dtype),
         "fused_attention_bytes_per_layer": fused_attention_bytes(config, s=seq, batch=batch),
+        "layer_kinds": layers_summary(layers),
     }
+    if len(count) > 1:
+        out["by_layer_kind"] = {k: {"layers": n, "flops_forward_per_layer": by_kind[k].forward,
+                                    "kv_cache_tokens": next(la.cached_tokens(seq) for la in layers
+                                                            if la.describe() == k)}
+                                for k, n in count.items()}
+    return out
 
 
 # ---------------------------------------------------------------------------------------------- MLA

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from multihead.config import AttentionConfig, MLAConfig, RopeConfig
+from multihead.cost import LayerAttention
 from multihead.errors import MultiheadError
 from multihead.values import (
     MAX_CONTEXT,
@@ -154,7 +155,8 @@ def _json_kind(value: Any) -> str:
 @dataclass(frozen=True)
 class Field:
     """What one config.json key must hold: ``kind`` (int, ints: a list of ints, int or ints, number, flag, text,
-    object), a range for numbers (``open_low``: the low end excluded), and whether null means "absent"."""
+    texts: a list of strings, object), a range for numbers (``open_low``: the low end excluded), and whether null
+    means "absent"."""
 
     kind: str
     low: float = 1
@@ -208,6 +210,10 @@ FIELDS: dict[str, Field] = {
     "mlp_only_layers": Field("ints", 0, MAX_LAYERS, "layers", nullable=True),
     "rope_theta": Field("number", 1, 1e12, open_low=True),
     "rope_parameters": Field("object", nullable=True),
+    "rope_scaling": Field("object", nullable=True),
+    "layer_types": Field("texts", nullable=True),
+    **_sizes(MAX_LAYERS, "layers", "sliding_window_pattern", nullable=True),
+    **_sizes(MAX_LAYERS, "layers", "max_window_layers", low=0, nullable=True),
     "rms_norm_eps": Field("number", 0, 1, open_low=True),
     "layer_norm_eps": Field("number", 0, 1, open_low=True),
     **_flags("tie_word_embeddings", "attention_bias", "mlp_bias", "qkv_bias", "bias", "multi_query", "alibi",
@@ -221,6 +227,13 @@ _BIASED = {"gpt2", "bert", "roberta", "xlm-roberta", "distilbert", "electra", "m
 _ABSOLUTE = {"gpt2", "bert", "roberta", "xlm-roberta", "distilbert", "electra", "mpnet", "albert", "opt", "bloom"}
 
 _REQUIRED: Any = object()
+
+# Families whose sliding_window applies to the layers from max_window_layers on, and only with use_sliding_window.
+_QWEN = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
+# Families that alternate sliding and full layers without a layer_types list: the pattern's period (every
+# period-th layer is full, the others sliding), transformers' defaults (Gemma 3's sliding_window_pattern 6, ...).
+_ALTERNATING = {"gemma2": 2, "gpt_oss": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
 
 
 class HFConfig(Mapping[str, Any]):
@@ -298,6 +311,10 @@ class HFConfig(Mapping[str, Any]):
             return value
         if spec.kind == "text":
             return v.text(key, value)
+        if spec.kind == "texts":
+            if not isinstance(value, list):
+                raise v.fail(key, value, "a list of strings")
+            return [v.text(f"{key}[{i}]", item) for i, item in enumerate(value)]
         if not isinstance(value, dict):
             raise v.fail(key, value, "an object")
         return value
@@ -394,8 +411,9 @@ class HFConfig(Mapping[str, Any]):
 
     @cached_property
     def window(self) -> int | None:
-        """sliding_window, unless use_sliding_window is false (Qwen2's switch); None for none."""
-        if self.flag("use_sliding_window", default=True) is False:
+        """sliding_window, unless use_sliding_window is false (Qwen2's switch, false when absent for the Qwen
+        families, as transformers reads it); None for none."""
+        if self.flag("use_sliding_window", default=self.model_type not in _QWEN) is False:
             return None
         value = self._values.get("sliding_window")
         if value is None:
@@ -423,6 +441,66 @@ class HFConfig(Mapping[str, Any]):
     def is_mla(self) -> bool:
         """Multi-head latent attention (DeepSeek-V2/V3): the config has a kv_lora_rank."""
         return self.integer("kv_lora_rank", default=None) is not None
+
+    @cached_property
+    def context_limit(self) -> int | None:
+        """The longest context the model is made for: max_position_embeddings, or with a RoPE scaling that gives
+        a factor and original_max_position_embeddings (YaRN, as Qwen2.5 adds it), their product if larger."""
+        base = self.max_context
+        scaling = self.get("rope_scaling") or self.get("rope_parameters")
+        if not isinstance(scaling, Mapping):
+            return base
+        factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
+        if factor is None or original is None:
+            return base
+        f = self._check.number("rope_scaling.factor", factor, low=0, high=1e6, open_low=True)
+        o = self._check.integer("rope_scaling.original_max_position_embeddings", original, low=1, high=MAX_CONTEXT,
+                                limit="context")
+        return max(base or 0, int(o * f))
+
+    def layer_kinds(self, n_layers: int | None = None) -> tuple[LayerAttention, ...]:
+        """Each layer's attention kind, as transformers builds the model's cache from this config: ``layer_types``
+        where the config lists them (full_attention / sliding_attention); else latent for an MLA model; else the
+        family's pattern with its sliding_window: Gemma 2 and gpt-oss alternate sliding and full (layer 0
+        sliding), Gemma 3 makes every ``sliding_window_pattern``-th layer full (default 6), Qwen2/Qwen3 slide from
+        layer ``max_window_layers`` on (with use_sliding_window), Mistral, Mixtral and the others slide on every
+        layer. ``n_layers`` (default the config's) repeats a pattern over another depth."""
+        n = self.n_layers if n_layers is None else n_layers
+        if self.is_mla:
+            return (LayerAttention("latent"),) * n
+        window = self.window
+        types = self.get("layer_types")
+        if types is not None:
+            named = self.text_list("layer_types")
+            if len(named) != self.n_layers:
+                raise MultiheadError(f"{self.where!r}: layer_types lists {len(named):,} layers; the config has "
+                                     f"{self.n_layers:,} (num_hidden_layers)")
+            kinds = []
+            for i, t in enumerate(named):
+                if t not in _LAYER_TYPES:
+                    raise MultiheadError(f"{self.where!r}: layer_types[{i}] = {t!r} is not sized yet: expected "
+                                         f"{' or '.join(_LAYER_TYPES)}")
+                if _LAYER_TYPES[t] == "sliding" and window is None:
+                    raise MultiheadError(f"{self.where!r}: layer_types[{i}] is sliding_attention but the config "
+                                         "has no sliding_window")
+                kinds.append(LayerAttention("sliding", window) if _LAYER_TYPES[t] == "sliding"
+                             else LayerAttention("full"))
+            return tuple(kinds[i % len(kinds)] for i in range(n))
+        if window is None:
+            return (LayerAttention("full"),) * n
+        sliding, full = LayerAttention("sliding", window), LayerAttention("full")
+        family = self.model_type
+        if family in _ALTERNATING:
+            period = int(self.integer("sliding_window_pattern", default=_ALTERNATING[family]))
+            return tuple(sliding if (i + 1) % period else full for i in range(n))
+        if family in _QWEN:
+            first = int(self.integer("max_window_layers", default=28))
+            return tuple(sliding if i >= first else full for i in range(n))
+        return (sliding,) * n
+
+    def text_list(self, key: str) -> list[str]:
+        """A list of strings (layer_types)."""
+        return list(self._read((key,), FIELDS[key], []))
 
     # -- the layer it describes
     def attention(self) -> AttentionConfig:

@@ -15,6 +15,7 @@ from typing import Any
 
 from multihead import cost
 from multihead.config import AttentionConfig, MLAConfig
+from multihead.cost import LayerAttention
 from multihead.errors import MultiheadError
 from multihead.hfconfig import HFConfig, read_config
 from multihead.values import MAX_PARAMETERS
@@ -32,6 +33,18 @@ class ModelConfig:
     source: str = ""
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); ``attention`` is then MHA with its heads
     hf: HFConfig | None = None  # the config it was read from (for the whole-model count, multihead.sizing)
+    layer_kinds: tuple[LayerAttention, ...] | None = None  # each layer's kind, read from the config (HFConfig)
+
+    def layers(self) -> tuple[LayerAttention, ...]:
+        """Each of the n_layers layers' attention kind: latent for an MLA model; the config's kinds (Gemma 2's
+        alternation, ``layer_types``, ...; a pattern repeated when n_layers differs); else every layer as
+        ``attention`` (sliding with its window)."""
+        if self.mla is not None:
+            return (LayerAttention("latent"),) * self.n_layers
+        kinds = self.layer_kinds
+        if kinds and not any(k.kind == "latent" for k in kinds):
+            return tuple(kinds[i % len(kinds)] for i in range(self.n_layers))
+        return (LayerAttention.of(self.attention),) * self.n_layers
 
 
 # Excerpts of the published config.json of each model (Hugging Face Hub, the model's own repository).
@@ -129,7 +142,7 @@ def _model(cfg: HFConfig, *, name: str, source: str) -> ModelConfig:
             "past MAX_PARAMETERS (2^61, whose float32 bytes pass 2^63, the most an int64 byte count holds): no "
             "machine can allocate them")
     return ModelConfig(name=name, attention=attention, n_layers=n_layers, causal=cfg.causal,
-                       max_context=cfg.max_context, source=source, mla=mla, hf=cfg)
+                       max_context=cfg.max_context, source=source, mla=mla, hf=cfg, layer_kinds=cfg.layer_kinds())
 
 
 def from_hf_config(path: str | Path) -> ModelConfig:

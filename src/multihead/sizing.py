@@ -13,6 +13,7 @@ published totals.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -215,12 +216,25 @@ def weight_bytes(params: int, dtype: str) -> int:
     return math.ceil(params * WEIGHT_BITS[key] / 8)
 
 
-def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str) -> int:
-    """The peak of a prefill's activations with a fused attention kernel (no (s, t) matrix), inference only:
-    the residual stream plus the largest transient of one layer (q, k, v and the attention output, or the MLP's
-    gate, up and their product), and the last position's logits in float32::
+FLOAT_DTYPES = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16")
 
-        b s bytes (D + max(2 D + 2 g d, 3 I)) + b V 4
+
+def activation_dtype(dtype: str) -> str:
+    """The element type of the activations when the KV cache is ``dtype``: the same for a float type; bf16 for an
+    int8 or fp8 cache (the layers compute in bf16 and store K and V narrower)."""
+    key = str(dtype).removeprefix("torch.")
+    return key if key in FLOAT_DTYPES else "bf16"
+
+
+def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str, tp: int = 1,
+                             shard_embeddings: bool = False) -> int:
+    """The peak of a prefill's activations of ``seq`` tokens on one device, with a fused attention kernel (no (s, t)
+    matrix), inference only: the residual stream (on every device) plus the largest transient of one layer (q, k, v
+    and the attention output, or the MLP's gate, up and their product; split over ``tp`` devices by heads and
+    columns), and the last position's logits in float32 (split by vocabulary with ``shard_embeddings``), in the
+    activation dtype (:func:`activation_dtype`)::
+
+        b s bytes (D + max(2 D + 2 g d, 3 I) / tp) + b V 4 / (tp if shard_embeddings else 1)
     """
     cfg = _config(model)
     a = model.attention
@@ -235,42 +249,94 @@ def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, b
     if model.mla is not None:
         m = model.mla
         attention = m.n_heads * (2 * m.qk_head_dim + m.v_head_dim) + m.latent_dim
-    per_token = D + max(attention, 3 * inner)
+    per_token = D + -(-max(attention, 3 * inner) // tp)
     V = int(cfg.integer("vocab_size", default=0))
-    return batch * seq * per_token * cost.dtype_bytes(dtype) + batch * V * 4
+    logits = batch * 4 * (-(-V // tp) if shard_embeddings else V)
+    return batch * seq * per_token * cost.dtype_bytes(activation_dtype(dtype)) + logits
 
 
 def kv_bytes(model: ModelConfig, *, context: int, batch: int, dtype: str, cache: str = "full") -> int:
-    """The KV cache of the whole model by cache kind: "full", "window:N" (sinks 4), "int8"/"int4"/"int2"
-    (group 32, residual 128), or "latent" (an MLA model's; also what "full" means for one)."""
-    a, n = model.attention, model.n_layers
+    """The KV cache of the whole model by cache kind, summed layer by layer (``model.layers()``: a sliding layer
+    holds min(context, window - 1) tokens, a full one the context, an MLA one its latents): "full", "window:N"
+    (sinks 4 on every layer, or less where the layer holds less), "int8"/"int4"/"int2" (group 32, residual 128, on
+    every layer: multihead's QuantizedKVCache has no window), or "latent" (an MLA model's; also what "full" means for
+    one)."""
+    a, n, layers = model.attention, model.n_layers, model.layers()
     if model.mla is not None and cache in ("full", "latent"):
-        return cost.mla_cache_bytes(model.mla, context=context, batch=batch, n_layers=n, dtype=dtype)
+        return cost.layers_kv_bytes(a, layers, context=context, batch=batch, dtype=dtype, mla=model.mla)
     if cache == "latent":
         raise MultiheadError(f"{model.name} has no latent attention: --cache latent is for MLA models")
     if cache == "full":
-        return cost.kv_cache_bytes(a, context=context, batch=batch, n_layers=n, dtype=dtype)
+        return cost.layers_kv_bytes(a, layers, context=context, batch=batch, dtype=dtype)
     if cache.startswith("window:"):
         try:
             window = int(cache.split(":", 1)[1])
         except ValueError:
             raise MultiheadError(f"cache {cache!r}: give window:N with N a number of tokens") from None
-        return min(cost.sink_cache_bytes(a, window=window, sink_tokens=4, batch=batch, n_layers=n, dtype=dtype),
-                   cost.kv_cache_bytes(a, context=context, batch=batch, n_layers=n, dtype=dtype))
+        sink = cost.sink_cache_bytes(a, window=window, sink_tokens=4, batch=batch, dtype=dtype)
+        return sum(min(sink, cost.layers_kv_bytes(a, (layer,), context=context, batch=batch, dtype=dtype))
+                   for layer in layers)
     if cache in ("int8", "int4", "int2"):
         return cost.quantized_cache_bytes(a, context=context, bits=int(cache[3:]), group=min(32, a.head_dim),
                                           batch=batch, n_layers=n, dtype=dtype)
     raise MultiheadError(f"cache {cache!r} is unknown: choose full, window:N, int8, int4, int2 or latent")
 
 
+def kv_max_context(model: ModelConfig, *, memory: int, batch: int, dtype: str, cache: str = "full") -> int | None:
+    """The longest context whose KV cache alone (:func:`kv_bytes`, this cache kind) fits in ``memory``; None when
+    any does (every layer's cache stops growing)."""
+    def ok(c: int) -> bool:
+        return kv_bytes(model, context=c, batch=batch, dtype=dtype, cache=cache) <= memory
+
+    if not ok(1):
+        return 0
+    lo, hi = 1, 2
+    while ok(hi):
+        lo, hi = hi, hi * 2
+        if hi > 1 << 50:
+            return None
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class FitModel:
+    """What is counted on each device (the one fit model of `count` and `compare`): the weights (split over ``tp``
+    devices by heads and columns; embeddings and LM head on every device unless ``shard_embeddings``, as vLLM shards
+    them by vocabulary), the KV cache at the context (each device its KV heads; an MLA latent on every device), the
+    activations of a prefill of ``prefill_chunk`` tokens (None: the whole context at once), and ``reserve`` bytes
+    kept back for the runtime (CUDA context, allocator, graphs: vLLM's gpu_memory_utilization)."""
+
+    dtype: str = "bf16"
+    weights_dtype: str = "bf16"
+    cache: str = "full"
+    tp: int = 1
+    prefill_chunk: int | None = None
+    reserve: int = 0
+    shard_embeddings: bool = False
+
+    def describe(self, seq: int) -> str:
+        chunk = seq if self.prefill_chunk is None else min(seq, self.prefill_chunk)
+        return (f"weights ({self.weights_dtype}) + KV cache ({self.cache}, {self.dtype}) + activations of a prefill "
+                f"of {chunk:,} tokens ({activation_dtype(self.dtype)})"
+                + (f" + a reserve of {self.reserve:,} B" if self.reserve else "")
+                + (f", over {self.tp} devices" if self.tp > 1 else "")
+                + ("; embeddings and LM head sharded by vocabulary" if self.shard_embeddings and self.tp > 1 else ""))
+
+
 @dataclass(frozen=True)
 class Fit:
-    weights: int
-    kv: int
-    activations: int
-    per_device: int
+    weights: int  # all devices together
+    kv: int  # all devices together
+    activations: int  # per device
+    per_device: int  # the sum of the four per-device terms
     memory: int
     tp: int
+    weights_per_device: int = 0
+    kv_per_device: int = 0
+    reserve: int = 0
 
     @property
     def fits(self) -> bool:
@@ -278,17 +344,25 @@ class Fit:
 
 
 def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str, weights_dtype: str, memory: int,
-        tp: int = 1, cache: str = "full") -> Fit:
-    """Memory per device for weights, KV cache and prefill activations, split over ``tp`` devices as
-    multihead.parallel splits them (attention and MLP by heads and columns; embeddings, norms and the LM head on
-    every device; each device caches its own KV heads)."""
+        tp: int = 1, cache: str = "full", prefill_chunk: int | None = None, reserve: int = 0,
+        shard_embeddings: bool = False) -> Fit:
+    """Memory per device (:class:`FitModel`): weights_per_device + kv_per_device + activations + reserve, the
+    weights split as multihead.parallel splits them (attention and MLP by heads and columns; norms and routers on
+    every device, embeddings and the LM head too unless ``shard_embeddings``)."""
     check_tp(model, tp)
     weights = weight_bytes(size.total, weights_dtype)
-    replicated = weight_bytes(size.replicated, weights_dtype)
+    vocab = size.parts.get("embeddings", 0) + size.parts.get("lm_head", 0)
+    replicated = size.replicated - (vocab if shard_embeddings else 0)
+    rep = weight_bytes(replicated, weights_dtype)
+    weights_dev = rep + -(-(weights - rep) // tp)
     kv = kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)
-    act = prefill_activation_bytes(model, size, seq=seq, batch=batch, dtype=dtype)
-    per_device = replicated + (weights - replicated) // tp + kv // tp + act
-    return Fit(weights=weights, kv=kv, activations=act, per_device=per_device, memory=memory, tp=tp)
+    kv_dev = kv if model.mla is not None else -(-kv // tp)  # an MLA latent is shared by every head: not split
+    chunk = seq if prefill_chunk is None else min(seq, prefill_chunk)
+    act = prefill_activation_bytes(model, size, seq=chunk, batch=batch, dtype=dtype, tp=tp,
+                                   shard_embeddings=shard_embeddings)
+    per_device = weights_dev + kv_dev + act + reserve
+    return Fit(weights=weights, kv=kv, activations=act, per_device=per_device, memory=memory, tp=tp,
+               weights_per_device=weights_dev, kv_per_device=kv_dev, reserve=reserve)
 
 
 def valid_tp(model: ModelConfig) -> list[int]:
@@ -306,23 +380,31 @@ def check_tp(model: ModelConfig, tp: int) -> None:
                              f"{', '.join(map(str, valid_tp(model)))}")
 
 
+def _fit_kwargs(f: FitModel) -> dict[str, Any]:
+    return {"dtype": f.dtype, "weights_dtype": f.weights_dtype, "cache": f.cache, "prefill_chunk": f.prefill_chunk,
+            "reserve": f.reserve, "shard_embeddings": f.shard_embeddings}
+
+
 def devices_needed(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str, weights_dtype: str,
-                   memory: int, cache: str = "full") -> int | None:
+                   memory: int, cache: str = "full", prefill_chunk: int | None = None, reserve: int = 0,
+                   shard_embeddings: bool = False) -> int | None:
     """The fewest devices (a valid tensor-parallel size) on which the model fits; None if none does."""
     for tp in valid_tp(model):
         if fit(model, size, seq=seq, batch=batch, dtype=dtype, weights_dtype=weights_dtype, memory=memory, tp=tp,
-               cache=cache).fits:
+               cache=cache, prefill_chunk=prefill_chunk, reserve=reserve, shard_embeddings=shard_embeddings).fits:
             return tp
     return None
 
 
 def largest(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str, weights_dtype: str,
-            memory: int, tp: int = 1, cache: str = "full", what: str = "context") -> int:
-    """The largest context (at ``batch``) or batch (at ``seq``) that fits; 0 if not even one."""
+            memory: int, tp: int = 1, cache: str = "full", what: str = "context", prefill_chunk: int | None = None,
+            reserve: int = 0, shard_embeddings: bool = False) -> int:
+    """The largest context (at ``batch``) or batch (at ``seq``) that fits in memory; 0 if not even one. (Memory
+    alone: :func:`whole_model` caps the context at the model's own limit.)"""
     def ok(n: int) -> bool:
         s, b = (n, batch) if what == "context" else (seq, n)
         return fit(model, size, seq=s, batch=b, dtype=dtype, weights_dtype=weights_dtype, memory=memory, tp=tp,
-                   cache=cache).fits
+                   cache=cache, prefill_chunk=prefill_chunk, reserve=reserve, shard_embeddings=shard_embeddings).fits
 
     if not ok(1):
         return 0
@@ -337,14 +419,29 @@ def largest(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype:
     return lo
 
 
+def context_limit(model: ModelConfig) -> int | None:
+    """The model's own longest context (max_position_embeddings, or a RoPE scaling's longer one), if it says."""
+    return model.hf.context_limit if model.hf is not None else model.max_context
+
+
+def largest_context(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, memory: int,
+                    fitting: FitModel) -> tuple[int, int, int | None]:
+    """(the context that fits: memory's answer capped at the model's limit, memory's answer, the limit)."""
+    by_memory = largest(model, size, seq=seq, batch=batch, memory=memory, tp=fitting.tp, what="context",
+                        **_fit_kwargs(fitting))
+    limit = context_limit(model)
+    return (by_memory if limit is None else min(by_memory, limit)), by_memory, limit
+
 
 # ---------------------------------------------------------------------------------------------- the whole model
 def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights_dtype: str, tp: int = 1,
-                cache: str = "full", memory: int | None = None) -> dict[str, Any] | None:
+                cache: str = "full", memory: int | None = None, prefill_chunk: int | None = None, reserve: int = 0,
+                shard_embeddings: bool = False) -> dict[str, Any] | None:
     """The whole model's parameters, memory and fit (what `multihead count` reports as ``whole_model``), or None for
     a model described by its attention sizes alone (no vocabulary). A model whose parts cannot be sized gives
     ``{"unavailable": why}``. With ``memory`` (bytes per device): whether it fits, on how few devices, and the
-    largest context and batch that do."""
+    largest context (capped at the model's own, ``context_limit_binds`` when that is what stops it) and batch that
+    do. Every ``*_per_device`` term is one device's; they add up to ``bytes_per_device``."""
     if model.hf is None or "vocab_size" not in model.hf:
         return None
     try:
@@ -352,19 +449,83 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
     except NotCounted as err:  # a family or layout the count does not know: said, not refused (bad values raise)
         return {"unavailable": str(err)}
     check_tp(model, tp)
+    fitting = FitModel(dtype=dtype, weights_dtype=weights_dtype, cache=cache, tp=tp, prefill_chunk=prefill_chunk,
+                       reserve=reserve, shard_embeddings=shard_embeddings)
     out: dict[str, Any] = {
         "total_parameters": size.total, "active_parameters": size.active, "parameters_by_part": size.parts,
-        "tied_embeddings": size.tied, "notes": size.notes, "weights_dtype": weights_dtype, "tp": tp, "cache": cache,
+        "tied_embeddings": size.tied, "notes": list(size.notes), "weights_dtype": weights_dtype, "tp": tp,
+        "cache": cache, "counted": fitting.describe(seq), "activation_dtype": activation_dtype(dtype),
+        "prefill_chunk": seq if prefill_chunk is None else min(seq, prefill_chunk), "reserve_bytes": reserve,
+        "shard_embeddings": shard_embeddings, "layer_kinds": cost.layers_summary(model.layers()),
+        "context_limit": context_limit(model),
     }
-    f = fit(model, size, seq=seq, batch=batch, dtype=dtype, weights_dtype=weights_dtype, memory=memory or 0, tp=tp,
-            cache=cache)
+    f = fit(model, size, seq=seq, batch=batch, memory=memory or 0, tp=tp, **_fit_kwargs(fitting))
     out.update({"weight_bytes": f.weights, "kv_bytes": f.kv, "activation_bytes": f.activations,
-                "bytes_per_device": f.per_device})
+                "weight_bytes_per_device": f.weights_per_device, "kv_bytes_per_device": f.kv_per_device,
+                "activation_bytes_per_device": f.activations, "bytes_per_device": f.per_device})
+    limit = out["context_limit"]
+    if limit is not None and seq > limit:
+        out["notes"].append(f"--seq {seq:,} is past the model's own context of {limit:,} tokens")
     if memory is not None:
-        common: dict[str, Any] = {"dtype": dtype, "weights_dtype": weights_dtype, "memory": memory, "cache": cache}
+        common: dict[str, Any] = {"memory": memory, **_fit_kwargs(fitting)}
         out["fits"] = f.fits
         out["devices_needed"] = devices_needed(model, size, seq=seq, batch=batch, **common)
         if f.fits:
-            out["largest_context"] = largest(model, size, seq=seq, batch=batch, tp=tp, what="context", **common)
+            capped, by_memory, _ = largest_context(model, size, seq=seq, batch=batch, memory=memory, fitting=fitting)
+            out["largest_context"] = capped
+            out["largest_context_by_memory"] = by_memory
+            out["context_limit_binds"] = capped < by_memory
             out["largest_batch"] = largest(model, size, seq=seq, batch=batch, tp=tp, what="batch", **common)
     return out
+
+
+# ---------------------------------------------------------------------------------------------- attention alone
+def attention_report(model: ModelConfig, *, seq: int, batch: int, dtype: str, causal: bool, cache: str = "full",
+                     memory: int | None = None) -> dict[str, Any]:
+    """The attention figures `multihead count` prints (cost.report, summed layer by layer over ``model.layers()``).
+    For an MLA model the top level is its latent attention (parameters, FLOPs of the expanded path, the latent
+    cache); the same heads as plain MHA, for comparison, go under ``as_mha``, and ``mla`` keeps mla_report's figures.
+    ``max_context_in_device_memory``: the longest context whose cache of kind ``cache`` alone fits in ``memory``."""
+    a, layers = model.attention, model.layers()
+    if model.mla is None:
+        r = cost.report(a, seq=seq, batch=batch, dtype=dtype, causal=causal, layers=layers)
+    else:
+        m = model.mla
+        n = model.n_layers
+        mha = cost.report(a, n_layers=n, seq=seq, batch=batch, dtype=dtype, causal=causal)
+        r = dict(mha)
+        mla = cost.mla_report(m, n_layers=n, seq=seq, batch=batch, dtype=dtype, causal=causal)
+        f = cost.mla_flops(m, s=seq, batch=batch, causal=causal)
+        dense = cost.mla_flops(m, s=seq, batch=batch, causal=False)
+        p = cost.mla_parameters(m)
+        per_token = m.latent_dim * cost.dtype_bytes(dtype)
+        r.update({
+            "variant": "MLA", "n_kv_heads": 1, "params_per_layer": p.total,
+            "params_per_layer_by_projection": {k: v for k, v in dataclasses.asdict(p).items()
+                                               if k.endswith("proj")},
+            "params_total": p.total * n, "flops_forward": f.forward * n, "flops_forward_per_layer": f.forward,
+            "flops_forward_by_part_per_layer": dataclasses.asdict(f), "flops_attention_core": f.attention * n,
+            "flops_backward": 2 * f.forward * n, "flops_forward_dense_mask": dense.forward * n,
+            "kv_cache_bytes_per_token_per_layer": per_token, "kv_cache_bytes_per_token": per_token * n,
+            "kv_cache_tokens": seq, "kv_cache_bytes_total": mla["cache_bytes_total"],
+            "layer_kinds": cost.layers_summary(layers),
+            "as_mha": {k: mha[k] for k in ("variant", "config", "n_kv_heads", "params_per_layer",
+                                           "params_per_layer_by_projection", "params_total", "flops_forward",
+                                           "flops_forward_per_layer", "flops_forward_by_part_per_layer",
+                                           "flops_attention_core", "flops_backward", "flops_forward_dense_mask",
+                                           "kv_cache_bytes_per_token_per_layer", "kv_cache_bytes_per_token",
+                                           "kv_cache_tokens", "kv_cache_bytes_total")},
+            "mla": mla,
+        })
+    r["model"] = model.name
+    r["cache"] = cache
+    r["kv_cache_bytes_as_cached"] = kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)
+    if memory is not None:
+        r["device_memory_bytes"] = memory
+        r["max_context_in_device_memory"] = kv_max_context(model, memory=memory, batch=batch, dtype=dtype,
+                                                           cache=cache)
+        if model.mla is not None:
+            r["mla"]["max_context_in_device_memory"] = r["max_context_in_device_memory"]
+            r["as_mha"]["max_context_in_device_memory"] = cost.max_context(
+                a, memory_bytes=memory, batch=batch, n_layers=model.n_layers, dtype=dtype)
+    return r

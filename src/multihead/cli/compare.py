@@ -8,12 +8,13 @@ import json
 from typing import Any
 
 from multihead.cli import COMMANDS, flags
-from multihead.cli.model import add_model_flags, layers, model_from_args
+from multihead.cli.model import add_fit_flags, add_model_flags, fit_model, layers, model_from_args, shown_memory
 
 
 def add(sub: Any) -> None:
     p = sub.add_parser("compare", help=COMMANDS["compare"])
     add_model_flags(p, seq_default=8192)
+    add_fit_flags(p)
     p.add_argument("--plot", type=flags.PATH, default="multihead-compare.png", metavar="PNG",
                    help="where to write the plot of cache memory against context (default multihead-compare.png)")
     p.add_argument("--no-plot", action="store_true", help="print the table only")
@@ -26,22 +27,32 @@ def run(args: argparse.Namespace) -> int:
 
     model = model_from_args(args)
     memory = args.device_memory
-    rows = compare_variants(model, seq=args.seq, batch=args.batch, dtype=args.dtype, memory_bytes=memory)
+    fitting = fit_model(args)
+    from multihead.sizing import check_tp
+
+    check_tp(model, args.tp)
+    rows = compare_variants(model, seq=args.seq, batch=args.batch, dtype=args.dtype, memory_bytes=memory,
+                            fitting=fitting)
     plot_path = None if args.no_plot else plot_variants(model, rows, args.plot, batch=args.batch, dtype=args.dtype,
                                                          memory_bytes=memory, seq=args.seq)
+    whole = rows[0].weight_bytes is not None
+    counted = fitting.describe(args.seq) if whole else (
+        f"the KV cache alone ({fitting.cache}, {args.dtype})" + (f" less a reserve of {fitting.reserve:,} B"
+                                                                  if fitting.reserve else ""))
     if args.json:
         print(json.dumps({"model": model.name, "seq": args.seq, "batch": args.batch, "dtype": args.dtype,
-                          "device_memory_bytes": memory, "variants": [dataclasses.asdict(r) for r in rows],
-                          "plot": plot_path}, indent=2))
+                          "device_memory_bytes": memory, "weights_dtype": fitting.weights_dtype, "tp": args.tp,
+                          "cache": args.cache, "prefill_chunk": args.prefill_chunk, "reserve_bytes": fitting.reserve,
+                          "shard_embeddings": args.shard_embeddings, "counted": counted,
+                          "variants": [dataclasses.asdict(r) for r in rows], "plot": plot_path}, indent=2))
         return 0
     print(f"{model.name}: {layers(model.n_layers)}, {model.attention.n_heads} query heads, head_dim "
           f"{model.attention.head_dim}; KV cache for {args.seq} tokens x batch {args.batch} in {args.dtype}")
     header = ["variant", "kv heads", "q per kv", "KV / token", "KV cache", "vs MHA", "attn params / layer"]
-    whole = rows[0].weight_bytes is not None
     if whole:
-        header.append(f"weights ({args.dtype})")
+        header.append(f"weights ({fitting.weights_dtype})")
     if memory is not None:
-        header.append(f"context in {format_bytes(memory)}" + (" beside the weights" if whole else ""))
+        header.append(f"context in {format_bytes(memory)}" + (f" x {args.tp}" if args.tp > 1 else ""))
     table = [header]
     for r in rows:
         line = [r.variant + (" *" if r.is_model else ""), str(r.n_kv_heads), str(r.group_size),
@@ -50,13 +61,28 @@ def run(args: argparse.Namespace) -> int:
         if whole:
             line.append(format_bytes(r.weight_bytes or 0))
         if memory is not None:
-            line.append("any" if r.max_context is None else f"{r.max_context:,}")
+            if r.note:
+                cell = "n/a"
+            elif r.max_context is None:
+                cell = "any"
+            else:
+                cell = f"{r.max_context:,}" + (f" (memory: {r.max_context_by_memory:,})"
+                                               if r.max_context_by_memory not in (None, r.max_context) else "")
+            line.append(cell)
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.rjust(w) if i else cell.ljust(w)
                         for i, (cell, w) in enumerate(zip(row, widths, strict=True))))
     print("* the model's own configuration")
+    if memory is not None:
+        print(f"context: what fits in {shown_memory(memory)} per device, counting {counted}; capped at the model's "
+              "own context (memory's answer in brackets where that cap binds); `count` gives the same")
+        for r in rows:
+            if r.note:
+                print(f"n/a: {r.variant}: {r.note}")
+        if any(r.max_context == 0 for r in rows) and whole:
+            print("0: not even one token fits beside the weights; try --tp or a narrower --weights-dtype")
     if plot_path:
         print(f"plot: {plot_path}")
     return 0

@@ -7,48 +7,30 @@ import argparse
 import json
 from typing import Any
 
-from multihead.cli import COMMANDS, flags
-from multihead.cli.model import TP_HELP, add_model_flags, cache_kind, causal, layers, model_from_args
+from multihead.cli import COMMANDS
+from multihead.cli.model import add_fit_flags, add_model_flags, causal, fit_model, layers, model_from_args, shown_memory
 
 
 def add(sub: Any) -> None:
-    from multihead.sizing import WEIGHT_BITS
-
     p = sub.add_parser("count", help=COMMANDS["count"])
     add_model_flags(p)
-    spelled = {s for names in flags.DTYPE_SPELLINGS.values() for s in names}
-    gguf = tuple(k for k in WEIGHT_BITS if k not in spelled)  # int4 and llama.cpp's types, by multihead.sizing
-    weights = flags.Dtype(("fp32", "fp16", "bf16", "int8", "fp8"), extra=gguf, what="weight dtype")
-    p.add_argument("--weights-dtype", type=weights, default=None,
-                   help="how the weights are stored: fp32, bf16, fp8, int8, int4, or a GGUF type such as q4_1, "
-                        "q8_0 (default: --dtype)")
-    p.add_argument("--tp", type=flags.POSITIVE, default=1, metavar="N",
-                   help=f"{TP_HELP} (default 1); here a what-if: memory per device if it were split so")
-    p.add_argument("--cache", type=cache_kind, default="full",
-                   help="KV cache kind: full (default), window:N, int8, int4, int2, latent (MLA models)")
+    add_fit_flags(p)
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from multihead import cost, sizing
+    from multihead import sizing
 
     model = model_from_args(args)
     is_causal = causal(args, model)
-    a, memory = model.attention, args.device_memory
-    r = cost.report(a, n_layers=model.n_layers, seq=args.seq, batch=args.batch, dtype=args.dtype, causal=is_causal)
-    r["model"] = model.name
-    if memory is not None:
-        r["device_memory_bytes"] = memory
-        r["max_context_in_device_memory"] = cost.max_context(
-            a, memory_bytes=memory, batch=args.batch, n_layers=model.n_layers, dtype=args.dtype)
-    if model.mla is not None:
-        r["mla"] = cost.mla_report(model.mla, n_layers=model.n_layers, seq=args.seq, batch=args.batch,
-                                   dtype=args.dtype, causal=is_causal)
-        if memory is not None:
-            r["mla"]["max_context_in_device_memory"] = memory // (r["mla"]["cache_bytes_per_token"] * args.batch)
+    memory = args.device_memory
+    fitting = fit_model(args)
+    r = sizing.attention_report(model, seq=args.seq, batch=args.batch, dtype=args.dtype, causal=is_causal,
+                                cache=args.cache, memory=memory)
     whole = sizing.whole_model(model, seq=args.seq, batch=args.batch, dtype=args.dtype,
-                               weights_dtype=args.weights_dtype or args.dtype, tp=args.tp, cache=args.cache,
-                               memory=memory)
+                               weights_dtype=fitting.weights_dtype, tp=args.tp, cache=args.cache, memory=memory,
+                               prefill_chunk=args.prefill_chunk, reserve=fitting.reserve,
+                               shard_embeddings=args.shard_embeddings)
     if whole is not None:
         r["whole_model"] = whole
     if args.json:
@@ -58,7 +40,9 @@ def run(args: argparse.Namespace) -> int:
         _print_whole(whole, args)
     if model.mla is not None:
         _print_mla(model, r["mla"], args)
-    _print_attention(model, r, args, is_causal)
+        _print_attention(model, {**r, **r["as_mha"]}, args, is_causal)
+    else:
+        _print_attention(model, r, args, is_causal)
     return 0
 
 
@@ -67,9 +51,11 @@ def _print_attention(model: Any, r: dict[str, Any], args: argparse.Namespace, is
 
     a, memory = model.attention, args.device_memory
     dk_note = f" (= {a.d_model} / {a.n_heads})" if a.head_dim == a.d_model // a.n_heads else " (explicit)"
-    capped = a.window is not None and a.window < args.seq
+    capped = r["kv_cache_tokens"] < args.seq or "by_layer_kind" in r
+    kinds = r["layer_kinds"] if model.mla is None else f"as MHA: {model.n_layers} full"
     rows = [
         ("model", f"{model.name}: {layers(model.n_layers)}, {'causal' if is_causal else 'bidirectional'}"),
+        ("layers", kinds),
         ("d_model", f"{a.d_model}"),
         ("heads", f"{a.n_heads} query, {a.n_kv_heads} key/value ({a.variant})"),
         ("d_k = head_dim", f"{a.head_dim}{dk_note}"),
@@ -82,18 +68,28 @@ def _print_attention(model: Any, r: dict[str, Any], args: argparse.Namespace, is
         ("KV cache per token", f"{format_bytes(r['kv_cache_bytes_per_token'])} all layers, "
          f"{r['kv_cache_bytes_per_token_per_layer']:,} B per layer ({args.dtype})"),
         (f"KV cache for {args.seq} tokens x {args.batch}", f"{format_bytes(r['kv_cache_bytes_total'])}"
-         f"  ({r['kv_cache_bytes_total']:,} B"
-         + (f"; window {a.window} caps it at {r['kv_cache_tokens']} tokens" if capped else "") + ")"),
+         f"  ({r['kv_cache_bytes_total']:,} B, {args.dtype}"
+         + (f"; {_windows(r)}" if capped else "") + ")"
+         + (f"; as {args.cache}: {format_bytes(r['kv_cache_bytes_as_cached'])}" if args.cache != "full" else "")),
         ("attention matrix per layer", f"{format_bytes(r['attention_matrix_bytes_per_layer'])} on the math path "
          f"(b*h*s*t); {format_bytes(r['fused_attention_bytes_per_layer'])} fused"),
     ]
     if memory is not None:
         fit = r["max_context_in_device_memory"]
         rows.append((f"context that fits in {format_bytes(memory)}",
-                     "any (the window caps the cache)" if fit is None else f"{fit:,} tokens (KV cache alone)"))
+                     "any (the windows cap the cache)" if fit is None else
+                     f"{fit:,} tokens (KV cache alone, {args.cache} cache in {args.dtype})"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")
+
+
+def _windows(r: dict[str, Any]) -> str:
+    """'21 sliding 4096 layers hold 4,095 tokens' for each kind whose cache stops short of the context."""
+    kinds = r.get("by_layer_kind") or {r["layer_kinds"].split(" ", 1)[1]: {"layers": r["n_layers"],
+                                                                          "kv_cache_tokens": r["kv_cache_tokens"]}}
+    return ", ".join(f"{k['layers']} {name} layers hold {k['kv_cache_tokens']:,} tokens" for name, k in kinds.items()
+                     if k["kv_cache_tokens"] < r["seq"]) or "every layer holds the context"
 
 
 def _print_mla(model: Any, m: dict[str, Any], args: argparse.Namespace) -> None:
@@ -128,21 +124,35 @@ def _print_whole(w: dict[str, Any], args: argparse.Namespace) -> None:
     parts = ", ".join(f"{k} {v:,}" for k, v in w["parameters_by_part"].items())
     print(f"{'whole model, parameters':<28}  {w['total_parameters']:,}"
           + (f" total, {w['active_parameters']:,} active per token" if moe else "") + f"  ({parts})")
-    tp = f" over {w['tp']} devices" if w["tp"] > 1 else ""
-    print(f"{'memory' + tp:<28}  weights {format_bytes(w['weight_bytes'])} ({w['weights_dtype']}) + KV cache "
-          f"{format_bytes(w['kv_bytes'])} ({w['cache']}, {args.seq} x {args.batch}) + activations "
-          f"{format_bytes(w['activation_bytes'])} (prefill) = {format_bytes(w['bytes_per_device'])} per device")
+    print(f"{'layers':<28}  {w['layer_kinds']}")
+    print(f"{'counted':<28}  {w['counted']}")
+    tp = w["tp"]
+    reserve = f" + reserve {format_bytes(w['reserve_bytes'])}" if w["reserve_bytes"] else ""
+    print(f"{'memory per device' + (f' (tp {tp})' if tp > 1 else ''):<28}  weights "
+          f"{format_bytes(w['weight_bytes_per_device'])} ({w['weights_dtype']}) + KV cache "
+          f"{format_bytes(w['kv_bytes_per_device'])} ({w['cache']}, {args.seq} x {args.batch}) + activations "
+          f"{format_bytes(w['activation_bytes_per_device'])} (prefill of {w['prefill_chunk']:,}){reserve} = "
+          f"{format_bytes(w['bytes_per_device'])}")
+    if tp > 1:
+        print(f"{f'all {tp} devices':<28}  weights {format_bytes(w['weight_bytes'])}, KV cache "
+              f"{format_bytes(w['kv_bytes'])}")
     if memory is not None:
+        where = "fits in " + shown_memory(memory)
         if w["fits"]:
-            print(f"{'fits in ' + format_bytes(memory):<28}  yes: up to {w['largest_context']:,} tokens at batch "
-                  f"{args.batch}, or batch {w['largest_batch']:,} at {args.seq} tokens")
+            limit = w["context_limit"]
+            cap = (f" (the model's own context caps it; memory alone holds {w['largest_context_by_memory']:,})"
+                   if w["context_limit_binds"] else "")
+            print(f"{where:<28}  yes: up to {w['largest_context']:,} tokens at batch {args.batch}{cap}, or batch "
+                  f"{w['largest_batch']:,} at {args.seq} tokens")
+            if limit is not None and not w["context_limit_binds"]:
+                print(f"{'':<28}  (the model's own context is {limit:,} tokens)")
         else:
             need = w["devices_needed"]
-            weights_alone = w["weight_bytes"] > memory * w["tp"]
+            weights_alone = w["weight_bytes_per_device"] > memory - w["reserve_bytes"]
             why = "the weights alone do not fit" if weights_alone else "weights, cache and activations together do not"
             more = (f"it needs {need} devices of that size (--tp {need})" if need is not None else
                     "no valid split over devices of that size holds it")
-            print(f"{'fits in ' + format_bytes(memory):<28}  no: {why}; {more}")
+            print(f"{where:<28}  no: {why}; {more}")
     for note in w["notes"]:
         print(f"{'':<28}  note: {note}")
     print("attention alone:")

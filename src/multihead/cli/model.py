@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from multihead.cli import flags
@@ -11,6 +13,7 @@ from multihead.cli.flags import POSITIVE, CliError
 
 if TYPE_CHECKING:
     from multihead.presets import ModelConfig
+    from multihead.sizing import FitModel
 
 
 def preset_name(text: str) -> str:
@@ -26,10 +29,14 @@ def preset_name(text: str) -> str:
 
 
 def memory_size(text: str) -> int:
-    """--device-memory: a size such as 80GB or 24GiB (multihead.units.parse_bytes), more than zero bytes."""
+    """--device-memory: a size with its unit, such as 80GB or 24GiB (multihead.units.parse_bytes), more than zero
+    bytes; a bare number is refused (80 is not 80 bytes of an 80 GiB device)."""
     from multihead.errors import MultiheadError
     from multihead.units import parse_bytes
 
+    if re.fullmatch(r"\s*[0-9.eE+-]+\s*", text):
+        raise argparse.ArgumentTypeError(f"size {flags.show(text)[:40]} has no unit: add a unit: GiB or GB "
+                                         "(e.g. 80GiB = 85.9 GB, 80GB = 74.5 GiB)")
     try:
         value = parse_bytes(text)
     except MultiheadError as err:
@@ -37,6 +44,42 @@ def memory_size(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"size {flags.show(text)} is no memory at all: give more than 0 bytes")
     return value
+
+
+@dataclass(frozen=True)
+class Reserve:
+    """--reserve: memory kept back for the runtime, in bytes or as a fraction of the device's memory."""
+
+    size: int = 0
+    fraction: float = 0.0
+
+    def of(self, memory: int | None) -> int:
+        return self.size + (0 if memory is None else int(memory * self.fraction))
+
+    def __str__(self) -> str:
+        return f"{self.fraction:.0%}" if self.fraction else f"{self.size:,} B"
+
+
+def reserve(text: str) -> Reserve:
+    """--reserve: a size (2GiB) or a percentage of --device-memory (10%, as vLLM's gpu_memory_utilization 0.9)."""
+    if text.strip().endswith("%"):
+        try:
+            value = float(text.strip()[:-1])
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"reserve {flags.show(text)[:40]} is not a percentage") from None
+        if not 0 <= value < 100:  # nan fails this too
+            raise argparse.ArgumentTypeError(f"reserve {flags.show(text)[:40]} must be from 0% to under 100%")
+        return Reserve(fraction=value / 100)
+    if re.fullmatch(r"\s*0+\s*", text):
+        return Reserve()
+    return Reserve(size=memory_size(text))
+
+
+def shown_memory(n: int) -> str:
+    """Both units: '80.0 GiB (85.9 GB)'."""
+    from multihead.units import format_bytes
+
+    return f"{format_bytes(n)} ({n / 1e9:.1f} GB)"
 
 
 def cache_kind(text: str) -> str:
@@ -73,12 +116,49 @@ def add_model_flags(p: argparse.ArgumentParser, *, seq_default: int = 4096) -> N
     p.add_argument("--seq", type=POSITIVE, default=seq_default, help=f"context length (default {seq_default})")
     p.add_argument("--batch", type=POSITIVE, default=1, help="batch size (default 1)")
     p.add_argument("--dtype", type=flags.Dtype(), default="bf16",
-                   help=f"{DTYPE_HELP}, here the KV cache and activations: fp32, fp16, bf16, int8, fp8 (default bf16)")
+                   help=f"{DTYPE_HELP}, here the KV cache (and the weights unless --weights-dtype): fp32, fp16, bf16, "
+                        "int8, fp8 (default bf16); activations are in it when it is a float type, else in bf16")
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                    help="causal attention (default: the model's; decoders are causal, encoders not)")
     p.add_argument("--device-memory", type=memory_size, metavar="SIZE",
-                   help="memory for the KV cache, e.g. 80GB or 24GiB: prints the longest context that fits")
+                   help="memory of one device, with its unit, e.g. 80GiB or 80GB (not the same: 80GiB = 85.9 GB): "
+                        "weights, KV cache, prefill activations and --reserve must fit in it; prints the longest "
+                        "context and the largest batch that do")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+
+
+def add_fit_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of the one fit model (multihead.sizing.FitModel) that count and compare share."""
+    from multihead.sizing import WEIGHT_BITS
+
+    spelled = {s for names in flags.DTYPE_SPELLINGS.values() for s in names}
+    gguf = tuple(k for k in WEIGHT_BITS if k not in spelled)  # int4 and llama.cpp's types, by multihead.sizing
+    weights = flags.Dtype(("fp32", "fp16", "bf16", "int8", "fp8"), extra=gguf, what="weight dtype")
+    p.add_argument("--weights-dtype", type=weights, default=None,
+                   help="how the weights are stored: fp32, bf16, fp8, int8, int4, or a GGUF type such as q4_1, "
+                        "q8_0 (default: --dtype)")
+    p.add_argument("--tp", type=flags.POSITIVE, default=1, metavar="N",
+                   help=f"{TP_HELP} (default 1); here a what-if: memory per device if it were split so")
+    p.add_argument("--cache", type=cache_kind, default="full",
+                   help="KV cache kind: full (default), window:N, int8, int4, int2, latent (MLA models)")
+    p.add_argument("--prefill-chunk", type=flags.POSITIVE, default=None, metavar="N",
+                   help="count the activations of a prefill of N tokens at a time (chunked prefill; default: the "
+                        "whole --seq at once)")
+    p.add_argument("--reserve", type=reserve, default=Reserve(), metavar="SIZE_OR_PCT",
+                   help="memory kept back for the runtime (CUDA context, allocator, graphs), e.g. 2GiB or 10%% of "
+                        "--device-memory (vLLM's gpu_memory_utilization 0.9 keeps 10%%; default 0)")
+    p.add_argument("--shard-embeddings", action="store_true",
+                   help="with --tp: split the embedding and LM head by vocabulary, as vLLM does (default: on every "
+                        "device, as multihead.parallel keeps them)")
+
+
+def fit_model(args: argparse.Namespace) -> FitModel:
+    """The fit model the flags describe (weights in --dtype unless --weights-dtype)."""
+    from multihead.sizing import FitModel
+
+    return FitModel(dtype=args.dtype, weights_dtype=args.weights_dtype or args.dtype, cache=args.cache, tp=args.tp,
+                    prefill_chunk=args.prefill_chunk, reserve=args.reserve.of(args.device_memory),
+                    shard_embeddings=args.shard_embeddings)
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
@@ -105,7 +185,8 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
                                "attention_bias": bool(args.bias), "position_embedding_type": "none"}
         model = from_hf_dict(cfg, name=f"d_model {args.d_model}, {args.heads} heads")
     if args.layers is not None and (args.preset is not None or args.config is not None):
-        model = dataclasses.replace(model, n_layers=args.layers)
+        kinds = None if model.hf is None else model.hf.layer_kinds(args.layers)
+        model = dataclasses.replace(model, n_layers=args.layers, layer_kinds=kinds)
     return model
 
 
