@@ -1,0 +1,140 @@
+"""The fit model of `multihead count` and `compare` (issue 29): each defect of the issue's list, and count and
+compare giving the same context for the same model, memory and flags."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from multihead import cost
+from multihead.cli import build_parser, main
+from multihead.presets import from_hf_dict, preset
+from multihead.sizing import weight_bytes, whole_model
+
+
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:  # type: ignore[type-arg]
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_attention_alone_uses_the_cache_kind_of_the_whole_model(capsys: pytest.CaptureFixture[str]) -> None:
+    """It said 372,827 tokens for the KV cache alone (bf16) and 483,946 with the weights (int4): alone it must hold
+    at least as many, by the int4 cache's own formula."""
+    argv = ["count", "--preset", "smollm2-135m", "--weights-dtype", "q4_1", "--cache", "int4", "--device-memory",
+            "8GiB"]
+    r = _json(argv, capsys)
+    alone, whole = r["max_context_in_device_memory"], r["whole_model"]["largest_context_by_memory"]
+    assert alone >= whole
+    a = preset("smollm2-135m").attention
+
+    def int4(c: int) -> int:
+        return cost.quantized_cache_bytes(a, context=c, bits=4, group=32, n_layers=30)
+
+    assert int4(alone) <= 8 * 2**30 < int4(alone + 1)
+    assert main(argv) == 0
+    assert f"{alone:,} tokens (KV cache alone, int4 cache in bf16)" in capsys.readouterr().out
+
+
+def test_per_device_terms_under_tp_add_up(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["count", "--preset", "llama-3-70b", "--seq", "8192", "--device-memory", "80GiB", "--tp", "2"]
+    w = _json(argv, capsys)["whole_model"]
+    assert (w["weight_bytes_per_device"] + w["kv_bytes_per_device"] + w["activation_bytes_per_device"]
+            + w["reserve_bytes"] == w["bytes_per_device"])
+    replicated = weight_bytes(2 * 128256 * 8192 + 161 * 8192, "bf16")  # embeddings, LM head, norms: on each device
+    assert w["weight_bytes_per_device"] == replicated + (w["weight_bytes"] - replicated) // 2
+    assert w["kv_bytes_per_device"] * 2 == w["kv_bytes"] == 80 * 2 * 8 * 128 * 2 * 8192
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("memory per device (tp 2)"))
+    gib = [float(v) * {"GiB": 2**30, "MiB": 2**20}[u] for v, u in re.findall(r"([\d.]+) (GiB|MiB)", line)]
+    assert len(gib) == 4 and sum(gib[:3]) == pytest.approx(gib[3], rel=2e-3)  # the left side sums to the right
+    sharded = _json([*argv, "--shard-embeddings"], capsys)["whole_model"]
+    assert w["weight_bytes_per_device"] - sharded["weight_bytes_per_device"] == weight_bytes(128256 * 8192, "bf16")
+
+
+@pytest.mark.parametrize("bare", ["80", "80.5", "1e9"])
+def test_a_memory_without_a_unit_is_refused(bare: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["count", "--preset", "gpt2", "--device-memory", bare]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "--device-memory" in err and "add a unit: GiB or GB" in err
+
+
+def test_both_units_are_shown(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["count", "--preset", "llama-3-8b", "--device-memory", "80GB"]) == 0
+    assert "fits in 74.5 GiB (80.0 GB)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("command", ["count", "compare"])
+def test_help_says_what_the_memory_holds(command: str) -> None:
+    sub = next(a for a in build_parser()._actions if hasattr(a, "choices") and isinstance(a.choices, dict))
+    text = " ".join(sub.choices[command].format_help().split())
+    assert "memory for the KV cache" not in text
+    assert "memory of one device" in text and "80GiB = 85.9 GB" in text
+    assert "--prefill-chunk" in text and "--reserve" in text and "--tp" in text and "--weights-dtype" in text
+
+
+def test_an_int8_cache_keeps_activations_in_bf16() -> None:
+    m = preset("llama-3-8b")
+    kw = {"seq": 4096, "batch": 1, "weights_dtype": "bf16"}
+    bf16, int8 = whole_model(m, dtype="bf16", **kw), whole_model(m, dtype="int8", **kw)
+    assert bf16 is not None and int8 is not None
+    assert int8["activation_bytes"] == bf16["activation_bytes"] and int8["activation_dtype"] == "bf16"
+    assert int8["kv_bytes"] * 2 == bf16["kv_bytes"]
+
+
+def test_presets_show_mla(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["presets"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("deepseek-v3 "))
+    assert "(MHA)" not in line and "(MLA)" in line and "latent 512 + rope 64" in line
+    data = _json(["presets"], capsys)
+    assert data["deepseek-v3"]["mla"]["kv_lora_rank"] == 512 and data["deepseek-v3"]["mla"]["latent_dim"] == 576
+    assert data["llama-3-8b"]["mla"] is None
+
+
+def test_deepseek_v3_json_top_level_is_the_latent_cache(capsys: pytest.CaptureFixture[str]) -> None:
+    r = _json(["count", "--preset", "deepseek-v3"], capsys)  # seq 4096
+    assert r["kv_cache_bytes_total"] == 61 * 576 * 2 * 4096 == r["mla"]["cache_bytes_total"] == 287_834_112
+    assert r["variant"] == "MLA" and r["params_per_layer"] == r["mla"]["params_per_layer"]
+    assert r["as_mha"]["kv_cache_bytes_total"] == 61 * 2 * 128 * 128 * 2 * 4096 == 16_374_562_816
+    assert r["whole_model"]["kv_bytes"] == r["kv_cache_bytes_total"]
+
+
+def test_the_models_own_context_caps_the_answer_and_is_said(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["count", "--preset", "llama-3-8b", "--seq", "4096", "--device-memory", "24GiB"]
+    w = _json(argv, capsys)["whole_model"]
+    assert w["largest_context"] == w["context_limit"] == 8192 < w["largest_context_by_memory"]
+    assert w["context_limit_binds"] is True
+    assert main(argv) == 0
+    assert "up to 8,192 tokens at batch 1 (the model's own context caps it; memory alone holds" in \
+        capsys.readouterr().out
+    # a YaRN rope scaling stretches it: Qwen2.5's recommended factor 4 over 32,768
+    qwen = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+            "max_position_embeddings": 32768, "rope_scaling": {"type": "yarn", "factor": 4.0,
+                                                                "original_max_position_embeddings": 32768}}
+    assert from_hf_dict(qwen).hf.context_limit == 131072  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize("flags", [
+    [], ["--tp", "2"], ["--weights-dtype", "q4_1", "--cache", "int8"], ["--prefill-chunk", "512", "--reserve", "10%"],
+    ["--tp", "2", "--shard-embeddings", "--reserve", "1GiB"],
+], ids=["plain", "tp2", "q4-int8", "chunk-reserve", "tp2-shard"])
+def test_count_and_compare_give_the_same_context(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    common = ["--preset", "llama-3-8b", "--seq", "32768", "--device-memory", "24GiB", *flags]
+    w = _json(["count", *common], capsys)["whole_model"]
+    c = _json(["compare", *common, "--no-plot"], capsys)
+    row = next(v for v in c["variants"] if v["is_model"])
+    assert row["max_context"] == w["largest_context"]
+    assert row["max_context_by_memory"] == w["largest_context_by_memory"]
+    assert c["counted"] == w["counted"]
+
+
+def test_compare_with_tp_answers_for_llama_2_70b(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README's own `compare --preset llama-2-70b --seq 4096 --device-memory 80GiB` printed 0 in every row and
+    did not say why; with --tp 2 the model's row fits."""
+    argv = ["compare", "--preset", "llama-2-70b", "--seq", "4096", "--device-memory", "80GiB", "--no-plot"]
+    assert main(argv) == 0
+    assert "not even one token fits beside the weights; try --tp" in capsys.readouterr().out
+    rows = {r["variant"]: r for r in _json([*argv, "--tp", "2"], capsys)["variants"]}
+    assert rows["GQA-8"]["max_context"] == 4096 and rows["GQA-8"]["max_context_by_memory"] > 4096
+    assert rows["MQA"]["max_context"] is None and "--tp 2" in rows["MQA"]["note"]
