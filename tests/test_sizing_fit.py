@@ -138,3 +138,34 @@ def test_compare_with_tp_answers_for_llama_2_70b(capsys: pytest.CaptureFixture[s
     rows = {r["variant"]: r for r in _json([*argv, "--tp", "2"], capsys)["variants"]}
     assert rows["GQA-8"]["max_context"] == 4096 and rows["GQA-8"]["max_context_by_memory"] > 4096
     assert rows["MQA"]["max_context"] is None and "--tp 2" in rows["MQA"]["note"]
+
+
+def test_hardware_estimates_name_their_bound_and_add_up(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 29's check: llama-3-70b on two H100s at 8192: per-device terms, the cap, prefill and decode with the
+    bound named; each figure against the roofline formula of multihead.hardware."""
+    from multihead.hardware import HARDWARE
+
+    argv = ["count", "--preset", "llama-3-70b", "--hardware", "h100-80g", "--tp", "2", "--seq", "8192"]
+    r = _json(argv, capsys)
+    w, e = r["whole_model"], r["estimate"]
+    h100 = HARDWARE["h100-80g"]
+    assert r["device_memory_bytes"] == h100.memory == 80 * 10**9  # the preset's memory, --device-memory unset
+    d = e["decode"]
+    weights = weight_bytes(70_553_706_496, "bf16")
+    assert d["bytes_per_step"] == int(weights / 2 + w["kv_bytes"] / 2)
+    assert d["memory_seconds"] == pytest.approx(d["bytes_per_step"] / (0.8 * 3.35e12))
+    assert d["bound"] == "memory" and d["arithmetic_intensity"] < e["ridge_flops_per_byte"] == pytest.approx(989 / 3.35)
+    assert d["step_seconds"] == pytest.approx(d["memory_seconds"] + d["allreduce_seconds"])
+    # two all-reduces per layer of 8192 bf16 values, half of them crossing 450 GB/s in a ring of two
+    assert d["allreduce_seconds"] == pytest.approx(2 * 80 * 8192 * 2 / 450e9)
+    p = e["prefill"]
+    linear = 70_553_706_496 - 2 * 128256 * 8192
+    core = 80 * cost.flops(preset("llama-3-70b").attention, s=8192, causal=True).attention
+    assert p["flops"] == 2 * linear * 8192 + 2 * 128256 * 8192 + core
+    assert p["bound"] == "compute" and p["compute_seconds"] == pytest.approx(p["flops"] / 2 / (0.5 * 989e12))
+    assert e["decode_largest_batch"]["batch"] == w["largest_batch"] > 1
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "speed on h100-80g x 2" in out and "memory-bound" in out and "compute-bound" in out
+    assert "the model's own context caps it" in out
+    assert _json([*argv, "--device-memory", "40GiB"], capsys)["device_memory_bytes"] == 40 * 2**30

@@ -7,14 +7,20 @@ import argparse
 import json
 from typing import Any
 
-from multihead.cli import COMMANDS
+from multihead.cli import COMMANDS, flags
 from multihead.cli.model import add_fit_flags, add_model_flags, causal, fit_model, layers, model_from_args, shown_memory
 
 
 def add(sub: Any) -> None:
+    from multihead.hardware import HARDWARE_NAMES  # (no torch: the cpu preset imports it when measured)
+
     p = sub.add_parser("count", help=COMMANDS["count"])
     add_model_flags(p)
     add_fit_flags(p)
+    p.add_argument("--hardware", type=flags.OneOf(HARDWARE_NAMES, "hardware {value} is unknown: choose one of "
+                                                               "{names}"), default=None, metavar="NAME",
+                   help=f"estimate prefill and decode speed on this device ({', '.join(HARDWARE_NAMES)}; cpu: this "
+                        "machine, measured); its memory is --device-memory unless that is given")
     p.set_defaults(run=run)
 
 
@@ -23,6 +29,13 @@ def run(args: argparse.Namespace) -> int:
 
     model = model_from_args(args)
     is_causal = causal(args, model)
+    device = None
+    if args.hardware is not None:
+        from multihead.hardware import hardware
+
+        device = hardware(args.hardware)
+        if args.device_memory is None:
+            args.device_memory = device.memory
     memory = args.device_memory
     fitting = fit_model(args)
     r = sizing.attention_report(model, seq=args.seq, batch=args.batch, dtype=args.dtype, causal=is_causal,
@@ -33,11 +46,21 @@ def run(args: argparse.Namespace) -> int:
                                shard_embeddings=args.shard_embeddings)
     if whole is not None:
         r["whole_model"] = whole
+    if device is not None and whole is not None and "unavailable" not in whole:
+        from multihead.hardware import estimate
+
+        r["estimate"] = estimate(model, sizing.model_size(model), device, seq=args.seq, batch=args.batch,
+                                 dtype=args.dtype, weights_dtype=fitting.weights_dtype, tp=args.tp, cache=args.cache,
+                                 largest_batch=whole.get("largest_batch"))
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
     if whole is not None:
         _print_whole(whole, args)
+    if "estimate" in r:
+        _print_estimate(r["estimate"], args)
+    if whole is not None:
+        print("attention alone:")
     if model.mla is not None:
         _print_mla(model, r["mla"], args)
         _print_attention(model, {**r, **r["as_mha"]}, args, is_causal)
@@ -155,4 +178,24 @@ def _print_whole(w: dict[str, Any], args: argparse.Namespace) -> None:
             print(f"{where:<28}  no: {why}; {more}")
     for note in w["notes"]:
         print(f"{'':<28}  note: {note}")
-    print("attention alone:")
+
+
+def _print_estimate(e: dict[str, Any], args: argparse.Namespace) -> None:
+    hw, p, d = e["hardware"], e["prefill"], e["decode"]
+    tp = f" x {e['tp']}" if e["tp"] > 1 else ""
+    a = e["assumptions"]
+    print(f"{'speed on ' + hw['name'] + tp:<28}  estimates: {a['compute_efficiency']:.0%} of peak "
+          f"{hw['flops'][e['compute_dtype']] / 1e12:.0f} TFLOP/s ({e['compute_dtype']}), "
+          f"{a['bandwidth_efficiency']:.0%} of {hw['bandwidth'] / 1e9:,.0f} GB/s; ridge "
+          f"{e['ridge_flops_per_byte']:.0f} FLOP/B"
+          + ("" if hw["verified"] else " (datasheet figures, not checked here)"))
+    print(f"{'prefill':<28}  {p['tokens']:,} tokens x {p['batch']}: {p['seconds'] * 1e3:,.1f} ms ({p['bound']}-bound: "
+          f"{p['arithmetic_intensity']:,.0f} FLOP/B; all-reduce {p['allreduce_seconds'] * 1e3:,.1f} ms)")
+    rows = [("decode", d)] + ([("decode, largest batch", e["decode_largest_batch"])]
+                              if "decode_largest_batch" in e else [])
+    for name, x in rows:
+        print(f"{name:<28}  batch {x['batch']:,} at {x['context']:,} tokens: "
+              f"{x['tokens_per_second_per_sequence']:,.1f} tok/s per sequence, {x['tokens_per_second']:,.0f} tok/s "
+              f"in all ({x['bound']}-bound: "
+              f"{x['arithmetic_intensity']:,.1f} FLOP/B; {x['step_seconds'] * 1e3:,.2f} ms a step, all-reduce "
+              f"{x['allreduce_seconds'] * 1e3:,.3f} ms)")
