@@ -140,7 +140,7 @@ def test_compare_with_tp_answers_for_llama_2_70b(capsys: pytest.CaptureFixture[s
     assert rows["MQA"]["max_context"] is None and "--tp 2" in rows["MQA"]["note"]
 
 
-def test_hardware_estimates_name_their_bound_and_add_up(capsys: pytest.CaptureFixture[str]) -> None:
+def test_hardware_estimates_name_their_bound_and_add_up(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     """Issue 29's check: llama-3-70b on two H100s at 8192: per-device terms, the cap, prefill and decode with the
     bound named; each figure against the roofline formula of multihead.hardware."""
     from multihead.hardware import HARDWARE
@@ -154,7 +154,9 @@ def test_hardware_estimates_name_their_bound_and_add_up(capsys: pytest.CaptureFi
     weights = weight_bytes(70_553_706_496, "bf16")
     assert d["bytes_per_step"] == int(weights / 2 + w["kv_bytes"] / 2)
     assert d["memory_seconds"] == pytest.approx(d["bytes_per_step"] / (0.8 * 3.35e12))
-    assert d["bound"] == "memory" and d["arithmetic_intensity"] < e["ridge_flops_per_byte"] == pytest.approx(989 / 3.35)
+    assert e["ridge_flops_per_byte"] == pytest.approx(989 / 3.35)
+    assert d["bound"] == "memory" and d["arithmetic_intensity"] < e["effective_ridge_flops_per_byte"]
+    assert e["effective_ridge_flops_per_byte"] == pytest.approx(0.5 * 989e12 / (0.8 * 3.35e12))
     assert d["step_seconds"] == pytest.approx(d["memory_seconds"] + d["allreduce_seconds"])
     # two all-reduces per layer of 8192 bf16 values, half of them crossing 450 GB/s in a ring of two
     assert d["allreduce_seconds"] == pytest.approx(2 * 80 * 8192 * 2 / 450e9)
@@ -168,4 +170,9 @@ def test_hardware_estimates_name_their_bound_and_add_up(capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "speed on h100-80g x 2" in out and "memory-bound" in out and "compute-bound" in out
     assert "the model's own context caps it" in out
+    png = tmp_path / "roofline.png"
+    assert main([*argv, "--plot", str(png)]) == 0 and png.read_bytes()[:4] == b"\x89PNG"
+    assert f"roofline                      {png}" in capsys.readouterr().out
+    assert main(["count", "--preset", "gpt2", "--plot", str(png)]) == 2
+    assert "give --hardware too" in capsys.readouterr().err
     assert _json([*argv, "--device-memory", "40GiB"], capsys)["device_memory_bytes"] == 40 * 2**30

@@ -1,6 +1,6 @@
 """Per-layer attention kinds (issue 29): the KV bytes multihead.sizing sums layer by layer against transformers' own
 caches, built from the same config classes (tiny random-weight models, a real forward, the bytes of the real
-``past_key_values`` tensors), for every family whose layers differ: Gemma 2's alternation, Gemma 3's
+cache tensors), for every family whose layers differ: Gemma 2's alternation, Gemma 3's
 ``sliding_window_pattern``, an explicit ``layer_types``, Mistral's window on every layer, gpt-oss, Qwen2's
 ``max_window_layers`` / ``use_sliding_window``, Cohere 2; and MLA's latent layers."""
 
@@ -52,9 +52,11 @@ def test_kv_bytes_equal_transformers_own_cache(name: str, config, cls) -> None: 
     ours = from_hf_dict(config.to_dict(), name=name)
     ids = torch.randint(0, TINY["vocab_size"], (1, 16))
     with torch.no_grad():
-        cache = model(input_ids=ids[:, :8], use_cache=True).past_key_values
+        out = model(input_ids=ids[:, :8], use_cache=True)
+        cache = out["cache"]  # (transformers 5.24 names it cache; past_key_values is deprecated)
         assert kv_bytes(ours, context=8, batch=1, dtype="fp32") == _cache_bytes(cache), ours.layers()
-        cache = model(input_ids=ids[:, 8:], past_key_values=cache, use_cache=True).past_key_values
+        cache = model(input_ids=ids[:, 8:], cache=cache, use_cache=True)["cache"]
+        assert cache.get_seq_length() == 16
         assert kv_bytes(ours, context=16, batch=1, dtype="fp32") == _cache_bytes(cache), ours.layers()
 
 

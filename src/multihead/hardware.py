@@ -6,7 +6,8 @@ interconnect bandwidth between devices. :func:`estimate` answers, for a model (:
     prefill  time = FLOPs / (peak x efficiency)          FLOPs = 2 (linear params) s b + attention core pair by pair
     decode   time = max(bytes / (bandwidth x efficiency), FLOPs / (peak x efficiency)) per step,
              bytes = active weights + KV cache at the context (one device's share)
-    bound    arithmetic intensity (FLOPs / bytes) against the device's ridge point (peak / bandwidth)
+    bound    arithmetic intensity (FLOPs / bytes) against the ridge point at the assumed efficiencies
+             (peak x compute efficiency / (bandwidth x bandwidth efficiency)): whichever time is longer
     all-reduce per step (tensor parallel): 2 per layer of b x D activations, a ring moving 2 (tp - 1) / tp of them
 
 The efficiencies are assumptions, stated in every answer (defaults below); the benchmark benchmarks/decode_estimate.py
@@ -20,6 +21,7 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from multihead.errors import MultiheadError
@@ -188,8 +190,8 @@ def estimate(model: ModelConfig, size: ModelSize, device: Hardware, *, seq: int,
         step = max(memory_s, compute_s) + allreduce(b)
         intensity = step_flops / step_bytes
         return {"batch": b, "context": seq, "bytes_per_step": int(step_bytes), "flops_per_step": int(step_flops),
-                "arithmetic_intensity": intensity, "bound": "memory" if intensity < device.ridge(compute) else
-                "compute", "memory_seconds": memory_s, "compute_seconds": compute_s, "allreduce_seconds":
+                "arithmetic_intensity": intensity, "bound": "memory" if memory_s >= compute_s else "compute",
+                "memory_seconds": memory_s, "compute_seconds": compute_s, "allreduce_seconds":
                 allreduce(b), "step_seconds": step, "tokens_per_second_per_sequence": 1 / step,
                 "tokens_per_second": b / step}
 
@@ -197,14 +199,53 @@ def estimate(model: ModelConfig, size: ModelSize, device: Hardware, *, seq: int,
         "hardware": asdict(device), "tp": tp, "compute_dtype": compute,
         "assumptions": {"compute_efficiency": compute_efficiency, "bandwidth_efficiency": bandwidth_efficiency,
                         "moe": "decode reads one token's experts (active parameters); a batch touches more"},
-        "ridge_flops_per_byte": device.ridge(compute),
+        "ridge_flops_per_byte": device.ridge(compute),  # the datasheet's: peak / bandwidth
+        # where the assumed efficiencies bend the roofline: the bound named below is the side of this a step is on
+        "effective_ridge_flops_per_byte": peak / bandwidth,
         "prefill": {"tokens": seq, "batch": batch, "flops": prefill_flops, "bytes": prefill_bytes,
                     "compute_seconds": prefill_compute_s, "memory_seconds": prefill_memory_s,
                     "allreduce_seconds": allreduce(seq * batch), "seconds": prefill_s,
                     "arithmetic_intensity": prefill_flops / prefill_bytes,
-                    "bound": "compute" if prefill_flops / prefill_bytes >= device.ridge(compute) else "memory"},
+                    "bound": "compute" if prefill_compute_s >= prefill_memory_s else "memory"},
         "decode": decode(batch),
     }
     if largest_batch is not None and largest_batch > 0:
         out["decode_largest_batch"] = decode(largest_batch)
     return out
+
+
+def plot_roofline(e: dict[str, Any], path: str | Path, *, title: str) -> str:
+    """A PNG roofline of one estimate (:func:`estimate`): attainable FLOP/s against arithmetic intensity for the
+    device (its bandwidth slope and peak at the assumed efficiencies), and the prefill and decode points."""
+    from multihead.errors import require
+    from multihead.files import save_figure
+
+    matplotlib = require("matplotlib", "plots")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    hw, a = e["hardware"], e["assumptions"]
+    peak = hw["flops"][e["compute_dtype"]] * a["compute_efficiency"]
+    bandwidth = hw["bandwidth"] * a["bandwidth_efficiency"]
+    points = [("prefill", e["prefill"])] + [(f"decode, batch {d['batch']}", d) for d in
+                                           (e["decode"], e.get("decode_largest_batch")) if d is not None]
+    xs = [p["arithmetic_intensity"] for _, p in points]
+    lo, hi = min([*xs, 0.5]) / 2, max([*xs, e["ridge_flops_per_byte"]]) * 4
+    grid = [lo * (hi / lo) ** (i / 200) for i in range(201)]
+    fig, ax = plt.subplots(figsize=(7, 4.5), dpi=120)
+    ax.plot(grid, [min(peak, x * bandwidth) for x in grid], color="black",
+            label=f"{hw['name']}: {a['bandwidth_efficiency']:.0%} of bandwidth, {a['compute_efficiency']:.0%} of peak")
+    for name, p in points:
+        ax.scatter([p["arithmetic_intensity"]], [min(peak, p["arithmetic_intensity"] * bandwidth)], zorder=3,
+                   label=f"{name} ({p['bound']}-bound)")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte read)")
+    ax.set_ylabel("attainable FLOP/s per device")
+    ax.set_title(title)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    out = save_figure(fig, Path(path))
+    plt.close(fig)
+    return str(out)

@@ -8,6 +8,7 @@ import json
 from typing import Any
 
 from multihead.cli import COMMANDS, flags
+from multihead.cli.flags import CliError
 from multihead.cli.model import add_fit_flags, add_model_flags, causal, fit_model, layers, model_from_args, shown_memory
 
 
@@ -21,12 +22,16 @@ def add(sub: Any) -> None:
                                                                "{names}"), default=None, metavar="NAME",
                    help=f"estimate prefill and decode speed on this device ({', '.join(HARDWARE_NAMES)}; cpu: this "
                         "machine, measured); its memory is --device-memory unless that is given")
+    p.add_argument("--plot", type=flags.PATH, default=None, metavar="PNG",
+                   help="with --hardware: write the roofline of the prefill and decode estimates to this PNG")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from multihead import sizing
 
+    if args.plot is not None and args.hardware is None:
+        raise CliError("--plot draws the roofline of the --hardware estimate: give --hardware too")
     model = model_from_args(args)
     is_causal = causal(args, model)
     device = None
@@ -52,6 +57,12 @@ def run(args: argparse.Namespace) -> int:
         r["estimate"] = estimate(model, sizing.model_size(model), device, seq=args.seq, batch=args.batch,
                                  dtype=args.dtype, weights_dtype=fitting.weights_dtype, tp=args.tp, cache=args.cache,
                                  largest_batch=whole.get("largest_batch"))
+        if args.plot is not None:
+            from multihead.hardware import plot_roofline
+
+            r["estimate"]["plot"] = plot_roofline(r["estimate"], args.plot, title=f"{model.name} at {args.seq:,} "
+                                                  f"tokens on {args.hardware}" + (f" x {args.tp}" if args.tp > 1
+                                                                                  else ""))
     if args.json:
         print(json.dumps(r, indent=2))
         return 0
@@ -59,6 +70,8 @@ def run(args: argparse.Namespace) -> int:
         _print_whole(whole, args)
     if "estimate" in r:
         _print_estimate(r["estimate"], args)
+        if "plot" in r["estimate"]:
+            print(f"{'roofline':<28}  {r['estimate']['plot']}")
     if whole is not None:
         print("attention alone:")
     if model.mla is not None:
@@ -187,7 +200,7 @@ def _print_estimate(e: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"{'speed on ' + hw['name'] + tp:<28}  estimates: {a['compute_efficiency']:.0%} of peak "
           f"{hw['flops'][e['compute_dtype']] / 1e12:.0f} TFLOP/s ({e['compute_dtype']}), "
           f"{a['bandwidth_efficiency']:.0%} of {hw['bandwidth'] / 1e9:,.0f} GB/s; ridge "
-          f"{e['ridge_flops_per_byte']:.0f} FLOP/B"
+          f"{e['effective_ridge_flops_per_byte']:.0f} FLOP/B ({e['ridge_flops_per_byte']:.0f} at peak)"
           + ("" if hw["verified"] else " (datasheet figures, not checked here)"))
     print(f"{'prefill':<28}  {p['tokens']:,} tokens x {p['batch']}: {p['seconds'] * 1e3:,.1f} ms ({p['bound']}-bound: "
           f"{p['arithmetic_intensity']:,.0f} FLOP/B; all-reduce {p['allreduce_seconds'] * 1e3:,.1f} ms)")
