@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from multihead import cost
+from multihead import MultiheadError, cost
 from multihead.cli import build_parser, main
 from multihead.presets import from_hf_dict, preset
 from multihead.sizing import weight_bytes, whole_model
@@ -176,3 +176,13 @@ def test_hardware_estimates_name_their_bound_and_add_up(tmp_path, capsys: pytest
     assert main(["count", "--preset", "gpt2", "--plot", str(png)]) == 2
     assert "give --hardware too" in capsys.readouterr().err
     assert _json([*argv, "--device-memory", "40GiB"], capsys)["device_memory_bytes"] == 40 * 2**30
+
+
+def test_this_machine_is_measured() -> None:
+    from multihead.hardware import hardware, measure_cpu
+
+    cpu = measure_cpu(nbytes=8 * 2**20, n=64)
+    assert cpu.verified and cpu.bandwidth > 0 and cpu.flops["fp32"] > 0 and cpu.memory > 2**30
+    assert cpu.interconnect == 0 and cpu.ridge("fp32") == cpu.flops["fp32"] / cpu.bandwidth
+    with pytest.raises(MultiheadError, match="hardware 'h100' is unknown: choose one of h100-80g"):
+        hardware("h100")

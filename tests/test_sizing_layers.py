@@ -105,3 +105,13 @@ def test_gemma2_9b_is_sized_layer_by_layer(tmp_path, capsys: pytest.CaptureFixtu
     assert r["max_context_in_device_memory"] is not None and r["layer_kinds"] == "21 sliding 4096 + 21 full"
     assert r["by_layer_kind"]["full"]["flops_forward_per_layer"] > r["by_layer_kind"]["sliding 4096"][
         "flops_forward_per_layer"]
+
+
+@pytest.mark.parametrize(("kind", "window", "message"), [
+    ("sliding", None, "a sliding layer needs a window of at least 1 token, got None"),
+    ("full", 4, "a full layer has no window"),
+    ("local", None, "layer kind 'local' is unknown: choose one of full, sliding, latent"),
+])
+def test_a_layer_kind_validates_itself(kind: str, window: int | None, message: str) -> None:
+    with pytest.raises(MultiheadError, match=message):
+        LayerAttention(kind, window)

@@ -341,28 +341,6 @@ def layers_kv_bytes(config: AttentionConfig, layers: Sequence[LayerAttention], *
                for layer in layers) * batch
 
 
-def layers_max_context(config: AttentionConfig, layers: Sequence[LayerAttention], *, memory_bytes: int,
-                       batch: int = 1, dtype: str = "bf16", mla: MLAConfig | None = None) -> int | None:
-    """The longest context whose cache (:func:`layers_kv_bytes`) fits in memory_bytes; None when any context fits
-    (every layer is sliding, and the windows fit)."""
-    _check_sizes(memory_bytes=memory_bytes, batch=batch)
-
-    def ok(c: int) -> bool:
-        return layers_kv_bytes(config, layers, context=c, batch=batch, dtype=dtype, mla=mla) <= memory_bytes
-
-    if all(layer.kind == "sliding" for layer in layers):
-        longest = max(layer.window or 0 for layer in layers)
-        if ok(longest):
-            return None
-    lo, hi = 0, 1
-    while ok(hi):
-        lo, hi = hi, hi * 2
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
 def layers_flops(config: AttentionConfig, layers: Sequence[LayerAttention], *, s: int, batch: int = 1,
                  causal: bool = True, exact_mask: bool = True) -> dict[str, FlopCount]:
     """Forward FLOPs of one layer of each kind the model has (``{"full": ..., "sliding": ...}``), each kind's window
