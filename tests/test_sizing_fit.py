@@ -186,3 +186,12 @@ def test_this_machine_is_measured() -> None:
     assert cpu.interconnect == 0 and cpu.ridge("fp32") == cpu.flops["fp32"] / cpu.bandwidth
     with pytest.raises(MultiheadError, match="hardware 'h100' is unknown: choose one of h100-80g"):
         hardware("h100")
+
+
+def test_layers_are_bounded_before_the_layer_by_layer_count(capsys: pytest.CaptureFixture[str]) -> None:
+    """Each layer is one entry of the per-layer description: --layers past MAX_LAYERS (4,096) is refused by the
+    parser, for a preset too (the preset path took any count before)."""
+    assert main(["count", "--preset", "gpt2", "--layers", "1000000000000"]) == 2
+    assert "argument --layers: 1,000,000,000,000 must be a number of layers (from 1 to 4,096)" in \
+        capsys.readouterr().err
+    assert _json(["count", "--preset", "mistral-7b", "--layers", "3"], capsys)["layer_kinds"] == "3 sliding 4096"

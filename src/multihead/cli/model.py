@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from multihead.cli import flags
 from multihead.cli.flags import POSITIVE, CliError
+from multihead.values import MAX_LAYERS
 
 if TYPE_CHECKING:
     from multihead.presets import ModelConfig
@@ -96,6 +97,7 @@ def cache_kind(text: str) -> str:
                                      "int2 or latent")
 
 
+LAYERS = flags.Integer(1, MAX_LAYERS, "a number of layers")  # the layer-by-layer count holds one entry a layer
 WINDOW_HELP = "sliding window: each query sees at most the N most recent keys"
 DTYPE_HELP = "element type of the model's tensors"
 TP_HELP = "tensor parallelism: the heads are split over N devices"
@@ -110,7 +112,7 @@ def add_model_flags(p: argparse.ArgumentParser, *, seq_default: int = 4096) -> N
     src.add_argument("--heads", type=POSITIVE, help="query heads n_heads")
     src.add_argument("--kv-heads", type=POSITIVE, help="key/value heads (default: --heads, MHA)")
     src.add_argument("--head-dim", type=POSITIVE, help="width of a head (default d_model / heads)")
-    src.add_argument("--layers", type=POSITIVE, help="number of layers (default 1)")
+    src.add_argument("--layers", type=LAYERS, help=f"number of layers (default 1; at most {MAX_LAYERS:,})")
     src.add_argument("--window", type=POSITIVE, metavar="N", help=f"{WINDOW_HELP} (the model's attention)")
     src.add_argument("--bias", action="store_true", help="projections with biases (default: none)")
     p.add_argument("--seq", type=POSITIVE, default=seq_default, help=f"context length (default {seq_default})")
