@@ -49,7 +49,9 @@ class Slots:
     the slot where every sequence continues (one slice copy), None to place by positions; ``aligned`` True when the
     queries are the last s of the t keys of every sequence (a plain bottom-right causal mask is exact, no mask by
     positions); ``positional`` True when slot j holds position j (the causal mask by positions is right), False for a
-    kind that evicts, whose ``keep`` ((b|1, 1, s, t) bool, None: every key) is then the whole mask.
+    kind that evicts, whose ``keep`` ((b|1, 1, s, t) bool, None: every key) is then the whole mask. ``parts``: a
+    head-wise kind's plan, one Slots per kind of KV head (:class:`~.headwise.HeadwiseCache`: full, streaming; None
+    for a kind no layer has), each with its own t and mask; None for the one-group kinds.
     """
 
     s: int
@@ -59,6 +61,7 @@ class Slots:
     aligned: bool
     positional: bool = True
     keep: Tensor | None = None
+    parts: tuple[Slots | None, ...] | None = None
 
 
 def check_count(name: str, value: object, *, least: int) -> int:
