@@ -143,14 +143,19 @@ class HeadwiseCache(Cache):
              window: int | None = None, validate: bool = True) -> Slots:
         """One Slots per kind of KV head, in ``parts`` (FULL, STREAMING; None for a kind no layer has): the full
         heads' (t = the tokens held and the new ones, causal by position) and the streaming heads' (t = held slots
-        + s, ``keep`` by :func:`sink_keep`). The top-level fields are the first present part's."""
+        + s, ``keep`` by :func:`sink_keep`). The top-level fields are the first present part's.
+
+        Under torch.compile the step reads no host-known length (the full heads' t is max_len, their write and mask
+        go by position), so one graph serves every decode step once the streaming slots are full; the room is then
+        checked by :meth:`advance`, outside the graph."""
         if positions is not None:
             raise MultiheadError("a HeadwiseCache places new tokens after the cached ones: positions cannot be given")
-        self.check_room(s)
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self.check_room(s)
         pos = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
         full = stream = None
         if self._kinds[FULL]:
-            compiling = torch.compiler.is_compiling()
             full = Slots(s=s, t=self._span(s), positions=pos, start=None if compiling else self._used,
                          aligned=not compiling)  # one length for every sequence: the queries are the last s keys
         if self._kinds[STREAMING]:
