@@ -156,6 +156,17 @@ def test_hooks_q_z_out_work_and_k_v_pattern_are_refused() -> None:
             model(tokens, cache=model.new_cache(1, 12, plan=plan))
 
 
+def test_explain_names_each_groups_kernel_and_leaves_the_cache_unchanged() -> None:
+    model, plan = _model(2), _plan(PLANS[2], 2)
+    cache = model.new_cache(1, 12, plan=plan)
+    block = model.layers[0]
+    x = torch.randn(1, 3, 32)
+    with torch.no_grad():
+        choice = block.attn.explain(x, causal=True, cache=cache.layer(0))
+    assert "full KV heads: sdpa" in choice.reason and "streaming KV heads: sdpa" in choice.reason
+    assert cache.used == 0 and all(not t.any() for t in cache.buffers() if t.is_floating_point())
+
+
 def test_a_caller_of_update_gets_a_clear_error() -> None:
     cache = HeadwiseCache(_plan(PLANS[2], 2), batch=1, max_len=8)
     k = torch.zeros(1, 2, 1, 8)
@@ -193,6 +204,8 @@ def test_from_scores_takes_the_top_fraction_and_breaks_ties_by_layer_then_head()
     assert plan.full_fraction == 0.5 and plan.budget == 0.5 and plan.scores is not None
     assert HeadPlan.from_scores(torch.tensor(scores), 0.0, sinks=1, window=4, model="m", shape=(3, 4, 2, 8),
                                 method="r").full_fraction == 0.0
+    with pytest.raises(MultiheadError, match=r"field 'scores' .* must be a \(n_layers, n_kv_heads\) = \(3, 2\)"):
+        HeadPlan.from_scores([[0.5, 0.9]], 0.5, sinks=1, window=4, model="m", shape=(3, 4, 2, 8), method="r")
 
 
 def test_plan_json_round_trip(tmp_path: Path) -> None:
@@ -291,3 +304,5 @@ def test_cli_generate_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert len(err.splitlines()) == 1 and f"(n_layers {n_layers + 1}," in err and f"(n_layers {n_layers}," in err
     assert main([*argv, "--plan", str(tmp_path / "none.json")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main([*argv, "--plan", str(tmp_path / "full-plan.json"), "--window", "8"]) == 2
+    assert "--plan brings its own sinks and window" in capsys.readouterr().err

@@ -187,10 +187,12 @@ class HeadPlan:
         is full first. ``budget`` records ``fraction`` and ``scores`` the scores."""
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
             raise MultiheadError(f"fraction ({fraction!r}) must be a fraction of the KV heads in [0, 1]")
-        shape4 = tuple(shape)
-        rows = scores.tolist() if isinstance(scores, Tensor) else [list(r) for r in scores]
-        probe = cls(full=tuple(tuple(False for _ in r) for r in rows), sinks=sinks, window=window, model=model,
-                    shape=shape4, method=method, scores=rows)  # type: ignore[arg-type]
+        shape4 = tuple(shape) if isinstance(shape, (tuple, list)) else shape
+        ok = isinstance(shape4, tuple) and len(shape4) == 4 and all(_is_int(v) and v >= 1 for v in shape4)
+        empty = tuple(tuple(False for _ in range(shape4[2])) for _ in range(shape4[0])) if ok else ()
+        rows = scores.tolist() if isinstance(scores, Tensor) else scores
+        probe = cls(full=empty, sinks=sinks, window=window, model=model, shape=shape4,  # type: ignore[arg-type]
+                    method=method, scores=rows)  # type: ignore[arg-type]  # checks every field, scores included
         assert probe.scores is not None
         flat = [(-score, layer, head) for layer, row in enumerate(probe.scores) for head, score in enumerate(row)]
         keep = round(fraction * len(flat))
