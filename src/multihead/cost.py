@@ -12,13 +12,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from multihead.config import AttentionConfig, MLAConfig
 from multihead.errors import MultiheadError
-
-if TYPE_CHECKING:
-    from multihead.cache.plan import HeadPlan
 
 # Bytes of one element. int8 and fp8 caches also keep scales in practice; those are not counted here.
 DTYPE_BYTES: dict[str, int] = {
@@ -439,6 +436,9 @@ def mla_report(config: MLAConfig, *, n_layers: int, seq: int, batch: int = 1, dt
 
 
 # ---------------------------------------------------------------------------------------------- head-wise cache
+from multihead.cache.plan import HeadPlan  # noqa: E402  (here, with the one function that takes it)
+
+
 def headwise_cache_bytes(plan: HeadPlan, *, batch: int, max_len: int, dtype: str = "bf16") -> int:
     """A head-wise cache (:class:`multihead.cache.HeadwiseCache`) of ``plan``: each full KV head holds max_len
     tokens, each streaming one sinks + window - 1 (the next token joins them), whatever the context::
