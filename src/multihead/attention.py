@@ -154,6 +154,8 @@ class MultiHeadAttention(nn.Module):
         k, v = _zero_padding(k, v, step.mask.padding)  # a padded key has no influence, even if it holds NaN
         if cache is not None:
             assert step.slots is not None  # checked: a cache call's step carries the cache's plan
+            if step.slots.parts is not None:  # a head-wise cache: one call per group of KV heads
+                return self._forward_groups(q, k, v, step, cache, backend)
             k, v = cache.update(k, v, step.slots)  # (b, g, t, d): the cached keys and values, the new ones included
         z, weights = attend(self._call(q, k, v, step, return_weights, backend))  # (b, h, s, d), hooked
         del q, k, v  # free the projections before merging: a long sequence's peak is q, k, v and the output
@@ -186,8 +188,77 @@ class MultiHeadAttention(nn.Module):
             k, v = _zero_padding(k, v, step.mask.padding)
             if cache is not None:
                 assert step.slots is not None
+                if step.slots.parts is not None:  # a head-wise cache: one call per group of KV heads
+                    return self._explain_groups(q, k, v, step, cache, return_weights, backend)
                 k, v = cache.update(k, v, step.slots, read_only=True)
         return explain_call(self._call(q, k, v, step, return_weights, backend))
+
+    # ------------------------------------------------------------------ a head-wise cache: one call per group
+    def _forward_groups(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, backend: str | None
+                        ) -> Tensor:
+        """The rest of forward with a :class:`~multihead.cache.HeadwiseCache`: each group of KV heads (full,
+        streaming) attends with its query heads under its own mask, z goes back in head order, then W_O. hook_q sees
+        q (b, h, s, d) before the groups are taken, hook_z z (b, h, s, d) after; hook_k, hook_v, hook_pattern and
+        return_weights are refused (:meth:`_group_calls`)."""
+        hooks = call_hooks(self)
+        if hooks is not None and hooks.q is not None:
+            q = hooks.q(q)
+        calls, order = self._group_calls(q, k, v, step, cache, False, backend)
+        b, h, s, _ = q.shape
+        outs = [attend(call)[0] for call in calls]  # (b, |group| * h / g, s, dv) each
+        if order is None:
+            z = outs[0]  # (b, h, s, dv): the layer is one group
+        else:
+            r = h // k.shape[1]  # query heads per KV head
+            z = torch.cat([out.reshape(b, -1, r, s, out.shape[-1]) for out in outs], dim=1)  # (b, g, r, s, dv)
+            z = z.index_select(1, order).reshape(b, h, s, -1)  # (b, h, s, dv): back in head order
+        if hooks is not None and hooks.z is not None:
+            z = hooks.z(z)
+        y: Tensor = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
+        return self.hook_out(y) if self.hook_out.active else y
+
+    def _group_calls(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, return_weights: bool,
+                     backend: str | None, *, read_only: bool = False) -> tuple[list[AttentionCall], Tensor | None]:
+        """One AttentionCall per group of KV heads of the layer (its query heads: query head i reads KV head
+        i // (h / g)), and the order that puts their z back in head order (None: one group)."""
+        from multihead.cache.headwise import HeadwiseLayer
+
+        if not isinstance(cache, HeadwiseLayer) or step.masks is None or step.slots is None:
+            raise MultiheadError("the step was planned by a head-wise cache: pass that cache's layer "
+                                 "(cache.layer(i)) with it")
+        if return_weights:
+            raise MultiheadError("return_weights cannot be used with a HeadwiseCache: its KV heads attend to "
+                                 "different keys, so there is no (b, h, s, t) matrix; run uncached with the plan's "
+                                 "mask (HeadPlan.mask) to read the weights")
+        hooked = [name for name in ("hook_k", "hook_v", "hook_pattern") if getattr(self, name).active]
+        if hooked:
+            raise MultiheadError(f"{', '.join(hooked)} cannot be hooked with a HeadwiseCache: its KV heads hold "
+                                 "different numbers of keys, so a layer's keys are not one (b, g, t, d) tensor "
+                                 "(hook_q, hook_z and hook_out work; run uncached with the plan's mask, "
+                                 "HeadPlan.mask, to hook the others)")
+        b, h, s, d = q.shape
+        g = k.shape[1]
+        calls = []
+        for group in cache.update_groups(k, v, step.slots, read_only=read_only):
+            qg = q if group.heads is None else (
+                q.view(b, g, h // g, s, d).index_select(1, group.heads).reshape(b, -1, s, d))  # (b, |group| r, s, d)
+            spec = step.masks[group.part]
+            assert spec is not None and spec.t == group.keys.shape[2]
+            calls.append(AttentionCall(qg, group.keys, group.values, spec, scale=self.config.softmax_scale,
+                                       dropout_p=self.config.dropout if self.training else 0.0,
+                                       backend=self.backend if backend is None else check_backend(backend)))
+        return calls, cache.order
+
+    def _explain_groups(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, return_weights: bool,
+                        backend: str | None) -> KernelChoice:
+        """explain with a head-wise cache: the first group's kernel, and each group's choice in the reason."""
+        calls, _ = self._group_calls(q, k, v, step, cache, return_weights, backend, read_only=True)
+        choices = [explain_call(call) for call in calls]
+        if len(choices) == 1:
+            return choices[0]
+        reason = "head-wise cache, one call per group of KV heads: " + "; ".join(
+            f"{name} KV heads: {choice}" for name, choice in zip(("full", "streaming"), choices, strict=True))
+        return KernelChoice(choices[0].backend, choices[0].kernel, reason, choices[0].mask)
 
     # ------------------------------------------------------------------ the per-step state
     def step(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,

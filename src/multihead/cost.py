@@ -542,3 +542,23 @@ def mla_report(config: MLAConfig, *, n_layers: int, seq: int, batch: int = 1, dt
         "decode_flops_absorbed": mla_flops(config, s=1, t=seq + 1, batch=batch, causal=True, path="absorbed").forward,
         "decode_flops_expanded": mla_flops(config, s=1, t=seq + 1, batch=batch, causal=True).forward,
     }
+
+
+# ---------------------------------------------------------------------------------------------- head-wise cache
+from multihead.cache.plan import HeadPlan  # noqa: E402  (here, with the one function that takes it)
+
+
+def headwise_cache_bytes(plan: HeadPlan, *, batch: int, max_len: int, dtype: str = "bf16") -> int:
+    """A head-wise cache (:class:`multihead.cache.HeadwiseCache`) of ``plan``: each full KV head holds max_len
+    tokens, each streaming one sinks + window - 1 (the next token joins them), whatever the context::
+
+        2 * batch * head_dim * bytes(dtype) * sum over layers l of (|F_l| * max_len + |S_l| * (sinks + window - 1))
+
+    F_l and S_l are layer l's full and streaming KV heads. ``dtype`` a name (bf16, fp32, ...; ``str(torch dtype)``
+    works too)."""
+    _check_sizes(batch=batch, max_len=max_len)
+    d = plan.shape[3]
+    full = sum(map(sum, plan.full))
+    streaming = plan.n_layers * plan.n_kv_heads - full
+    tokens = full * max_len + streaming * (plan.sinks + plan.window - 1)
+    return 2 * batch * d * dtype_bytes(dtype) * tokens

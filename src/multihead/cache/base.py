@@ -20,11 +20,12 @@ places nothing (``explain``).
 Per-sequence lengths live on the device (``lengths``, read by the kernels' masks) and on the host (``used``, the
 longest, and whether all are equal), so overflow and the slice write are decided without a device sync.
 
-Room for a head-wise kind (each KV head of a layer full, or sinks + window): its KV heads hold different numbers of
-keys, so one layer's keys are not one (b, g, t, d) tensor. Such a kind plans one :class:`Slots` per group of KV heads
-that keep the same keys (its own t and keep mask) and its ``update`` returns one (keys, values) per group; the layer
-then attends once per group, with the query heads of that group's KV heads, and puts z back in head order. The
-kinds here are the one-group case; nothing else in the plan / update / advance cycle assumes one t per layer.
+The head-wise kind (:class:`~.headwise.HeadwiseCache`: each KV head of a layer full, or sinks + window): its KV
+heads hold different numbers of keys, so one layer's keys are not one (b, g, t, d) tensor. It plans one
+:class:`Slots` per kind of KV head (``Slots.parts``, each with its own t and keep mask; the step makes a mask for
+each, ``Step.masks``) and its layers' verb is ``update_groups``, one (keys, values, which KV heads) per group; the
+layer then attends once per group, with the query heads of that group's KV heads, and puts z back in head order.
+The other kinds are the one-group case; nothing else in the plan / update / advance cycle assumes one t per layer.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class Slots:
     the slot where every sequence continues (one slice copy), None to place by positions; ``aligned`` True when the
     queries are the last s of the t keys of every sequence (a plain bottom-right causal mask is exact, no mask by
     positions); ``positional`` True when slot j holds position j (the causal mask by positions is right), False for a
-    kind that evicts, whose ``keep`` ((b|1, 1, s, t) bool, None: every key) is then the whole mask.
+    kind that evicts, whose ``keep`` ((b|1, 1, s, t) bool, None: every key) is then the whole mask. ``parts``: a
+    head-wise kind's plan, one Slots per kind of KV head (:class:`~.headwise.HeadwiseCache`: full, streaming; None
+    for a kind no layer has), each with its own t and mask; None for the one-group kinds.
     """
 
     s: int
@@ -59,6 +62,7 @@ class Slots:
     aligned: bool
     positional: bool = True
     keep: Tensor | None = None
+    parts: tuple[Slots | None, ...] | None = None
 
 
 def check_count(name: str, value: object, *, least: int) -> int:

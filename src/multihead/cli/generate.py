@@ -37,6 +37,9 @@ def add(sub: Any) -> None:
                    help=f"{WINDOW_HELP}, beside --sinks: decode with a sink + window cache, constant memory, any "
                         "length (StreamingLLM)")
     p.add_argument("--sinks", type=flags.COUNT, default=4, help="sink tokens kept beside --window (default 4)")
+    p.add_argument("--plan", type=flags.PATH, default=None, metavar="FILE",
+                   help="decode with a head-wise cache: a head plan (JSON, multihead.cache.HeadPlan) saying which KV "
+                        "heads keep every key and which keep sinks + a window; refused for a model of another shape")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     add_tp(p)
     p.set_defaults(run=run)
@@ -57,7 +60,21 @@ def run(args: argparse.Namespace) -> int:
         raise CliError("--compile cannot be combined with --tp (the compiled step runs in one process)")
     if args.window is not None and (args.compile or args.tp > 1):
         raise CliError("--window decodes eagerly in one process: drop --compile and --tp")
+    plan = None
+    if args.plan is not None:
+        from multihead.cache import HeadPlan
+
+        if args.window is not None:
+            raise CliError("--plan brings its own sinks and window: drop --window")
+        if args.compile or args.tp > 1:
+            raise CliError("--plan decodes eagerly in one process: drop --compile and --tp")
+        plan = HeadPlan.load(args.plan)
     model, tok = load_llama(args.model, dtype=getattr(torch, flags.TORCH_NAMES[args.dtype]))
+    if plan is not None:
+        a = model.config.attention()
+        assert a.n_kv_heads is not None and a.head_dim is not None
+        plan.check(n_layers=model.config.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim,
+                   model=str(args.model or "SmolLM2"))
     quiet = False
     if args.tp > 1:
         from multihead import parallel
@@ -71,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     def produced() -> Iterator[int]:
         for step in generate_ids(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  stop_ids=tok.stop_ids, compile=args.compile, window=args.window,
-                                 sink_tokens=args.sinks):
+                                 sink_tokens=args.sinks, plan=plan):
             t = step[0]
             if t is None:
                 return

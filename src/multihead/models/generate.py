@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from multihead.cache import KVCache
+from multihead.cache import Cache, HeadPlan, KVCache
 from multihead.errors import MultiheadError
 from multihead.models.llama import LlamaModel
 
@@ -91,6 +91,7 @@ def generate_ids(
     compile: bool = False,
     window: int | None = None,
     sink_tokens: int = 4,
+    plan: HeadPlan | None = None,
 ) -> Iterator[list[int | None]]:
     """Yield, at each step, the new token of every prompt (None once a prompt has stopped).
 
@@ -100,6 +101,9 @@ def generate_ids(
     the cache rounded up to a multiple of CACHE_BUCKET positions so that later calls reuse the compiled graph.
     ``window=N`` decodes with a :class:`~multihead.cache.SinkCache` (``sink_tokens`` first tokens and the last N):
     constant memory, any number of new tokens (also past the model's context); prompts of one length.
+    ``plan=`` decodes with a :class:`~multihead.cache.HeadwiseCache` of that :class:`~multihead.cache.HeadPlan`
+    (each KV head in full or as the plan's sinks + window; checked against the model's shape); prompts of one
+    length, eagerly.
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise MultiheadError(f"max_new_tokens ({max_new_tokens!r}) must be a positive int")
@@ -113,16 +117,23 @@ def generate_ids(
     lengths = [len(p) for p in prompts]
     longest = max(lengths)
     total = longest + max_new_tokens
+    if window is not None and plan is not None:
+        raise MultiheadError("give either window= (a sink + window cache) or plan= (a head-wise cache), not both")
     if window is not None:
         yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      stop_ids=stop_ids, window=window, sink_tokens=sink_tokens, compile=compile,
-                                      step=step)
+                                      stop_ids=stop_ids, compile=compile, step=step,
+                                      make=lambda b: model.new_cache(b, window=window, sink_tokens=sink_tokens))
         return
     if total > model.config.max_context:
         raise MultiheadError(
             f"the prompt ({longest} tokens) and max_new_tokens ({max_new_tokens}) need {total} positions, more than "
             f"the model's context of {model.config.max_context}"
         )
+    if plan is not None:
+        yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      stop_ids=stop_ids, compile=compile, step=step,
+                                      make=lambda b: model.new_cache(b, total, plan=plan), kind="head-wise")
+        return
     b = len(prompts)
     device = model.device
     tokens = torch.zeros(b, longest, dtype=torch.long, device=device)
@@ -160,18 +171,20 @@ def generate_ids(
 
 
 def _generate_windowed(model: LlamaModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
-                       sampling: Sampling, stop_ids: set[int] | frozenset[int], window: int, sink_tokens: int,
-                       compile: bool, step: StepFn | None) -> Iterator[list[int | None]]:
-    """:func:`generate_ids` over a sink + window cache (StreamingLLM): memory bounded whatever the length."""
+                       sampling: Sampling, stop_ids: set[int] | frozenset[int], compile: bool, step: StepFn | None,
+                       make: Callable[[int], Cache], kind: str = "windowed") -> Iterator[list[int | None]]:
+    """:func:`generate_ids` over a cache whose sequences hold one length, made by ``make(batch)``: a sink + window
+    cache (StreamingLLM, memory bounded whatever the length; ``kind`` "windowed") or a head-wise one."""
     if compile or step is not None:
-        raise MultiheadError("a windowed cache decodes eagerly: drop compile/step, or the window")
+        raise MultiheadError(f"a {kind} cache decodes eagerly: drop compile/step, or the "
+                             f"{'window' if kind == 'windowed' else 'plan'}")
     if len({len(p) for p in prompts}) != 1:
-        raise MultiheadError(f"a windowed cache holds sequences of one length: the prompts have lengths "
+        raise MultiheadError(f"a {kind} cache holds sequences of one length: the prompts have lengths "
                              f"{sorted({len(p) for p in prompts})} (generate them one at a time)")
     if len(prompts[0]) > model.config.max_context:
         raise MultiheadError(f"the prompt ({len(prompts[0])} tokens) is longer than the model's context of "
                              f"{model.config.max_context}")
-    cache = model.new_cache(len(prompts), window=window, sink_tokens=sink_tokens)
+    cache = make(len(prompts))
     tokens = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=model.device)
     gen = sampling.generator()
     with torch.no_grad():

@@ -11,14 +11,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, cast, overload
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
-from multihead.cache import Cache, KVCache, LayerCache, LayeredCache, QuantizedKVCache, SinkCache
+from multihead.cache import (
+    Cache,
+    HeadPlan,
+    HeadwiseCache,
+    KVCache,
+    LayerCache,
+    LayeredCache,
+    QuantizedKVCache,
+    SinkCache,
+)
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.linear import Linear, linear
@@ -111,8 +120,16 @@ class LlamaModel(nn.Module):
     def device(self) -> torch.device:
         return self.embed.weight.device
 
+    @overload
     def new_cache(self, batch: int, max_len: int | None = None, *, window: int | None = None, sink_tokens: int = 0,
-                  bits: int | None = None, group: int = 32, residual: int = 128) -> Cache:
+                  bits: int | None = None, group: int = 32, residual: int = 128) -> Cache: ...
+
+    @overload
+    def new_cache(self, batch: int, max_len: int | None = None, *, plan: HeadPlan) -> HeadwiseCache: ...
+
+    def new_cache(self, batch: int, max_len: int | None = None, *, window: int | None = None, sink_tokens: int = 0,
+                  bits: int | None = None, group: int = 32, residual: int = 128, plan: HeadPlan | None = None
+                  ) -> Cache:
         """A cache for this model, n_layers layers of (batch, n_kv_heads, *, head_dim) in the model's dtype (this
         rank's KV heads only, when the model is split over processes):
 
@@ -120,9 +137,13 @@ class LlamaModel(nn.Module):
         - ``new_cache(b, window=w, sink_tokens=n)``: n attention sinks and a window of w (:class:`SinkCache`),
           constant memory for any length;
         - ``new_cache(b, max_len, bits=4, group=32, residual=128)``: quantized keys and values
-          (:class:`QuantizedKVCache`).
+          (:class:`QuantizedKVCache`);
+        - ``new_cache(b, max_len, plan=plan)``: each KV head in full or as the plan's sinks + window
+          (:class:`HeadwiseCache`, :class:`HeadPlan`), the plan checked against this model's shape.
         """
         a = self.config.attention()
+        if plan is not None:
+            return self._headwise_cache(batch, max_len, plan, window=window, sink_tokens=sink_tokens, bits=bits)
         kv_heads = [cast(LlamaBlock, block).attn.local_kv_heads for block in self.layers]
         where: dict[str, Any] = {"batch": batch, "head_dim": a.head_dim, "dtype": self.dtype, "device": self.device}
         if window is not None:
@@ -149,6 +170,30 @@ class LlamaModel(nn.Module):
         if len(set(kv_heads)) == 1:
             return make(kv_heads[0], len(kv_heads))
         return LayeredCache([make(g, 1) for g in kv_heads])  # layers of different widths (a pruned model)
+
+    def _headwise_cache(self, batch: int, max_len: int | None, plan: HeadPlan, *, window: int | None,
+                        sink_tokens: int, bits: int | None) -> HeadwiseCache:
+        if not isinstance(plan, HeadPlan):
+            raise MultiheadError(f"plan must be a HeadPlan (HeadPlan.load(path)), got {type(plan).__name__}")
+        if window is not None or sink_tokens or bits is not None:
+            raise MultiheadError("a head plan brings its own sinks and window and stores keys in full: give "
+                                 "new_cache(b, max_len, plan=plan) without window=, sink_tokens= or bits=")
+        if max_len is None:
+            raise MultiheadError("new_cache(b, max_len, plan=plan) needs max_len (the tokens a full KV head holds)")
+        if max_len > self.config.max_context:
+            raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
+        c = self.config
+        a = c.attention()
+        assert a.n_kv_heads is not None and a.head_dim is not None
+        local = {cast(LlamaBlock, block).attn.local_kv_heads for block in self.layers}
+        if c.layer_heads is not None and len(set(c.layer_heads)) > 1:
+            raise MultiheadError(f"this model's layers hold different numbers of heads ({list(c.layer_heads)}): a "
+                                 "head plan is for a model of one shape")
+        if local != {a.n_kv_heads}:
+            raise MultiheadError("a head-wise cache runs in one process: this model's KV heads are split over "
+                                 "processes")
+        plan.check(n_layers=c.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
+        return HeadwiseCache(plan, batch=batch, max_len=max_len, dtype=self.dtype, device=self.device)
 
     def forward(self, tokens: Tensor, *, positions: Tensor | None = None, cache: Cache | None = None,
                 key_padding_mask: Tensor | None = None, mask: Tensor | None = None) -> Tensor:
