@@ -408,9 +408,10 @@ def _load_plan(path: str, stamp: int) -> Any:
 def equal_bytes_slots(plan: Any, length: int) -> int:
     """Slots per KV head of a sinks + window cache holding the bytes of ``plan``'s head-wise cache at ``length``
     tokens: a full KV head holds ``length``, a streaming one ``min(length, sinks + window - 1)``."""
-    stream = min(length, plan.sinks + plan.window - 1)
+    stream: int = min(length, plan.sinks + plan.window - 1)
     share: float = plan.full_fraction
-    return max(1, round(share * length + (1 - share) * stream))
+    slots: int = round(share * length + (1 - share) * stream)
+    return max(1, slots)
 
 
 def plan_label(path: str) -> str:
