@@ -464,3 +464,72 @@ def test_a_run_refuses_a_length_beyond_the_models_context(tmp_path: Path) -> Non
     with pytest.raises(MultiheadError, match=r"length 1,000 exceeds the model's context of 1,024"):
         lc.run(_settings(lengths=(1000,)), out=tmp_path / "r", progress=False, text_path=str(text), model=model,
                tokenizer=TOK)
+
+
+# ------------------------------------------------------------------------------------------------- head-wise plans
+def _tiny_plan(tmp_path: Path, model: LlamaModel, name: str = "mixed-plan.json", *, window: int = 24) -> str:
+    from multihead.cache import HeadPlan
+
+    c = model.config
+    plan = HeadPlan(full=((True, False), (False, True)), sinks=2, window=window, model="tiny",
+                    shape=(c.n_layers, c.n_heads, c.n_kv_heads, c.d_model // c.n_heads), method="test", budget=0.5)
+    return str(plan.save(tmp_path / name))
+
+
+def test_a_plan_method_decodes_as_the_uncached_model_under_the_plans_per_head_mask(tmp_path: Path) -> None:
+    from multihead.linear import linear
+
+    model = _tiny()
+    path = _tiny_plan(tmp_path, model)
+    method = lc.Method("head-wise mixed", "head-wise (test)", plan=path)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 50, (1, 230), generator=g)
+    context, question, answer = ids[0, :200].tolist(), ids[0, 200:225].tolist(), ids[0, 225:].tolist()
+    cache = method.cache(model, 225, ids.shape[1])
+    last = lc.prefill(model, context, cache, chunk=64)  # chunks longer than the window: eviction inside a chunk
+    steps = lc.answer_steps(model, cache, question, answer)
+    masks = lc.load_plan(path).mask(ids.shape[1])  # (L, h, n, n): each layer under its own per-head mask
+    with torch.no_grad():
+        h = model.embed(ids)
+        for i, block in enumerate(model.layers):
+            h = block(h, step=block.attn.step(h, mask=masks[i][None]))
+        reference = linear(model.norm(h), model.embed.weight)[0]  # (n, vocab)
+        full = model(ids)[0]
+    torch.testing.assert_close(last, reference[199], atol=1e-4, rtol=1e-4)
+    assert (full[199] - last).abs().max() > 1e-3  # the streaming heads really forget
+    logp = torch.log_softmax(reference[224:-1].double(), -1)
+    assert steps["logprobs"] == pytest.approx([float(logp[i, t]) for i, t in enumerate(answer)], abs=1e-4)
+    # the uniform control holds the plan's bytes: half the KV heads full (225 slots), half 2 + 24 - 1 slots
+    control = lc.Method("2 sinks + window = mixed bytes", "sinks + window (bytes of a plan)", sinks=2, equal_to=path)
+    slots = lc.equal_bytes_slots(lc.load_plan(path), 225)
+    assert slots == round(0.5 * 225 + 0.5 * 25) and control.window_at(225) == slots - 2 + 1
+    assert control.cache(model, 225, 225).bytes == pytest.approx(method.cache(model, 225, 225).bytes, rel=0.01)
+
+
+def test_a_run_with_plans_measures_each_plan_and_its_equal_bytes_control(tmp_path: Path) -> None:
+    model, text = _run_inputs(tmp_path)
+    path = _tiny_plan(tmp_path, model)
+    settings = _settings(lengths=(400,), tasks=("passkey",), plans=(path,), uptrain_steps=0, prune=(), windows=(),
+                         bits=(), mqa=False, keep=(), window_keep=())
+    result = lc.run(settings, out=tmp_path / "r", progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["full cache", "head-wise mixed", "2 sinks + window = mixed bytes"]
+    plan_row, control = rows["head-wise mixed"], rows["2 sinks + window = mixed bytes"]
+    assert plan_row["plan"]["full"] == [[True, False], [False, True]] and plan_row["series"] == "head-wise (test)"
+    full_bytes = rows["full cache"]["lengths"]["400"]["kv_bytes"]
+    assert plan_row["lengths"]["400"]["kv_bytes"] == full_bytes // 2 + full_bytes // 2 * 25 // 400
+    assert control["lengths"]["400"]["kv_bytes"] == pytest.approx(plan_row["lengths"]["400"]["kv_bytes"], rel=0.01)
+    assert "head-wise mixed" in (tmp_path / "r" / "table.txt").read_text()
+    Path(path).write_text(Path(path).read_text().replace('"window": 24', '"window": 30'))
+    with pytest.raises(MultiheadError, match="holds a run with other settings"):  # a changed plan is another run
+        lc.run(settings, out=tmp_path / "r", progress=False, text_path=str(text), model=model, tokenizer=TOK)
+
+
+def test_plans_are_checked_when_the_settings_are_made(tmp_path: Path) -> None:
+    with pytest.raises(MultiheadError, match=r"nowhere-plan\.json"):
+        _settings(plans=(str(tmp_path / "nowhere-plan.json"),))
+    model = _tiny()
+    (tmp_path / "a").mkdir()
+    a, b = _tiny_plan(tmp_path / "a", model), _tiny_plan(tmp_path, model)
+    with pytest.raises(MultiheadError, match="two plans are named 'mixed'"):
+        _settings(plans=(a, b))

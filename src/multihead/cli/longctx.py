@@ -18,7 +18,7 @@ from multihead.cli.common import out_folder
 from multihead.cli.flags import POSITIVE, SEED, CliError
 
 LONG_ONLY = ("lengths", "tasks", "haystacks", "prompts", "keys", "values", "seed", "keep", "window_keep",
-             "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl")
+             "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan")
 
 
 def _names(allowed: tuple[str, ...], what: str) -> flags.Listed:
@@ -58,6 +58,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-mqa", action="store_true", help="leave out pooled and uptrained MQA")
     g.add_argument("--uptrain-from", type=flags.PATH, default=None,
                    help="an uptraining checkpoint folder to reuse (e.g. a `multihead tradeoff` run's uptrain/)")
+    g.add_argument("--plan", type=flags.PATH, action="append", default=None, metavar="FILE",
+                   help="a head plan (HeadPlan JSON, e.g. docs/experiments/*-plan.json) measured as a head-wise "
+                        "cache, beside a sinks + window cache of the same bytes; repeat for several")
     g.add_argument("--cases-jsonl", type=flags.PATH, default=None,
                    help="write the run's cases as JSON lines to this file and stop (for benchmarks/kvpress_longctx.py)")
 
@@ -85,6 +88,7 @@ def settings(args: argparse.Namespace) -> Any:
         "uptrain_lr": args.uptrain_lr, "uptrain_train": args.train, "uptrain_from": args.uptrain_from,
         "ppl_context": args.context, "ppl_scored": args.stride, "ppl_windows": args.windows,
         "threshold": args.threshold, "bootstrap": args.bootstrap,
+        "plans": None if args.plan is None else tuple(args.plan),
     }
     if args.no_mqa:
         chosen["mqa"] = False

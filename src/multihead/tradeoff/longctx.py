@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
+import hashlib
 import json
 import math
 import random
@@ -347,7 +349,10 @@ def read_jsonl(path: str | Path) -> list[Case]:
 class Method:
     """One cache kind on one model. ``keep``: the share of the prompt length a sinks + window cache holds
     (``sinks + window - 1 = round(keep * length)`` slots, so 0.5 holds the bytes kvpress keeps at 50% compression);
-    ``window``: an absolute window instead; ``bits``: a quantized cache; none of them: the full cache."""
+    ``window``: an absolute window instead; ``bits``: a quantized cache; ``plan``: a head-wise cache made by the
+    :class:`~multihead.cache.HeadPlan` saved in that file (each KV head full or its sinks + window);
+    ``equal_to``: a sinks + window cache holding as many slots per KV head as that plan's cache holds on average
+    at each length (the uniform control at equal bytes); none of them: the full cache."""
 
     name: str
     series: str
@@ -358,14 +363,20 @@ class Method:
     bits: int | None = None
     group: int = 32
     residual: int = 128
+    plan: str | None = None
+    equal_to: str | None = None
 
     def window_at(self, length: int) -> int | None:
         if self.keep is not None:
             return max(1, round(self.keep * length) - self.sinks + 1)
+        if self.equal_to is not None:
+            return max(1, equal_bytes_slots(load_plan(self.equal_to), length) - self.sinks + 1)
         return self.window
 
     def cache(self, model: Any, length: int, max_len: int) -> Any:
         """This method's real cache for a prompt of ``length`` tokens (room for ``max_len`` in a full one)."""
+        if self.plan is not None:
+            return model.new_cache(1, max_len, plan=load_plan(self.plan))
         window = self.window_at(length)
         if window is not None:
             return model.new_cache(1, window=window, sink_tokens=self.sinks)
@@ -376,6 +387,40 @@ class Method:
     @property
     def slug(self) -> str:
         return re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
+
+
+def load_plan(path: str) -> Any:
+    """The :class:`~multihead.cache.HeadPlan` saved at ``path`` (read again only when the file changes)."""
+    try:
+        stamp = Path(path).stat().st_mtime_ns
+    except OSError:
+        stamp = -1  # HeadPlan.load says what is wrong with the path
+    return _load_plan(path, stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _load_plan(path: str, stamp: int) -> Any:
+    from multihead.cache import HeadPlan
+
+    return HeadPlan.load(path)
+
+
+def equal_bytes_slots(plan: Any, length: int) -> int:
+    """Slots per KV head of a sinks + window cache holding the bytes of ``plan``'s head-wise cache at ``length``
+    tokens: a full KV head holds ``length``, a streaming one ``min(length, sinks + window - 1)``."""
+    stream: int = min(length, plan.sinks + plan.window - 1)
+    share: float = plan.full_fraction
+    slots: int = round(share * length + (1 - share) * stream)
+    return max(1, slots)
+
+
+def plan_label(path: str) -> str:
+    """A plan's name in tables: its file name without ``-plan.json`` / ``.json``."""
+    name = Path(path).name
+    for end in ("-plan.json", ".json"):
+        if name.endswith(end):
+            return name[:-len(end)]
+    return name
 
 
 # ---------------------------------------------------------------------------------------------------------- settings
@@ -409,6 +454,7 @@ class Settings:
     uptrain_train: str = "kv"
     uptrain_from: str | None = None  # an uptraining checkpoint folder to reuse (e.g. a `multihead tradeoff` run's)
     prune: tuple[float, ...] = (0.25,)
+    plans: tuple[str, ...] = ()  # HeadPlan JSON files: a head-wise cache each, and a sinks + window one of its bytes
     ppl_context: int = 4096
     ppl_scored: int = 1024
     ppl_windows: int = 1
@@ -462,6 +508,12 @@ class Settings:
             check_fraction(f)
         if self.uptrain_steps:
             self.uptrain()  # its own checks
+        labels = [plan_label(p) for p in self.plans]
+        for path, label in zip(self.plans, labels, strict=True):
+            if labels.count(label) > 1:
+                raise MultiheadError(f"two plans are named {label!r} ({', '.join(self.plans)}): give the files "
+                                     "distinct names")
+            load_plan(path)  # a missing or bad file is refused now, not after the full cache has run
         if not 0 <= self.threshold <= 1:
             raise MultiheadError(f"threshold ({self.threshold!r}) must lie in [0, 1]")
 
@@ -487,6 +539,11 @@ class Settings:
                                   model="uptrained"))
         out += [Method(f"pruned {f:.0%} of KV groups", "pruned", model=f"pruned-{round(f * 100)}")
                 for f in self.prune]
+        for path in self.plans:
+            plan, label = load_plan(path), plan_label(path)
+            out.append(Method(f"head-wise {label}", f"head-wise ({plan.method or 'plan'})", plan=path))
+            out.append(Method(f"{s} sinks + window = {label} bytes", "sinks + window (bytes of a plan)", sinks=s,
+                              equal_to=path))
         return out
 
 
@@ -665,8 +722,12 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
     say: Callable[[str], None] = (lambda m: tqdm.write(m)) if progress else (lambda _m: None)
     folder = Path(out)
     folder.mkdir(parents=True, exist_ok=True)
-    stamp = {"settings": dataclasses.asdict(settings), "model": model_path, "text": text_path,
-             "own_model": model is not None}
+    stamp: dict[str, Any] = {"settings": dataclasses.asdict(settings), "model": model_path, "text": text_path,
+                             "own_model": model is not None}
+    if settings.plans:  # a plan's file may change under the same name: its contents are part of the run
+        stamp["plans"] = {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in settings.plans}
+    else:
+        del stamp["settings"]["plans"]  # so a run recorded before plans existed resumes
     saved = _read_json(folder / "settings.json")
     if saved is not None and saved != json.loads(json.dumps(stamp)):
         raise MultiheadError(f"{folder} holds a run with other settings ({folder / 'settings.json'}): resume with "
@@ -807,9 +868,15 @@ def _row(method: Method, model: Any, results: Sequence[dict[str, Any]], ppl: dic
             "decode_step_seconds": statistics.median(steps) if steps else None,
         }
     ppl_bytes = int(method.cache(model, settings.ppl_context, settings.ppl_context).bytes)
-    return {"method": method.name, "series": method.series, "model": method.model,
-            "window": {str(n): method.window_at(n) for n in settings.lengths}, "sinks": method.sinks,
-            "lengths": per_length, "perplexity": {**ppl, "kv_bytes": ppl_bytes}}
+    row = {"method": method.name, "series": method.series, "model": method.model,
+           "window": {str(n): method.window_at(n) for n in settings.lengths}, "sinks": method.sinks,
+           "lengths": per_length, "perplexity": {**ppl, "kv_bytes": ppl_bytes}}
+    if method.plan is not None:
+        plan = load_plan(method.plan)
+        row["plan"] = {"file": method.plan, "method": plan.method, "budget": plan.budget,
+                       "full_fraction": plan.full_fraction, "sinks": plan.sinks, "window": plan.window,
+                       "full": [list(r) for r in plan.full]}
+    return row
 
 
 # ------------------------------------------------------------------------------------------------------------ report
@@ -870,7 +937,7 @@ def plot(result: dict[str, Any], path: str | Path) -> str:
     lengths = [str(n) for n in result["settings"]["lengths"]]
     rows = result["rows"]
     series = list(dict.fromkeys(r["series"] for r in rows))
-    markers = dict(zip(series, "*vosDP^Xh<>", strict=False))
+    markers = {name: "*vosDP^Xh<>"[i % 11] for i, name in enumerate(series)}
     fig = plt.figure(figsize=(4.2 * len(lengths) + 0.5, 8.4))
     grid = fig.add_gridspec(2, len(lengths))
     for i, n in enumerate(lengths):
@@ -926,8 +993,11 @@ __all__ = [
     "Settings",
     "answer_steps",
     "bootstrap_ci",
+    "equal_bytes_slots",
+    "load_plan",
     "make_cases",
     "make_prompt_cases",
+    "plan_label",
     "plot",
     "prefill",
     "read_jsonl",
