@@ -500,7 +500,7 @@ def test_a_plan_method_decodes_as_the_uncached_model_under_the_plans_per_head_ma
     logp = torch.log_softmax(reference[224:-1].double(), -1)
     assert steps["logprobs"] == pytest.approx([float(logp[i, t]) for i, t in enumerate(answer)], abs=1e-4)
     # the uniform control holds the plan's bytes: half the KV heads full (225 slots), half 2 + 24 - 1 slots
-    control = lc.Method("2 sinks + window = mixed bytes", "sinks + window (bytes of a plan)", sinks=2, equal_to=path)
+    control = lc.Method("control", "sinks + window (bytes of a plan)", sinks=2, equal_to=path)
     slots = lc.equal_bytes_slots(lc.load_plan(path), 225)
     assert slots == round(0.5 * 225 + 0.5 * 25) and control.window_at(225) == slots - 2 + 1
     assert control.cache(model, 225, 225).bytes == pytest.approx(method.cache(model, 225, 225).bytes, rel=0.01)
@@ -509,12 +509,15 @@ def test_a_plan_method_decodes_as_the_uncached_model_under_the_plans_per_head_ma
 def test_a_run_with_plans_measures_each_plan_and_its_equal_bytes_control(tmp_path: Path) -> None:
     model, text = _run_inputs(tmp_path)
     path = _tiny_plan(tmp_path, model)
-    settings = _settings(lengths=(400,), tasks=("passkey",), plans=(path,), uptrain_steps=0, prune=(), windows=(),
-                         bits=(), mqa=False, keep=(), window_keep=())
+    (tmp_path / "b").mkdir()
+    other = _tiny_plan(tmp_path / "b", model, "other-plan.json")  # the same share, sinks and window: one control
+    settings = _settings(lengths=(400,), tasks=("passkey",), plans=(path, other), uptrain_steps=0, prune=(),
+                         windows=(), bits=(), mqa=False, keep=(), window_keep=())
     result = lc.run(settings, out=tmp_path / "r", progress=False, text_path=str(text), model=model, tokenizer=TOK)
     rows = {r["method"]: r for r in result["rows"]}
-    assert list(rows) == ["full cache", "head-wise mixed", "2 sinks + window = mixed bytes"]
-    plan_row, control = rows["head-wise mixed"], rows["2 sinks + window = mixed bytes"]
+    control_name = "2 sinks + window = bytes of 50% full, 2 + 24"
+    assert list(rows) == ["full cache", "head-wise mixed", "head-wise other", control_name]
+    plan_row, control = rows["head-wise mixed"], rows[control_name]
     assert plan_row["plan"]["full"] == [[True, False], [False, True]] and plan_row["series"] == "head-wise (test)"
     full_bytes = rows["full cache"]["lengths"]["400"]["kv_bytes"]
     assert plan_row["lengths"]["400"]["kv_bytes"] == full_bytes // 2 + full_bytes // 2 * 25 // 400

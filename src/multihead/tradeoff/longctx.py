@@ -539,12 +539,15 @@ class Settings:
                                   model="uptrained"))
         out += [Method(f"pruned {f:.0%} of KV groups", "pruned", model=f"pruned-{round(f * 100)}")
                 for f in self.prune]
+        controls: dict[tuple[float, int, int], Method] = {}  # plans of one share, sinks and window: one control
         for path in self.plans:
             plan, label = load_plan(path), plan_label(path)
             out.append(Method(f"head-wise {label}", f"head-wise ({plan.method or 'plan'})", plan=path))
-            out.append(Method(f"{s} sinks + window = {label} bytes", "sinks + window (bytes of a plan)", sinks=s,
-                              equal_to=path))
-        return out
+            key = (plan.full_fraction, plan.sinks, plan.window)
+            controls.setdefault(key, Method(
+                f"{s} sinks + window = bytes of {plan.full_fraction:.0%} full, {plan.sinks} + {plan.window}",
+                "sinks + window (bytes of a plan)", sinks=s, equal_to=path))
+        return out + list(controls.values())
 
 
 # ------------------------------------------------------------------------------------------------------------ scoring
