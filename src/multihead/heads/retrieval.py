@@ -131,7 +131,7 @@ def _grouped_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
         raise MultiheadError(f"{h} query heads cannot read {g} KV heads: g must divide h")
     qg = q.reshape(b, g, h // g, r, d)  # (b, g, h/g, r, d)
     logits = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))  # (b, g, h/g, r, t)
-    return logits.reshape(b, h, r, k.shape[2]) * scale  # (b, h, r, t)
+    return logits.reshape(b, h, r, k.shape[2]).mul_(scale)  # (b, h, r, t)
 
 
 def mass_outside_block(q: Tensor, k: Tensor, positions: Tensor, *, scale: float, sinks: int, window: int) -> Tensor:
@@ -142,10 +142,10 @@ def mass_outside_block(q: Tensor, k: Tensor, positions: Tensor, *, scale: float,
     j = torch.arange(t, device=k.device)
     logits = _grouped_logits(q.float(), k.float(), scale)  # (b, h, r, t)
     allowed = j[None, :] <= positions[:, None]  # (r, t)
-    logits = logits.masked_fill(~allowed, float("-inf"))
-    w = torch.softmax(logits, dim=-1)  # (b, h, r, t)
+    w = torch.softmax(logits.masked_fill_(~allowed, float("-inf")), dim=-1)  # (b, h, r, t)
+    del logits  # at most two blocks live at once
     dropped = allowed & (j[None, :] >= sinks) & (j[None, :] <= positions[:, None] - window)  # (r, t)
-    return (w * dropped).sum(-1).double().sum((0, 2))  # (h,)
+    return w.mul_(dropped).sum(-1).double().sum((0, 2))  # (h,)
 
 
 # ---------------------------------------------------------------------------------------------------------- the probe
@@ -475,6 +475,43 @@ def ablation(model: Any, cases: Sequence[Case], ranking: np.ndarray, k: int, *, 
             "top_heads": [list(h) for h in top], "random_heads": [[list(h) for h in r] for r in randoms]}
 
 
+# ---------------------------------------------------------------------------------------------------------- real models
+def long_cases(tokenizer: Any, max_context: int, *, lengths: Sequence[int] = (2048,),
+               tasks: Sequence[str] = ("passkey", "single-number"), prompts: int = 2, seed: int = 0,
+               text_path: str | None = None) -> list[Case]:
+    """Needle cases of :mod:`multihead.tradeoff.longctx` (its generator and seeds, both haystacks taking turns) for
+    the retrieval scores: the same cases the long-context trade-off measures at these lengths and tasks."""
+    from multihead.tradeoff.longctx import Settings, make_cases
+    from multihead.tradeoff.text import read_text, token_splits
+
+    settings = Settings(lengths=tuple(lengths), tasks=tuple(tasks), prompts=prompts, seed=seed, uptrain_steps=0)
+    jargon = token_splits(tokenizer.encode(read_text(text_path))).test
+    return make_cases(settings, tokenizer, jargon, max_context=max_context)
+
+
+def analyse_retrieval(model: Any, tokenizer: Any, *, lengths: Sequence[int] = (2048,),
+                      tasks: Sequence[str] = ("passkey", "single-number"), prompts: int = 2, seed: int = 0,
+                      settings: RetrievalSettings | None = None, text_path: str | None = None,
+                      razor: dict[str, np.ndarray] | None = None, ablate_top: int = 0, draws: int = 5,
+                      name: str = "", progress: bool = True) -> RetrievalScores:
+    """The retrieval scores of a Llama-style model of ours (e.g. SmolLM2 from :func:`multihead.models.load_llama`)
+    on :func:`long_cases`, with ``razor`` scores attached (default: :func:`razor_scores` on random tokens) and,
+    when ``ablate_top`` is k > 0, the top-k against random-k ablation (:func:`ablation`) on the same cases."""
+    st = settings or RetrievalSettings()
+    cases = long_cases(tokenizer, model.config.max_context, lengths=lengths, tasks=tasks, prompts=prompts,
+                       seed=seed, text_path=text_path)
+    scores = retrieval_scores(model, cases, st, name=name, progress=progress)
+    if razor is None:
+        low = max(17, max(getattr(tokenizer, "stop_ids", set()) | {0}) + 1)
+        razor = razor_scores(model, vocab=(low, model.config.vocab_size))
+    scores.razor = dict(razor)
+    scores.settings.update(lengths=list(lengths), tasks=list(tasks), prompts=prompts, seed=seed)
+    if ablate_top:
+        scores.ablation = ablation(model, cases, scores.query, ablate_top, draws=draws, seed=seed, chunk=st.chunk,
+                                   progress=progress)
+    return scores
+
+
 # ---------------------------------------------------------------------------------------------------------- picture
 def write_png(scores: RetrievalScores, path: Any) -> str:
     """Layer x head heatmaps: the retrieval score per query head and per KV head, the dropped mass per query head,
@@ -513,9 +550,11 @@ __all__ = [
     "RetrievalSettings",
     "ablation",
     "accuracy",
+    "analyse_retrieval",
     "attention_layers",
     "copyable_steps",
     "kv_aggregate",
+    "long_cases",
     "mass_outside_block",
     "needle_spans",
     "razor_from_head_scores",
