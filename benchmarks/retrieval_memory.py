@@ -77,7 +77,8 @@ def main() -> None:
     cache = int(model.new_cache(1, room).bytes)
     block = 1 * c.n_heads * args.block * room * 4
     result = {"model": "SmolLM2-135M-Instruct (float32)", "context_tokens": s, "chunk": args.chunk,
-              "block": args.block, "rows": args.rows, "peak_bytes": peak, "kv_cache_bytes": cache, "one_layer_matrix_bytes": matrix,
+              "block": args.block, "rows": args.rows, "peak_bytes": peak, "kv_cache_bytes": cache,
+              "one_layer_matrix_bytes": matrix,
               "one_block_bytes": block, "peak_over_matrix": round(peak / matrix, 4),
               "peak_less_cache_over_matrix": round((peak - cache) / matrix, 4), "correct": scores.cases[0]["correct"],
               "seconds": round(seconds, 1), "load_before": load, "load_after": _load(),
