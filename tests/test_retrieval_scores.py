@@ -178,6 +178,10 @@ def test_a_kv_head_aggregates_its_query_heads() -> None:
     np.testing.assert_array_equal(got.mass_outside_kv, got.mass_outside.reshape(2, 2, 2).max(-1))
     j = got.to_json()
     assert np.array(j["kv"]).shape == (2, 2) and j["cases_used"] == 1
+    np.testing.assert_array_equal(got.for_plan("retrieval"), got.kv)
+    np.testing.assert_array_equal(got.for_plan("mass"), got.mass_outside_kv)
+    got.razor = {"echo": np.eye(2, 4), "induction": np.eye(2, 4)[::-1]}
+    np.testing.assert_array_equal(got.for_plan("razor"), [[1, 0], [1, 0]])
 
 
 def test_ablating_the_copying_head_loses_every_answer_and_random_heads_lose_what_they_break() -> None:

@@ -252,6 +252,20 @@ class RetrievalScores:
             out["razor"] = np.maximum.reduce(list(out.values()))
         return out
 
+    def for_plan(self, kind: str = "retrieval") -> np.ndarray:
+        """The (L, g) array a head-wise cache plan ranks KV heads by (higher: keep every key): "retrieval" (Wu et
+        al., :attr:`kv`), "mass" (the attention a streaming cache would drop, :attr:`mass_outside_kv`) or "razor"
+        (the max of echo and induction, :attr:`razor_kv`)."""
+        if kind == "retrieval":
+            return self.kv
+        if kind == "mass":
+            return self.mass_outside_kv
+        if kind == "razor":
+            if not self.razor:
+                raise MultiheadError("these scores carry no razor scores: attach razor_scores(...) as .razor")
+            return self.razor_kv["razor"]
+        raise MultiheadError(f"kind {kind!r} is unknown: choose retrieval, mass or razor")
+
     def top(self, k: int = 10, *, kind: str = "kv") -> list[tuple[int, int, float]]:
         """The k heads with the highest score: (layer, head, score); ``kind`` "kv", "query" or "mass_outside"."""
         table = {"kv": self.kv, "query": self.query, "mass_outside": self.mass_outside}
