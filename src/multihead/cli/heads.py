@@ -33,7 +33,52 @@ def add(sub: Any) -> None:
     p.add_argument("--tokens", type=flags.POSITIVE, default=64, help="tokens shown in the pictures (default 64)")
     p.add_argument("--top", type=flags.POSITIVE, default=3, help="heads listed per score (default 3)")
     p.add_argument("--json", action="store_true", help="print one JSON object (a record per head)")
+    r = p.add_argument_group("retrieval heads at long context (--retrieval)")
+    r.add_argument("--retrieval", action="store_true",
+                   help="also score retrieval heads on long-context needle cases (Wu et al. 2024: the head's top key "
+                        "is the needle token being copied), the attention a sinks + window cache would drop, and "
+                        "RazorAttention-style echo/induction scores per KV head (Llama-style models of ours)")
+    r.add_argument("--lengths", type=flags.HEAD_COUNTS, default=None, metavar="N,N",
+                   help="prompt lengths in tokens (default 2048)")
+    r.add_argument("--tasks", type=flags.Listed(flags.OneOf(("passkey", "single-number", "single-word", "multikey",
+                                                               "multivalue"), "task {value} is unknown: choose from "
+                                                              "{names}"), "tasks"),
+                   default=None, help="needle tasks (default passkey,single-number)")
+    r.add_argument("--prompts", type=flags.POSITIVE, default=None, help="prompts per (length, task) (default 2)")
+    r.add_argument("--sinks", type=flags.COUNT, default=None, help="sink tokens of the dropped-mass score (default 4)")
+    r.add_argument("--window", type=flags.POSITIVE, default=None,
+                   help="window of the dropped-mass score (default 256)")
+    r.add_argument("--block", type=flags.POSITIVE, default=None,
+                   help="query rows per block of the dropped-mass score (default 128)")
+    r.add_argument("--all-cases", action="store_true",
+                   help="average the retrieval score over every case, not only those the model answers right")
+    r.add_argument("--ablate-top", type=flags.POSITIVE, default=None, metavar="K",
+                   help="zero the K best retrieval heads, and K random others (--draws sets), and measure the "
+                        "needle accuracy")
+    r.add_argument("--draws", type=flags.POSITIVE, default=None, help="random head sets for --ablate-top (default 5)")
     p.set_defaults(run=run)
+
+
+RETRIEVAL_ONLY = ("lengths", "tasks", "prompts", "sinks", "window", "block", "ablate_top", "draws", "all_cases")
+
+
+def _retrieval(args: argparse.Namespace, model: Any, report: Any) -> Any:
+    """The retrieval scores of --retrieval, attached to the report (razor scores from its own echo/induction)."""
+    from multihead.heads.adapters import DecoderHeads
+    from multihead.heads.retrieval import RetrievalSettings, analyse_retrieval, razor_from_head_scores
+
+    if not isinstance(model, DecoderHeads):
+        raise CliError(f"--retrieval runs needle cases through multihead's own KV cache: {model.name} is not a "
+                       "Llama-style decoder of ours (give --model smollm2, a Llama .gguf or folder, --engine ours)")
+    chosen = {"sinks": args.sinks, "window": args.window, "block": args.block,
+              "correct_only": False if args.all_cases else None}
+    settings = RetrievalSettings(**{k: v for k, v in chosen.items() if v is not None})
+    report.retrieval = analyse_retrieval(
+        model.model, model.tokenizer, lengths=tuple(args.lengths or (2048,)),
+        tasks=tuple(args.tasks or ("passkey", "single-number")), prompts=args.prompts or 2, settings=settings,
+        razor=razor_from_head_scores(report.scores), ablate_top=args.ablate_top or 0, draws=args.draws or 5,
+        name=model.name, progress=not args.json)
+    return report.retrieval
 
 
 def run(args: argparse.Namespace) -> int:
@@ -47,6 +92,10 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"cannot read --file {args.file!r}: {err}") from None
     if text is not None and not text.strip():
         raise CliError("the text is empty: give some text to analyse")
+    if not args.retrieval:
+        given = [f"--{name.replace('_', '-')}" for name in RETRIEVAL_ONLY if getattr(args, name) not in (None, False)]
+        if given:
+            raise CliError(f"{', '.join(given)} {'is' if len(given) == 1 else 'are'} for --retrieval: add --retrieval")
     with out_folder(args.out) as out:  # fails before the long work if the report cannot be written
         from multihead.heads.adapters import load_head_model
         from multihead.heads.analysis import analyse
@@ -56,6 +105,8 @@ def run(args: argparse.Namespace) -> int:
         model = load_head_model(args.model, engine=args.engine)
         report = analyse(model, text, display_tokens=args.tokens, ablate=args.ablate, convert=args.convert,
                          pairs=shipped_pairs() if args.patch else None, progress=not args.json)
+        if args.retrieval:
+            _retrieval(args, model, report)
         files = write_all(report, out)
     if args.json:
         print(json.dumps({**result_json(report), "files": files}))
@@ -84,6 +135,24 @@ def run(args: argparse.Namespace) -> int:
     for converted in report.conversion:
         print(f"GQA by mean-pooling to {converted['n_kv_heads']} KV heads: {report.metric_name} "
               f"{converted['metric']:.4f} ({converted['delta']:+.4f})")
+    if report.retrieval is not None:
+        _print_retrieval(report.retrieval, args.top)
     print(f"report: {files['html']}")
     print(f"pictures: {files['grid_png']}, {files['heads_png']}")
     return 0
+
+
+def _print_retrieval(scores: Any, top: int) -> None:
+    used = sum(1 for c in scores.cases if c["used"])
+    st = scores.settings
+    print(f"retrieval (Wu et al.): {used} of {len(scores.cases)} needle cases answered right and used; top KV heads "
+          "(LxKVy = max over its query heads): " + "  ".join(f"L{a}KV{b} = {v:.2f}" for a, b, v in scores.top(top)))
+    print("retrieval, query heads: " + "  ".join(f"{head_name(a, b)} = {v:.2f}"
+                                                for a, b, v in scores.top(top, kind="query")))
+    print(f"mass outside {st['sinks']} sinks + window {st['window']} (over {scores.mass_rows} prefill rows): "
+          + "  ".join(f"{head_name(a, b)} = {v:.2f}" for a, b, v in scores.top(top, kind="mass_outside")))
+    ab = scores.ablation
+    if ab:
+        print(f"ablation: accuracy {ab['baseline']:.0%} -> {ab['top_k']:.0%} without the top {ab['k']} retrieval "
+              f"heads; {sum(ab['random']) / len(ab['random']):.0%} on average without {ab['k']} random others "
+              f"({ab['draws']} draws)")

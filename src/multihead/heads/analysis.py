@@ -41,6 +41,7 @@ class HeadReport:
     ablation: list[dict[str, Any]] = field(default_factory=list)
     conversion: list[dict[str, Any]] = field(default_factory=list)
     patching: dict[str, Any] | None = None  # method, point, pairs, clean, corrupted, effects (n_layers, heads)
+    retrieval: Any = None  # multihead.heads.retrieval.RetrievalScores, when asked for (long-context needle cases)
 
     def ablation_summary(self, threshold: float = 0.01) -> dict[str, Any]:
         """The most important heads and the share whose removal changes the metric by less than 1% (relative)."""

@@ -165,12 +165,17 @@ def write_html(report: HeadReport, path: Path) -> Path:
 
 def write_all(report: HeadReport, out: str | Path) -> dict[str, str]:
     folder = prepare_out_dir(out)
-    return {
+    files = {
         "html": str(write_html(report, folder / "report.html")),
         "grid_png": str(write_grid_png(report, folder / "heads-grid.png")),
         "heads_png": str(write_heads_png(report, folder / "chosen-heads.png")),
         "json": str(_write_json(report, folder / "heads.json")),
     }
+    if report.retrieval is not None:
+        from multihead.heads.retrieval import write_png
+
+        files["retrieval_png"] = write_png(report.retrieval, folder / "retrieval.png")
+    return files
 
 
 def _write_json(report: HeadReport, path: Path) -> Path:
@@ -182,7 +187,8 @@ def result_json(report: HeadReport) -> dict[str, Any]:
             "n_kv_heads": report.n_kv_heads, "tokens": len(report.tokens), "heads": report.scores.records(),
             "ablation": report.ablation, "ablation_summary": report.ablation_summary(),
             "conversion": report.conversion, "metric": report.metric_name, "baseline": report.baseline,
-            "patching": report.patching}
+            "patching": report.patching,
+            **({"retrieval": report.retrieval.to_json()} if report.retrieval is not None else {})}
 
 
 _TEMPLATE = r"""<!doctype html>
