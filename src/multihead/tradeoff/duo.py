@@ -52,7 +52,7 @@ from torch import Tensor, nn
 from multihead.attention import MultiHeadAttention
 from multihead.cache.sink import sink_keep
 from multihead.errors import MultiheadError
-from multihead.hooks import HookHandle, HookPoint
+from multihead.hooks import HookFn, HookHandle, HookPoint
 from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
 from multihead.tradeoff.longctx import HAYSTACKS, Haystacks, Tokenizer, case_seed, check_length, make_prompt_cases
@@ -68,13 +68,11 @@ def _integer(name: str, value: object, least: int) -> None:
 
 
 def _number(name: str, value: object, low: float, high: float, *, open_low: bool = False) -> float:
-    ok = not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
-    if ok and (value <= low if open_low else value < low):  # type: ignore[operator]
-        ok = False
-    if not ok or value > high:  # type: ignore[operator]
+    x = float(value) if not isinstance(value, bool) and isinstance(value, int | float) else math.nan
+    if not (math.isfinite(x) and (x > low if open_low else x >= low) and x <= high):
         side = "(" if open_low else "["
         raise MultiheadError(f"gate optimisation {name} ({value!r}) must be a finite number in {side}{low}, {high}]")
-    return float(value)  # type: ignore[arg-type]
+    return x
 
 
 @dataclass(frozen=True)
@@ -191,7 +189,7 @@ def gated(model: nn.Module, gates: Tensor, *, sinks: int, window: int) -> Iterat
     def attach(index: int, layer: MultiHeadAttention) -> None:
         held: dict[str, Tensor] = {}
 
-        def keep(name: str) -> Any:
+        def keep(name: str) -> HookFn:
             def read(x: Tensor, point: HookPoint) -> None:
                 held[name] = x
             return read
@@ -420,6 +418,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import argparse
     import sys
 
+    from multihead.names import head_name
+
     defaults = DuoSettings()
     parser = argparse.ArgumentParser(prog="python -m multihead.tradeoff.duo", description=main.__doc__)
     parser.add_argument("--model", default=None, help="GGUF file or model folder (default SmolLM2-135M-Instruct)")
@@ -455,9 +455,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     seconds = [h["seconds"] for h in history if "seconds" in h]
     print(f"{len(history)} steps, {time.perf_counter() - began:.0f} s in this run, median step "
           f"{float(np.median(seconds)) if seconds else float('nan'):.1f} s; gates in {Path(args.out) / 'gates.json'}")
-    print("top KV heads (layer, head, gate):")
+    print("top KV heads (gate):")
     for layer, head, gate in top_heads(gates, args.top):
-        print(f"  L{layer}H{head}  {gate:.3f}")
+        print(f"  {head_name(layer, head, kv=True):<7} {gate:.3f}")
     return 0
 
 
