@@ -144,6 +144,13 @@ def test_a_stopped_and_rerun_optimisation_gives_the_gates_of_an_uninterrupted_on
     np.testing.assert_allclose(np.array(saved["gates"]), resumed, atol=0, rtol=0)
     assert saved["settings"] == settings.stamp() and saved["step"] == 3
     np.testing.assert_allclose(duo.read_gates(tmp_path / "gates.json"), resumed, atol=0, rtol=0)
+    # a finished run asked for more steps goes on from its checkpoint: 2 then 3 steps equal 3 at once
+    duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "b", progress=False, steps=2)
+    longer, _ = duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "b",
+                                   progress=False)
+    np.testing.assert_allclose(longer, whole, atol=1e-7, rtol=0)
+    with pytest.raises(MultiheadError, match="holds 3 steps, more than the 2 asked"):
+        duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path, progress=False, steps=2)
     with pytest.raises(MultiheadError, match="made with other settings"):
         duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path, progress=False, l1=0.5)
     with pytest.raises(MultiheadError, match=r"shape \[2, 2\] but this model needs \[2, 4\]"):

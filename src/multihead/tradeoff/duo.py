@@ -279,7 +279,8 @@ def optimise_gates(model: Any, settings: DuoSettings | None = None, *, tokenizer
     (``optimise_gates(model, tokenizer=tok, steps=40, lr=0.05, l1=0.05, length=1024, sinks=4, window=256,
     seed=0)``). ``tokenizer`` and ``text_ids`` (the *training* split's tokens, for the jargon haystack; without it
     the filler haystack alone) feed the case generator. ``out``: the checkpoint folder; a run with the same settings
-    and model shape continues from it (another run there is refused), and ``gates.json`` is written there.
+    and model shape continues from it, also to more ``steps`` (the schedule and the prompts depend on the step
+    alone, so 28 steps then 60 equal 60 at once); another run there is refused; ``gates.json`` is written there.
     """
     from tqdm import tqdm
 
@@ -387,15 +388,20 @@ def _load(folder: Path, gates: nn.Parameter, optimizer: torch.optim.Optimizer, s
     from multihead.models.loaders import read_json, read_safetensors
 
     state = read_json(folder / "state.json")
-    if state.get("settings") != settings.stamp():
-        raise MultiheadError(f"the checkpoint in {folder} was made with other settings ({state.get('settings')}); "
-                             f"rerun with the same ones ({settings.stamp()}) or use another folder")
+    saved_settings = state.get("settings")
+    mine = {k: v for k, v in settings.stamp().items() if k != "steps"}
+    if not isinstance(saved_settings, dict) or {k: v for k, v in saved_settings.items() if k != "steps"} != mine:
+        raise MultiheadError(f"the checkpoint in {folder} was made with other settings ({saved_settings}); "
+                             f"rerun with the same ones ({settings.stamp()}, steps may grow) or use another folder")
     if state.get("shape") != list(shape):
         raise MultiheadError(f"the checkpoint in {folder} holds gates of shape {state.get('shape')} but this model "
                              f"needs {list(shape)}: use another folder")
     step = state.get("step")
-    if isinstance(step, bool) or not isinstance(step, int) or not 0 < step <= settings.steps:
-        raise MultiheadError(f"{folder / 'state.json'}: step {step!r} is not in 1..{settings.steps}")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise MultiheadError(f"{folder / 'state.json'}: step {step!r} is not a positive number of steps")
+    if step > settings.steps:
+        raise MultiheadError(f"the checkpoint in {folder} holds {step} steps, more than the {settings.steps} asked: "
+                             f"ask for at least {step} steps or use another folder")
     tensors = read_safetensors([folder / "duo.safetensors"])
     saved = tensors.get("gates")
     if saved is None or tuple(saved.shape) != shape:
