@@ -120,7 +120,8 @@ def test_the_distillation_loss_falls_as_the_gates_are_optimised_and_the_weights_
 
 def test_a_stopped_and_rerun_optimisation_gives_the_gates_of_an_uninterrupted_one(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    settings = duo.DuoSettings(steps=3, lr=0.1, l1=0.02, length=LENGTH, sinks=SINKS, window=WINDOW, every=1)
+    settings = duo.DuoSettings(steps=3, lr=0.1, l1=0.02, length=256, sinks=SINKS, window=WINDOW, every=1,
+                               tasks=("passkey",))
     model = _model()
     whole, whole_history = duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, progress=False)
     real_save = duo._save
@@ -134,6 +135,8 @@ def test_a_stopped_and_rerun_optimisation_gives_the_gates_of_an_uninterrupted_on
         duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path, progress=False)
     assert json.loads((tmp_path / "state.json").read_text())["step"] == 1
     monkeypatch.setattr(duo, "_save", real_save)
+    # rerun asking for 2 steps (a run goes on to more steps from its checkpoint), then for all 3
+    duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path, progress=False, steps=2)
     resumed, history = duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path,
                                           progress=False)
     assert [h["step"] for h in history] == [1, 2, 3]
@@ -144,11 +147,6 @@ def test_a_stopped_and_rerun_optimisation_gives_the_gates_of_an_uninterrupted_on
     np.testing.assert_allclose(np.array(saved["gates"]), resumed, atol=0, rtol=0)
     assert saved["settings"] == settings.stamp() and saved["step"] == 3
     np.testing.assert_allclose(duo.read_gates(tmp_path / "gates.json"), resumed, atol=0, rtol=0)
-    # a finished run asked for more steps goes on from its checkpoint: 2 then 3 steps equal 3 at once
-    duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "b", progress=False, steps=2)
-    longer, _ = duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "b",
-                                   progress=False)
-    np.testing.assert_allclose(longer, whole, atol=1e-7, rtol=0)
     with pytest.raises(MultiheadError, match="holds 3 steps, more than the 2 asked"):
         duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path, progress=False, steps=2)
     with pytest.raises(MultiheadError, match="made with other settings"):
