@@ -1,0 +1,492 @@
+"""DuoAttention-style choice of the head-wise plan: one gate per KV head, optimised on synthetic passkeys.
+
+DuoAttention (Xiao et al. 2024) keeps the weights frozen and gives every KV head a gate ``alpha`` in [0, 1] that mixes
+its full attention with its streaming attention (attention sinks + a recent window, the mask of
+:func:`multihead.cache.sink_keep`)::
+
+    z_head = alpha * z_full + (1 - alpha) * z_stream          (for each query head of the KV head)
+
+The gates learn, on synthetic retrieval prompts, to keep the model's final hidden states where the answer is asked
+and given while an L1 term pushes them to zero::
+
+    loss = mean over the question and answer positions of (h_gated - h_full)^2  +  l1 * mean(alpha)
+
+A KV head whose gate stays high is a retrieval head (it keeps every key); the rest can stream. The gates (n_layers,
+n_kv_heads) become a plan through a threshold or a top fraction (``HeadPlan.from_scores(gates, fraction)``).
+
+Here the gated forward is made of hook points (:mod:`multihead.hooks`): each attention layer's ``hook_q``,
+``hook_k`` and ``hook_v`` are read, and ``hook_z`` is replaced by the mixture, whose streaming part runs through the
+project's attention core (:func:`multihead.kernels.attend`, SDPA's CPU flash kernel with the streaming mask: no
+(b, h, s, t) score matrix is kept for the backward, only the (s, s) mask). The layer's own path is unchanged.
+Measured on SmolLM2-135M (float32, one step = the full model's forward, the gated forward and its backward, on 2
+cores shared with other work): 1,024 tokens, 297 s and 1.6 GiB above the loaded model (2.8 GiB peak); 2,048 tokens,
+392 s and 4.1 GiB above it (5.4 GiB peak); 512 tokens, a median of 83 s over 28 steps.
+
+Training data: passkey and single-number prompts from the long-context generator
+(:func:`multihead.tradeoff.longctx.make_prompt_cases`) built on the *training* split of the text, with seeds of their
+own (prompt indices from :data:`TRAIN_INDEX` on, where the evaluation uses 0, 1, ...): the evaluation's cases are
+never trained on. As in DuoAttention the loss covers the question and the answer (its labels are the question and
+answer tokens): the question's last position is the one that predicts the answer's first token. The answer is
+teacher-forced (its tokens are part of the input).
+
+One sample per step, fixed by (seed, step), so a run stopped and rerun on its checkpoint folder (``state.json`` and
+``duo.safetensors``: gates, AdamW's moments, history) ends with the gates an uninterrupted run gives. The gates are
+also written as ``gates.json`` (``{"gates": [[...]], "settings": {...}}``) at every checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from multihead.attention import MultiHeadAttention
+from multihead.cache.sink import sink_keep
+from multihead.errors import MultiheadError
+from multihead.hooks import HookFn, HookHandle, HookPoint
+from multihead.kernels import AttentionCall, attend
+from multihead.masks import build_mask
+from multihead.tradeoff.longctx import HAYSTACKS, Haystacks, Tokenizer, case_seed, check_length, make_prompt_cases
+
+TRAIN_TASKS = ("passkey", "single-number", "single-word")  # the one-needle tasks of the generator
+TRAIN_INDEX = 1_000_000  # training prompts are indices TRAIN_INDEX + step: the evaluation uses 0 .. prompts - 1
+
+
+# ---------------------------------------------------------------------------------------------------------- settings
+def _integer(name: str, value: object, least: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise MultiheadError(f"gate optimisation {name} ({value!r}) must be an integer of at least {least}")
+
+
+def _number(name: str, value: object, low: float, high: float, *, open_low: bool = False) -> float:
+    x = float(value) if not isinstance(value, bool) and isinstance(value, int | float) else math.nan
+    if not (math.isfinite(x) and (x > low if open_low else x >= low) and x <= high):
+        side = "(" if open_low else "["
+        raise MultiheadError(f"gate optimisation {name} ({value!r}) must be a finite number in {side}{low}, {high}]")
+    return x
+
+
+@dataclass(frozen=True)
+class DuoSettings:
+    """What one gate optimisation does. ``sinks`` and ``window`` are the streaming heads' mask (a query at p sees
+    keys j <= p with j > p - window or j < sinks, :func:`~multihead.cache.sink_keep`): use the cache's own. ``lr``
+    is AdamW's (DuoAttention: 0.02 over 2,000 steps; a few dozen steps need more), after ``warmup`` linear steps;
+    ``init`` the gates' first value (1: every head full, as DuoAttention starts). A checkpoint every ``every`` steps
+    and at the end. Prompts of ``length`` tokens, the ``tasks`` and ``haystacks`` taking turns step by step."""
+
+    steps: int = 40
+    lr: float = 0.05
+    l1: float = 0.05
+    length: int = 1024
+    sinks: int = 4
+    window: int = 256
+    seed: int = 0
+    tasks: tuple[str, ...] = ("passkey", "single-number")
+    haystacks: tuple[str, ...] = ("jargon", "filler")
+    warmup: int = 2
+    init: float = 1.0
+    every: int = 5
+
+    def __post_init__(self) -> None:
+        _integer("steps", self.steps, 1)
+        _integer("every", self.every, 1)
+        _integer("warmup", self.warmup, 0)
+        _integer("seed", self.seed, 0)
+        _integer("length", self.length, 1)
+        _integer("sinks", self.sinks, 0)
+        _integer("window", self.window, 1)
+        _number("lr", self.lr, 0.0, 1.0, open_low=True)
+        _number("l1", self.l1, 0.0, 100.0)
+        _number("init", self.init, 0.0, 1.0)
+        if self.window < self.sinks:
+            raise MultiheadError(f"window ({self.window}) must not be shorter than the {self.sinks} sinks: the sinks "
+                                 "are a few first tokens kept beside a longer window (use a larger window or fewer "
+                                 "sinks)")
+        if self.window >= self.length:
+            raise MultiheadError(f"window ({self.window}) covers the whole prompt of {self.length} tokens: streaming "
+                                 "attention would equal full attention and the gates learn nothing; use a window "
+                                 "shorter than the length")
+        if not self.tasks or any(t not in TRAIN_TASKS for t in self.tasks):
+            raise MultiheadError(f"gate optimisation tasks {self.tasks!r}: choose from {', '.join(TRAIN_TASKS)} "
+                                 "(one needle, one answer)")
+        if not self.haystacks or any(h not in HAYSTACKS for h in self.haystacks):
+            raise MultiheadError(f"gate optimisation haystacks {self.haystacks!r}: choose from "
+                                 f"{', '.join(HAYSTACKS)}")
+
+    def stamp(self) -> dict[str, Any]:
+        """The settings as JSON reads them back (tuples as lists)."""
+        out: dict[str, Any] = json.loads(json.dumps(asdict(self)))
+        return out
+
+
+# ------------------------------------------------------------------------------------------------- the gated forward
+def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
+    """The model's attention layers in module order (the rows of the gates)."""
+    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
+    if not layers:
+        raise MultiheadError(f"{type(model).__name__} has no MultiHeadAttention layer: gates go on multihead's "
+                             "attention layers")
+    return layers
+
+
+def gate_shape(model: nn.Module) -> tuple[int, int]:
+    """(n_layers, n_kv_heads): one gate per KV head of every attention layer."""
+    layers = attention_layers(model)
+    widths = {layer.n_kv_heads for layer in layers}
+    if len(widths) != 1:
+        raise MultiheadError(f"the attention layers have different numbers of KV heads ({sorted(widths)}): gates "
+                             "take one (n_layers, n_kv_heads) array, so every layer needs the same count")
+    return len(layers), widths.pop()
+
+
+def new_gates(model: nn.Module, init: float = 1.0) -> nn.Parameter:
+    """A (n_layers, n_kv_heads) float32 parameter of gates, all ``init``, on the model's device."""
+    init = _number("init", init, 0.0, 1.0)
+    device = next(model.parameters()).device
+    return nn.Parameter(torch.full(gate_shape(model), init, dtype=torch.float32, device=device))
+
+
+def _check_gates(model: nn.Module, gates: Tensor) -> None:
+    want = gate_shape(model)
+    if not isinstance(gates, Tensor) or tuple(gates.shape) != want:
+        got = tuple(gates.shape) if isinstance(gates, Tensor) else type(gates).__name__
+        raise MultiheadError(f"gates have shape {got} but the model needs (n_layers, n_kv_heads) = {want}")
+    with torch.no_grad():
+        if not bool(torch.isfinite(gates).all()) or float(gates.min()) < 0 or float(gates.max()) > 1:
+            raise MultiheadError(f"gates must lie in [0, 1] (found {float(gates.min()):g} .. {float(gates.max()):g}):"
+                                 " clamp them (gates.clamp_(0, 1))")
+
+
+@contextmanager
+def gated(model: nn.Module, gates: Tensor, *, sinks: int, window: int) -> Iterator[None]:
+    """Run ``model`` with each KV head's output (the z of its query heads) replaced by
+    ``gate * z_full + (1 - gate) * z_stream``, where z_stream is the same head's attention under the streaming mask
+    (``sinks`` first tokens and the last ``window``, :func:`~multihead.cache.sink_keep`). ``gates``
+    (n_layers, n_kv_heads) in [0, 1]; gradients flow to them. For uncached forwards over positions 0 .. s - 1 (the
+    model's own causal mask): a cached call is refused."""
+    _check_gates(model, gates)
+    _integer("sinks", sinks, 0)
+    _integer("window", window, 1)
+    masks: dict[tuple[int, torch.device], Tensor] = {}
+    handles: list[HookHandle] = []
+
+    def stream_mask(s: int, device: torch.device) -> Tensor:
+        key = (s, device)
+        if key not in masks:
+            pos = torch.arange(s, device=device)
+            masks[key] = sink_keep(pos, pos, window=window, sink_tokens=sinks)  # (s, s), True = may attend
+        return masks[key]
+
+    def attach(index: int, layer: MultiHeadAttention) -> None:
+        held: dict[str, Tensor] = {}
+
+        def keep(name: str) -> HookFn:
+            def read(x: Tensor, point: HookPoint) -> None:
+                held[name] = x
+            return read
+
+        def mix(z: Tensor, point: HookPoint) -> Tensor:
+            q, k, v = held.pop("q"), held.pop("k"), held.pop("v")
+            b, h, s, _ = q.shape  # (b, h, s, d)
+            g, t = k.shape[1], k.shape[2]  # (b, g, t, d)
+            if s != t:
+                raise MultiheadError(f"the gated forward is for uncached calls (queries and keys at the same "
+                                     f"positions): this call has {s} queries over {t} keys")
+            spec = build_mask(batch=b, n_heads=h, s=s, t=t, mask=stream_mask(s, q.device), device=q.device)
+            stream, _ = attend(AttentionCall(q, k, v, spec, scale=layer.config.softmax_scale))  # (b, h, s, d)
+            gate = gates[index].to(z.dtype).repeat_interleave(h // g)[None, :, None, None]  # (1, h, 1, 1)
+            return gate * z + (1 - gate) * stream
+
+        handles.extend([layer.hook_q.add(keep("q")), layer.hook_k.add(keep("k")), layer.hook_v.add(keep("v")),
+                        layer.hook_z.add(mix)])
+
+    try:
+        for i, layer in enumerate(attention_layers(model)):
+            attach(i, layer)
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def final_hidden(model: Any, tokens: Tensor) -> Tensor:
+    """The final hidden states (b, s, d_model), after the last norm, of an uncached causal forward of a
+    LlamaModel-like model (``embed``, ``step``, ``layers``, ``norm``): its forward without the lm_head, whose logits
+    over the vocabulary the loss does not need."""
+    h = model.embed(tokens)  # (b, s, d_model)
+    step = model.step(h)
+    for layer in model.layers:
+        h = layer(h, step=step)
+    out: Tensor = model.norm(h)
+    return out
+
+
+# ------------------------------------------------------------------------------------------------------- training data
+@dataclass(frozen=True)
+class Sample:
+    """One training prompt: ``tokens`` (1, n) = context, question and answer; ``scored`` the positions of the
+    question and the answer, where the loss is taken."""
+
+    id: str
+    tokens: Tensor
+    scored: slice
+
+
+def training_sample(settings: DuoSettings, sources: Haystacks, step: int, *, max_context: int) -> Sample:
+    """The prompt of one step, fixed by (settings.seed, step): the tasks and haystacks take turns, the depth is
+    drawn in [0.05, 0.95], the seed is the generator's for prompt index TRAIN_INDEX + step (never an evaluation's)."""
+    task = settings.tasks[step % len(settings.tasks)]
+    haystack = settings.haystacks[step % len(settings.haystacks)]
+    seed = case_seed(settings.seed, task, settings.length, TRAIN_INDEX + step)
+    depth = round(0.05 + 0.9 * random.Random(f"depth|{seed}").random(), 4)
+    case = make_prompt_cases(task, settings.length, [depth], haystack, seed, sources, max_context=max_context,
+                             group=f"train{step}")[0]
+    ids = case.context_ids + case.question_ids + case.answer_ids
+    tokens = torch.tensor(ids, dtype=torch.long)[None]  # (1, n)
+    return Sample(case.id, tokens, slice(len(case.context_ids), len(ids)))
+
+
+def distill_loss(model: Any, gates: Tensor, sample: Sample, settings: DuoSettings,
+                 target: Tensor | None = None) -> Tensor:
+    """Mean squared error between the gated model's final hidden states and the full model's over the sample's
+    question and answer positions (``target``: the full model's, computed here when not given)."""
+    tokens = sample.tokens.to(gates.device)
+    if target is None:
+        with torch.no_grad():
+            target = final_hidden(model, tokens)[0, sample.scored].float()
+    with gated(model, gates, sinks=settings.sinks, window=settings.window):
+        mine = final_hidden(model, tokens)[0, sample.scored].float()
+    return F.mse_loss(mine, target)
+
+
+# ------------------------------------------------------------------------------------------------------ optimisation
+def optimise_gates(model: Any, settings: DuoSettings | None = None, *, tokenizer: Tokenizer,
+                   text_ids: Sequence[int] | None = None, out: str | Path | None = None, progress: bool = True,
+                   **changes: Any) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """Optimise one gate per KV head of ``model`` (weights frozen) as DuoAttention does; returns the gates
+    (n_layers, n_kv_heads) as a NumPy array and the history (per step: loss, distillation, mean gate, seconds).
+
+    ``settings`` (default :class:`DuoSettings`), with any of its fields changed by keyword
+    (``optimise_gates(model, tokenizer=tok, steps=40, lr=0.05, l1=0.05, length=1024, sinks=4, window=256,
+    seed=0)``). ``tokenizer`` and ``text_ids`` (the *training* split's tokens, for the jargon haystack; without it
+    the filler haystack alone) feed the case generator. ``out``: the checkpoint folder; a run with the same settings
+    and model shape continues from it, also to more ``steps`` (the schedule and the prompts depend on the step
+    alone, so 28 steps then 60 equal 60 at once); another run there is refused; ``gates.json`` is written there.
+    """
+    from tqdm import tqdm
+
+    settings = settings if settings is not None else DuoSettings()
+    if changes:
+        unknown = sorted(set(changes) - {f.name for f in dataclasses.fields(DuoSettings)})
+        if unknown:
+            raise MultiheadError(f"unknown gate optimisation setting(s) {', '.join(unknown)}: choose from "
+                                 f"{', '.join(f.name for f in dataclasses.fields(DuoSettings))}")
+        settings = dataclasses.replace(settings, **changes)
+    if not isinstance(settings, DuoSettings):
+        raise MultiheadError(f"settings must be a DuoSettings, got {type(settings).__name__}")
+    check_length(settings.length, model.config.max_context)
+    if text_ids is None and "jargon" in settings.haystacks:
+        settings = dataclasses.replace(settings, haystacks=("filler",))
+    sources = Haystacks(tokenizer, text_ids)
+    shape = gate_shape(model)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    was_training = model.training
+    model.eval()
+    gates = new_gates(model, settings.init)
+    optimizer = torch.optim.AdamW([gates], lr=settings.lr, weight_decay=0.0)
+    folder = Path(out) if out is not None else None
+    first = 0
+    history: list[dict[str, Any]] = []
+    if folder is not None and (folder / "state.json").exists():
+        first, history = _load(folder, gates, optimizer, settings, shape)
+    bar = tqdm(range(first, settings.steps), desc="duo gates", unit="step", disable=not progress, initial=first,
+               total=settings.steps)
+    try:
+        for step in bar:
+            began = time.perf_counter()
+            for group in optimizer.param_groups:
+                group["lr"] = settings.lr * min(1.0, (step + 1) / max(1, settings.warmup))
+            sample = training_sample(settings, sources, step, max_context=model.config.max_context)
+            distill = distill_loss(model, gates, sample, settings)
+            reg = gates.mean()
+            loss = distill + settings.l1 * reg
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            with torch.no_grad():
+                gates.clamp_(0.0, 1.0)
+            entry = {"step": step + 1, "loss": float(loss.detach()), "distill": float(distill.detach()),
+                     "mean_gate": float(gates.detach().mean()), "sample": sample.id,
+                     "seconds": round(time.perf_counter() - began, 3)}
+            history.append(entry)
+            bar.set_postfix(distill=f"{entry['distill']:.4f}", gate=f"{entry['mean_gate']:.3f}")
+            if folder is not None and ((step + 1) % settings.every == 0 or step + 1 == settings.steps):
+                _save(folder, gates, optimizer, settings, shape, step + 1, history)
+    finally:
+        bar.close()
+        model.train(was_training)
+    return gates.detach().cpu().numpy().copy(), history
+
+
+def top_heads(gates: np.ndarray, k: int | None = None) -> list[tuple[int, int, float]]:
+    """(layer, KV head, gate) from the highest gate down (ties by layer, then head); the first ``k`` or all."""
+    arr = np.asarray(gates, dtype=float)
+    if arr.ndim != 2:
+        raise MultiheadError(f"gates must be a (n_layers, n_kv_heads) array, got shape {arr.shape}")
+    order = sorted(((int(i), int(j), float(arr[i, j])) for i, j in np.ndindex(arr.shape)),
+                   key=lambda x: (-x[2], x[0], x[1]))
+    return order if k is None else order[:k]
+
+
+def read_gates(path: str | Path) -> np.ndarray:
+    """The (n_layers, n_kv_heads) gates of a ``gates.json``."""
+    from multihead.models.loaders import read_json
+
+    data = read_json(Path(path))
+    arr = np.asarray(data.get("gates"), dtype=float)
+    if arr.ndim != 2 or not np.isfinite(arr).all():
+        raise MultiheadError(f"{path}: 'gates' must be a (n_layers, n_kv_heads) array of numbers")
+    return arr
+
+
+# ------------------------------------------------------------------------------------------------------- checkpoint
+def _save(folder: Path, gates: nn.Parameter, optimizer: torch.optim.Optimizer, settings: DuoSettings,
+          shape: tuple[int, int], step: int, history: list[dict[str, Any]]) -> None:
+    from safetensors.torch import save_file
+
+    from multihead.files import atomic_path, write_text
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = optimizer.state.get(gates, {})
+    tensors = {"gates": gates.detach().cpu().contiguous()}
+    for key in ("exp_avg", "exp_avg_sq"):
+        if key in state:
+            tensors[key] = state[key].detach().cpu().contiguous()
+    with atomic_path(folder / "duo.safetensors") as partial:
+        save_file(tensors, str(partial))
+    adam_step = float(state["step"]) if "step" in state else 0.0
+    write_text(folder / "gates.json", json.dumps({"gates": gates.detach().cpu().tolist(), "settings": settings.stamp(),
+                                                  "shape": {"n_layers": shape[0], "n_kv_heads": shape[1]},
+                                                  "step": step}))
+    write_text(folder / "state.json", json.dumps({"step": step, "settings": settings.stamp(),
+                                                  "shape": list(shape), "adam_step": adam_step,
+                                                  "history": history}))
+
+
+def _load(folder: Path, gates: nn.Parameter, optimizer: torch.optim.Optimizer, settings: DuoSettings,
+          shape: tuple[int, int]) -> tuple[int, list[dict[str, Any]]]:
+    from multihead.models.loaders import read_json, read_safetensors
+
+    state = read_json(folder / "state.json")
+    saved_settings = state.get("settings")
+    mine = {k: v for k, v in settings.stamp().items() if k != "steps"}
+    if not isinstance(saved_settings, dict) or {k: v for k, v in saved_settings.items() if k != "steps"} != mine:
+        raise MultiheadError(f"the checkpoint in {folder} was made with other settings ({saved_settings}); "
+                             f"rerun with the same ones ({settings.stamp()}, steps may grow) or use another folder")
+    if state.get("shape") != list(shape):
+        raise MultiheadError(f"the checkpoint in {folder} holds gates of shape {state.get('shape')} but this model "
+                             f"needs {list(shape)}: use another folder")
+    step = state.get("step")
+    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
+        raise MultiheadError(f"{folder / 'state.json'}: step {step!r} is not a positive number of steps")
+    if step > settings.steps:
+        raise MultiheadError(f"the checkpoint in {folder} holds {step} steps, more than the {settings.steps} asked: "
+                             f"ask for at least {step} steps or use another folder")
+    tensors = read_safetensors([folder / "duo.safetensors"])
+    saved = tensors.get("gates")
+    if saved is None or tuple(saved.shape) != shape:
+        raise MultiheadError(f"{folder / 'duo.safetensors'}: no tensor 'gates' of shape {shape}")
+    with torch.no_grad():
+        gates.copy_(saved)
+    if "exp_avg" in tensors and "exp_avg_sq" in tensors:
+        device = gates.device
+        optimizer.state[gates] = {"step": torch.tensor(float(state.get("adam_step", step))),
+                                  "exp_avg": tensors["exp_avg"].to(device).clone(),
+                                  "exp_avg_sq": tensors["exp_avg_sq"].to(device).clone()}
+    history = state.get("history")
+    return step, history if isinstance(history, list) else []
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m multihead.tradeoff.duo``: optimise SmolLM2's gates (or a model's at --model) on passkeys built
+    from the training split of the text; writes OUT/gates.json and prints the top KV heads."""
+    import argparse
+    import sys
+
+    from multihead.names import head_name
+
+    defaults = DuoSettings()
+    parser = argparse.ArgumentParser(prog="python -m multihead.tradeoff.duo", description=main.__doc__)
+    parser.add_argument("--model", default=None, help="GGUF file or model folder (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--text", default=None, help="text file (default the Jargon File)")
+    parser.add_argument("--out", default="out/duo", help="checkpoint folder, resumed when rerun (default out/duo)")
+    for f in ("steps", "length", "sinks", "window", "seed", "warmup", "every"):
+        parser.add_argument(f"--{f}", type=int, default=getattr(defaults, f))
+    for f in ("lr", "l1", "init"):
+        parser.add_argument(f"--{f}", type=float, default=getattr(defaults, f))
+    parser.add_argument("--tasks", default=",".join(defaults.tasks), help="comma-separated one-needle tasks")
+    parser.add_argument("--top", type=int, default=10, help="KV heads to print (default 10)")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default torch's)")
+    args = parser.parse_args(argv)
+    try:
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
+        settings = DuoSettings(steps=args.steps, lr=args.lr, l1=args.l1, length=args.length, sinks=args.sinks,
+                               window=args.window, seed=args.seed, warmup=args.warmup, every=args.every,
+                               init=args.init, tasks=tuple(t for t in args.tasks.split(",") if t))
+        from multihead.models.loaders import load_llama
+        from multihead.tradeoff.text import read_text, token_splits
+
+        model, tokenizer = load_llama(args.model)
+        train = token_splits(tokenizer.encode(read_text(args.text))).train
+        began = time.perf_counter()
+        gates, history = optimise_gates(model, settings, tokenizer=tokenizer, text_ids=train, out=args.out)
+    except MultiheadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print(f"interrupted: rerun the same command to continue from {args.out}", file=sys.stderr)
+        return 130
+    seconds = [h["seconds"] for h in history if "seconds" in h]
+    print(f"{len(history)} steps, {time.perf_counter() - began:.0f} s in this run, median step "
+          f"{float(np.median(seconds)) if seconds else float('nan'):.1f} s; gates in {Path(args.out) / 'gates.json'}")
+    print("top KV heads (gate):")
+    for layer, head, gate in top_heads(gates, args.top):
+        print(f"  {head_name(layer, head, kv=True):<7} {gate:.3f}")
+    return 0
+
+
+__all__ = [
+    "TRAIN_INDEX",
+    "TRAIN_TASKS",
+    "DuoSettings",
+    "Sample",
+    "attention_layers",
+    "distill_loss",
+    "final_hidden",
+    "gate_shape",
+    "gated",
+    "main",
+    "new_gates",
+    "optimise_gates",
+    "read_gates",
+    "top_heads",
+    "training_sample",
+]
+
+if __name__ == "__main__":
+    raise SystemExit(main())
