@@ -1,0 +1,68 @@
+"""Head-wise cache plans for SmolLM2 from measured scores: the files docs/experiments/*-plan.json.
+
+    .venv/bin/python benchmarks/make_plans.py [--scores docs/experiments/retrieval-smollm2.json]
+        [--gates docs/experiments/duo-smollm2-gates.json] [--out docs/experiments] [--sinks 4] [--window 256]
+
+Each plan keeps every key for the top 25%, 50% or 75% of the 90 KV heads by one score and sinks + window for the
+rest (:meth:`multihead.cache.HeadPlan.from_scores`):
+
+- retrieval: Wu et al.'s copy score per KV head (max over its query heads; `multihead heads --retrieval`), ties
+  (most KV heads score 0) broken by the attention mass a sinks + window cache would drop (more dropped: full first);
+- mass: that dropped mass alone (training-free: a head whose attention leaves the window needs its keys);
+- razor: RazorAttention's echo / induction score (max of the two);
+- duo: DuoAttention-style gates optimised per KV head (`python -m multihead.tradeoff.duo`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import numpy as np
+
+from multihead.cache import HeadPlan
+
+MODEL = "SmolLM2-135M-Instruct"
+SHAPE = (30, 9, 3, 64)  # n_layers, n_heads, n_kv_heads, head_dim
+BUDGETS = {"retrieval": (0.25, 0.5, 0.75), "mass": (0.5,), "razor": (0.5,), "duo": (0.25, 0.5, 0.75)}
+
+
+def scores_of(kind: str, retrieval: dict, gates: dict | None) -> np.ndarray:
+    if kind == "retrieval":
+        mass = np.asarray(retrieval["mass_outside_kv"])
+        return np.asarray(retrieval["kv"]) + 1e-3 * mass / max(float(mass.max()), 1e-12)  # ties by dropped mass
+    if kind == "mass":
+        return np.asarray(retrieval["mass_outside_kv"])
+    if kind == "razor":
+        return np.asarray(retrieval["razor_kv"]["razor"])
+    assert gates is not None
+    return np.asarray(gates["gates"])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--scores", default="docs/experiments/retrieval-smollm2.json")
+    p.add_argument("--gates", default="docs/experiments/duo-smollm2-gates.json")
+    p.add_argument("--out", default="docs/experiments")
+    p.add_argument("--sinks", type=int, default=4)
+    p.add_argument("--window", type=int, default=256)
+    args = p.parse_args()
+    retrieval = json.loads(Path(args.scores).read_text())
+    gates = json.loads(Path(args.gates).read_text()) if Path(args.gates).exists() else None
+    for kind, budgets in BUDGETS.items():
+        if kind == "duo" and gates is None:
+            print(f"no gates at {args.gates}: no duo plans")
+            continue
+        scores = scores_of(kind, retrieval, gates)
+        for budget in budgets:
+            plan = HeadPlan.from_scores(scores.tolist(), budget, sinks=args.sinks, window=args.window, model=MODEL,
+                                        shape=SHAPE, method=kind)
+            path = plan.save(Path(args.out) / f"smollm2-{kind}-{round(budget * 100)}-plan.json")
+            chosen = [f"L{i}KV{j}" for i, row in enumerate(plan.full) for j, f in enumerate(row) if f]
+            more = " ..." if len(chosen) > 12 else ""
+            print(f"{path}: {len(chosen)} of 90 KV heads full: {' '.join(chosen[:12])}{more}")
+
+
+if __name__ == "__main__":
+    main()
