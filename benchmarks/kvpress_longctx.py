@@ -45,6 +45,8 @@ import importlib.util
 import json
 import os
 import platform
+import random
+import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -157,6 +159,42 @@ def make_press(name: str, ratio: float, *, duo_pattern_file: str | None = None) 
         return LocalPatternDuoAttentionPress(head_compression_ratio=ratio)
     known = ["full", *scorers, *(f"adakv_{s}" for s in scorers), "duo_attention"]
     raise CaseError(f"unknown press {name!r}: choose from {', '.join(known)}")
+
+
+def cmd_duo_pattern(args: argparse.Namespace) -> int:
+    """A DuoAttention head pattern for this model by kvpress's own on-the-fly scoring (``duo_attention_on_the_fly``:
+    mean query and key of sample texts, scored by the area under the last query's cumulated attention; sink 128,
+    recent 256), with its two downloads replaced by local files: the tokenizer read from the GGUF, and instead of
+    BookSum chapters, ``--samples`` passages of ``--tokens`` tokens of the Jargon File's training split (its first
+    80%, which no haystack uses)."""
+    import types
+    from unittest import mock
+
+    import kvpress.presses.duo_attention_press as duo
+    import pandas as pd
+
+    from multihead.tradeoff.text import read_text, token_splits
+
+    model, tok = load_transformers_smollm2()
+    train = token_splits(list(tok(read_text(args.text), add_special_tokens=False).input_ids)).train
+    rng = random.Random(args.seed)
+    starts = sorted(rng.sample(range(len(train) - args.tokens), args.samples))
+    texts = [str(tok.decode(train[i:i + args.tokens])) for i in starts]
+    local = types.SimpleNamespace(to_pandas=lambda: pd.DataFrame({"chapter": texts}))
+    with (mock.patch.object(duo, "load_dataset", lambda *_a, **_k: local),
+          mock.patch.object(duo, "AutoTokenizer", types.SimpleNamespace(from_pretrained=lambda *_a, **_k: tok))):
+        t0 = time.perf_counter()
+        scores = duo.duo_attention_on_the_fly(model, num_samples=args.samples)
+        seconds = time.perf_counter() - t0
+    pattern = {"sink_size": 128, "recent_size": 256, "head_scores": scores.tolist(),
+               "made_by": f"kvpress {_versions().get('kvpress')} duo_attention_on_the_fly on {args.samples} passages "
+                          f"of {args.tokens} tokens of the Jargon File's training split (seed {args.seed})",
+               "seconds": round(seconds, 1)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out, pattern)
+    print(f"DuoAttention pattern {scores.shape} ({seconds:.0f} s) -> {out}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- one case
@@ -417,6 +455,107 @@ def cmd_summary(args: argparse.Namespace) -> int:
     return 0
 
 
+def compare(data: dict[str, Any], result: dict[str, Any], cases: dict[str, Case],
+            full_correct: dict[str, bool]) -> dict[str, Any]:
+    """kvpress's results (``data``, a ``run``'s --out) beside a ``multihead tradeoff --long`` run's ``result`` on
+    the same ``cases`` (by id; ``full_correct``: its full cache's exact match per case id): per method or press
+    setting and length, the accuracy over the cells multihead's full cache passes (its ``excluded`` cells left out,
+    as in its own table) with the same statistics (:func:`multihead.tradeoff.longctx.summarise`: bootstrap over
+    prompts, Wilson), and the bytes against the full cache at that length (multihead: ``cache.bytes``; kvpress: the
+    tensors after prefill, and less the masked keys)."""
+    from multihead.tradeoff.longctx import summarise as stats
+
+    left_out = {(e["length"], e["task"]) for e in result["excluded"]}
+    draws = int(result["settings"]["bootstrap"])
+    lengths = [str(n) for n in result["settings"]["lengths"]]
+    full_mh = next(r for r in result["rows"] if r["series"] == "full")
+    rows: list[dict[str, Any]] = []
+    for r in result["rows"]:
+        per = {}
+        for n in lengths:
+            cell = r["lengths"].get(n)
+            if cell is None or cell["compared"] is None:
+                continue
+            share = cell["kv_bytes"] / full_mh["lengths"][n]["kv_bytes"]
+            per[n] = {"kv_bytes": cell["kv_bytes"], "bytes_share": share, "effective_share": share,
+                      **cell["compared"], "tasks": {t: [v["correct"], v["cases"]] for t, v in cell["tasks"].items()}}
+        rows.append({"side": "multihead", "method": r["method"], "lengths": per})
+    full_kv = data["results"].get("full@0.0", {})
+    for key, by_case in data["results"].items():
+        per = {}
+        for n in lengths:
+            done = [(cid, res) for cid, res in by_case.items() if str(res["length"]) == n and cid in cases
+                    and (res["length"], res["task"]) not in left_out]
+            if not done:
+                continue
+            scored = [{"correct": res["exact"], "group": cases[cid].group, "length": res["length"],
+                       "task": res["task"], "answer_logprob": res["answer_logprob"]} for cid, res in done]
+            tasks: dict[str, list[int]] = {}
+            for x in scored:
+                tasks.setdefault(x["task"], [0, 0])
+                tasks[x["task"]][0] += int(x["correct"])
+                tasks[x["task"]][1] += 1
+            real = [res["tensor_bytes"] / full_kv[cid]["tensor_bytes"] for cid, res in done if cid in full_kv]
+            eff = [res["effective_bytes"] / full_kv[cid]["tensor_bytes"] for cid, res in done if cid in full_kv]
+            per[n] = {"kv_bytes": sum(res["tensor_bytes"] for _, res in done) / len(done),
+                      "bytes_share": sum(real) / len(real) if real else None,
+                      "effective_share": sum(eff) / len(eff) if eff else None,
+                      "tensor_equals_storage": all(res["tensor_bytes"] == res["storage_bytes"] for _, res in done),
+                      "prefill_seconds": statistics.median(res["prefill_s"] for _, res in done),
+                      "tf_equals_greedy": all(res["tf_exact"] == res["exact"] for _, res in done),
+                      **stats(scored, draws=draws), "tasks": tasks}
+        rows.append({"side": "kvpress", "method": key, "lengths": per})
+    both_full = [cid for cid in full_kv if cid in cases]
+    agree = [cid for cid in both_full if full_kv[cid]["exact"] == full_correct.get(cid)]
+    return {"lengths": lengths, "left_out": sorted([list(x) for x in left_out]), "rows": rows,
+            "full_cache_agreement": {"cases": len(both_full), "same_exact_match": len(agree),
+                                     "differ": sorted(set(both_full) - set(agree))}}
+
+
+def compare_table(cmp: dict[str, Any]) -> str:
+    """The comparison as text: a block per length, one line per method or press setting."""
+    lines = []
+    for n in cmp["lengths"]:
+        lines.append(f"{n} tokens (cells the full cache passes; left out: "
+                     f"{', '.join(f'{t} at {length}' for length, t in cmp['left_out'] if str(length) == n) or '-'})")
+        lines.append(f"  {'side':9} {'method / press@compression':34} {'bytes':>6} {'eff.':>6} {'correct':>8} "
+                     f"{'acc':>5} {'bootstrap 95%':>14} {'Wilson 95%':>13} {'log p':>7}  per task")
+        for row in cmp["rows"]:
+            c = row["lengths"].get(n)
+            if c is None:
+                continue
+            eff = "" if c["effective_share"] is None else f"{c['effective_share']:6.3f}"
+            share = "?" if c["bytes_share"] is None else f"{c['bytes_share']:6.3f}"
+            tasks = ", ".join(f"{t} {k}/{m}" for t, (k, m) in c["tasks"].items())
+            lines.append(f"  {row['side']:9} {row['method']:34} {share:>6} {eff:>6} {c['correct']:>4}/{c['cases']:<3} "
+                         f"{c['accuracy']:5.0%} [{c['ci95'][0]:4.0%},{c['ci95'][1]:5.0%}] "
+                         f"[{c['wilson95'][0]:4.2f},{c['wilson95'][1]:5.2f}] {c['answer_logprob']:7.2f}  {tasks}")
+    a = cmp["full_cache_agreement"]
+    lines.append(f"full caches, same exact match on {a['same_exact_match']} of {a['cases']} cases"
+                 + (f" (differ: {', '.join(a['differ'])})" if a["differ"] else ""))
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    folder = Path(args.multihead)
+    if not (folder / "result.json").is_file():
+        raise CaseError(f"{str(folder / 'result.json')!r} does not exist: give the --out folder of a finished "
+                        "`multihead tradeoff --long` run")
+    result = json.loads((folder / "result.json").read_text(encoding="utf-8"))
+    full = folder / "results" / "full-cache"
+    full_correct = {r["id"]: bool(r["correct"]) for f in sorted(full.glob("*.json"))
+                    for r in json.loads(f.read_text(encoding="utf-8"))}
+    p = Path(args.out)
+    if not p.is_file():
+        raise CaseError(f"results file {str(p)!r} does not exist: give the --out of a run")
+    cmp = compare(json.loads(p.read_text(encoding="utf-8")), result,
+                  {c.id: c for c in read_jsonl(folder / "cases.jsonl")}, full_correct)
+    print(compare_table(cmp))
+    if args.json:
+        _atomic_write(Path(args.json), cmp)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- smoke cases
 class _Tokenizer:
     """transformers' tokenizer as :class:`multihead.tradeoff.longctx.Tokenizer` (no special tokens added)."""
@@ -513,6 +652,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--note", default="", help="free text kept in the results (e.g. 'machine shared by 7 agents')")
     sm = sub.add_parser("summary", help="the table of a results file")
     sm.add_argument("--out", required=True, help="the results JSON of a run")
+    cp = sub.add_parser("compare", help="a results file beside the multihead run whose cases it ran")
+    cp.add_argument("--out", required=True, help="the results JSON of a run")
+    cp.add_argument("--multihead", required=True, help="the --out folder of `multihead tradeoff --long`")
+    cp.add_argument("--json", help="write the comparison here")
     c = sub.add_parser("cases", help="write passkey smoke cases (repeated filler)")
     c.add_argument("--out", required=True)
     c.add_argument("--lengths", nargs="+", type=int, default=[1024])
@@ -520,6 +663,12 @@ def main(argv: list[str] | None = None) -> int:
     c.add_argument("--per-cell", type=int, default=1)
     c.add_argument("--seed", type=int, default=0)
     c.add_argument("--max-context", type=int, default=8192, help="the model's context (SmolLM2: 8192)")
+    dp = sub.add_parser("duo-pattern", help="a DuoAttention head pattern by kvpress's on-the-fly scoring, local text")
+    dp.add_argument("--out", required=True, help="the pattern JSON, for run --duo-pattern")
+    dp.add_argument("--samples", type=int, default=16)
+    dp.add_argument("--tokens", type=int, default=1024)
+    dp.add_argument("--seed", type=int, default=0)
+    dp.add_argument("--text", default=None, help="the text (default: the Jargon File multihead evaluates on)")
     pl = sub.add_parser("port-logits", help="(project .venv) multihead's port logits of the check prompt")
     pl.add_argument("--out", required=True)
     ch = sub.add_parser("check", help="transformers' logits against the saved port logits")
@@ -529,8 +678,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("run", "cases") and any(not 0 < x < 1 for x in getattr(args, "ratios", [0.5])):
         p.error(f"--ratios must lie in (0, 1), got {args.ratios}")
     try:
-        commands = {"run": cmd_run, "summary": cmd_summary, "cases": cmd_cases, "port-logits": cmd_port_logits,
-                    "check": cmd_check}
+        commands = {"run": cmd_run, "summary": cmd_summary, "compare": cmd_compare, "cases": cmd_cases,
+                    "duo-pattern": cmd_duo_pattern, "port-logits": cmd_port_logits, "check": cmd_check}
         return commands[args.cmd](args)
     except MultiheadError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -86,3 +86,37 @@ def test_a_case_outside_the_vocabulary_or_the_context_is_refused(tmp_path: Path)
     with pytest.raises(MultiheadError, match=r"take 13 tokens, more than the model's context of 12"):
         bench.check_fits(case, vocab_size=49153, max_context=12)
     bench.check_fits(case, vocab_size=49153, max_context=13)  # exactly full: accepted
+
+
+def _kv(length: int, task: str, exact: bool, tensor: int, effective: int | None = None) -> dict[str, Any]:
+    return {"length": length, "task": task, "exact": exact, "tf_exact": exact, "answer_logprob": -1.0 if exact
+            else -9.0, "tensor_bytes": tensor, "storage_bytes": tensor, "prefill_s": 1.0,
+            "effective_bytes": tensor if effective is None else effective}
+
+
+def test_compare_keeps_multihead_s_gate_and_measures_bytes_against_the_same_cases(tmp_path: Path) -> None:
+    lines = [_case(id="pk", task="passkey", length=64), _case(id="mk0", task="multikey", length=64, context_ids=[1]),
+             _case(id="mk1", task="multikey", length=64, context_ids=[1], answer_ids=[3])]
+    cases = {c.id: c for c in bench.read_jsonl(_write(tmp_path, *map(json.dumps, lines)))}
+    cell = {"kv_bytes": 1000, "compared": lc.summarise([{"correct": True, "group": "p0", "length": 64,
+                                                         "task": "passkey", "answer_logprob": -1.0}], draws=50),
+            "tasks": {"passkey": {"correct": 1, "cases": 1}}}
+    result = {"settings": {"lengths": [64], "bootstrap": 50}, "excluded": [{"length": 64, "task": "multikey"}],
+              "rows": [{"method": "full cache", "series": "full", "lengths": {"64": cell}}]}
+    data = {"results": {
+        "full@0.0": {"pk": _kv(64, "passkey", True, 800), "mk0": _kv(64, "multikey", True, 700),
+                     "mk1": _kv(64, "multikey", False, 700)},
+        "snapkv@0.5": {"pk": _kv(64, "passkey", False, 400), "mk0": _kv(64, "multikey", True, 350)},
+        "adakv_snapkv@0.75": {"pk": _kv(64, "passkey", True, 800, effective=200)}}}
+    cmp = bench.compare(data, result, cases, {"pk": True, "mk0": True, "mk1": True})
+    rows = {r["method"]: r["lengths"]["64"] for r in cmp["rows"]}
+    assert rows["full cache"]["bytes_share"] == 1.0
+    # multikey is left out (multihead's full cache failed it), so each press is scored on the passkey case only
+    assert [(rows[k]["correct"], rows[k]["cases"]) for k in ("full@0.0", "snapkv@0.5", "adakv_snapkv@0.75")] == [
+        (1, 1), (0, 1), (1, 1)]
+    assert rows["snapkv@0.5"]["bytes_share"] == 0.5 and rows["snapkv@0.5"]["effective_share"] == 0.5
+    assert rows["adakv_snapkv@0.75"]["bytes_share"] == 1.0 and rows["adakv_snapkv@0.75"]["effective_share"] == 0.25
+    assert rows["snapkv@0.5"]["wilson95"] == lc.wilson(0, 1)
+    assert cmp["full_cache_agreement"] == {"cases": 3, "same_exact_match": 2, "differ": ["mk1"]}
+    text = bench.compare_table(cmp)
+    assert "left out: multikey at 64" in text and "differ: mk1" in text
