@@ -361,26 +361,9 @@ def cmd_run(args: argparse.Namespace) -> int:
             make_press(name, args.ratios[0], duo_pattern_file=args.duo_pattern)
     if args.threads:
         torch.set_num_threads(args.threads)
-    import kvpress  # noqa: F401  (patches transformers' attention functions for the head-wise presses)
-
-    model, tokenizer = load_transformers_smollm2()
-    pipe = None
-    if args.check_pipeline:
-        from kvpress import KVPressTextGenerationPipeline
-
-        pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
-    checked: dict[str, int] = {}
-    for c in cases:
-        check_fits(c, vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
-
     out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
     data: dict[str, Any] = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
     data.setdefault("results", {})
-    data["meta"] = {"model": SMOLLM2_FILE, "dtype": "float32", "attn_implementation": "sdpa",
-                    "versions": _versions(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                    "machine": platform.machine(), "note": args.note, "cases_file": str(args.cases),
-                    "extra_tokens": args.extra_tokens}
     # the cases left to do, by press setting and then by prompt: cases that share context_ids share one prefill
     todo: list[tuple[str, float, list[Case]]] = []
     for name, ratio in _settings(args.presses, args.ratios):
@@ -392,6 +375,24 @@ def cmd_run(args: argparse.Namespace) -> int:
     n_runs = sum(len(g) for _, _, g in todo)
     print(f"{n_runs} runs to do in {len(todo)} prefills ({len(cases)} cases; "
           f"{sum(1 for _ in _settings(args.presses, args.ratios))} press settings); {out}", flush=True)
+    if not todo:
+        return 0
+    import kvpress  # noqa: F401  (patches transformers' attention functions for the head-wise presses)
+
+    model, tokenizer = load_transformers_smollm2()
+    pipe = None
+    if args.check_pipeline:
+        from kvpress import KVPressTextGenerationPipeline
+
+        pipe = KVPressTextGenerationPipeline(model=model, tokenizer=tokenizer)
+    checked: dict[str, int] = {}
+    for c in cases:
+        check_fits(c, vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    data["meta"] = {"model": SMOLLM2_FILE, "dtype": "float32", "attn_implementation": "sdpa",
+                    "versions": _versions(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
+                    "machine": platform.machine(), "note": args.note, "cases_file": str(args.cases),
+                    "extra_tokens": args.extra_tokens}
     n = 0
     for name, ratio, group in todo:
         setting = f"{name}@{ratio}"
@@ -445,12 +446,28 @@ def summarise(data: dict[str, Any]) -> None:
             print(f"{key:32} {length:6d} {n:4d} {exact:6.2f} {tf:5.2f} {logp:7.2f} {pre:9.2f} {mb:8.1f} {ratios}")
 
 
+def read_results(paths: list[str]) -> dict[str, Any]:
+    """The results of one or more runs' --out files as one (e.g. one run per length, made side by side): their
+    results merged by press setting and case id, and each file's meta under ``metas``."""
+    data: dict[str, Any] = {"results": {}, "metas": {}}
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise CaseError(f"results file {str(p)!r} does not exist: give the --out of a run")
+        one = json.loads(p.read_text(encoding="utf-8"))
+        data["metas"][str(p)] = one.get("meta", {})
+        for setting, by_case in one.get("results", {}).items():
+            mine = data["results"].setdefault(setting, {})
+            twice = sorted(set(mine) & set(by_case))
+            if twice:
+                raise CaseError(f"{setting} {twice[0]!r} is in more than one of the results files {', '.join(paths)}")
+            mine.update(by_case)
+    return data
+
+
 def cmd_summary(args: argparse.Namespace) -> int:
-    p = Path(args.out)
-    if not p.is_file():
-        raise CaseError(f"results file {str(p)!r} does not exist: give the --out of a run")
-    data = json.loads(p.read_text(encoding="utf-8"))
-    print(json.dumps(data.get("meta", {})))
+    data = read_results(args.out)
+    print(json.dumps(data["metas"]))
     summarise(data)
     return 0
 
@@ -545,11 +562,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     full = folder / "results" / "full-cache"
     full_correct = {r["id"]: bool(r["correct"]) for f in sorted(full.glob("*.json"))
                     for r in json.loads(f.read_text(encoding="utf-8"))}
-    p = Path(args.out)
-    if not p.is_file():
-        raise CaseError(f"results file {str(p)!r} does not exist: give the --out of a run")
-    cmp = compare(json.loads(p.read_text(encoding="utf-8")), result,
-                  {c.id: c for c in read_jsonl(folder / "cases.jsonl")}, full_correct)
+    cmp = compare(read_results(args.out), result, {c.id: c for c in read_jsonl(folder / "cases.jsonl")},
+                  full_correct)
     print(compare_table(cmp))
     if args.json:
         _atomic_write(Path(args.json), cmp)
@@ -651,9 +665,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--duo-pattern", help="JSON {sink_size, recent_size, head_scores} for duo_attention")
     r.add_argument("--note", default="", help="free text kept in the results (e.g. 'machine shared by 7 agents')")
     sm = sub.add_parser("summary", help="the table of a results file")
-    sm.add_argument("--out", required=True, help="the results JSON of a run")
+    sm.add_argument("--out", required=True, nargs="+", help="the results JSON of a run (or several, merged)")
     cp = sub.add_parser("compare", help="a results file beside the multihead run whose cases it ran")
-    cp.add_argument("--out", required=True, help="the results JSON of a run")
+    cp.add_argument("--out", required=True, nargs="+", help="the results JSON of a run (or several, merged)")
     cp.add_argument("--multihead", required=True, help="the --out folder of `multihead tradeoff --long`")
     cp.add_argument("--json", help="write the comparison here")
     c = sub.add_parser("cases", help="write passkey smoke cases (repeated filler)")

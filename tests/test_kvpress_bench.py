@@ -120,3 +120,15 @@ def test_compare_keeps_multihead_s_gate_and_measures_bytes_against_the_same_case
     assert cmp["full_cache_agreement"] == {"cases": 3, "same_exact_match": 2, "differ": ["mk1"]}
     text = bench.compare_table(cmp)
     assert "left out: multikey at 64" in text and "differ: mk1" in text
+
+
+def test_results_of_runs_made_side_by_side_merge_and_a_case_in_two_is_refused(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"meta": {"threads": 1}, "results": {"full@0.0": {"x": _kv(64, "passkey", True, 8)}}}))
+    b.write_text(json.dumps({"meta": {"threads": 2}, "results": {"full@0.0": {"y": _kv(128, "passkey", True, 16)},
+                                                                 "snapkv@0.5": {"y": _kv(128, "passkey", True, 8)}}}))
+    data = bench.read_results([str(a), str(b)])
+    assert {k: sorted(v) for k, v in data["results"].items()} == {"full@0.0": ["x", "y"], "snapkv@0.5": ["y"]}
+    assert [m["threads"] for m in data["metas"].values()] == [1, 2]
+    with pytest.raises(MultiheadError, match=r"full@0.0 'x' is in more than one of the results files"):
+        bench.read_results([str(a), str(a)])
