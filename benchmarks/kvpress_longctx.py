@@ -495,7 +495,8 @@ def compare(data: dict[str, Any], result: dict[str, Any], cases: dict[str, Case]
                 continue
             share = cell["kv_bytes"] / full_mh["lengths"][n]["kv_bytes"]
             per[n] = {"kv_bytes": cell["kv_bytes"], "bytes_share": share, "effective_share": share,
-                      **cell["compared"], "tasks": {t: [v["correct"], v["cases"]] for t, v in cell["tasks"].items()}}
+                      **cell["compared"], "tasks": {t: [v["correct"], v["cases"]] for t, v in cell["tasks"].items()
+                                               if (int(n), t) not in left_out}}
         rows.append({"side": "multihead", "method": r["method"], "lengths": per})
     full_kv = data["results"].get("full@0.0", {})
     for key, by_case in data["results"].items():

@@ -100,7 +100,7 @@ def test_compare_keeps_multihead_s_gate_and_measures_bytes_against_the_same_case
     cases = {c.id: c for c in bench.read_jsonl(_write(tmp_path, *map(json.dumps, lines)))}
     cell = {"kv_bytes": 1000, "compared": lc.summarise([{"correct": True, "group": "p0", "length": 64,
                                                          "task": "passkey", "answer_logprob": -1.0}], draws=50),
-            "tasks": {"passkey": {"correct": 1, "cases": 1}}}
+            "tasks": {"passkey": {"correct": 1, "cases": 1}, "multikey": {"correct": 1, "cases": 2}}}
     result = {"settings": {"lengths": [64], "bootstrap": 50}, "excluded": [{"length": 64, "task": "multikey"}],
               "rows": [{"method": "full cache", "series": "full", "lengths": {"64": cell}}]}
     data = {"results": {
@@ -110,7 +110,7 @@ def test_compare_keeps_multihead_s_gate_and_measures_bytes_against_the_same_case
         "adakv_snapkv@0.75": {"pk": _kv(64, "passkey", True, 800, effective=200)}}}
     cmp = bench.compare(data, result, cases, {"pk": True, "mk0": True, "mk1": True})
     rows = {r["method"]: r["lengths"]["64"] for r in cmp["rows"]}
-    assert rows["full cache"]["bytes_share"] == 1.0
+    assert rows["full cache"]["bytes_share"] == 1.0 and rows["full cache"]["tasks"] == {"passkey": [1, 1]}
     # multikey is left out (multihead's full cache failed it), so each press is scored on the passkey case only
     assert [(rows[k]["correct"], rows[k]["cases"]) for k in ("full@0.0", "snapkv@0.5", "adakv_snapkv@0.75")] == [
         (1, 1), (0, 1), (1, 1)]
