@@ -9,14 +9,19 @@ kvpress 0.5.5 pins transformers < 5.3, so this runs in its own environment, neve
     $PY benchmarks/kvpress_longctx.py run --cases out/kvpress/smoke.jsonl --out out/kvpress/smoke.json
 
 Subcommands:
-    summary      the table of a results file (per press setting and length).
+    summary      the table of a results file, or of several merged (per press setting and length).
+    compare      a results file (or several) beside the ``multihead tradeoff --long`` run whose cases it ran: per
+                 method or press setting and length, accuracy over the cells multihead's full cache passes, with
+                 multihead's bootstrap and Wilson intervals, and the bytes against the full cache on the same case.
+    duo-pattern  a DuoAttention head pattern by kvpress's own on-the-fly scoring, its downloads replaced by the
+                 GGUF's tokenizer and the Jargon File's training split (for ``run --duo-pattern``).
     run          each (press, compression ratio, case): prefill the context under the press (as kvpress's pipeline
                  does: ``model.model(context)`` inside ``with press(model)``), then the question and a greedy
                  answer outside it; scores exact match of the greedy answer's tokens and the answer tokens'
                  teacher-forced log-likelihood; measures prefill seconds and the cache's real bytes after prefill.
                  Resumable: (press, ratio, case) already in --out are skipped.
-    cases        writes passkey cases in the case format from a repeated filler (smoke tests only; the real cases
-                 come from multihead's long-context generator).
+    cases        passkey cases on the filler haystack, made by multihead's generator (smoke tests only; the real
+                 cases are a ``multihead tradeoff --long`` run's cases.jsonl).
     port-logits  (the project's .venv) multihead's SmolLM2 port: logits of a short prompt, saved to a .npy file.
     check        (this environment) transformers' LlamaForCausalLM on the same GGUF: its logits against the saved
                  port logits, so both sides are known to run the same weights.
