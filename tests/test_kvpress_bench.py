@@ -1,6 +1,6 @@
-"""benchmarks/kvpress_longctx.py's case reader (outside the package; kvpress itself lives in its own environment
-and is never imported here): a well-formed case file reads back as written, and a malformed case is refused with
-the file, the line and the field named."""
+"""benchmarks/kvpress_longctx.py reads its cases with multihead's reader (kvpress itself lives in its own environment
+and is never imported here): one definition of a case, a well-formed case file reads back as written, and a
+malformed case is refused with the file, the line and the field named."""
 
 from __future__ import annotations
 
@@ -15,6 +15,8 @@ from multihead import MultiheadError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import kvpress_longctx as bench
+
+from multihead.tradeoff import longctx as lc
 
 
 def _case(**change: Any) -> dict[str, Any]:
@@ -31,46 +33,102 @@ def _write(tmp_path: Path, *lines: str) -> Path:
     return p
 
 
+def test_the_benchmark_reads_cases_with_the_library_reader() -> None:
+    assert bench.read_jsonl is lc.read_jsonl and bench.Case is lc.Case
+    assert not hasattr(bench, "read_cases") and not hasattr(bench, "parse_case")
+
+
 def test_a_case_file_reads_back_as_written(tmp_path: Path) -> None:
     second = _case(id="passkey-1k-1", depth=1, context_ids=[1] * 40)
-    p = _write(tmp_path, json.dumps(_case()), "", json.dumps(second))
-    cases = bench.read_cases(p)
-    assert [c.id for c in cases] == ["passkey-1k-0", "passkey-1k-1"]
+    third = _case(id="passkey-1k-2", answer_ids=[7])  # the first one's context: the same prompt
+    p = _write(tmp_path, json.dumps(_case()), "", json.dumps(second), json.dumps(third))
+    cases = bench.read_jsonl(p)
+    assert [c.id for c in cases] == ["passkey-1k-0", "passkey-1k-1", "passkey-1k-2"]
     assert cases[0].context_ids == (5, 6, 7) and cases[0].answer_ids == (216, 33) and cases[0].depth == 0.5
-    assert cases[1].context_ids == (1,) * 40 and cases[1].depth == 1.0
+    assert cases[1].context_ids == (1,) * 40 and cases[1].depth == 1.0 and isinstance(cases[1].depth, float)
+    assert [c.group for c in cases] == ["g0", "g1", "g0"]  # the benchmark prefills once per group
+    assert [json.dumps(c.to_json()) for c in cases[:2]] == [json.dumps(_case()), json.dumps({**second, "depth": 1.0})]
 
 
 @pytest.mark.parametrize(("line", "match"), [
     ("{not json", r"cases.jsonl:1: not a JSON object"),
     ("[1, 2]", r"cases.jsonl:1: a case must be a JSON object, got list"),
     (json.dumps({k: v for k, v in _case().items() if k not in ("answer_ids", "seed")}),
-     r"cases.jsonl:1: case 'passkey-1k-0' lacks the field\(s\) seed, answer_ids"),
+     r"cases.jsonl:1: case 'passkey-1k-0' lacks the field\(s\) seed, answer_ids: a case needs exactly the keys"),
+    (json.dumps(_case(needles=[[0, 3]])), r"case 'passkey-1k-0' has unknown field\(s\) needles"),
     (json.dumps(_case(context_ids=[5, "6", 7])), r"context_ids\[1\] = '6' is not a token id"),
     (json.dumps(_case(question_ids=[8, -1])), r"question_ids\[1\] = -1 is not a token id"),
     (json.dumps(_case(answer_ids=[])), r"'answer_ids' must be a non-empty list of token ids, got \[\]"),
     (json.dumps(_case(depth=1.5)), r"'depth' must be a number in \[0, 1\], got 1.5"),
     (json.dumps(_case(length="1k")), r"'length' must be an integer >= 0, got '1k'"),
     (json.dumps(_case(answer="")), r"'answer' must be a non-empty string"),
-], ids=["json", "not-object", "missing", "string-id", "negative-id", "empty-answer", "depth", "length", "answer"])
+], ids=["json", "not-object", "missing", "unknown", "string-id", "negative-id", "empty-answer", "depth", "length",
+        "answer"])
 def test_a_malformed_case_is_refused_with_its_line_and_field(tmp_path: Path, line: str, match: str) -> None:
     with pytest.raises(MultiheadError, match=match):
-        bench.read_cases(_write(tmp_path, line))
+        bench.read_jsonl(_write(tmp_path, line))
 
 
 def test_duplicate_ids_missing_and_empty_files_are_refused(tmp_path: Path) -> None:
     with pytest.raises(MultiheadError, match=r"cases.jsonl:2: case id 'passkey-1k-0' is already used on line 1"):
-        bench.read_cases(_write(tmp_path, json.dumps(_case()), json.dumps(_case())))
+        bench.read_jsonl(_write(tmp_path, json.dumps(_case()), json.dumps(_case())))
     with pytest.raises(MultiheadError, match=r"holds no case"):
-        bench.read_cases(_write(tmp_path, "", "  "))
+        bench.read_jsonl(_write(tmp_path, "", "  "))
     with pytest.raises(MultiheadError, match=r"nowhere.jsonl' does not exist"):
-        bench.read_cases(tmp_path / "nowhere.jsonl")
+        bench.read_jsonl(tmp_path / "nowhere.jsonl")
 
 
 def test_a_case_outside_the_vocabulary_or_the_context_is_refused(tmp_path: Path) -> None:
-    case = bench.read_cases(_write(tmp_path, json.dumps(_case(context_ids=[5] * 10, answer_ids=[49152]))))[0]
+    case = bench.read_jsonl(_write(tmp_path, json.dumps(_case(context_ids=[5] * 10, answer_ids=[49152]))))[0]
     with pytest.raises(MultiheadError, match=r"answer_ids holds token id 49152, outside the model's vocabulary of "
                                              r"49152"):
         bench.check_fits(case, vocab_size=49152, max_context=8192)
     with pytest.raises(MultiheadError, match=r"take 13 tokens, more than the model's context of 12"):
         bench.check_fits(case, vocab_size=49153, max_context=12)
     bench.check_fits(case, vocab_size=49153, max_context=13)  # exactly full: accepted
+
+
+def _kv(length: int, task: str, exact: bool, tensor: int, effective: int | None = None) -> dict[str, Any]:
+    return {"length": length, "task": task, "exact": exact, "tf_exact": exact, "answer_logprob": -1.0 if exact
+            else -9.0, "tensor_bytes": tensor, "storage_bytes": tensor, "prefill_s": 1.0,
+            "effective_bytes": tensor if effective is None else effective}
+
+
+def test_compare_keeps_multihead_s_gate_and_measures_bytes_against_the_same_cases(tmp_path: Path) -> None:
+    lines = [_case(id="pk", task="passkey", length=64), _case(id="mk0", task="multikey", length=64, context_ids=[1]),
+             _case(id="mk1", task="multikey", length=64, context_ids=[1], answer_ids=[3])]
+    cases = {c.id: c for c in bench.read_jsonl(_write(tmp_path, *map(json.dumps, lines)))}
+    cell = {"kv_bytes": 1000, "compared": lc.summarise([{"correct": True, "group": "p0", "length": 64,
+                                                         "task": "passkey", "answer_logprob": -1.0}], draws=50),
+            "tasks": {"passkey": {"correct": 1, "cases": 1}, "multikey": {"correct": 1, "cases": 2}}}
+    result = {"settings": {"lengths": [64], "bootstrap": 50}, "excluded": [{"length": 64, "task": "multikey"}],
+              "rows": [{"method": "full cache", "series": "full", "lengths": {"64": cell}}]}
+    data = {"results": {
+        "full@0.0": {"pk": _kv(64, "passkey", True, 800), "mk0": _kv(64, "multikey", True, 700),
+                     "mk1": _kv(64, "multikey", False, 700)},
+        "snapkv@0.5": {"pk": _kv(64, "passkey", False, 400), "mk0": _kv(64, "multikey", True, 350)},
+        "adakv_snapkv@0.75": {"pk": _kv(64, "passkey", True, 800, effective=200)}}}
+    cmp = bench.compare(data, result, cases, {"pk": True, "mk0": True, "mk1": True})
+    rows = {r["method"]: r["lengths"]["64"] for r in cmp["rows"]}
+    assert rows["full cache"]["bytes_share"] == 1.0 and rows["full cache"]["tasks"] == {"passkey": [1, 1]}
+    # multikey is left out (multihead's full cache failed it), so each press is scored on the passkey case only
+    assert [(rows[k]["correct"], rows[k]["cases"]) for k in ("full@0.0", "snapkv@0.5", "adakv_snapkv@0.75")] == [
+        (1, 1), (0, 1), (1, 1)]
+    assert rows["snapkv@0.5"]["bytes_share"] == 0.5 and rows["snapkv@0.5"]["effective_share"] == 0.5
+    assert rows["adakv_snapkv@0.75"]["bytes_share"] == 1.0 and rows["adakv_snapkv@0.75"]["effective_share"] == 0.25
+    assert rows["snapkv@0.5"]["wilson95"] == lc.wilson(0, 1)
+    assert cmp["full_cache_agreement"] == {"cases": 3, "same_exact_match": 2, "differ": ["mk1"]}
+    text = bench.compare_table(cmp)
+    assert "left out: multikey at 64" in text and "differ: mk1" in text
+
+
+def test_results_of_runs_made_side_by_side_merge_and_a_case_in_two_is_refused(tmp_path: Path) -> None:
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    a.write_text(json.dumps({"meta": {"threads": 1}, "results": {"full@0.0": {"x": _kv(64, "passkey", True, 8)}}}))
+    b.write_text(json.dumps({"meta": {"threads": 2}, "results": {"full@0.0": {"y": _kv(128, "passkey", True, 16)},
+                                                                 "snapkv@0.5": {"y": _kv(128, "passkey", True, 8)}}}))
+    data = bench.read_results([str(a), str(b)])
+    assert {k: sorted(v) for k, v in data["results"].items()} == {"full@0.0": ["x", "y"], "snapkv@0.5": ["y"]}
+    assert [m["threads"] for m in data["metas"].values()] == [1, 2]
+    with pytest.raises(MultiheadError, match=r"full@0.0 'x' is in more than one of the results files"):
+        bench.read_results([str(a), str(a)])
