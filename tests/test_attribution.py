@@ -241,3 +241,52 @@ def test_hook_points_that_do_not_fire_raise_a_clear_error() -> None:
     unhooked = transformers.LlamaForCausalLM._from_config(model.config, attn_implementation="eager")
     with pytest.raises(MultiheadError, match=r"no attention layers with hook points \(call multihead\.hf\.enable"):
         activation_patching(unhooked, clean, corrupted, metric)
+
+
+# ---------------------------------------------------------------------------------------------- path patching
+def _mlps_silenced(model: nn.Module) -> nn.Module:
+    """The model with every MLP writing zero: a sender's paths are then the later heads' q, k, v and the logits."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "down_proj" in name:
+                p.zero_()
+    return model
+
+
+@pytest.mark.parametrize("kind", ["port-mha", "port-gqa", "transformers-gqa"])
+def test_path_patching_along_every_path_the_sender_has_equals_activation_patching(kind: str) -> None:
+    from multihead.heads.paths import path_patching
+
+    model = _mlps_silenced(_port(4 if kind == "port-mha" else 2) if kind.startswith("port") else _hf(2))
+    clean, corrupted = _pairs()
+    metric = logit_difference(ANSWERS, WRONGS)
+    full = activation_patching(model, clean, corrupted, metric)
+    assert full.per_pair is not None
+    every = [[*((1, h) for h in range(H)), "logits"]]
+    for head in (1, 2):
+        paths = path_patching(model, clean, corrupted, metric, sender=(0, head), receivers=every)
+        assert paths.effects[0] == pytest.approx(full.effects[0, head], abs=1e-5)
+        np.testing.assert_allclose(paths.per_pair[0], full.per_pair[0, head], rtol=1e-4, atol=1e-5)
+        # a last-layer sender has one path, into the final stream
+        last = path_patching(model, clean, corrupted, metric, sender=(1, head), receivers=["logits"])
+        assert last.effects[0] == pytest.approx(full.effects[1, head], abs=1e-5)
+    assert abs(full.effects[0]).max() > 1e-2  # layer 0's heads matter, so the test can fail
+
+
+def test_path_patching_batched_over_receivers_equals_one_receiver_at_a_time() -> None:
+    from multihead.heads.paths import path_patching
+
+    model = _port(2)
+    clean, corrupted = _pairs()
+    metric = logit_difference(ANSWERS, WRONGS)
+    batched = path_patching(model, clean, corrupted, metric, sender=(0, 1), chunk=3)  # every layer-1 head alone
+    assert batched.receivers == [[(1, h)] for h in range(H)]
+    alone = path_patching(model, clean, corrupted, metric, sender=(0, 1), receivers=[[r] for r in [(1, 3), (1, 0)]])
+    assert alone.effects == pytest.approx([batched.effects[3], batched.effects[0]], abs=1e-6)
+    one = path_patching(model, clean, corrupted, metric, sender=(0, 1), receivers=[(1, 2)], chunk=1)
+    assert one.effects[0] == pytest.approx(batched.effects[2], abs=1e-6)
+    assert np.abs(batched.effects).max() > 1e-4
+    with pytest.raises(MultiheadError, match="must come after the sender"):
+        path_patching(model, clean, corrupted, metric, sender=(1, 0), receivers=[(0, 1)])
+    with pytest.raises(MultiheadError, match="a path enters a head through"):
+        path_patching(model, clean, corrupted, metric, sender=(0, 0), points="hook_z")

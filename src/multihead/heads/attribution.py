@@ -55,6 +55,7 @@ Tokens = int | Sequence[int] | Tensor
 # ---------------------------------------------------------------------------------------------- reading the model
 @dataclass(frozen=True)
 class _Layer:
+    attn: Any  # the attention module (its six hook points)
     z: HookPoint  # the attention's hook_z (b, h, s, d)
     mlp_out: HookPoint  # the block's hook_mlp_out (b, s, D)
     resid_post: HookPoint
@@ -120,7 +121,7 @@ def _read_port(model: Any) -> _Model:
     layers = []
     for i, block in enumerate(model.layers):
         attn, where = block.attn, f"layers.{i}"
-        layers.append(_Layer(_point(attn, "hook_z", f"{where}.attn"), _point(block, "hook_mlp_out", where),
+        layers.append(_Layer(attn, _point(attn, "hook_z", f"{where}.attn"), _point(block, "hook_mlp_out", where),
                              _point(block, "hook_resid_post", where), attn.o_proj.weight.detach(),
                              None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
                              int(attn.n_heads), int(attn.n_kv_heads), int(attn.config.head_dim)))
@@ -155,9 +156,9 @@ def _read_transformers(model: nn.Module) -> _Model:
         attn: Any = block.self_attn
         where = f"layers.{i}"
         o = attn.o_proj
-        layers.append(_Layer(_point(attn, "hook_z", f"{where}.self_attn"), _point(block, "hook_mlp_out", where),
-                             _point(block, "hook_resid_post", where), o.weight.detach(),
-                             None if o.bias is None else o.bias.detach(), h, g,
+        layers.append(_Layer(attn, _point(attn, "hook_z", f"{where}.self_attn"),
+                             _point(block, "hook_mlp_out", where), _point(block, "hook_resid_post", where),
+                             o.weight.detach(), None if o.bias is None else o.bias.detach(), h, g,
                              int(getattr(attn, "head_dim", None) or o.weight.shape[1] // h)))
 
     def forward(ids: Tensor) -> Tensor:
