@@ -290,3 +290,21 @@ def test_path_patching_batched_over_receivers_equals_one_receiver_at_a_time() ->
         path_patching(model, clean, corrupted, metric, sender=(1, 0), receivers=[(0, 1)])
     with pytest.raises(MultiheadError, match="a path enters a head through"):
         path_patching(model, clean, corrupted, metric, sender=(0, 0), points="hook_z")
+
+
+def test_patch_pairs_keeps_each_pairs_figures() -> None:
+    from multihead.heads.patching import PromptPair, patch_pairs
+
+    model = _port()
+    forward, layers = find_layers(model)
+    pairs = [PromptPair("1 2 3 4 5", "1 2 9 4 5", "3", "5"), PromptPair("6 7 8 1 2", "6 7 8 11 2", "7", "9")]
+    result = patch_pairs(forward, layers, lambda text: [int(t) for t in text.split()], pairs)
+    assert result.per_pair_patching is not None and result.per_pair_patching.shape == (2, 2, H)
+    assert result.per_pair_attribution is not None and result.clean_per_pair is not None
+    assert result.corrupted_per_pair is not None and result.patching is not None
+    spans = result.clean_per_pair - result.corrupted_per_pair
+    pooled = (result.per_pair_patching * spans[:, None, None]).sum(0) / spans.sum()
+    np.testing.assert_allclose(result.patching, pooled, rtol=1e-9, atol=1e-12)
+    first = activation_patching(model, torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[1, 2, 9, 4, 5]]),
+                                logit_difference(3, 5))
+    np.testing.assert_allclose(result.per_pair_patching[0], first.effects, rtol=1e-6, atol=1e-7)

@@ -367,6 +367,12 @@ class PairsResult:
     patching: np.ndarray | None  # (n_layers, heads) recovered fraction, activation patching
     attribution: np.ndarray | None  # the same by attribution patching
     seconds: dict[str, float]
+    # each pair's own figures (TransformerLens's reduce="none"): (n_pairs, n_layers, heads) recovered fractions, and
+    # the pairs' clean and corrupted logit differences (n_pairs,)
+    per_pair_patching: np.ndarray | None = None
+    per_pair_attribution: np.ndarray | None = None
+    clean_per_pair: np.ndarray | None = None
+    corrupted_per_pair: np.ndarray | None = None
 
     def top(self, n: int = 10, which: str = "patching") -> list[tuple[int, int, float]]:
         e = self.patching if which == "patching" else self.attribution
@@ -392,6 +398,9 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
     if not pairs:
         raise MultiheadError("no prompt pairs given")
     sums: dict[str, np.ndarray] = {}
+    each: dict[str, list[np.ndarray]] = {}
+    cleans: list[float] = []
+    corrupts: list[float] = []
     span_total = clean_total = corrupt_total = 0.0
     seconds = {"patching": 0.0, "attribution": 0.0}
     what = " and ".join(name for name, on in (("patching", patching), ("attribution", attribution)) if on)
@@ -418,9 +427,14 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
             seconds[name] += time.perf_counter() - start
             span = result.clean - result.corrupted
             sums[name] = sums.get(name, 0.0) + result.effects * span  # patched - corrupted, per head
+            each.setdefault(name, []).append(result.effects)
         span_total += span
         clean_total += result.clean
         corrupt_total += result.corrupted
+        cleans.append(result.clean)
+        corrupts.append(result.corrupted)
     return PairsResult(point, len(pairs), clean_total / len(pairs), corrupt_total / len(pairs),
                        sums["patching"] / span_total if patching else None,
-                       sums["attribution"] / span_total if attribution else None, seconds)
+                       sums["attribution"] / span_total if attribution else None, seconds,
+                       np.stack(each["patching"]) if patching else None,
+                       np.stack(each["attribution"]) if attribution else None, np.array(cleans), np.array(corrupts))
