@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError, require
-from multihead.hooks import HookPoint, add_hook_points, call_hooks
+from multihead.hooks import HookPoint, add_hook_points, add_resid_points, call_hooks
 from multihead.kernels import AttentionCall, attend
 from multihead.masks import MaskSpec
 
@@ -152,9 +152,82 @@ def _out_hook(module: nn.Module, _args: Any, output: Any) -> Any:
     return point(output)
 
 
+# decoder layers written as Llama's (residual = h; h = residual + self_attn(input_layernorm(h)); residual = h;
+# h = residual + mlp(post_attention_layernorm(h))): the families whose layers get the residual-stream points
+RESID_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo")
+
+
+def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The decoder layers of a transformers model of the :data:`RESID_FAMILIES` (modules holding ``self_attn``,
+    ``mlp``, ``input_layernorm`` and ``post_attention_layernorm``), by name; empty for other families."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    if getattr(text, "model_type", None) not in RESID_FAMILIES:
+        return {}
+    parts = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    return {name: m for name, m in model.named_modules()
+            if all(isinstance(getattr(m, p, None), nn.Module) for p in parts)}
+
+
+def _add_resid_points(layer: nn.Module) -> None:
+    """The five residual-stream points on one Llama-structured decoder layer, by module hooks (transformers' forward
+    is not edited): resid_pre on the layer's input, attn_out on self_attn's output, resid_mid as resid_pre + attn_out
+    (a replacement R is handed on as attn_out = R - resid_pre, so what the layer adds is R up to one rounding),
+    mlp_out on the MLP's output, resid_post on the layer's output. Points with no hook cost one list test each."""
+    pre, attn_out, mid, mlp_out, post = add_resid_points(layer)
+    stash: dict[str, Tensor] = {}
+
+    def on_input(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        if not (pre._fns or mid._fns):
+            return None
+        h = args[0] if args else kwargs["hidden_states"]
+        if pre._fns:
+            h = pre(h)
+        if mid._fns:
+            stash["pre"] = h
+        if not pre._fns:
+            return None
+        return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
+
+    def on_attention(_m: nn.Module, _args: Any, output: Any) -> Any:
+        if not (attn_out._fns or mid._fns):
+            return None
+        a = output[0] if isinstance(output, tuple) else output
+        if attn_out._fns:
+            a = attn_out(a)
+        if mid._fns:
+            before = stash.pop("pre", None)
+            if before is None:
+                raise MultiheadError(f"{mid.name or 'hook_resid_mid'}: the layer's input was not seen (a hook was "
+                                     "attached during the layer's forward)")
+            r = before + a
+            replaced = mid(r)
+            if replaced is not r:
+                a = replaced - before
+        return (a, *output[1:]) if isinstance(output, tuple) else a
+
+    def on_mlp(_m: nn.Module, _args: Any, output: Any) -> Any:
+        return mlp_out(output) if mlp_out._fns else None
+
+    def on_output(_m: nn.Module, _args: Any, output: Any) -> Any:
+        if not post._fns:
+            return None
+        return (post(output[0]), *output[1:]) if isinstance(output, tuple) else post(output)
+
+    layer.register_forward_pre_hook(on_input, with_kwargs=True)
+    attention: Any = layer.self_attn
+    attention.register_forward_hook(on_attention)
+    mlp: Any = layer.mlp
+    mlp.register_forward_hook(on_mlp)
+    layer.register_forward_hook(on_output)
+
+
 def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     """Switch a transformers model to multihead's attention (in place) and give each attention module the hook points
-    ``hook_q`` .. ``hook_out`` (``hook_out`` is the module's own output). Returns the model."""
+    ``hook_q`` .. ``hook_out`` (``hook_out`` is the module's own output), and each decoder layer of the
+    :data:`RESID_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo) the residual-stream points
+    ``hook_resid_pre`` .. ``hook_resid_post`` (``model.layers.3.hook_resid_post``; :mod:`multihead.hooks`).
+    Returns the model."""
     register()
     if not (hasattr(model, "set_attn_implementation") and hasattr(model, "_can_set_attn_implementation")):
         raise MultiheadError(f"{type(model).__name__} is not a transformers model (no set_attn_implementation)")
@@ -173,6 +246,9 @@ def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
             add_hook_points(module)
             module.register_forward_hook(_out_hook)
         module.multihead_backend = backend  # type: ignore[assignment]
+    for layer in decoder_layers(model).values():
+        if "_resid_points" not in layer.__dict__:
+            _add_resid_points(layer)
     return model
 
 

@@ -24,6 +24,21 @@ The verbs::
     logits, cache = run_with_cache(model, tokens, names="*.hook_pattern")  # keep named activations
     patch = patch_heads(5, source=cache["layers.2.attn.hook_z"])     # patch head 5 from another run
 
+**The residual stream.** Each block of our ports (and each decoder layer of a transformers model of the families
+:func:`multihead.hf.enable` names) has five more points, named as the block's path plus the point
+(``layers.3.hook_resid_post``), all (b, s, d_model), in the order they run::
+
+    hook_resid_pre    the stream the block reads (for block 0: the embeddings)
+    hook_attn_out     what attention adds (after W_O and its bias; the value of ``attn.hook_out``, after it)
+    hook_resid_mid    the stream between the sublayers, hook_resid_pre + hook_attn_out
+    hook_mlp_out      what the MLP adds
+    hook_resid_post   the block's output, hook_resid_mid + hook_mlp_out (block l's is block l + 1's resid_pre)
+
+In a post-norm model (BERT) the points sit as TransformerLens puts them: ``hook_resid_mid`` is the sum before the
+attention LayerNorm and ``hook_resid_post`` the sum before the output LayerNorm, so the block's output is
+``LayerNorm(hook_resid_post)`` (the next block's ``hook_resid_pre``). A replacement at a point is what everything
+after it reads. Points with no hook cost one list test each.
+
 The same points serve any module that runs its attention through :func:`multihead.kernels.attend` with
 ``hooks=call_hooks(module)`` (our layer, and other models whose attention calls multihead's core). Hooks only see
 and replace tensors: which kernel runs, also with a hooked pattern, is :func:`multihead.kernels.resolve_backend`'s
@@ -53,6 +68,13 @@ POINTS = {  # point -> its shape legend
     "hook_z": "(b, h, s, d)",
     "hook_out": "(b, s, d_model)",
 }
+RESID_POINTS = {  # the block's points, in the order they run
+    "hook_resid_pre": "(b, s, d_model)",
+    "hook_attn_out": "(b, s, d_model)",
+    "hook_resid_mid": "(b, s, d_model)",
+    "hook_mlp_out": "(b, s, d_model)",
+    "hook_resid_post": "(b, s, d_model)",
+}
 KV_POINTS = ("hook_k", "hook_v")  # the points whose dimension 1 counts KV heads (g), not query heads
 
 
@@ -64,8 +86,9 @@ class HookPoint(nn.Module):
 
     def __init__(self, legend: str = "", *, role: str = "") -> None:
         super().__init__()
-        if role and role not in POINTS:
-            raise MultiheadError(f"role {role!r} is not a hook point: choose one of {', '.join(POINTS)}")
+        if role and role not in POINTS and role not in RESID_POINTS:
+            raise MultiheadError(f"role {role!r} is not a hook point: choose one of "
+                                 f"{', '.join([*POINTS, *RESID_POINTS])}")
         self.legend = legend
         self.role = role
         self.name = ""  # the full module path, set when the point is found by name (hook_points)
@@ -146,6 +169,21 @@ def add_hook_points(module: nn.Module) -> None:
             point.role = name  # a point made without its role takes the name it sits at
     # the same six modules as a plain tuple in the instance dict: read on every call without nn.Module.__getattr__
     module.__dict__["_hook_points"] = tuple(getattr(module, name) for name in POINTS)
+
+
+def add_resid_points(module: nn.Module) -> tuple[HookPoint, ...]:
+    """Give a block the five residual-stream points (a no-op for those it has) and return them in
+    :data:`RESID_POINTS` order; the tuple is also kept in the instance dict (``_resid_points``), read on every call
+    without nn.Module.__getattr__."""
+    for name, legend in RESID_POINTS.items():
+        point = getattr(module, name, None)
+        if not isinstance(point, HookPoint):
+            module.add_module(name, HookPoint(legend, role=name))
+        elif not point.role:
+            point.role = name
+    found = tuple(getattr(module, name) for name in RESID_POINTS)
+    module.__dict__["_resid_points"] = found
+    return found
 
 
 def _points(module: HookedAttention) -> tuple[HookPoint, ...]:

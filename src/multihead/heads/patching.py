@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -35,12 +36,36 @@ Metric = Callable[[Tensor], Tensor]  # logits (b, s, vocab) -> one value per seq
 POINTS = ("hook_z", "hook_q", "hook_k", "hook_v", "hook_pattern")
 
 
-def logit_difference(answer: int, wrong: int, position: int = -1) -> Metric:
-    """logit[answer] - logit[wrong] at ``position`` (default the last), per sequence: the usual patching metric."""
+def logit_difference(answers: int | Sequence[int] | Tensor, wrongs: int | Sequence[int] | Tensor,
+                     position: int = -1) -> Metric:
+    """logit[answer] - logit[wrong] at ``position`` (default the last), per sequence: the usual patching metric.
 
-    def metric(logits: Tensor) -> Tensor:
-        return logits[:, position, answer].float() - logits[:, position, wrong].float()
-    return metric
+    One answer and one wrong token for every row, or one per pair (``answers`` and ``wrongs`` of length b, for a
+    batch of b prompt pairs): patching repeats the batch (k copies of b rows, one copy per patched head), and row r
+    of the logits belongs to pair r % b, as this metric knows (the logits' rows must be a multiple of b)."""
+    if isinstance(answers, int) and isinstance(wrongs, int):
+        answer, wrong = answers, wrongs
+
+        def metric(logits: Tensor) -> Tensor:
+            return logits[:, position, answer].float() - logits[:, position, wrong].float()
+        return metric
+    right, other = (torch.as_tensor(t).reshape(-1) for t in (answers, wrongs))
+    if right.is_floating_point() or other.is_floating_point() or right.numel() != other.numel() or not right.numel():
+        raise MultiheadError(f"answers ({right.numel()}) and wrongs ({other.numel()}) must be token ids, as many of "
+                             "each: one per prompt pair")
+    right, other = right.long(), other.long()
+    n = right.numel()
+
+    def per_pair(logits: Tensor) -> Tensor:
+        rows = logits.shape[0]
+        if rows % n:
+            raise MultiheadError(f"the metric has answers for {n} pairs but the logits have {rows} rows: row r "
+                                 f"belongs to pair r % {n}, so the rows must be a multiple of {n}")
+        pair = torch.arange(rows, device=logits.device) % n
+        last = logits[:, position].float()
+        a, w = right.to(logits.device)[pair], other.to(logits.device)[pair]
+        return last.gather(1, a[:, None])[:, 0] - last.gather(1, w[:, None])[:, 0]
+    return per_pair
 
 
 def next_token_loss(ids: Tensor, valid: Tensor | None = None) -> Metric:
@@ -58,12 +83,20 @@ def next_token_loss(ids: Tensor, valid: Tensor | None = None) -> Metric:
 
 @dataclass
 class Patching:
-    """Effects per (layer, head) at one hook point; ``per_position`` adds the query position as a last axis."""
+    """Effects per (layer, head) at one hook point; ``per_position`` adds the query position as a last axis.
+
+    ``effects`` pools the batch: (mean patched - mean corrupted) / (mean clean - mean corrupted). ``per_pair`` keeps
+    each row's own recovered fraction (TransformerLens's ``reduce="none"``), the row as a last axis:
+    (patched_r - corrupted_r) / (clean_r - corrupted_r), NaN for a row whose clean and corrupted metrics are equal;
+    ``clean_per_pair`` and ``corrupted_per_pair`` (b,) are the rows' metrics."""
 
     point: str
     clean: float  # the metric on the clean prompt (mean over the batch)
     corrupted: float
     effects: np.ndarray  # (n_layers, heads) recovered fraction, or (n_layers, heads, s) per position
+    per_pair: np.ndarray | None = None  # (n_layers, heads, b) or (n_layers, heads, s, b)
+    clean_per_pair: np.ndarray | None = None  # (b,)
+    corrupted_per_pair: np.ndarray | None = None  # (b,)
 
     def top(self, n: int = 10) -> list[tuple[int, int, float]]:
         """The n heads with the largest |effect| (summed over positions if per position): (layer, head, effect)."""
@@ -81,9 +114,82 @@ def _check(clean: Tensor, corrupted: Tensor, point: str, layers: Sequence[Hooked
         raise MultiheadError(f"point {point!r} cannot be patched per head: choose one of {', '.join(POINTS)}")
     if not layers:
         raise MultiheadError("no attention layers to patch")
+    if not isinstance(clean, Tensor) or not isinstance(corrupted, Tensor):
+        raise MultiheadError(f"clean and corrupted must be token id tensors (b, s), got {type(clean).__name__} and "
+                             f"{type(corrupted).__name__}")
     if clean.shape != corrupted.shape:
         raise MultiheadError(f"the clean ids {tuple(clean.shape)} and the corrupted ids {tuple(corrupted.shape)} "
                              "must have the same shape (equal token lengths): patching copies position by position")
+
+
+def _as_logits(out: Any) -> Tensor:
+    """A model's output as logits: a tensor, or the ``logits`` of a transformers output."""
+    if isinstance(out, Tensor):
+        return out
+    logits = getattr(out, "logits", None)
+    if isinstance(logits, Tensor):
+        return logits
+    raise MultiheadError(f"the forward returned a {type(out).__name__}, not logits (b, s, vocab) or an output with "
+                         ".logits")
+
+
+def find_layers(model: Any) -> tuple[Forward, list[HookedAttention]]:
+    """The forward (ids -> logits) and the attention layers (with hook points) of a supported model: our ports
+    (:class:`~multihead.models.llama.LlamaModel`), a head-analysis adapter (``load_head_model``), a transformers
+    model after :func:`multihead.hf.enable`, or any module whose attention layers carry the six hook points."""
+    from torch import nn
+
+    from multihead.heads.adapters import HeadModel
+    from multihead.models.llama import LlamaModel
+
+    if isinstance(model, HeadModel):
+        return model.logits, list(model.layers())
+    if isinstance(model, LlamaModel):
+        return model, [block.attn for block in model.layers]  # type: ignore[misc]
+    if not isinstance(model, nn.Module):
+        raise MultiheadError(f"cannot find the attention layers of a {type(model).__name__}: pass a model (our "
+                             "port, a transformers model after hf.enable) or forward and layers")
+    layers: list[Any] = [m for m in model.modules()
+                         if all(isinstance(getattr(m, p, None), HookPoint) for p in (*POINTS, "hook_out"))]
+    if not layers:
+        hint = (" (call multihead.hf.enable(model) first)" if hasattr(model, "_can_set_attn_implementation")
+                else "")
+        raise MultiheadError(f"{type(model).__name__} has no attention layers with hook points{hint}")
+    transformers = hasattr(model, "_can_set_attn_implementation")
+
+    def forward(ids: Tensor) -> Tensor:
+        return _as_logits(model(ids, use_cache=False) if transformers else model(ids))
+    return forward, layers
+
+
+def _arguments(forward: Any, layers: Any, clean: Any, corrupted: Any, metric: Any
+               ) -> tuple[Forward, list[HookedAttention], Tensor, Tensor, Metric]:
+    """(forward, layers, clean, corrupted, metric), or (model, clean, corrupted, metric) with the layers found."""
+    if isinstance(layers, Tensor):  # called as (model, clean, corrupted, metric)
+        if metric is not None:
+            raise MultiheadError("give (model, clean, corrupted, metric) or (forward, layers, clean, corrupted, "
+                                 "metric), not both")
+        layers, clean, corrupted, metric = None, layers, clean, corrupted
+    if clean is None or corrupted is None or metric is None:
+        raise MultiheadError("give the clean ids, the corrupted ids and a metric (e.g. logit_difference(answers, "
+                             "wrongs))")
+    if layers is None:
+        forward, found = find_layers(forward)
+        return forward, found, clean, corrupted, metric
+    model = forward
+
+    def run(ids: Tensor) -> Tensor:
+        return _as_logits(model(ids))
+    return run, list(layers), clean, corrupted, metric
+
+
+def _not_fired(layers: Sequence[HookedAttention], point: str, fired: int) -> MultiheadError:
+    names = [getattr(layer, point).name or f"layer {i}" for i, layer in enumerate(layers)]
+    return MultiheadError(f"{point} was hooked on {len(layers)} attention layer(s) but fired {fired} time(s) in one "
+                          f"forward ({', '.join(names[:3])}{' ...' if len(names) > 3 else ''}): the model's attention "
+                          "does not run through multihead (for a transformers model, attn_implementation was switched "
+                          "away from 'multihead': call multihead.hf.enable(model) again), or the layers are not the "
+                          "forward's")
 
 
 def _record(layers: Sequence[HookedAttention], point: str, forward: Forward, ids: Tensor, *,
@@ -100,27 +206,43 @@ def _record(layers: Sequence[HookedAttention], point: str, forward: Forward, ids
     finally:
         for h in handles:
             h.remove()
+    if len(seen) != len(layers):
+        raise _not_fired(layers, point, len(seen))
     return logits, seen
 
 
-def activation_patching(forward: Forward, layers: Sequence[HookedAttention], clean: Tensor, corrupted: Tensor,
-                        metric: Metric, *, point: str = "hook_z", per_position: bool = False, chunk: int = 16
-                        ) -> Patching:
-    """Patch each head's activation at ``point`` from the clean run into the corrupted one (see the module)."""
+def _fraction(delta: Tensor, span: Tensor) -> np.ndarray:
+    """delta / span per row (delta = patched - corrupted, span = clean - corrupted), NaN where a row's span is 0."""
+    out = delta.double() / span.double()
+    return torch.where(span == 0, torch.full_like(out, float("nan")), out).cpu().numpy()
+
+
+def activation_patching(forward: Forward | Any, layers: Sequence[HookedAttention] | Tensor | None = None,
+                        clean: Tensor | None = None, corrupted: Tensor | Metric | None = None,
+                        metric: Metric | None = None, *, point: str = "hook_z", per_position: bool = False,
+                        chunk: int = 16) -> Patching:
+    """Patch each head's activation at ``point`` from the clean run into the corrupted one (see the module).
+
+    Called as ``(forward, layers, clean, corrupted, metric)``, or as ``(model, clean, corrupted, metric)`` with the
+    forward and the layers found from the model (:func:`find_layers`: our ports, transformers models after
+    ``hf.enable``)."""
+    forward, layers, clean, corrupted, metric = _arguments(forward, layers, clean, corrupted, metric)
     _check(clean, corrupted, point, layers)
     if chunk < 1:
         raise MultiheadError(f"chunk ({chunk}) must be a positive int")
     b, s = corrupted.shape
     with torch.no_grad():
         clean_logits, clean_acts = _record(layers, point, forward, clean)
-        m_clean = float(metric(clean_logits).mean())
-        m_corrupt = float(metric(forward(corrupted)).mean())
+        clean_rows = metric(clean_logits).detach()
+        corrupt_rows = metric(forward(corrupted)).detach()
+        m_clean, m_corrupt = float(clean_rows.mean()), float(corrupt_rows.mean())
         span = m_clean - m_corrupt
         if span == 0:
             raise MultiheadError(f"the metric is {m_clean:.6g} on both prompts: nothing to recover by patching")
         n_heads = clean_acts[0].shape[1]
         units = [(h, p) for h in range(n_heads) for p in (range(s) if per_position else [None])]
         effects = np.zeros((len(layers), n_heads, s) if per_position else (len(layers), n_heads))
+        per_pair = np.zeros((*effects.shape, b))
         for li, layer in enumerate(layers):
             source = clean_acts[li]
             for start in range(0, len(units), chunk):
@@ -129,8 +251,11 @@ def activation_patching(forward: Forward, layers: Sequence[HookedAttention], cle
                 heads = torch.tensor([h for h, _ in group])
                 positions = [p for _, p in group]
 
+                fired: list[bool] = []
+
                 def patch(x: Tensor, _p: HookPoint, heads: Tensor = heads, positions: list[int | None] = positions,
-                          k: int = k, source: Tensor = source) -> Tensor:
+                          k: int = k, source: Tensor = source, fired: list[bool] = fired) -> Tensor:
+                    fired.append(True)
                     out = x.clone().view(k, b, *x.shape[1:])  # (k, b, H, s, .): copy j patches head heads[j]
                     src = source.to(x.dtype)
                     if positions[0] is None:
@@ -142,26 +267,33 @@ def activation_patching(forward: Forward, layers: Sequence[HookedAttention], cle
 
                 handle: HookHandle = getattr(layer, point).add(patch)
                 try:
-                    values = metric(forward(corrupted.repeat(k, 1))).view(k, b).mean(1)
+                    rows = metric(forward(corrupted.repeat(k, 1))).view(k, b)
                 finally:
                     handle.remove()
-                for (h, p), value in zip(group, values.tolist(), strict=True):
+                if not fired:
+                    raise _not_fired([layer], point, 0)
+                fractions = _fraction(rows.double() - corrupt_rows.double(), clean_rows - corrupt_rows)  # (k, b)
+                for j, ((h, p), value) in enumerate(zip(group, rows.mean(1).tolist(), strict=True)):
                     recovered = (value - m_corrupt) / span
                     if p is None:
-                        effects[li, h] = recovered
+                        effects[li, h], per_pair[li, h] = recovered, fractions[j]
                     else:
-                        effects[li, h, p] = recovered
-    return Patching(point, m_clean, m_corrupt, effects)
+                        effects[li, h, p], per_pair[li, h, p] = recovered, fractions[j]
+    return Patching(point, m_clean, m_corrupt, effects, per_pair, clean_rows.double().cpu().numpy(),
+                    corrupt_rows.double().cpu().numpy())
 
 
-def attribution_patching(forward: Forward, layers: Sequence[HookedAttention], clean: Tensor, corrupted: Tensor,
-                         metric: Metric, *, point: str = "hook_z") -> Patching:
+def attribution_patching(forward: Forward | Any, layers: Sequence[HookedAttention] | Tensor | None = None,
+                         clean: Tensor | None = None, corrupted: Tensor | Metric | None = None,
+                         metric: Metric | None = None, *, point: str = "hook_z") -> Patching:
     """First-order estimate of :func:`activation_patching` for every head at once (one forward and one backward on
-    the corrupted prompt, one forward on the clean one)."""
+    the corrupted prompt, one forward on the clean one). Called as activation_patching is."""
+    forward, layers, clean, corrupted, metric = _arguments(forward, layers, clean, corrupted, metric)
     _check(clean, corrupted, point, layers)
     with torch.no_grad():
         clean_logits, clean_acts = _record(layers, point, forward, clean)
-        m_clean = float(metric(clean_logits).mean())
+        clean_rows = metric(clean_logits).detach()
+        m_clean = float(clean_rows.mean())
     with torch.enable_grad():
         logits, acts = _record(layers, point, forward, corrupted, keep_graph=True)
         if not all(a.requires_grad for a in acts):
@@ -174,11 +306,13 @@ def attribution_patching(forward: Forward, layers: Sequence[HookedAttention], cl
     if span == 0:
         raise MultiheadError(f"the metric is {m_clean:.6g} on both prompts: nothing to recover by patching")
     b = corrupted.shape[0]
-    effects = np.stack([
-        ((g * (c.to(g.dtype) - a.detach())).flatten(2).sum(-1).sum(0) / b / span).double().cpu().numpy()
-        for g, c, a in zip(grads, clean_acts, acts, strict=True)
-    ])  # (n_layers, heads)
-    return Patching(point, m_clean, m_corrupt, effects)
+    rows = torch.stack([(g * (c.to(g.dtype) - a.detach())).flatten(2).sum(-1)
+                        for g, c, a in zip(grads, clean_acts, acts, strict=True)])  # (n_layers, b, heads)
+    effects = (rows.sum(1) / b / span).double().cpu().numpy()  # (n_layers, heads)
+    corrupt_rows = values.detach()
+    per_pair = _fraction(rows.transpose(1, 2), clean_rows - corrupt_rows)  # (n_layers, heads, b)
+    return Patching(point, m_clean, m_corrupt, effects, per_pair, clean_rows.double().cpu().numpy(),
+                    corrupt_rows.double().cpu().numpy())
 
 
 def head_importance(forward: Forward, layers: Sequence[HookedAttention], ids: Tensor, *,
@@ -233,6 +367,12 @@ class PairsResult:
     patching: np.ndarray | None  # (n_layers, heads) recovered fraction, activation patching
     attribution: np.ndarray | None  # the same by attribution patching
     seconds: dict[str, float]
+    # each pair's own figures (TransformerLens's reduce="none"): (n_pairs, n_layers, heads) recovered fractions, and
+    # the pairs' clean and corrupted logit differences (n_pairs,)
+    per_pair_patching: np.ndarray | None = None
+    per_pair_attribution: np.ndarray | None = None
+    clean_per_pair: np.ndarray | None = None
+    corrupted_per_pair: np.ndarray | None = None
 
     def top(self, n: int = 10, which: str = "patching") -> list[tuple[int, int, float]]:
         e = self.patching if which == "patching" else self.attribution
@@ -258,6 +398,9 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
     if not pairs:
         raise MultiheadError("no prompt pairs given")
     sums: dict[str, np.ndarray] = {}
+    each: dict[str, list[np.ndarray]] = {}
+    cleans: list[float] = []
+    corrupts: list[float] = []
     span_total = clean_total = corrupt_total = 0.0
     seconds = {"patching": 0.0, "attribution": 0.0}
     what = " and ".join(name for name, on in (("patching", patching), ("attribution", attribution)) if on)
@@ -284,9 +427,14 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
             seconds[name] += time.perf_counter() - start
             span = result.clean - result.corrupted
             sums[name] = sums.get(name, 0.0) + result.effects * span  # patched - corrupted, per head
+            each.setdefault(name, []).append(result.effects)
         span_total += span
         clean_total += result.clean
         corrupt_total += result.corrupted
+        cleans.append(result.clean)
+        corrupts.append(result.corrupted)
     return PairsResult(point, len(pairs), clean_total / len(pairs), corrupt_total / len(pairs),
                        sums["patching"] / span_total if patching else None,
-                       sums["attribution"] / span_total if attribution else None, seconds)
+                       sums["attribution"] / span_total if attribution else None, seconds,
+                       np.stack(each["patching"]) if patching else None,
+                       np.stack(each["attribution"]) if attribution else None, np.array(cleans), np.array(corrupts))

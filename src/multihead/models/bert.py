@@ -5,6 +5,8 @@
     h = LayerNorm(word_emb(ids) + position_emb(0..s-1) + token_type_emb(0))
     for each layer:   h = LayerNorm(h + W_O attn(h, key_padding_mask))          (post-LayerNorm)
                       h = LayerNorm(h + W_2 gelu(W_1 h))
+                      (hook points: resid_pre = h in, attn_out, resid_mid = the first sum, mlp_out,
+                       resid_post = the second sum, before its LayerNorm: multihead.hooks)
     embedding = normalize(mean of h over the real tokens)                        (the model's pooling config)
 """
 
@@ -22,6 +24,7 @@ from torch import Tensor, nn
 from multihead.attention import MultiHeadAttention
 from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
+from multihead.hooks import HookPoint, add_resid_points
 from multihead.models.tokenizer import TextTokenizer
 from multihead.step import Step
 from multihead.values import MAX_FFN
@@ -74,6 +77,8 @@ _ACTIVATIONS = {"gelu": lambda x: F.gelu(x), "gelu_new": lambda x: F.gelu(x, app
 
 
 class BertLayer(nn.Module):
+    _resid_points: tuple[HookPoint, ...]
+
     def __init__(self, config: BertConfig) -> None:
         super().__init__()
         if config.activation not in _ACTIVATIONS:
@@ -85,9 +90,24 @@ class BertLayer(nn.Module):
         self.ffn_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
         self.act = _ACTIVATIONS[config.activation]
 
+        add_resid_points(self)  # post-norm: resid_mid and resid_post are the sums before each LayerNorm
+
     def forward(self, h: Tensor, step: Step) -> Tensor:
-        h = self.attn_norm(h + self.attn(h, step=step))
-        out: Tensor = self.ffn_norm(h + self.ffn_out(self.act(self.ffn_in(h))))
+        pre, attn_out, mid, mlp_out, post = self._resid_points
+        if pre._fns:
+            h = pre(h)
+        a = self.attn(h, step=step)
+        if attn_out._fns:
+            a = attn_out(a)
+        r = h + a
+        if mid._fns:
+            r = mid(r)
+        h = self.attn_norm(r)
+        m = self.ffn_out(self.act(self.ffn_in(h)))
+        if mlp_out._fns:
+            m = mlp_out(m)
+        r = h + m
+        out: Tensor = self.ffn_norm(post(r) if post._fns else r)
         return out
 
 

@@ -30,6 +30,7 @@ from multihead.cache import (
 )
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
+from multihead.hooks import HookPoint, add_resid_points
 from multihead.linear import Linear, linear
 from multihead.norms import RMSNorm
 from multihead.step import Step
@@ -81,6 +82,8 @@ class LlamaConfig:
 
 
 class LlamaBlock(nn.Module):
+    _resid_points: tuple[HookPoint, ...]
+
     def __init__(self, config: LlamaConfig, layer: int = 0, *, device: torch.device | str | None = None,
                  dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -92,11 +95,24 @@ class LlamaBlock(nn.Module):
         self.up_proj = Linear(config.d_model, config.ffn_dim, bias=False, **f)
         self.down_proj = Linear(config.ffn_dim, config.d_model, bias=False, **f)
 
+        add_resid_points(self)  # hook_resid_pre .. hook_resid_post (multihead.hooks), no parameters
+
     def forward(self, h: Tensor, *, step: Step, cache: LayerCache | None = None) -> Tensor:
-        h = h + self.attn(self.attn_norm(h), step=step, cache=cache)
+        pre, attn_out, mid, mlp_out, post = self._resid_points
+        if pre._fns:
+            h = pre(h)
+        a = self.attn(self.attn_norm(h), step=step, cache=cache)
+        if attn_out._fns:
+            a = attn_out(a)
+        h = h + a
+        if mid._fns:
+            h = mid(h)
         x = self.ffn_norm(h)
-        out: Tensor = h + self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        return out
+        m = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if mlp_out._fns:
+            m = mlp_out(m)
+        out: Tensor = h + m
+        return post(out) if post._fns else out
 
 
 class LlamaModel(nn.Module):

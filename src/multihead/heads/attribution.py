@@ -1,0 +1,410 @@
+"""Direct logit attribution and the logit lens: what each head, each MLP and the embeddings write toward an answer,
+read exactly from one run on raw weights (nothing folded, the logits are the model's own).
+
+The residual stream before the final norm is a sum of writes, x = e + sum_(l, i) z_(l,i) W_O^(l,i) + sum_l b_O^l
++ sum_l m_l (embeddings e, head i of layer l writing its output z before W_O through its block of W_O's columns,
+W_O's bias, MLP outputs m_l). The final norm is affine once its scale is frozen at the real run's,
+``norm(x) = (x P) * gamma / sigma(x) + beta`` (P the centring for LayerNorm, I for RMSNorm; sigma the RMS, or the
+standard deviation, of x, + eps), so with u = W_U[answer] - W_U[wrong] (or W_U[answer] alone) each write w
+contributes ``(w P) (gamma * u) / sigma(x)`` to the logit difference, and::
+
+    logit[answer] - logit[wrong] = embed + sum heads + sum mlps + constant + remainder
+
+- ``heads`` (b, n_layers, n_heads, s): z_(l,i) W_O^(l,i) projected, plus an equal share b_O^l / n_heads of its
+  layer's output bias (none in Llama-family models);
+- ``mlps`` (b, n_layers, s), ``embed`` (b, s): the token embeddings (block 0's ``hook_resid_pre``);
+- ``constant`` (b, s): beta . u and the unembedding's bias difference (what no component writes);
+- ``remainder`` (b, s): the model's real logit difference minus the parts. With the scale frozen the decomposition
+  is exact, so the remainder is the forward's rounding (float32: ~1e-6); it is checked on every call to be within
+  ``1e-4 * max(1, sum |parts|)`` (float32, float64; 16 * the dtype's eps in lower precision) and a larger one raises
+  a MultiheadError: something wrote to the stream that is not a part (a hook adding to it, an architecture this
+  module does not read).
+
+What the frozen scale does not carry: a part's figure is its effect with the norm's 1 / sigma held at the real run's;
+removing the part would also change sigma (the norm's nonlinearity), which only patching measures.
+
+Every position is attributed (the answer direction is the same at all positions of a row); answers are per row.
+Heads are also summed per KV head (``by_kv_head``: the r = h / g query heads sharing one KV head, GQA and MQA).
+
+The **logit lens** (nostalgebraist 2020): each block's ``hook_resid_post`` through the final norm (its own scale)
+and the unembedding; the last block's is the model's logits. The **head lens**: the tokens a head's write
+z_(l,i) W_O^(l,i) pushes toward, through the final norm with the real run's frozen scale and the unembedding.
+
+Models: multihead's :class:`~multihead.models.llama.LlamaModel` (or its head-analysis adapter), and transformers
+causal models of the Llama-structured families of :data:`multihead.hf.RESID_FAMILIES` with an RMSNorm (llama,
+mistral, qwen2, qwen3, smollm3) after :func:`multihead.hf.enable`. The BERT encoder has no unembedding: not here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from multihead.errors import MultiheadError
+from multihead.hooks import HookPoint
+from multihead.names import head_name
+
+Tokens = int | Sequence[int] | Tensor
+
+
+# ---------------------------------------------------------------------------------------------- reading the model
+@dataclass(frozen=True)
+class _Layer:
+    attn: Any  # the attention module (its six hook points)
+    z: HookPoint  # the attention's hook_z (b, h, s, d)
+    mlp_out: HookPoint  # the block's hook_mlp_out (b, s, D)
+    resid_post: HookPoint
+    w_o: Tensor  # (D, h d)
+    b_o: Tensor | None  # (D,)
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+
+
+@dataclass(frozen=True)
+class _Model:
+    name: str
+    forward: Callable[[Tensor], Tensor]  # ids (b, s) -> logits (b, s, vocab)
+    embed: HookPoint  # block 0's hook_resid_pre: the embeddings
+    layers: tuple[_Layer, ...]
+    norm_weight: Tensor | None  # the final norm's gamma (D,)
+    norm_bias: Tensor | None  # its beta
+    eps: float
+    center: bool  # LayerNorm (True) or RMSNorm (False)
+    unembed: Tensor  # (vocab, D)
+    unembed_bias: Tensor | None  # (vocab,)
+
+    def sigma(self, x: Tensor) -> Tensor:
+        """The final norm's divisor for a stream x (..., D), in x's dtype."""
+        if self.center:
+            return (x.var(-1, unbiased=False) + self.eps).sqrt()
+        return (x.pow(2).mean(-1) + self.eps).sqrt()
+
+    def normed(self, x: Tensor) -> Tensor:
+        """The final norm of x (..., D), in x's dtype."""
+        y = (x - x.mean(-1, keepdim=True) if self.center else x) / self.sigma(x)[..., None]
+        if self.norm_weight is not None:
+            y = y * self.norm_weight.to(y)
+        return y if self.norm_bias is None else y + self.norm_bias.to(y)
+
+
+def _point(module: Any, name: str, where: str) -> HookPoint:
+    point = getattr(module, name, None)
+    if not isinstance(point, HookPoint):
+        raise MultiheadError(f"{where} has no hook point {name}: for a transformers model call multihead.hf.enable("
+                             "model) first")
+    return point
+
+
+def _read(model: Any) -> _Model:
+    from multihead.models.llama import LlamaModel
+
+    inner = model
+    from multihead.heads.adapters import DecoderHeads, TransformersHeads
+
+    if isinstance(model, DecoderHeads | TransformersHeads):
+        inner = model.model
+    if isinstance(inner, LlamaModel):
+        return _read_port(inner)
+    if isinstance(inner, nn.Module) and hasattr(inner, "_can_set_attn_implementation"):
+        return _read_transformers(inner)
+    raise MultiheadError(f"direct logit attribution reads multihead's LlamaModel and transformers causal models "
+                         f"(llama, mistral, qwen2, qwen3, smollm3) after hf.enable: got a {type(model).__name__}")
+
+
+def _read_port(model: Any) -> _Model:
+    layers = []
+    for i, block in enumerate(model.layers):
+        attn, where = block.attn, f"layers.{i}"
+        layers.append(_Layer(attn, _point(attn, "hook_z", f"{where}.attn"), _point(block, "hook_mlp_out", where),
+                             _point(block, "hook_resid_post", where), attn.o_proj.weight.detach(),
+                             None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
+                             int(attn.n_heads), int(attn.n_kv_heads), int(attn.config.head_dim)))
+    unembed = model.embed.weight if model.lm_head is None else model.lm_head.weight
+    return _Model(type(model).__name__, model, _point(model.layers[0], "hook_resid_pre", "layers.0"), tuple(layers),
+                  model.norm.weight.detach(), None, float(model.norm.eps), False, unembed.detach(), None)
+
+
+def _read_transformers(model: nn.Module) -> _Model:
+    from multihead import hf
+
+    config: Any = model.config
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    name = type(model).__name__
+    blocks = list(hf.decoder_layers(model).values())
+    head: Any = getattr(model, "lm_head", None)
+    base: Any = getattr(model, "model", None)
+    norm: Any = getattr(base, "norm", None)
+    families = [f for f in hf.RESID_FAMILIES if f != "olmo"]
+    if text.model_type not in families or not blocks or not isinstance(head, nn.Linear) or norm is None:
+        raise MultiheadError(f"direct logit attribution reads transformers causal models of type "
+                             f"{', '.join(families)} (decoder layers at .model.layers, an lm_head): {name} "
+                             f"(model_type {text.model_type!r}) is not one")
+    if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+        raise MultiheadError(f"{name}: the final norm is a {type(norm).__name__}, not a Llama-style RMSNorm")
+    if getattr(text, "final_logit_softcapping", None):
+        raise MultiheadError(f"{name} softcaps its logits: a logit difference is then not a sum of writes")
+    h = int(text.num_attention_heads)
+    g = int(getattr(text, "num_key_value_heads", None) or h)
+    layers = []
+    for i, block in enumerate(blocks):
+        attn: Any = block.self_attn
+        where = f"layers.{i}"
+        o = attn.o_proj
+        layers.append(_Layer(attn, _point(attn, "hook_z", f"{where}.self_attn"),
+                             _point(block, "hook_mlp_out", where), _point(block, "hook_resid_post", where),
+                             o.weight.detach(), None if o.bias is None else o.bias.detach(), h, g,
+                             int(getattr(attn, "head_dim", None) or o.weight.shape[1] // h)))
+
+    def forward(ids: Tensor) -> Tensor:
+        out: Tensor = model(ids, use_cache=False).logits
+        return out
+
+    return _Model(name, forward, _point(blocks[0], "hook_resid_pre", "layers.0"), tuple(layers),
+                  norm.weight.detach(), None, float(norm.variance_epsilon), False, head.weight.detach(),
+                  None if head.bias is None else head.bias.detach())
+
+
+@contextmanager
+def _recording(points: dict[str, HookPoint], seen: dict[str, Tensor]) -> Iterator[None]:
+    def keeper(key: str) -> Callable[[Tensor, HookPoint], None]:
+        def keep(x: Tensor, _p: HookPoint) -> None:
+            seen[key] = x.detach()
+        return keep
+
+    handles = [point.add(keeper(key)) for key, point in points.items()]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [key for key in points if key not in seen]
+    if missing:
+        raise MultiheadError(f"hook points {', '.join(missing[:4])} were attached but did not fire: the model's "
+                             "attention or blocks do not run through multihead (for a transformers model, "
+                             "attn_implementation was switched away from 'multihead': call hf.enable(model) again)")
+
+
+def _run(m: _Model, ids: Tensor, extra: Sequence[str] = ()) -> tuple[Tensor, dict[str, Tensor]]:
+    if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.dtype not in (torch.long, torch.int32):
+        shape = tuple(ids.shape) if isinstance(ids, Tensor) else type(ids).__name__
+        raise MultiheadError(f"ids must be an integer tensor (b, s), got {shape}")
+    points = {"embed": m.embed}
+    for i, layer in enumerate(m.layers):
+        points[f"z{i}"], points[f"mlp{i}"] = layer.z, layer.mlp_out
+        if "resid" in extra or i == len(m.layers) - 1:
+            points[f"post{i}"] = layer.resid_post
+    seen: dict[str, Tensor] = {}
+    with torch.no_grad(), _recording(points, seen):
+        logits = m.forward(ids)
+    return logits, seen
+
+
+def _tokens(tokens: Tokens, b: int, what: str, vocab: int) -> Tensor:
+    t = tokens if isinstance(tokens, Tensor) else torch.tensor([tokens] if isinstance(tokens, int) else list(tokens))
+    if t.dtype not in (torch.long, torch.int32, torch.int64) or t.ndim > 1:
+        raise MultiheadError(f"{what} must be a token id or one per row (b,), got {tuple(t.shape)} {t.dtype}")
+    t = t.long().reshape(-1)
+    if t.numel() == 1:
+        t = t.expand(b)
+    if t.numel() != b:
+        raise MultiheadError(f"{what} has {t.numel()} token ids for a batch of {b} rows: give one, or one per row")
+    bad = [int(x) for x in t if not 0 <= int(x) < vocab]
+    if bad:
+        raise MultiheadError(f"{what}: token id(s) {bad[:4]} are outside the vocabulary (0 .. {vocab - 1})")
+    return t
+
+
+# ---------------------------------------------------------------------------------------------- attribution
+@dataclass
+class Attribution:
+    """Direct logit attribution of one run (see the module): every figure in float64, per row and position."""
+
+    model: str
+    heads: Tensor  # (b, n_layers, n_heads, s)
+    mlps: Tensor  # (b, n_layers, s)
+    embed: Tensor  # (b, s)
+    constant: Tensor  # (b, s) the final norm's beta and the unembedding bias, projected
+    remainder: Tensor  # (b, s) the real logit difference minus the parts
+    logit_diff: Tensor  # (b, s) the model's real logit difference (or logit, with no wrong answer)
+    n_kv_heads: int
+    notes: tuple[str, ...]
+
+    def total(self) -> Tensor:
+        """The sum of the parts (b, s): logit_diff - remainder."""
+        return self.embed + self.heads.sum((1, 2)) + self.mlps.sum(1) + self.constant
+
+    def by_kv_head(self) -> Tensor:
+        """(b, n_layers, n_kv_heads, s): the heads summed over each KV head's group of r = h / g query heads."""
+        b, n_layers, h, s = self.heads.shape
+        return self.heads.view(b, n_layers, self.n_kv_heads, h // self.n_kv_heads, s).sum(3)
+
+    def top(self, n: int = 10, position: int = -1) -> list[tuple[str, float]]:
+        """The n parts (heads 'L3H5', MLPs 'MLP3', 'embed') of largest |mean over rows| at ``position``."""
+        rows: list[tuple[str, float]] = [("embed", float(self.embed[:, position].mean()))]
+        heads = self.heads[:, :, :, position].mean(0)
+        mlps = self.mlps[:, :, position].mean(0)
+        for layer in range(heads.shape[0]):
+            rows += [(head_name(layer, i), float(heads[layer, i])) for i in range(heads.shape[1])]
+            rows.append((f"MLP{layer}", float(mlps[layer])))
+        return sorted(rows, key=lambda r: -abs(r[1]))[:n]
+
+
+def direct_logit_attribution(model: Any, ids: Tensor, answers: Tokens, wrongs: Tokens | None = None) -> Attribution:
+    """Each head's, MLP's and the embeddings' direct effect on ``logit[answer] - logit[wrong]`` (per row: one token
+    id or one per row each; without ``wrongs``, on ``logit[answer]``) at every position (see the module). Raises a
+    MultiheadError when the parts and the remainder's bound do not reproduce the model's real logits."""
+    m = _read(model)
+    b, s = ids.shape if isinstance(ids, Tensor) and ids.ndim == 2 else (0, 0)
+    logits, seen = _run(m, ids)
+    vocab = m.unembed.shape[0]
+    a = _tokens(answers, b, "answers", vocab).to(logits.device)
+    w = None if wrongs is None else _tokens(wrongs, b, "wrongs", vocab).to(logits.device)
+    f64 = torch.float64
+    real = logits.to(f64).gather(-1, a.view(b, 1, 1).expand(b, s, 1))[..., 0]
+    u = m.unembed.to(f64)[a]  # (b, D)
+    const = torch.zeros(b, dtype=f64, device=logits.device)
+    if m.unembed_bias is not None:
+        const = const + m.unembed_bias.to(f64)[a]
+    if w is not None:
+        real = real - logits.to(f64).gather(-1, w.view(b, 1, 1).expand(b, s, 1))[..., 0]
+        u = u - m.unembed.to(f64)[w]
+        if m.unembed_bias is not None:
+            const = const - m.unembed_bias.to(f64)[w]
+    if m.norm_bias is not None:
+        const = const + u @ m.norm_bias.to(f64)
+    v = u if m.norm_weight is None else u * m.norm_weight.to(f64)  # (b, D): gamma * u
+    if m.center:
+        v = v - v.mean(-1, keepdim=True)  # (w P) . v = w . (P v)
+    final = seen[f"post{len(m.layers) - 1}"].to(f64)
+    inv = 1.0 / m.sigma(final)  # (b, s): the frozen scale
+
+    def project(x: Tensor) -> Tensor:  # (b, s, D) -> (b, s)
+        return torch.einsum("bsD,bD->bs", x.to(f64), v) * inv
+
+    embed = project(seen["embed"])
+    heads, mlps = [], []
+    for i, layer in enumerate(m.layers):
+        h, d = layer.n_heads, layer.head_dim
+        w_o = layer.w_o.to(f64).view(-1, h, d)  # (D, h, d)
+        t = torch.einsum("bD,Dhd->bhd", v, w_o)
+        part = torch.einsum("bhsd,bhd->bhs", seen[f"z{i}"].to(f64), t) * inv[:, None]
+        if layer.b_o is not None:
+            part = part + (project(layer.b_o.to(f64).expand(b, s, -1)) / h)[:, None]
+        heads.append(part)
+        mlps.append(project(seen[f"mlp{i}"]))
+    if len({p.shape[1] for p in heads}) != 1 or len({layer.n_kv_heads for layer in m.layers}) != 1:
+        raise MultiheadError(f"{m.name}'s layers have different head counts (a pruned model): attribute one with "
+                             "equal layers")
+    result = Attribution(m.name, torch.stack(heads, 1), torch.stack(mlps, 1), embed,
+                         const[:, None].expand(b, s).clone(), torch.zeros(b, s, dtype=f64), real,
+                         m.layers[0].n_kv_heads, _notes(m))
+    result.remainder = real - result.total()
+    magnitude = (result.embed.abs() + result.heads.abs().sum((1, 2)) + result.mlps.abs().sum(1)
+                 + result.constant.abs())
+    dtype = logits.dtype
+    rel = 1e-4 if dtype in (torch.float32, torch.float64) else max(1e-4, 16 * torch.finfo(dtype).eps)
+    excess = result.remainder.abs() - rel * magnitude.clamp(min=1.0)
+    if bool((excess > 0).any()):
+        r, p = divmod(int(excess.argmax()), s)
+        raise MultiheadError(
+            f"{m.name}: the parts sum to {float(result.total()[r, p]):.6g} but the model's logit difference is "
+            f"{float(real[r, p]):.6g} (row {r}, position {p}; remainder {float(result.remainder[r, p]):.3g}, bound "
+            f"{rel:g} x the parts' magnitude {float(magnitude[r, p]):.3g}): something writes to the residual stream "
+            "that is not a part (a hook adding to it, or an architecture this attribution does not read)")
+    return result
+
+
+def _notes(m: _Model) -> tuple[str, ...]:
+    notes = [f"the final {'LayerNorm' if m.center else 'RMSNorm'}'s scale frozen at the real run's (exact: the "
+             "norm is affine once it is); raw weights, nothing folded"]
+    if any(layer.b_o is not None for layer in m.layers):
+        notes.append("each layer's W_O bias split equally over its heads (b_O / n_heads each)")
+    if m.norm_bias is not None or m.unembed_bias is not None:
+        notes.append("the final norm's beta and the unembedding bias in 'constant'")
+    return tuple(notes)
+
+
+# ---------------------------------------------------------------------------------------------- logit lens
+@dataclass
+class Lens:
+    """The logit lens: the top ``k`` tokens (ids, logits) of each block's stream, (n_layers, b, s, k), and, with
+    answers, the logit difference each block's stream gives (n_layers, b, s)."""
+
+    top_ids: Tensor
+    top_logits: Tensor
+    logit_diff: Tensor | None
+
+
+def logit_lens(model: Any, ids: Tensor, *, k: int = 5, answers: Tokens | None = None,
+               wrongs: Tokens | None = None) -> Lens:
+    """Each block's ``hook_resid_post`` through the final norm (its own scale) and the unembedding; the last
+    block's lens is the model's logits."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise MultiheadError(f"k ({k!r}) must be a positive int")
+    m = _read(model)
+    _, seen = _run(m, ids, extra=("resid",))
+    b = ids.shape[0]
+    vocab = m.unembed.shape[0]
+    a = None if answers is None else _tokens(answers, b, "answers", vocab)
+    w = None if wrongs is None else _tokens(wrongs, b, "wrongs", vocab)
+    tops, values, diffs = [], [], []
+    for i in range(len(m.layers)):
+        x = seen[f"post{i}"]
+        normed = m.normed(x.float()).to(x.dtype)
+        logits = normed @ m.unembed.to(normed).T
+        if m.unembed_bias is not None:
+            logits = logits + m.unembed_bias.to(logits)
+        top = logits.topk(min(k, vocab), dim=-1)
+        tops.append(top.indices)
+        values.append(top.values)
+        if a is not None:
+            rows = torch.arange(b, device=logits.device)
+            diff = logits[rows, :, a.to(logits.device)].double()
+            if w is not None:
+                diff = diff - logits[rows, :, w.to(logits.device)].double()
+            diffs.append(diff)
+    return Lens(torch.stack(tops), torch.stack(values), torch.stack(diffs) if diffs else None)
+
+
+@dataclass
+class HeadLens:
+    """The tokens each head's write pushes toward at one position: (b, n_layers, n_heads, k) ids and the logits the
+    write alone adds (through the final norm with the real run's frozen scale)."""
+
+    position: int
+    top_ids: Tensor
+    top_logits: Tensor
+
+
+def head_logit_lens(model: Any, ids: Tensor, *, position: int = -1, k: int = 5) -> HeadLens:
+    """The top ``k`` tokens of z_(l,i) W_O^(l,i) gamma / sigma W_U^T for every head at ``position`` (W_O's bias
+    left out: it is no head's)."""
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise MultiheadError(f"k ({k!r}) must be a positive int")
+    m = _read(model)
+    _, seen = _run(m, ids)
+    s = ids.shape[1]
+    if not -s <= position < s:
+        raise MultiheadError(f"position {position} is outside the {s} tokens")
+    final = seen[f"post{len(m.layers) - 1}"][:, position].float()  # (b, D)
+    scale = 1.0 / m.sigma(final)  # (b,)
+    gamma = torch.ones_like(final[0]) if m.norm_weight is None else m.norm_weight.float()
+    unembed = m.unembed.float()
+    tops, values = [], []
+    for i, layer in enumerate(m.layers):
+        h, d = layer.n_heads, layer.head_dim
+        z = seen[f"z{i}"][:, :, position].float()  # (b, h, d)
+        write = torch.einsum("bhd,Dhd->bhD", z, layer.w_o.float().view(-1, h, d))
+        if m.center:
+            write = write - write.mean(-1, keepdim=True)
+        pushed = (write * gamma * scale[:, None, None]) @ unembed.T  # (b, h, vocab)
+        top = pushed.topk(min(k, unembed.shape[0]), dim=-1)
+        tops.append(top.indices)
+        values.append(top.values)
+    return HeadLens(position, torch.stack(tops, 1), torch.stack(values, 1))
