@@ -149,7 +149,7 @@ def test_hardware_estimates_name_their_bound_and_add_up(tmp_path, capsys: pytest
     r = _json(argv, capsys)
     w, e = r["whole_model"], r["estimate"]
     h100 = HARDWARE["h100-80g"]
-    assert r["device_memory_bytes"] == h100.memory == 80 * 10**9  # the preset's memory, --device-memory unset
+    assert r["device_memory_bytes"] == h100.memory == 80 * 2**30  # the preset's memory (GiB), no --device-memory
     d = e["decode"]
     weights = weight_bytes(70_553_706_496, "bf16")
     assert d["bytes_per_step"] == int(weights / 2 + w["kv_bytes"] / 2)

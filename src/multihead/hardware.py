@@ -61,6 +61,10 @@ class Hardware:
 
 
 T, G = 1e12, 1e9
+Gi = 2**30
+# Memory: the datasheets' "80 GB" of HBM is binary (stacks of 2^k GiB: an H100 or A100 80GB reports 81,559 or
+# 81,920 MiB in nvidia-smi, i.e. about 80 GiB, not 80e9 bytes), so capacities are taken as GiB; what the driver and
+# runtime keep back is what --reserve is for. Bandwidths and FLOP/s are decimal, as the vendors state them.
 # Dense (no 2:4 sparsity) tensor-core rates. Each figure is the vendor's published one for the SXM/OAM part; the
 # vendor datasheets were not in the stored pages this was written from, so none is marked verified: the figures were
 # cross-checked against third-party spec pages (glennklockwood.com/garden/processors/h100 for H100's matrix rates,
@@ -70,36 +74,36 @@ T, G = 1e12, 1e9
 HARDWARE: dict[str, Hardware] = {
     # https://www.nvidia.com/en-us/data-center/h100/ (H100 SXM datasheet): 80 GB HBM3, 3.35 TB/s, BF16/FP16
     # 989 TFLOPS dense (1,979 sparse), FP8 1,979 dense, TF32 494.7 dense, NVLink 900 GB/s
-    "h100-80g": Hardware("h100-80g", 80 * 10**9, 3.35e12, {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T,
+    "h100-80g": Hardware("h100-80g", 80 * Gi, 3.35e12, {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T,
                                                          "fp32": 494.7 * T}, 450 * G,
                          "NVIDIA H100 SXM datasheet (nvidia.com/en-us/data-center/h100); NVLink 900 GB/s total, "
                          "450 GB/s per direction"),
     # https://www.nvidia.com/en-us/data-center/h200/ (H200 SXM datasheet): 141 GB HBM3e, 4.8 TB/s, the H100's
     # compute (BF16 989 dense, FP8 1,979 dense), NVLink 900 GB/s
-    "h200": Hardware("h200", 141 * 10**9, 4.8e12, {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T,
+    "h200": Hardware("h200", 141 * Gi, 4.8e12, {"bf16": 989 * T, "fp16": 989 * T, "fp8": 1979 * T,
                                                  "fp32": 494.7 * T}, 450 * G,
                      "NVIDIA H200 SXM datasheet (nvidia.com/en-us/data-center/h200)"),
     # https://www.nvidia.com/en-us/data-center/a100/ (A100 datasheet): 80 GB HBM2e SXM 2,039 GB/s; BF16/FP16 312
     # TFLOPS dense, TF32 156; no FP8; NVLink 600 GB/s
-    "a100-80g": Hardware("a100-80g", 80 * 10**9, 2.039e12, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 156 * T},
+    "a100-80g": Hardware("a100-80g", 80 * Gi, 2.039e12, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 156 * T},
                          300 * G, "NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100), SXM 80GB"),
     # same datasheet, A100 40GB SXM: HBM2 1,555 GB/s
-    "a100-40g": Hardware("a100-40g", 40 * 10**9, 1.555e12, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 156 * T},
+    "a100-40g": Hardware("a100-40g", 40 * Gi, 1.555e12, {"bf16": 312 * T, "fp16": 312 * T, "fp32": 156 * T},
                          300 * G, "NVIDIA A100 datasheet (nvidia.com/en-us/data-center/a100), SXM 40GB"),
     # https://www.nvidia.com/en-us/data-center/l4/ (L4 datasheet): 24 GB GDDR6, 300 GB/s, BF16/FP16 121 TFLOPS
     # dense (242 sparse), FP8 242.5 dense (485 sparse), TF32 60 dense; PCIe Gen4 x16 (32 GB/s per direction)
-    "l4": Hardware("l4", 24 * 10**9, 300 * G, {"bf16": 121 * T, "fp16": 121 * T, "fp8": 242.5 * T, "fp32": 60 * T},
+    "l4": Hardware("l4", 24 * Gi, 300 * G, {"bf16": 121 * T, "fp16": 121 * T, "fp8": 242.5 * T, "fp32": 60 * T},
                    32 * G, "NVIDIA L4 datasheet (nvidia.com/en-us/data-center/l4); PCIe Gen4 x16"),
     # https://images.nvidia.com/aem-dam/Solutions/geforce/ada/nvidia-ada-gpu-architecture.pdf (Ada whitepaper,
     # RTX 4090): 24 GB GDDR6X, 1,008 GB/s; FP16/BF16 tensor with FP32 accumulate 165.2 dense, FP8 330.3 dense
     # (FP16 accumulate: twice that); no NVLink: PCIe Gen4 x16
-    "rtx-4090": Hardware("rtx-4090", 24 * 2**30, 1008 * G, {"bf16": 165.2 * T, "fp16": 165.2 * T, "fp8": 330.3 * T,
+    "rtx-4090": Hardware("rtx-4090", 24 * Gi, 1008 * G, {"bf16": 165.2 * T, "fp16": 165.2 * T, "fp8": 330.3 * T,
                                                           "fp32": 82.6 * T}, 32 * G,
                          "NVIDIA Ada GPU architecture whitepaper, RTX 4090 (FP32 accumulate)"),
     # https://www.amd.com/en/products/accelerators/instinct/mi300/mi300x.html (MI300X datasheet): 192 GB HBM3,
     # 5.3 TB/s, BF16/FP16 1,307.4 TFLOPS dense, FP8 2,614.9 dense, TF32 653.7; Infinity Fabric 896 GB/s (7 links of
     # 128 GB/s, both directions): 448 GB/s per direction
-    "mi300x": Hardware("mi300x", 192 * 10**9, 5.3e12, {"bf16": 1307.4 * T, "fp16": 1307.4 * T, "fp8": 2614.9 * T,
+    "mi300x": Hardware("mi300x", 192 * Gi, 5.3e12, {"bf16": 1307.4 * T, "fp16": 1307.4 * T, "fp8": 2614.9 * T,
                                                      "fp32": 653.7 * T}, 448 * G,
                        "AMD Instinct MI300X datasheet (amd.com/en/products/accelerators/instinct/mi300/mi300x.html)"),
 }
