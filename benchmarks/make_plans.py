@@ -47,9 +47,11 @@ def main() -> None:
     p.add_argument("--out", default="docs/experiments")
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
+    p.add_argument("--png", default="docs/experiments/smollm2-plans.png", help="the maps of the 50%% plans")
     args = p.parse_args()
     retrieval = json.loads(Path(args.scores).read_text())
     gates = json.loads(Path(args.gates).read_text()) if Path(args.gates).exists() else None
+    maps: dict[str, np.ndarray] = {}
     for kind, budgets in BUDGETS.items():
         if kind == "duo" and gates is None:
             print(f"no gates at {args.gates}: no duo plans")
@@ -60,8 +62,33 @@ def main() -> None:
                                         shape=SHAPE, method=kind)
             path = plan.save(Path(args.out) / f"smollm2-{kind}-{round(budget * 100)}-plan.json")
             chosen = [f"L{i}KV{j}" for i, row in enumerate(plan.full) for j, f in enumerate(row) if f]
+            if budget == 0.5:
+                maps[kind] = np.asarray(plan.full, dtype=float)
             more = " ..." if len(chosen) > 12 else ""
             print(f"{path}: {len(chosen)} of 90 KV heads full: {' '.join(chosen[:12])}{more}")
+    if args.png and maps:
+        draw(maps, args.png)
+        print(f"maps: {args.png}")
+
+
+def draw(maps: dict[str, np.ndarray], path: str) -> None:
+    """One panel per plan: layer (rows) x KV head (columns), dark = keeps every key."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(maps), figsize=(1.6 * len(maps) + 1, 6.5), sharey=True)
+    for ax, (kind, full) in zip(np.atleast_1d(axes), maps.items(), strict=True):
+        ax.imshow(full, cmap="Greys", vmin=0, vmax=1, aspect="auto", interpolation="nearest")
+        ax.set_title(f"{kind}, 50%", fontsize=9)
+        ax.set_xticks(range(full.shape[1]))
+        ax.set_xlabel("KV head")
+    np.atleast_1d(axes)[0].set_ylabel("layer")
+    fig.suptitle("SmolLM2 head-wise plans: dark = full (every key), light = 4 sinks + 256", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ import dataclasses
 import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from multihead.config import AttentionConfig, MLAConfig
 from multihead.errors import MultiheadError
@@ -545,10 +545,27 @@ def mla_report(config: MLAConfig, *, n_layers: int, seq: int, batch: int = 1, dt
 
 
 # ---------------------------------------------------------------------------------------------- head-wise cache
-from multihead.cache.plan import HeadPlan  # noqa: E402  (here, with the one function that takes it)
 
 
-def headwise_cache_bytes(plan: HeadPlan, *, batch: int, max_len: int, dtype: str = "bf16") -> int:
+class PlanShape(Protocol):
+    """What :func:`headwise_cache_bytes` reads of a :class:`multihead.cache.HeadPlan` (a protocol, so this module
+    imports no cache: the plan's file reader imports hfconfig, which imports this module)."""
+
+    @property
+    def full(self) -> Sequence[Sequence[bool]]: ...
+    @property
+    def shape(self) -> tuple[int, int, int, int]: ...
+    @property
+    def sinks(self) -> int: ...
+    @property
+    def window(self) -> int: ...
+    @property
+    def n_layers(self) -> int: ...
+    @property
+    def n_kv_heads(self) -> int: ...
+
+
+def headwise_cache_bytes(plan: PlanShape, *, batch: int, max_len: int, dtype: str = "bf16") -> int:
     """A head-wise cache (:class:`multihead.cache.HeadwiseCache`) of ``plan``: each full KV head holds max_len
     tokens, each streaming one sinks + window - 1 (the next token joins them), whatever the context::
 

@@ -178,24 +178,24 @@ def _add_resid_points(layer: nn.Module) -> None:
     stash: dict[str, Tensor] = {}
 
     def on_input(_m: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        if not (pre._fns or mid._fns):
+        if not (pre.active or mid.active):
             return None
         h = args[0] if args else kwargs["hidden_states"]
-        if pre._fns:
+        if pre.active:
             h = pre(h)
-        if mid._fns:
+        if mid.active:
             stash["pre"] = h
-        if not pre._fns:
+        if not pre.active:
             return None
         return ((h, *args[1:]), kwargs) if args else (args, {**kwargs, "hidden_states": h})
 
     def on_attention(_m: nn.Module, _args: Any, output: Any) -> Any:
-        if not (attn_out._fns or mid._fns):
+        if not (attn_out.active or mid.active):
             return None
         a = output[0] if isinstance(output, tuple) else output
-        if attn_out._fns:
+        if attn_out.active:
             a = attn_out(a)
-        if mid._fns:
+        if mid.active:
             before = stash.pop("pre", None)
             if before is None:
                 raise MultiheadError(f"{mid.name or 'hook_resid_mid'}: the layer's input was not seen (a hook was "
@@ -207,10 +207,10 @@ def _add_resid_points(layer: nn.Module) -> None:
         return (a, *output[1:]) if isinstance(output, tuple) else a
 
     def on_mlp(_m: nn.Module, _args: Any, output: Any) -> Any:
-        return mlp_out(output) if mlp_out._fns else None
+        return mlp_out(output) if mlp_out.active else None
 
     def on_output(_m: nn.Module, _args: Any, output: Any) -> Any:
-        if not post._fns:
+        if not post.active:
             return None
         return (post(output[0]), *output[1:]) if isinstance(output, tuple) else post(output)
 

@@ -101,7 +101,9 @@ def _point(module: Any, name: str, where: str) -> HookPoint:
     return point
 
 
-def _read(model: Any) -> _Model:
+def read_model(model: Any) -> _Model:
+    """The parts of a supported model that attribution and path patching read (port, adapter or enabled transformers
+    model), or a MultiheadError naming what is supported."""
     from multihead.models.llama import LlamaModel
 
     inner = model
@@ -259,7 +261,7 @@ def direct_logit_attribution(model: Any, ids: Tensor, answers: Tokens, wrongs: T
     """Each head's, MLP's and the embeddings' direct effect on ``logit[answer] - logit[wrong]`` (per row: one token
     id or one per row each; without ``wrongs``, on ``logit[answer]``) at every position (see the module). Raises a
     MultiheadError when the parts and the remainder's bound do not reproduce the model's real logits."""
-    m = _read(model)
+    m = read_model(model)
     b, s = ids.shape if isinstance(ids, Tensor) and ids.ndim == 2 else (0, 0)
     logits, seen = _run(m, ids)
     vocab = m.unembed.shape[0]
@@ -347,7 +349,7 @@ def logit_lens(model: Any, ids: Tensor, *, k: int = 5, answers: Tokens | None = 
     block's lens is the model's logits."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise MultiheadError(f"k ({k!r}) must be a positive int")
-    m = _read(model)
+    m = read_model(model)
     _, seen = _run(m, ids, extra=("resid",))
     b = ids.shape[0]
     vocab = m.unembed.shape[0]
@@ -387,7 +389,7 @@ def head_logit_lens(model: Any, ids: Tensor, *, position: int = -1, k: int = 5) 
     left out: it is no head's)."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise MultiheadError(f"k ({k!r}) must be a positive int")
-    m = _read(model)
+    m = read_model(model)
     _, seen = _run(m, ids)
     s = ids.shape[1]
     if not -s <= position < s:

@@ -211,7 +211,7 @@ def _record(layers: Sequence[HookedAttention], point: str, forward: Forward, ids
     return logits, seen
 
 
-def _fraction(delta: Tensor, span: Tensor) -> np.ndarray:
+def recovered_fraction(delta: Tensor, span: Tensor) -> np.ndarray:
     """delta / span per row (delta = patched - corrupted, span = clean - corrupted), NaN where a row's span is 0."""
     out = delta.double() / span.double()
     return torch.where(span == 0, torch.full_like(out, float("nan")), out).cpu().numpy()
@@ -272,7 +272,8 @@ def activation_patching(forward: Forward | Any, layers: Sequence[HookedAttention
                     handle.remove()
                 if not fired:
                     raise _not_fired([layer], point, 0)
-                fractions = _fraction(rows.double() - corrupt_rows.double(), clean_rows - corrupt_rows)  # (k, b)
+                fractions = recovered_fraction(rows.double() - corrupt_rows.double(),
+                                               clean_rows - corrupt_rows)  # (k, b)
                 for j, ((h, p), value) in enumerate(zip(group, rows.mean(1).tolist(), strict=True)):
                     recovered = (value - m_corrupt) / span
                     if p is None:
@@ -310,7 +311,7 @@ def attribution_patching(forward: Forward | Any, layers: Sequence[HookedAttentio
                         for g, c, a in zip(grads, clean_acts, acts, strict=True)])  # (n_layers, b, heads)
     effects = (rows.sum(1) / b / span).double().cpu().numpy()  # (n_layers, heads)
     corrupt_rows = values.detach()
-    per_pair = _fraction(rows.transpose(1, 2), clean_rows - corrupt_rows)  # (n_layers, heads, b)
+    per_pair = recovered_fraction(rows.transpose(1, 2), clean_rows - corrupt_rows)  # (n_layers, heads, b)
     return Patching(point, m_clean, m_corrupt, effects, per_pair, clean_rows.double().cpu().numpy(),
                     corrupt_rows.double().cpu().numpy())
 

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor
 
 from multihead.errors import MultiheadError
-from multihead.heads.attribution import _read
-from multihead.heads.patching import Metric, _fraction
+from multihead.heads.attribution import read_model
+from multihead.heads.patching import Metric, recovered_fraction
 from multihead.hooks import HookHandle, HookPoint
 
 Receiver = tuple[int, int] | str  # (layer, query head), or "logits": the final stream
@@ -92,7 +92,7 @@ def path_patching(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, 
     """Patch ``sender`` (layer, head) from the clean run into the corrupted one along its direct paths into each
     receiver group (default: every head of every later layer, each alone) at ``points`` (any of hook_q, hook_k,
     hook_v; default all three). See the module."""
-    m = _read(model)
+    m = read_model(model)
     chosen = (points,) if isinstance(points, str) else tuple(points)
     if not chosen or any(p not in QKV for p in chosen):
         raise MultiheadError(f"points {chosen!r}: a path enters a head through {', '.join(QKV)}")
@@ -178,7 +178,8 @@ def path_patching(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, 
             rows = metric(logits).detach().view(k, b)
             for j in range(k):
                 effects[start + j] = (float(rows[j].mean()) - m_corrupt) / (m_clean - m_corrupt)
-            per_pair[start:start + k] = _fraction(rows.double() - corrupt_rows.double(), clean_rows - corrupt_rows)
+            per_pair[start:start + k] = recovered_fraction(rows.double() - corrupt_rows.double(),
+                                                           clean_rows - corrupt_rows)
     return PathPatching((ls, hs), groups, chosen, m_clean, m_corrupt, effects, per_pair)
 
 

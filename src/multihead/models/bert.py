@@ -94,20 +94,20 @@ class BertLayer(nn.Module):
 
     def forward(self, h: Tensor, step: Step) -> Tensor:
         pre, attn_out, mid, mlp_out, post = self._resid_points
-        if pre._fns:
+        if pre.active:
             h = pre(h)
         a = self.attn(h, step=step)
-        if attn_out._fns:
+        if attn_out.active:
             a = attn_out(a)
         r = h + a
-        if mid._fns:
+        if mid.active:
             r = mid(r)
         h = self.attn_norm(r)
         m = self.ffn_out(self.act(self.ffn_in(h)))
-        if mlp_out._fns:
+        if mlp_out.active:
             m = mlp_out(m)
         r = h + m
-        out: Tensor = self.ffn_norm(post(r) if post._fns else r)
+        out: Tensor = self.ffn_norm(post(r) if post.active else r)
         return out
 
 

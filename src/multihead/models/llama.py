@@ -99,20 +99,20 @@ class LlamaBlock(nn.Module):
 
     def forward(self, h: Tensor, *, step: Step, cache: LayerCache | None = None) -> Tensor:
         pre, attn_out, mid, mlp_out, post = self._resid_points
-        if pre._fns:
+        if pre.active:
             h = pre(h)
         a = self.attn(self.attn_norm(h), step=step, cache=cache)
-        if attn_out._fns:
+        if attn_out.active:
             a = attn_out(a)
         h = h + a
-        if mid._fns:
+        if mid.active:
             h = mid(h)
         x = self.ffn_norm(h)
         m = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if mlp_out._fns:
+        if mlp_out.active:
             m = mlp_out(m)
         out: Tensor = h + m
-        return post(out) if post._fns else out
+        return post(out) if post.active else out
 
 
 class LlamaModel(nn.Module):
