@@ -94,8 +94,10 @@ def test_ctrl_c_at_any_file_leaves_only_whole_files(argv: list[str], files: int,
 
 def test_ctrl_c_during_a_long_generation_exits_with_one_line(tmp_path: Path) -> None:
     """A real SIGINT to `multihead generate` once it has streamed its first tokens."""
+    # greedy: this prompt's greedy text runs on without an end-of-text token (a sampled one may end early when a
+    # speed path rounds differently, and a run that ends by itself returns 0 before the signal lands)
     proc = subprocess.Popen([sys.executable, "-m", "multihead", "generate", "Once upon a time", "--max-new-tokens",
-                             "2000", "--temperature", "0.8", "--seed", "1"],
+                             "2000"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     deadline = time.monotonic() + 120
@@ -105,5 +107,5 @@ def test_ctrl_c_during_a_long_generation_exits_with_one_line(tmp_path: Path) -> 
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=60)
     assert len(streamed) >= 40, f"nothing streamed: {err[-2000:]}"
-    assert proc.returncode == 130, err[-2000:]
+    assert proc.returncode == 130, f"streamed {streamed!r}; stderr: {err[-2000:]}"
     assert err.strip().splitlines()[-1] == "multihead: interrupted" and "Traceback" not in err, err[-2000:]
