@@ -11,6 +11,8 @@ rest (:meth:`multihead.cache.HeadPlan.from_scores`):
 - mass: that dropped mass alone (training-free: a head whose attention leaves the window needs its keys);
 - razor: RazorAttention's echo / induction score (max of the two);
 - duo: DuoAttention-style gates optimised per KV head (`python -m multihead.tradeoff.duo`).
+
+The best plan at 50% (``--best``, duo-50 on the measured cases) is also saved as smollm2-0-best-plan.json.
 """
 
 from __future__ import annotations
@@ -48,6 +50,8 @@ def main() -> None:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--png", default="docs/experiments/smollm2-plans.png", help="the maps of the 50%% plans")
+    p.add_argument("--best", default="duo-50", help="the plan also saved as smollm2-0-best-plan.json (first by "
+                   "name): the best at 50%% of KV heads in docs/experiments/head-wise-cache.md")
     args = p.parse_args()
     retrieval = json.loads(Path(args.scores).read_text())
     gates = json.loads(Path(args.gates).read_text()) if Path(args.gates).exists() else None
@@ -61,6 +65,8 @@ def main() -> None:
             plan = HeadPlan.from_scores(scores.tolist(), budget, sinks=args.sinks, window=args.window, model=MODEL,
                                         shape=SHAPE, method=kind)
             path = plan.save(Path(args.out) / f"smollm2-{kind}-{round(budget * 100)}-plan.json")
+            if f"{kind}-{round(budget * 100)}" == args.best:
+                plan.save(Path(args.out) / "smollm2-0-best-plan.json")
             chosen = [f"L{i}KV{j}" for i, row in enumerate(plan.full) for j, f in enumerate(row) if f]
             if budget == 0.5:
                 maps[kind] = np.asarray(plan.full, dtype=float)
