@@ -96,16 +96,27 @@ def test_ctrl_c_during_a_long_generation_exits_with_one_line(tmp_path: Path) -> 
     """A real SIGINT to `multihead generate` once it has streamed its first tokens."""
     # greedy: this prompt's greedy text runs on without an end-of-text token (a sampled one may end early when a
     # speed path rounds differently, and a run that ends by itself returns 0 before the signal lands)
+    # the child starts as from a terminal: SIGINT at its default and unblocked, whatever the test process inherited
+    # or set (a process that starts with SIGINT ignored never raises KeyboardInterrupt; the suite once saw that)
+    parent = (signal.getsignal(signal.SIGINT), sorted(signal.pthread_sigmask(signal.SIG_BLOCK, [])))
+
+    def terminal_signals() -> None:
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
     proc = subprocess.Popen([sys.executable, "-m", "multihead", "generate", "Once upon a time", "--max-new-tokens",
                              "2000"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    assert proc.stdout is not None
-    deadline = time.monotonic() + 120
-    streamed = ""
-    while len(streamed) < 40 and time.monotonic() < deadline:
-        streamed += proc.stdout.read(1)
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=terminal_signals)
+    try:
+        assert proc.stdout is not None
+        deadline = time.monotonic() + 120
+        streamed = ""
+        while len(streamed) < 40 and time.monotonic() < deadline:
+            streamed += proc.stdout.read(1)
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()  # never leave a 2,000-token generation running past a failed test
     assert len(streamed) >= 40, f"nothing streamed: {err[-2000:]}"
-    assert proc.returncode == 130, f"streamed {streamed!r}; stderr: {err[-2000:]}"
+    assert proc.returncode == 130, f"streamed {streamed!r}; test process SIGINT {parent}; stderr: {err[-2000:]}"
     assert err.strip().splitlines()[-1] == "multihead: interrupted" and "Traceback" not in err, err[-2000:]
