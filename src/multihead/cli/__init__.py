@@ -34,6 +34,8 @@ COMMANDS: dict[str, str] = {
     "experiment": "experiments on heads (heads-vs-width: many small heads or one wide head)",
     "check": "the correctness harness on this machine: 2x rule, empty rows, cache, determinism",
     "patch": "which heads cause a behaviour: activation and attribution patching per head",
+    "circuit": "how the heads wire a behaviour: direct logit attribution, composition and the circuit found by "
+               "edge attribution patching, drawn as a graph in an HTML report",
     "tradeoff": "the KV-cache trade-off: perplexity against KV bytes for each way of saving cache (sinks + window, "
                 "quantization, fewer KV heads, uptraining)",
 }
