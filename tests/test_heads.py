@@ -4,8 +4,6 @@ browser, ablation and GQA conversion against independent computations, and bad i
 from __future__ import annotations
 
 import json
-import shutil
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +20,7 @@ from multihead.heads.convert import pool_kv_heads
 from multihead.heads.report import write_all
 from multihead.heads.scores import pattern_scores, repeat_scores
 from multihead.reference import Weights, multihead_attention
+from tests_support import browse
 
 TEXT = "The cat sat on the mat because the cat was tired, and the mat was warm."
 
@@ -130,28 +129,12 @@ def test_detectors_find_exactly_the_built_heads() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the report
-def _chromium() -> str:
-    path = shutil.which("chromium") or shutil.which("chromium-browser")
-    assert path, "chromium is not installed: `make test` installs Debian's chromium"
-    return path
-
-
-def _browse(html: Path, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [_chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-         "--disable-background-networking", "--disable-component-update", "--disable-sync",
-         f"--user-data-dir={html.parent / 'chromium-profile'}", "--enable-logging=stderr", "--v=0",
-         "--window-size=1300,1100", *extra, html.as_uri()],
-        capture_output=True, text=True, timeout=120,
-    )
-
-
 def test_html_report_renders_in_a_browser_and_shows_script_as_text(tmp_path: Path) -> None:
     evil = "Heads <script>document.title='pwned';window.pwned=1</script> & <b>bold</b> text."
     report = analyse(load_head_model("minilm"), evil, display_tokens=24)
     files = write_all(report, tmp_path)
     html = Path(files["html"])
-    dom = _browse(html, "--dump-dom")
+    dom = browse(html, "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert 'data-ready="1"' in dom.stdout  # the script ran to its end
     assert "<title>multihead: what each head does</title>" in dom.stdout  # the passage's script never ran
@@ -163,7 +146,7 @@ def test_html_report_renders_in_a_browser_and_shows_script_as_text(tmp_path: Pat
     console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
     shot = tmp_path / "shot.png"
-    taken = _browse(html, f"--screenshot={shot}")
+    taken = browse(html, f"--screenshot={shot}")
     assert taken.returncode == 0 and shot.exists(), taken.stderr[-2000:]
     import matplotlib.image
 
@@ -185,7 +168,7 @@ def test_the_report_shows_activation_patching(smollm2, tmp_path: Path) -> None: 
     files = write_all(report, tmp_path)
     data = json.loads(Path(files["json"]).read_text())
     assert data["patching"]["effects"] == report.patching["effects"]
-    dom = _browse(Path(files["html"]), "--dump-dom")
+    dom = browse(Path(files["html"]), "--dump-dom")
     assert 'data-ready="1"' in dom.stdout, dom.stderr[-2000:]
     assert "activation patching of each head's hook_z from clean into corrupted prompts (1 pair(s)" in dom.stdout
     console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
@@ -295,7 +278,7 @@ def test_a_5000_token_hostile_passage_renders_safely(tmp_path: Path) -> None:
     assert len(report.tokens) == 64 and report.patterns[0].shape == (4, 64, 64)
     files = write_all(report, tmp_path / "out")
     html = Path(files["html"])
-    dom = _browse(html, "--dump-dom")
+    dom = browse(html, "--dump-dom")
     assert dom.returncode == 0, dom.stderr[-2000:]
     assert 'data-ready="1"' in dom.stdout  # the page's own script ran to its end
     assert "<title>multihead: what each head does</title>" in dom.stdout  # the passage's did not

