@@ -173,13 +173,19 @@ def _read_transformers(model: nn.Module) -> _Model:
 
 
 @contextmanager
-def _recording(points: dict[str, HookPoint], seen: dict[str, Tensor]) -> Iterator[None]:
+def recording(points: dict[str, HookPoint], seen: dict[str, Tensor],
+              edits: Sequence[tuple[HookPoint, Callable[..., Any]]] = (), *, detach: bool = True) -> Iterator[None]:
+    """While the block runs: ``edits`` (point, hook) attached first, then each of ``points`` keeping what passes it
+    in ``seen`` under its key (detached unless ``detach=False``); all removed after, and a MultiheadError if a kept
+    point did not fire. The one recorder of attribution, path patching and edge attribution."""
+
     def keeper(key: str) -> Callable[[Tensor, HookPoint], None]:
         def keep(x: Tensor, _p: HookPoint) -> None:
-            seen[key] = x.detach()
+            seen[key] = x.detach() if detach else x
         return keep
 
-    handles = [point.add(keeper(key)) for key, point in points.items()]
+    handles = [point.add(fn) for point, fn in edits]
+    handles += [point.add(keeper(key)) for key, point in points.items()]
     try:
         yield
     finally:
@@ -202,7 +208,7 @@ def _run(m: _Model, ids: Tensor, extra: Sequence[str] = ()) -> tuple[Tensor, dic
         if "resid" in extra or i == len(m.layers) - 1:
             points[f"post{i}"] = layer.resid_post
     seen: dict[str, Tensor] = {}
-    with torch.no_grad(), _recording(points, seen):
+    with torch.no_grad(), recording(points, seen):
         logits = m.forward(ids)
     return logits, seen
 

@@ -34,9 +34,9 @@ import torch
 from torch import Tensor
 
 from multihead.errors import MultiheadError
-from multihead.heads.attribution import read_model
+from multihead.heads.attribution import read_model, recording
 from multihead.heads.patching import Metric, recovered_fraction
-from multihead.hooks import HookHandle, HookPoint
+from multihead.hooks import HookPoint
 
 Receiver = tuple[int, int] | str  # (layer, query head), or "logits": the final stream
 QKV = ("hook_q", "hook_k", "hook_v")
@@ -112,23 +112,8 @@ def path_patching(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, 
     def record(ids: Tensor, wanted: dict[str, HookPoint], edits: Sequence[tuple[HookPoint, Callable[..., Any]]] = ()
                ) -> tuple[Tensor, dict[str, Tensor]]:
         seen: dict[str, Tensor] = {}
-
-        def keeper(key: str) -> Callable[[Tensor, HookPoint], None]:
-            def keep(x: Tensor, _p: HookPoint) -> None:
-                seen[key] = x.detach()
-            return keep
-
-        handles: list[HookHandle] = [point.add(fn) for point, fn in edits]
-        handles += [point.add(keeper(key)) for key, point in wanted.items()]
-        try:
+        with recording(wanted, seen, edits):
             logits = m.forward(ids)
-        finally:
-            for handle in handles:
-                handle.remove()
-        missing = [key for key in wanted if key not in seen]
-        if missing:
-            raise MultiheadError(f"hook points {', '.join(missing[:4])} were attached but did not fire: the model "
-                                 "does not run through multihead (call hf.enable(model) again)")
         return logits, seen
 
     z_points = {f"z{i}": layer.z for i, layer in enumerate(m.layers)}
