@@ -38,6 +38,7 @@ def base_argv(command: str, out: Path) -> list[str]:
                        str(out / "e")],
         "check": ["check", "--dtype", "float32", "--backend", "math"],
         "patch": ["patch", "--point", "z", "--top", "3"],
+        "circuit": ["circuit", "--max-pairs", "1", "--edges", "3", "--check", "0", "--out", str(out / "c")],
         "tradeoff": ["tradeoff", "--model", "minilm", "--texts", "4", "--out", str(out / "t")],
     }[command]
 
