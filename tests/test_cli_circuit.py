@@ -18,7 +18,14 @@ import torch
 
 from multihead import MultiheadError
 from multihead.cli import main
-from multihead.heads.circuit_report import NEGATIVE_COLOUR, POSITIVE_COLOUR, circuit_svg, read_pairs
+from multihead.heads.circuit_report import (
+    NEGATIVE_COLOUR,
+    POSITIVE_COLOUR,
+    circuit_svg,
+    from_embed,
+    read_pairs,
+    select_edges,
+)
 from tests_support import browse, console_errors
 
 HOSTILE = "<script>window.pwned=1</script>&amp;"
@@ -82,11 +89,13 @@ def test_json_holds_dla_composition_edges_and_faithfulness(tiny: dict[str, Path]
     assert np.array(dla["heads"]).shape == (2, 4) and np.array(dla["kv_heads"]).shape == (2, 2)
     assert np.array(dla["kv_heads"]) == pytest.approx(np.array(dla["heads"]).reshape(2, 2, 2).sum(-1))
     circuit = data["circuit"]
-    assert circuit["method"] == "eap" and len(circuit["edges"]) == 4 and len(circuit["checks"]) == 2
-    scores = [abs(e["score"]) for e in circuit["edges"]]
+    assert circuit["method"] == "eap" and circuit["select"] == "greedy" and len(circuit["checks"]) == 2
+    edges = [_Edge(e["sender"], e["receiver"], e["score"]) for e in circuit["edges"]]
+    assert len(edges) >= 4 and from_embed(edges, 2) == edges  # every edge on a path from the embeddings
+    scores = [abs(e.score) for e in edges]
     assert scores == sorted(scores, reverse=True)
     f = circuit["faithfulness"]
-    assert f["n_edges"] == 4 and f["ablation"] == "corrupt" and np.isfinite(f["kept"])
+    assert f["n_edges"] == len(edges) and f["ablation"] == "corrupt" and np.isfinite(f["kept"])
     assert f["kept"] == pytest.approx((f["circuit_metric"] - f["corrupted_metric"])
                                       / (f["clean_metric"] - f["corrupted_metric"]))
     assert f["clean_metric"] == pytest.approx(np.mean(real), abs=1e-4)
@@ -183,6 +192,42 @@ def test_the_graph_has_a_path_per_edge_coloured_by_sign_and_wide_by_size() -> No
         circuit_svg([_Edge("L0.H1", "L1.attn", 1.0)])
 
 
+def test_greedy_selection_keeps_the_paths_from_the_embeddings() -> None:
+    """The two largest scores reach the logits from nodes the embeddings never reach (a corrupt-ablated circuit of
+    them keeps nothing); the greedy circuit follows the logits back to the embeddings instead."""
+    scores = {("L1.MLP", "logits"): 10.0, ("L0.H0", "L1.MLP"): 0.01, ("L1.H2", "logits"): -3.0,
+              ("embed", "L1.KV1.v"): 2.0, ("embed", "L0.H0"): 0.001, ("L0.H3", "L1.H2"): 1.5}
+    top = select_edges(scores, 2, select="top", group=2)
+    assert [(e.sender, e.receiver) for e in top] == [("L1.MLP", "logits"), ("L1.H2", "logits")]
+    assert from_embed(top, 2) == []
+    greedy = select_edges(scores, 2, select="greedy", group=2)
+    assert [(e.sender, e.receiver, e.score) for e in greedy] == [("L1.H2", "logits", -3.0),
+                                                                 ("embed", "L1.KV1.v", 2.0)]
+    everything = select_edges(scores, 99, select="greedy", group=2)  # all that reaches: L0.H3 is never reached
+    assert {(e.sender, e.receiver) for e in everything} == {("L1.H2", "logits"), ("embed", "L1.KV1.v"),
+                                                            ("embed", "L0.H0"), ("L0.H0", "L1.MLP"),
+                                                            ("L1.MLP", "logits")}
+
+
+def test_edges_unreached_from_the_embeddings_change_nothing(tiny: dict[str, Path]) -> None:
+    """What the pruning relies on, measured by eap.faithfulness (forwards): under corrupt ablation a circuit and its
+    edges reached from the embeddings give the same metric."""
+    from multihead.heads.adapters import load_head_model
+    from multihead.heads.eap import edge_attribution, faithfulness
+    from multihead.heads.patching import logit_difference
+
+    model = load_head_model(str(tiny["gguf"]))
+    pair = PAIRS["pairs"][0]
+    clean, corrupt = (torch.tensor([model.token_ids(pair[k])]) for k in ("clean", "corrupt"))
+    metric = logit_difference(model.token_ids(pair["answer"])[0], model.token_ids(pair["wrong"])[0])
+    edges = edge_attribution(model, clean, corrupt, metric).edges
+    n = next(n for n in range(1, len(edges)) if 0 < len(from_embed(edges[:n], 2)) < n)
+    whole = faithfulness(model, clean, corrupt, metric, edges[:n])
+    pruned = faithfulness(model, clean, corrupt, metric, from_embed(edges[:n], 2))
+    assert pruned.circuit_metric == pytest.approx(whole.circuit_metric, abs=1e-5)
+    assert whole.circuit_metric != pytest.approx(whole.corrupted_metric, abs=1e-4)  # the circuit does something
+
+
 def test_progress_on_stderr_and_a_table_on_stdout(tiny: dict[str, Path], capsys: pytest.CaptureFixture[str]) -> None:
     argv = ["circuit", "--model", str(tiny["gguf"]), "--pairs", str(tiny["pairs"]), "--max-pairs", "2", "--edges",
             "3", "--check", "1", "--method", "eap-ig", "--steps", "2", "--out", str(tiny["folder"] / "table"),
@@ -190,9 +235,9 @@ def test_progress_on_stderr_and_a_table_on_stdout(tiny: dict[str, Path], capsys:
     assert main(argv) == 0
     out, err = capsys.readouterr()
     for stage in ("direct logit attribution over 2 prompt pair(s)", "edge attribution (eap-ig, 2 steps) over 2 "
-                  "prompt pair(s)", "faithfulness of the top 3 edges", "exact check of the top 1 edges"):
+                  "prompt pair(s)", "faithfulness of the circuit (", "exact check of the top 1 edges"):
         assert stage in err and "2/2" in err, stage
-    assert "circuit (eap-ig, 2 steps; the top 3 of" in out and "faithfulness (corrupt-ablation" in out
+    assert "circuit (eap-ig, 2 steps; " in out and "faithfulness (corrupt-ablation" in out
     assert f"report: {tiny['folder'] / 'elsewhere' / 'c.html'}" in out
     assert (tiny["folder"] / "elsewhere" / "c.html").is_file()
     assert not (tiny["folder"] / "table" / "circuit.html").exists()
@@ -265,7 +310,7 @@ def test_smollm2_one_pair(smollm2, tmp_path: Path) -> None:  # type: ignore[no-u
 
     model, tok = smollm2
     pair = shipped_pairs()[0]
-    report = analyse_circuit(DecoderHeads(model, tok), [pair], edges=5, check=2, top=4, samples=20)
+    report = analyse_circuit(DecoderHeads(model, tok), [pair], edges=5, check=2, top=4, samples=20, select="top")
     with torch.no_grad():
         logits = model(torch.tensor([tok.encode(pair.clean)]))[0, -1].double()
     real = float(logits[tok.encode(pair.answer)[0]] - logits[tok.encode(pair.wrong)[0]])

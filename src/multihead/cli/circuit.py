@@ -31,6 +31,10 @@ def add(sub: Any) -> None:
     p.add_argument("--steps", type=flags.POSITIVE, default=None, help=f"eap-ig's steps (default {STEPS})")
     p.add_argument("--edges", type=flags.POSITIVE, default=20, metavar="N",
                    help="the circuit: the top N edges by |score| (default 20)")
+    p.add_argument("--select", choices=("greedy", "top"), default="greedy",
+                   help="how the N edges are chosen: greedy (default; from the logits back, the strongest edge into "
+                        "the circuit so far, then only the edges on a path from the embeddings: Hanna et al. 2024) "
+                        "or top (the N largest |scores|, connected or not)")
     p.add_argument("--check", type=flags.COUNT, default=5, metavar="K",
                    help="check the top K edges by exact path patching (default 5; 0: none)")
     p.add_argument("--ablation", choices=("corrupt", "mean"), default="corrupt",
@@ -77,7 +81,8 @@ def run(args: argparse.Namespace) -> int:
 
         model = load_head_model(args.model, engine=args.engine)
         report = analyse_circuit(model, pairs, method=args.method, steps=args.steps or STEPS, edges=args.edges,
-                                 top=args.top, check=args.check, ablation=args.ablation, progress=not args.json)
+                                 top=args.top, check=args.check, ablation=args.ablation, select=args.select,
+                                 progress=not args.json)
         files = write_report(report, out, None if html_path is None else Path(html_path))
     if args.json:
         print(json.dumps({**report.to_json(), "files": files}))
@@ -98,8 +103,8 @@ def _print(report: Any, top: int) -> None:
     print("largest parts: " + "  ".join(f"{name} = {value:+.3f}" for name, value in d.top(top)))
     c = report.circuit
     if c is not None:
-        print(f"circuit ({c['method']}{', ' + str(c['steps']) + ' steps' if c['method'] == 'eap-ig' else ''}; the "
-              f"top {len(c['edges'])} of {c['n_scored']} edges): " + "  ".join(
+        print(f"circuit ({c['method']}{', ' + str(c['steps']) + ' steps' if c['method'] == 'eap-ig' else ''}; "
+              f"{len(c['edges'])} of {c['n_scored']} edges, {c['select']}): " + "  ".join(
                   f"{e['sender']} -> {e['receiver']} {e['score']:+.3f}" for e in c["edges"][:min(top, 8)]))
         f = c["faithfulness"]
         print(f"faithfulness ({f['ablation']}-ablation outside the circuit): {f['kept']:.3f} of the logit "

@@ -370,7 +370,7 @@ def circuit_svg(edges: Sequence[EdgeLike], *, n_heads: int | None = None, n_kv_h
     for e in sorted(edges, key=lambda e: abs(float(e.score))):  # the strongest drawn last, on top
         (x1, y1), (x2, y2) = xy[e.sender], xy[e.receiver]
         span = round(abs(y2 - y1) / dy)  # rows crossed: an edge over more than one bulges aside, clear of the nodes
-        bulge = 0.0 if span <= 1 else (1 if (x1 + x2) / 2 >= width / 2 else -1) * min(24.0 * span, 220.0)
+        bulge = 0.0 if span <= 1 else (1 if (x1 + x2) / 2 >= width / 2 else -1) * min(40.0 * span, 260.0)
         y1, y2 = y1 + 11, y2 - 11
         c1, c2 = y1 + (y2 - y1) / 3, y2 - (y2 - y1) / 3
         score = float(e.score)
@@ -466,7 +466,7 @@ def dla_figure(dla: Dla, model: str, top: int = 20) -> Any:
     axes[1].axvline(0, color="#888", lw=0.8)
     axes[1].set_ylabel("layer")
     axes[1].set_title("per layer", fontsize=9)
-    axes[1].legend(fontsize=7, loc="lower right")
+    axes[1].legend(fontsize=7, loc="best")
     parts = dla.top(top)
     names = [n for n, _ in parts]
     values = [v for _, v in parts]
@@ -568,14 +568,19 @@ def _circuit_section(report: CircuitReport) -> list[str]:
     checks = "".join(f"<tr><td class='l'>{e(k['sender'])} \u2192 {e(k['receiver'])}</td><td>{k['score']:+.4f}</td>"
                      f"<td>{k['exact']:+.4f}</td></tr>" for k in c["checks"])
     svg = circuit_svg(report.edges, n_heads=report.n_heads, n_kv_heads=report.n_kv_heads,
-                      title=f"the top {len(report.edges)} edges by |{c['method']} score|")
+                      title=f"{len(report.edges)} edges by |{c['method']} score| ({c['select']})")
     side = [
         f"<p><b>faithfulness</b> of these {f['n_edges']} edges ({e(str(f['ablation']))}-ablation of every other "
         f"edge): <span id='kept'>{f['kept']:.3f}</span> of the logit difference kept (circuit "
         f"{f['circuit_metric']:.3f}, clean {f['clean_metric']:.3f}, corrupted {f['corrupted_metric']:.3f}).</p>",
         f"<p>{c['method']} scores{' with ' + str(c['steps']) + ' steps' if c['method'] == 'eap-ig' else ''}, "
-        f"mean over {len(report.pairs)} pair(s), {c['n_scored']} edges scored; red: positive, blue: negative; "
-        "width: |score|.</p>",
+        f"mean over {len(report.pairs)} pair(s), {c['n_scored']} edges scored; "
+        + ("chosen greedily from the logits back, the strongest edge into the circuit so far each time, and only "
+           "the edges on a path from the embeddings kept (Hanna et al. 2024)" if c["select"] == "greedy" else
+           "the edges of largest |score|") + ". A score is the change of the logit "
+        "difference when the edge carries the corrupted prompt's write instead of the clean one: blue (negative) "
+        "edges carry the behaviour, red (positive) ones work against it; width: |score|. Hover a node to see its "
+        "edges.</p>",
         f"<p><b>exact check</b> of the top {len(c['checks'])} edges (path patching, a second forward):</p>",
         f"<table id='checks'><tr><th>edge</th><th>{e(c['method'])}</th><th>exact</th></tr>{checks}</table>",
     ]
@@ -595,7 +600,8 @@ def _composition_section(view: CompositionView, grouped: bool) -> list[str]:
     base = view.baseline["per_query_head"]
     out.append(f"<div class='note'>Composition scores ||A B||_F / (||A||_F ||B||_F) of each writer head (columns) "
                f"into each reader (rows) of a later layer, minus the random baseline of their shape (per query head "
-               f"{base['mean']:.4f} \u00b1 {base['std']:.4f}); grey: the writer is not in an earlier layer. "
+               f"{base['mean']:.4f} \u00b1 {base['std']:.4f}); red: above the baseline, blue: below, each map "
+               "scaled to its largest |value| (hover a cell for it); grey: the writer is not in an earlier layer. "
                f"Notes: {e('; '.join(view.notes))}.</div>")
     names = {"q": "Q-composition", "k": "K-composition", "v": "V-composition", "k_kv": "K-composition per KV head",
              "v_kv": "V-composition per KV head"}
@@ -655,6 +661,106 @@ def write_report(report: CircuitReport, out: Path, html_path: Path | None = None
     return {"html": str(page), "dla_png": str(path), "json": str(data)}
 
 
+# ---------------------------------------------------------------------------------------------- choosing the circuit
+def node_inputs(sender: str, group: int) -> list[str]:
+    """The receivers a sender node reads the stream through: a query head its q and its KV head's k and v, an MLP
+    its input, the embeddings none."""
+    if sender == "embed":
+        return []
+    m = _NODE.fullmatch(sender)
+    if m is None or (m.group(2) is None and not m.group(5)):
+        raise MultiheadError(f"{sender[:40]!r} is not a sender: the senders are embed, L<l>.H<h> and L<l>.MLP")
+    layer = int(m.group(1))
+    if m.group(5):
+        return [f"L{layer}.MLP"]
+    h = int(m.group(2))
+    return [f"L{layer}.H{h}", f"L{layer}.KV{h // group}.k", f"L{layer}.KV{h // group}.v"]
+
+
+def receiver_outputs(receiver: str, group: int) -> list[str]:
+    """The sender nodes whose write depends on a receiver's input: a query head's q its own, a KV head's k or v every
+    query head of its group, an MLP's input its own output, the logits none."""
+    if receiver == "logits":
+        return []
+    m = _NODE.fullmatch(receiver)
+    if m is None:
+        raise MultiheadError(f"{receiver[:40]!r} is not a receiver: the receivers are L<l>.H<h>, L<l>.KV<g>.k, "
+                             "L<l>.KV<g>.v, L<l>.MLP and logits")
+    layer = int(m.group(1))
+    if m.group(5):
+        return [f"L{layer}.MLP"]
+    if m.group(2) is not None:
+        return [f"L{layer}.H{m.group(2)}"]
+    g = int(m.group(3))
+    return [f"L{layer}.H{h}" for h in range(g * group, (g + 1) * group)]
+
+
+def from_embed(edges: Sequence[EdgeLike], group: int) -> list[Any]:
+    """The edges whose sender is reached from the embeddings along the edges themselves: only they carry the
+    prompts' difference once everything outside the circuit is corrupt-ablated (an edge from an unreached sender
+    then carries that sender's corrupted write, the ablated value)."""
+    live = {"embed"}
+    rows = {name: node_place(name)[0] for e in edges for name in (e.sender, e.receiver)}
+    for e in sorted(edges, key=lambda e: rows[e.sender]):  # a sender's inputs come from earlier rows: one pass
+        if e.sender in live:
+            live.update(receiver_outputs(e.receiver, group))
+    return [e for e in edges if e.sender in live]
+
+
+def greedy_order(scores: dict[tuple[str, str], float], group: int) -> list[tuple[str, str, float]]:
+    """Every edge reachable backwards from the logits, in greedy order (Hanna et al. 2024): start from the logits;
+    repeatedly take the edge of largest |score| into a receiver of the circuit so far, its sender joining it."""
+    import heapq
+
+    incoming: dict[str, list[tuple[str, float]]] = {}
+    for (u, r), score in scores.items():
+        incoming.setdefault(r, []).append((u, score))
+    heap: list[tuple[float, str, str, float]] = []
+    opened: set[str] = set()
+    joined: set[str] = set()
+
+    def open_receiver(r: str) -> None:
+        if r not in opened:
+            opened.add(r)
+            for u, score in incoming.get(r, []):
+                heapq.heappush(heap, (-abs(score), u, r, score))
+
+    open_receiver("logits")
+    order = []
+    while heap:
+        _, u, r, score = heapq.heappop(heap)
+        order.append((u, r, score))
+        if u not in joined:
+            joined.add(u)
+            for receiver in node_inputs(u, group):
+                open_receiver(receiver)
+    return order
+
+
+def select_edges(scores: dict[tuple[str, str], float], n: int, *, select: str, group: int) -> list[Any]:
+    """The circuit's edges: ``select="top"`` the n edges of largest |score|; ``"greedy"`` the edges of the shortest
+    greedy prefix (:func:`greedy_order`) with at least n edges reached from the embeddings, those edges only (n, or a
+    few more where the last edge connects several)."""
+    from multihead.heads.eap import Edge
+
+    if select == "top":
+        ranked = sorted(scores.items(), key=lambda kv: -abs(kv[1]))
+        return [Edge(u, r, s) for (u, r), s in ranked[:n]]
+    if select != "greedy":
+        raise MultiheadError(f"select {select!r} is unknown: choose greedy or top")
+    order = [Edge(u, r, s) for u, r, s in greedy_order(scores, group)]
+    low, high = min(n, len(order)), len(order)
+    if len(from_embed(order, group)) < n:
+        return sorted(from_embed(order, group), key=lambda e: -abs(e.score))
+    while low < high:  # the shortest prefix whose edges reached from embed number n or more
+        mid = (low + high) // 2
+        if len(from_embed(order[:mid], group)) >= n:
+            high = mid
+        else:
+            low = mid + 1
+    return sorted(from_embed(order[:low], group), key=lambda e: -abs(e.score))
+
+
 def chosen_heads(dla: Dla, edges: Sequence[EdgeLike], n: int) -> list[tuple[int, int]]:
     """The heads composition is shown between: the query heads of the circuit's edges (strongest edge first), then
     the heads of largest |DLA|, ``n`` in all."""
@@ -671,7 +777,7 @@ def chosen_heads(dla: Dla, edges: Sequence[EdgeLike], n: int) -> list[tuple[int,
 
 def analyse_circuit(model: Any, pairs: Sequence[PromptPair], *, method: str | None = "eap", steps: int = 5,
                     edges: int = 20, top: int = 10, check: int = 5, ablation: str = "corrupt", samples: int = 200,
-                    progress: bool = False) -> CircuitReport:
+                    select: str = "greedy", progress: bool = False) -> CircuitReport:
     """DLA, the circuit (``method`` "eap" or "eap-ig", None for none) and composition of a causal model
     (a :class:`multihead.heads.adapters.HeadModel`) on prompt pairs; see the module."""
     for name, value, low in (("steps", steps, 1), ("edges", edges, 1), ("top", top, 1), ("check", check, 0),
@@ -693,7 +799,7 @@ def analyse_circuit(model: Any, pairs: Sequence[PromptPair], *, method: str | No
     kept: list[Any] = []
     if method is not None:
         circuit, kept = circuit_over_pairs(model, groups, method=method, steps=steps, edges=edges, check=check,
-                                           ablation=ablation, seconds=seconds, progress=progress)
+                                           ablation=ablation, seconds=seconds, select=select, progress=progress)
     start = time.perf_counter()
     with _bar(1, "composition scores", "run", progress) as bar:
         composition = composition_between(model, chosen_heads(dla, kept, top), samples=samples)
@@ -704,11 +810,11 @@ def analyse_circuit(model: Any, pairs: Sequence[PromptPair], *, method: str | No
 
 
 def circuit_over_pairs(model: Any, groups: Sequence[Batch], *, method: str, steps: int, edges: int, check: int,
-                       ablation: str, seconds: dict[str, float], progress: bool = False
+                       ablation: str, seconds: dict[str, float], select: str = "greedy", progress: bool = False
                        ) -> tuple[dict[str, Any], list[Any]]:
     """Edge attribution over the batches of pairs, the top ``edges`` edges, their faithfulness and the exact check
     of the top ``check`` (see the module): the JSON record and the kept edges."""
-    from multihead.heads.eap import Edge, check_edges, edge_attribution, faithfulness
+    from multihead.heads.eap import check_edges, edge_attribution, faithfulness
     from multihead.heads.patching import logit_difference
 
     n = sum(len(g.rows) for g in groups)
@@ -728,11 +834,10 @@ def circuit_over_pairs(model: Any, groups: Sequence[Batch], *, method: str, step
             notes = scores.notes
             bar.update(len(g.rows))
     seconds["eap"] = time.perf_counter() - start
-    ranked = sorted(totals.items(), key=lambda kv: -abs(kv[1]))
-    kept = [Edge(u, r, s) for (u, r), s in ranked[:edges]]
+    kept = select_edges(totals, edges, select=select, group=int(model.n_heads) // int(model.n_kv_heads))
     start = time.perf_counter()
     circuit_metric = span = 0.0
-    with _bar(n, f"faithfulness of the top {len(kept)} edges", "pair", progress) as bar:
+    with _bar(n, f"faithfulness of the circuit ({len(kept)} edges)", "pair", progress) as bar:
         for g, w, metric in zip(groups, weight, metrics, strict=True):
             f = faithfulness(model, g.clean, g.corrupt, metric, kept, ablation=ablation)
             circuit_metric += w * f.circuit_metric
@@ -750,7 +855,7 @@ def circuit_over_pairs(model: Any, groups: Sequence[Batch], *, method: str, step
                 bar.update(len(g.rows))
     seconds["check"] = time.perf_counter() - start
     record = {
-        "method": method, "steps": steps if method == "eap-ig" else 1, "n_scored": len(totals),
+        "method": method, "steps": steps if method == "eap-ig" else 1, "n_scored": len(totals), "select": select,
         "score": "the estimated change of the logit difference when the edge carries the corrupted prompt's write "
                  "instead of the clean one (corrupted - clean), mean over the pairs",
         "clean_metric": clean, "corrupted_metric": corrupted, "notes": list(notes),
