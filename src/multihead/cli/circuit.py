@@ -30,7 +30,7 @@ def add(sub: Any) -> None:
                         "integrated-gradients form (eap-ig: --steps backwards)")
     p.add_argument("--steps", type=flags.POSITIVE, default=None, help=f"eap-ig's steps (default {STEPS})")
     p.add_argument("--edges", type=flags.POSITIVE, default=20, metavar="N",
-                   help="the circuit: the top N edges by |score| (default 20)")
+                   help="the circuit's size in edges (default 20; greedy may keep a few more, see --select)")
     p.add_argument("--select", choices=("greedy", "top"), default="greedy",
                    help="how the N edges are chosen: greedy (default; from the logits back, the strongest edge into "
                         "the circuit so far, then only the edges on a path from the embeddings: Hanna et al. 2024) "
@@ -38,11 +38,12 @@ def add(sub: Any) -> None:
     p.add_argument("--check", type=flags.COUNT, default=5, metavar="K",
                    help="check the top K edges by exact path patching (default 5; 0: none)")
     p.add_argument("--ablation", choices=("corrupt", "mean"), default="corrupt",
-                   help="faithfulness: edges outside the circuit take the corrupted run's values (default) or "
-                        "their mean over the pairs")
+                   help="faithfulness: edges outside the circuit carry the corrupted prompt's writes (default) or "
+                        "their mean over the corrupted prompts of the same token length (the pairs run as one "
+                        "batch; a pair alone in its length is corrupt-ablated)")
     p.add_argument("--top", type=flags.POSITIVE, default=10, metavar="K",
                    help="heads shown in the composition heatmaps and parts listed (default 10)")
-    p.add_argument("--out", type=flags.PATH, default="multihead-circuit",
+    p.add_argument("--out", type=flags.PATH, default="multihead-circuit", metavar="DIR",
                    help="folder for the report, the DLA picture and the JSON (default multihead-circuit)")
     p.add_argument("--html", type=flags.PATH, default=None, metavar="FILE",
                    help="write the HTML report here (.html) instead of OUT/circuit.html")

@@ -346,7 +346,7 @@ def circuit_svg(edges: Sequence[EdgeLike], *, n_heads: int | None = None, n_kv_h
     rows = sorted({place[0] for place in names.values()})
     by_row = {row: sorted((n for n, p in names.items() if p[0] == row), key=order) for row in rows}
     dx, dy, left, top = 74, 56, 74, 40
-    width = left + max(len(v) for v in by_row.values()) * dx + 20
+    width = left + max(len(v) for v in by_row.values()) * dx + 100  # room for the curves aside
     height = top + (len(rows) - 1) * dy + 46
     xy: dict[str, tuple[float, float]] = {}
     for r, row in enumerate(rows):
@@ -371,6 +371,8 @@ def circuit_svg(edges: Sequence[EdgeLike], *, n_heads: int | None = None, n_kv_h
         (x1, y1), (x2, y2) = xy[e.sender], xy[e.receiver]
         span = round(abs(y2 - y1) / dy)  # rows crossed: an edge over more than one bulges aside, clear of the nodes
         bulge = 0.0 if span <= 1 else (1 if (x1 + x2) / 2 >= width / 2 else -1) * min(40.0 * span, 260.0)
+        # a cubic's control points pull it 3/4 of the way to them: keep the curve inside the picture
+        bulge = min(bulge, (width - 6 - max(x1, x2)) / 0.75) if bulge > 0 else max(bulge, (min(x1, x2) - left) / -0.75)
         y1, y2 = y1 + 11, y2 - 11
         c1, c2 = y1 + (y2 - y1) / 3, y2 - (y2 - y1) / 3
         score = float(e.score)
