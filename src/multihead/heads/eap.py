@@ -297,19 +297,24 @@ def _receiver_grads(net: _Net, ids: Tensor, metric: Metric, embed: Tensor) -> Te
         out: list[Tensor] = []
         for i in range(g.n_layers):
             x = seen[f"pre{i}"]
-            for p in ("q", "k", "v"):
-                y, gy = seen[f"{p}{i}"], grad[f"{p}{i}"]
-                n = y.shape[1]
-                if gy is None:
-                    out.append(torch.zeros(n, *x.shape, dtype=x.dtype, device=x.device))
-                    continue
-                eye = torch.eye(n, dtype=gy.dtype, device=gy.device).view(n, 1, n, 1, 1)
-                (gx,) = torch.autograd.grad(y, x, eye * gy.unsqueeze(0), retain_graph=True, is_grads_batched=True,
-                                            allow_unused=True)
-                if gx is None:
-                    raise MultiheadError(f"layer {i}'s {p} does not depend on the stream its block reads: an "
-                                         "architecture edge attribution does not read")
-                out += list(gx.unbind(0))
+            ys = [seen[f"{p}{i}"] for p in ("q", "k", "v")]
+            widths = [y.shape[1] for y in ys]
+            n = sum(widths)  # this layer's attention receivers: h query heads, g keys, g values
+            cotangents, offset = [], 0
+            for y, width, p in zip(ys, widths, ("q", "k", "v"), strict=True):
+                gy = grad[f"{p}{i}"]
+                one = torch.zeros(n, *y.shape, dtype=y.dtype, device=y.device)  # (n, b, heads, s, d)
+                if gy is not None:
+                    rows = torch.arange(width, device=y.device)
+                    one[offset + rows, :, rows] = gy.transpose(0, 1)
+                cotangents.append(one)
+                offset += width
+            (gx,) = torch.autograd.grad(ys, x, cotangents, retain_graph=True, is_grads_batched=True,
+                                        allow_unused=True)
+            if gx is None:
+                raise MultiheadError(f"layer {i}'s q, k and v do not depend on the stream its block reads: an "
+                                     "architecture edge attribution does not read")
+            out += list(gx.unbind(0))  # (b, s, D) per receiver, in receiver order
             gm = grad[f"mlp{i}"]
             xm = seen[f"mid{i}"].detach().requires_grad_(True)
             if gm is None:
@@ -387,14 +392,15 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
     m, g = net.m, net.graph
     n_runs, (b, s) = len(runs), clean.shape
     incoming = g.mask()
-    status = torch.stack([_status(a, incoming, corrupt_seen is not None) for a in runs])  # (R, n_receivers)
+    states = torch.stack([_status(a, incoming, corrupt_seen is not None) for a in runs])  # (R, n_receivers)
     width = g.n_heads + 2 * g.n_kv_heads
     copies = 1
     for layer in range(g.n_layers):
         first = g.first_receiver(layer)
-        copies = max(copies, 1 + int((status[:, first:first + width] == _MIXED).sum(1).max()))
-        copies = max(copies, 1 + int((status[:, first + width] == _MIXED).max()))
+        copies = max(copies, 1 + int((states[:, first:first + width] == _MIXED).sum(1).max()))
+        copies = max(copies, 1 + int((states[:, first + width] == _MIXED).max()))
     k = copies
+    status: list[list[int]] = states.tolist()
     cur: list[Tensor] = []  # each sender's write in copy 0 of each run (R, b, s, D), in sender order
 
     def view(x: Tensor) -> Tensor:
@@ -402,10 +408,10 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
 
     def ablated_sum(run: int, receivers: list[int], x0: Tensor) -> Tensor:
         """(len(receivers), b, s, D): x0 + sum over each receiver's ablated senders of (ablated - current)."""
-        u = len(cur)
-        diff = ablated_w[:u].to(x0.dtype) - torch.stack([c[run] for c in cur])  # (u, b, s, D)
-        weights = runs[run][:u, receivers].T.to(x0.dtype)  # (n, u)
-        return x0[None] + torch.einsum("nu,ubsD->nbsD", weights, diff)
+        chosen = runs[run][:len(cur), receivers]  # (u, n): the senders written so far, ablated into each receiver
+        senders = chosen.any(1).nonzero()[:, 0].tolist()
+        diff = ablated_w[senders].to(x0.dtype) - torch.stack([cur[u][run] for u in senders])  # (u', b, s, D)
+        return x0[None] + torch.einsum("un,ubsD->nbsD", chosen[senders].to(x0.dtype), diff)
 
     def on_pre(layer: int) -> Callable[[Tensor, HookPoint], Tensor]:
         first = g.first_receiver(layer)
@@ -415,7 +421,7 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
             if layer == 0:
                 cur.append(out[:, 0].clone())
             for run in range(n_runs):
-                mixed = [first + j for j in range(width) if int(status[run, first + j]) == _MIXED]
+                mixed = [first + j for j in range(width) if status[run][first + j] == _MIXED]
                 if mixed:
                     out[run, 1:1 + len(mixed)] = ablated_sum(run, mixed, out[run, 0])
             return out.view(x.shape)
@@ -428,9 +434,9 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
         def fn(x: Tensor, _p: HookPoint) -> Tensor:
             out = view(x).clone()
             for run in range(n_runs):
-                mixed = [j for j in range(width) if int(status[run, first + j]) == _MIXED]
+                mixed = [j for j in range(width) if status[run][first + j] == _MIXED]
                 for j in range(x.shape[1]):
-                    state = int(status[run, first + offset + j])
+                    state = status[run][first + offset + j]
                     if state == _MIXED:
                         out[run, 0, :, j] = out[run, 1 + mixed.index(offset + j), :, j]
                     elif state == _ALL:
@@ -452,7 +458,7 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
         def fn(x: Tensor, _p: HookPoint) -> Tensor:
             out = view(x).clone()
             for run in range(n_runs):
-                if int(status[run, r]) == _MIXED:
+                if status[run][r] == _MIXED:
                     out[run, 1] = ablated_sum(run, [r], out[run, 0])[0]
             return out.view(x.shape)
         return fn
@@ -463,7 +469,7 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
         def fn(x: Tensor, _p: HookPoint) -> Tensor:
             out = view(x).clone()
             for run in range(n_runs):
-                state = int(status[run, r])
+                state = status[run][r]
                 if state == _MIXED:
                     out[run, 0] = out[run, 1]
                 elif state == _ALL:
@@ -477,7 +483,7 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
         out = view(x).clone()
         r = len(g.receivers) - 1
         for run in range(n_runs):
-            state = int(status[run, r])
+            state = status[run][r]
             if state == _MIXED:
                 out[run, 0] = ablated_sum(run, [r], out[run, 0])[0]
             elif state == _ALL:
