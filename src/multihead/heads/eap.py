@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
-from multihead.heads.attribution import read_model, recording
+from multihead.heads.attribution import hook_point, read_model, recording
 from multihead.heads.patching import Metric
 from multihead.hooks import HookPoint
 
@@ -204,14 +204,6 @@ def _mlp_fn(block: Any) -> Callable[[Tensor], Tensor]:
     return transformers
 
 
-def _resid(block: nn.Module, name: str, index: int) -> HookPoint:
-    point = getattr(block, name, None)
-    if not isinstance(point, HookPoint):
-        raise MultiheadError(f"decoder block {index} has no hook point {name}: for a transformers model call "
-                             "multihead.hf.enable(model) first")
-    return point
-
-
 def _net(model: Any) -> _Net:
     m = read_model(model)
     blocks = _blocks(model)
@@ -222,8 +214,8 @@ def _net(model: Any) -> _Net:
         raise MultiheadError(f"{m.name}'s layers have different head counts {sorted(heads)} (a pruned model): "
                              "edge attribution needs equal layers")
     (h, g), = heads
-    pre = tuple(_resid(b, "hook_resid_pre", i) for i, b in enumerate(blocks))
-    mid = tuple(_resid(b, "hook_resid_mid", i) for i, b in enumerate(blocks))
+    pre = tuple(hook_point(b, "hook_resid_pre", f"block {i}") for i, b in enumerate(blocks))
+    mid = tuple(hook_point(b, "hook_resid_mid", f"block {i}") for i, b in enumerate(blocks))
     return _Net(m, pre, mid, tuple(_mlp_fn(b) for b in blocks), _graph(len(m.layers), h, g))
 
 
@@ -463,18 +455,22 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
             return out.view(x.shape)
         return fn
 
+    def settle(out: Tensor, r: int, key: str, mixed: Callable[[int], Tensor]) -> None:
+        """Copy 0 of each run at receiver r: ``mixed(run)`` where it reads some ablated edges, the corrupted run's
+        ``key`` where it reads only ablated ones."""
+        for run in range(n_runs):
+            if status[run][r] == _MIXED:
+                out[run, 0] = mixed(run)
+            elif status[run][r] == _ALL:
+                assert corrupt_seen is not None
+                out[run, 0] = corrupt_seen[key].to(out.dtype)
+
     def on_mlp(layer: int) -> Callable[[Tensor, HookPoint], Tensor]:
         r = g.first_receiver(layer) + width
 
         def fn(x: Tensor, _p: HookPoint) -> Tensor:
             out = view(x).clone()
-            for run in range(n_runs):
-                state = status[run][r]
-                if state == _MIXED:
-                    out[run, 0] = out[run, 1]
-                elif state == _ALL:
-                    assert corrupt_seen is not None
-                    out[run, 0] = corrupt_seen[f"mlp{layer}"].to(x.dtype)
+            settle(out, r, f"mlp{layer}", lambda run: out[run, 1])
             cur.append(out[:, 0].clone())
             return out.view(x.shape)
         return fn
@@ -482,13 +478,7 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
     def on_final(x: Tensor, _p: HookPoint) -> Tensor:
         out = view(x).clone()
         r = len(g.receivers) - 1
-        for run in range(n_runs):
-            state = status[run][r]
-            if state == _MIXED:
-                out[run, 0] = ablated_sum(run, [r], out[run, 0])[0]
-            elif state == _ALL:
-                assert corrupt_seen is not None
-                out[run, 0] = corrupt_seen["final"].to(x.dtype)
+        settle(out, r, "final", lambda run: ablated_sum(run, [r], out[run, 0])[0])
         return out.view(x.shape)
 
     edits: list[tuple[HookPoint, Callable[..., Any]]] = []
