@@ -93,7 +93,8 @@ class _Model:
         return y if self.norm_bias is None else y + self.norm_bias.to(y)
 
 
-def _point(module: Any, name: str, where: str) -> HookPoint:
+def hook_point(module: Any, name: str, where: str) -> HookPoint:
+    """``module``'s hook point ``name``, or a MultiheadError saying where it is missing."""
     point = getattr(module, name, None)
     if not isinstance(point, HookPoint):
         raise MultiheadError(f"{where} has no hook point {name}: for a transformers model call multihead.hf.enable("
@@ -123,13 +124,14 @@ def _read_port(model: Any) -> _Model:
     layers = []
     for i, block in enumerate(model.layers):
         attn, where = block.attn, f"layers.{i}"
-        layers.append(_Layer(attn, _point(attn, "hook_z", f"{where}.attn"), _point(block, "hook_mlp_out", where),
-                             _point(block, "hook_resid_post", where), attn.o_proj.weight.detach(),
+        layers.append(_Layer(attn, hook_point(attn, "hook_z", f"{where}.attn"),
+                             hook_point(block, "hook_mlp_out", where), hook_point(block, "hook_resid_post", where),
+                             attn.o_proj.weight.detach(),
                              None if attn.o_proj.bias is None else attn.o_proj.bias.detach(),
                              int(attn.n_heads), int(attn.n_kv_heads), int(attn.config.head_dim)))
     unembed = model.embed.weight if model.lm_head is None else model.lm_head.weight
-    return _Model(type(model).__name__, model, _point(model.layers[0], "hook_resid_pre", "layers.0"), tuple(layers),
-                  model.norm.weight.detach(), None, float(model.norm.eps), False, unembed.detach(), None)
+    return _Model(type(model).__name__, model, hook_point(model.layers[0], "hook_resid_pre", "layers.0"),
+                  tuple(layers), model.norm.weight.detach(), None, float(model.norm.eps), False, unembed.detach(), None)
 
 
 def _read_transformers(model: nn.Module) -> _Model:
@@ -158,8 +160,8 @@ def _read_transformers(model: nn.Module) -> _Model:
         attn: Any = block.self_attn
         where = f"layers.{i}"
         o = attn.o_proj
-        layers.append(_Layer(attn, _point(attn, "hook_z", f"{where}.self_attn"),
-                             _point(block, "hook_mlp_out", where), _point(block, "hook_resid_post", where),
+        layers.append(_Layer(attn, hook_point(attn, "hook_z", f"{where}.self_attn"),
+                             hook_point(block, "hook_mlp_out", where), hook_point(block, "hook_resid_post", where),
                              o.weight.detach(), None if o.bias is None else o.bias.detach(), h, g,
                              int(getattr(attn, "head_dim", None) or o.weight.shape[1] // h)))
 
@@ -167,7 +169,7 @@ def _read_transformers(model: nn.Module) -> _Model:
         out: Tensor = model(ids, use_cache=False).logits
         return out
 
-    return _Model(name, forward, _point(blocks[0], "hook_resid_pre", "layers.0"), tuple(layers),
+    return _Model(name, forward, hook_point(blocks[0], "hook_resid_pre", "layers.0"), tuple(layers),
                   norm.weight.detach(), None, float(norm.variance_epsilon), False, head.weight.detach(),
                   None if head.bias is None else head.bias.detach())
 

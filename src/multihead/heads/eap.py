@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
-from multihead.heads.attribution import read_model, recording
+from multihead.heads.attribution import hook_point, read_model, recording
 from multihead.heads.patching import Metric
 from multihead.hooks import HookPoint
 
@@ -204,14 +204,6 @@ def _mlp_fn(block: Any) -> Callable[[Tensor], Tensor]:
     return transformers
 
 
-def _resid(block: nn.Module, name: str, index: int) -> HookPoint:
-    point = getattr(block, name, None)
-    if not isinstance(point, HookPoint):
-        raise MultiheadError(f"decoder block {index} has no hook point {name}: for a transformers model call "
-                             "multihead.hf.enable(model) first")
-    return point
-
-
 def _net(model: Any) -> _Net:
     m = read_model(model)
     blocks = _blocks(model)
@@ -222,8 +214,8 @@ def _net(model: Any) -> _Net:
         raise MultiheadError(f"{m.name}'s layers have different head counts {sorted(heads)} (a pruned model): "
                              "edge attribution needs equal layers")
     (h, g), = heads
-    pre = tuple(_resid(b, "hook_resid_pre", i) for i, b in enumerate(blocks))
-    mid = tuple(_resid(b, "hook_resid_mid", i) for i, b in enumerate(blocks))
+    pre = tuple(hook_point(b, "hook_resid_pre", f"block {i}") for i, b in enumerate(blocks))
+    mid = tuple(hook_point(b, "hook_resid_mid", f"block {i}") for i, b in enumerate(blocks))
     return _Net(m, pre, mid, tuple(_mlp_fn(b) for b in blocks), _graph(len(m.layers), h, g))
 
 
@@ -297,19 +289,24 @@ def _receiver_grads(net: _Net, ids: Tensor, metric: Metric, embed: Tensor) -> Te
         out: list[Tensor] = []
         for i in range(g.n_layers):
             x = seen[f"pre{i}"]
-            for p in ("q", "k", "v"):
-                y, gy = seen[f"{p}{i}"], grad[f"{p}{i}"]
-                n = y.shape[1]
-                if gy is None:
-                    out.append(torch.zeros(n, *x.shape, dtype=x.dtype, device=x.device))
-                    continue
-                eye = torch.eye(n, dtype=gy.dtype, device=gy.device).view(n, 1, n, 1, 1)
-                (gx,) = torch.autograd.grad(y, x, eye * gy.unsqueeze(0), retain_graph=True, is_grads_batched=True,
-                                            allow_unused=True)
-                if gx is None:
-                    raise MultiheadError(f"layer {i}'s {p} does not depend on the stream its block reads: an "
-                                         "architecture edge attribution does not read")
-                out += list(gx.unbind(0))
+            ys = [seen[f"{p}{i}"] for p in ("q", "k", "v")]
+            widths = [y.shape[1] for y in ys]
+            n = sum(widths)  # this layer's attention receivers: h query heads, g keys, g values
+            cotangents, offset = [], 0
+            for y, width, p in zip(ys, widths, ("q", "k", "v"), strict=True):
+                gy = grad[f"{p}{i}"]
+                one = torch.zeros(n, *y.shape, dtype=y.dtype, device=y.device)  # (n, b, heads, s, d)
+                if gy is not None:
+                    rows = torch.arange(width, device=y.device)
+                    one[offset + rows, :, rows] = gy.transpose(0, 1)
+                cotangents.append(one)
+                offset += width
+            (gx,) = torch.autograd.grad(ys, x, cotangents, retain_graph=True, is_grads_batched=True,
+                                        allow_unused=True)
+            if gx is None:
+                raise MultiheadError(f"layer {i}'s q, k and v do not depend on the stream its block reads: an "
+                                     "architecture edge attribution does not read")
+            out += list(gx.unbind(0))  # (b, s, D) per receiver, in receiver order
             gm = grad[f"mlp{i}"]
             xm = seen[f"mid{i}"].detach().requires_grad_(True)
             if gm is None:
@@ -387,14 +384,15 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
     m, g = net.m, net.graph
     n_runs, (b, s) = len(runs), clean.shape
     incoming = g.mask()
-    status = torch.stack([_status(a, incoming, corrupt_seen is not None) for a in runs])  # (R, n_receivers)
+    states = torch.stack([_status(a, incoming, corrupt_seen is not None) for a in runs])  # (R, n_receivers)
     width = g.n_heads + 2 * g.n_kv_heads
     copies = 1
     for layer in range(g.n_layers):
         first = g.first_receiver(layer)
-        copies = max(copies, 1 + int((status[:, first:first + width] == _MIXED).sum(1).max()))
-        copies = max(copies, 1 + int((status[:, first + width] == _MIXED).max()))
+        copies = max(copies, 1 + int((states[:, first:first + width] == _MIXED).sum(1).max()))
+        copies = max(copies, 1 + int((states[:, first + width] == _MIXED).max()))
     k = copies
+    status: list[list[int]] = states.tolist()
     cur: list[Tensor] = []  # each sender's write in copy 0 of each run (R, b, s, D), in sender order
 
     def view(x: Tensor) -> Tensor:
@@ -402,10 +400,10 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
 
     def ablated_sum(run: int, receivers: list[int], x0: Tensor) -> Tensor:
         """(len(receivers), b, s, D): x0 + sum over each receiver's ablated senders of (ablated - current)."""
-        u = len(cur)
-        diff = ablated_w[:u].to(x0.dtype) - torch.stack([c[run] for c in cur])  # (u, b, s, D)
-        weights = runs[run][:u, receivers].T.to(x0.dtype)  # (n, u)
-        return x0[None] + torch.einsum("nu,ubsD->nbsD", weights, diff)
+        chosen = runs[run][:len(cur), receivers]  # (u, n): the senders written so far, ablated into each receiver
+        senders = chosen.any(1).nonzero()[:, 0].tolist()
+        diff = ablated_w[senders].to(x0.dtype) - torch.stack([cur[u][run] for u in senders])  # (u', b, s, D)
+        return x0[None] + torch.einsum("un,ubsD->nbsD", chosen[senders].to(x0.dtype), diff)
 
     def on_pre(layer: int) -> Callable[[Tensor, HookPoint], Tensor]:
         first = g.first_receiver(layer)
@@ -415,7 +413,7 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
             if layer == 0:
                 cur.append(out[:, 0].clone())
             for run in range(n_runs):
-                mixed = [first + j for j in range(width) if int(status[run, first + j]) == _MIXED]
+                mixed = [first + j for j in range(width) if status[run][first + j] == _MIXED]
                 if mixed:
                     out[run, 1:1 + len(mixed)] = ablated_sum(run, mixed, out[run, 0])
             return out.view(x.shape)
@@ -428,9 +426,9 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
         def fn(x: Tensor, _p: HookPoint) -> Tensor:
             out = view(x).clone()
             for run in range(n_runs):
-                mixed = [j for j in range(width) if int(status[run, first + j]) == _MIXED]
+                mixed = [j for j in range(width) if status[run][first + j] == _MIXED]
                 for j in range(x.shape[1]):
-                    state = int(status[run, first + offset + j])
+                    state = status[run][first + offset + j]
                     if state == _MIXED:
                         out[run, 0, :, j] = out[run, 1 + mixed.index(offset + j), :, j]
                     elif state == _ALL:
@@ -452,23 +450,27 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
         def fn(x: Tensor, _p: HookPoint) -> Tensor:
             out = view(x).clone()
             for run in range(n_runs):
-                if int(status[run, r]) == _MIXED:
+                if status[run][r] == _MIXED:
                     out[run, 1] = ablated_sum(run, [r], out[run, 0])[0]
             return out.view(x.shape)
         return fn
+
+    def settle(out: Tensor, r: int, key: str, mixed: Callable[[int], Tensor]) -> None:
+        """Copy 0 of each run at receiver r: ``mixed(run)`` where it reads some ablated edges, the corrupted run's
+        ``key`` where it reads only ablated ones."""
+        for run in range(n_runs):
+            if status[run][r] == _MIXED:
+                out[run, 0] = mixed(run)
+            elif status[run][r] == _ALL:
+                assert corrupt_seen is not None
+                out[run, 0] = corrupt_seen[key].to(out.dtype)
 
     def on_mlp(layer: int) -> Callable[[Tensor, HookPoint], Tensor]:
         r = g.first_receiver(layer) + width
 
         def fn(x: Tensor, _p: HookPoint) -> Tensor:
             out = view(x).clone()
-            for run in range(n_runs):
-                state = int(status[run, r])
-                if state == _MIXED:
-                    out[run, 0] = out[run, 1]
-                elif state == _ALL:
-                    assert corrupt_seen is not None
-                    out[run, 0] = corrupt_seen[f"mlp{layer}"].to(x.dtype)
+            settle(out, r, f"mlp{layer}", lambda run: out[run, 1])
             cur.append(out[:, 0].clone())
             return out.view(x.shape)
         return fn
@@ -476,13 +478,7 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
     def on_final(x: Tensor, _p: HookPoint) -> Tensor:
         out = view(x).clone()
         r = len(g.receivers) - 1
-        for run in range(n_runs):
-            state = int(status[run, r])
-            if state == _MIXED:
-                out[run, 0] = ablated_sum(run, [r], out[run, 0])[0]
-            elif state == _ALL:
-                assert corrupt_seen is not None
-                out[run, 0] = corrupt_seen["final"].to(x.dtype)
+        settle(out, r, "final", lambda run: ablated_sum(run, [r], out[run, 0])[0])
         return out.view(x.shape)
 
     edits: list[tuple[HookPoint, Callable[..., Any]]] = []
