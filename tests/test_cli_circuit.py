@@ -303,20 +303,20 @@ def test_read_pairs_reads_the_shipped_file() -> None:
 
 def test_smollm2_one_pair(smollm2, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """SmolLM2 on the first shipped pair: the DLA's logit difference is the model's own, the circuit's 5 edges are
-    drawn, faithfulness and the exact check of 2 edges are reported, and the page renders."""
+    drawn, faithfulness and the exact check of the top edge are reported, and the page renders."""
     from multihead.heads.adapters import DecoderHeads
     from multihead.heads.circuit_report import analyse_circuit, write_report
     from multihead.heads.patching import shipped_pairs
 
     model, tok = smollm2
     pair = shipped_pairs()[0]
-    report = analyse_circuit(DecoderHeads(model, tok), [pair], edges=5, check=2, top=4, samples=20, select="top")
+    report = analyse_circuit(DecoderHeads(model, tok), [pair], edges=5, check=1, top=4, samples=20, select="top")
     with torch.no_grad():
         logits = model(torch.tensor([tok.encode(pair.clean)]))[0, -1].double()
     real = float(logits[tok.encode(pair.answer)[0]] - logits[tok.encode(pair.wrong)[0]])
     assert report.dla.logit_diff == pytest.approx(real, abs=1e-4) and real > 0
     assert report.dla.heads.shape == (30, 9) and report.dla.by_kv_head().shape == (30, 3)
-    assert report.circuit is not None and len(report.circuit["edges"]) == 5 and len(report.circuit["checks"]) == 2
+    assert report.circuit is not None and len(report.circuit["edges"]) == 5 and len(report.circuit["checks"]) == 1
     assert report.circuit["clean_metric"] == pytest.approx(real, abs=1e-3)
     files = write_report(report, tmp_path)
     (graph,) = _svg(Path(files["html"]).read_text(), "circuit")
