@@ -292,6 +292,37 @@ def test_bad_flags_and_files_exit_2_with_one_line(tiny: dict[str, Path], capsys:
     assert not (folder / "bad").exists()  # a refused run leaves no folder behind
 
 
+def test_a_transformers_model_gives_what_our_port_gives(tiny: dict[str, Path]) -> None:
+    """The same tiny Llama as a transformers folder, run by transformers (attention on multihead) and by our port:
+    the same DLA, edges, faithfulness and composition."""
+    import contextlib
+    import io
+
+    from tiny_checkpoints import write_tiny_hf_llama
+
+    folder = write_tiny_hf_llama(tiny["folder"] / "hf-llama")
+    found = {}
+    for engine in ("transformers", "ours"):
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            assert main(["circuit", "--model", str(folder), "--engine", engine, "--pairs", str(tiny["pairs"]),
+                         "--max-pairs", "2", "--edges", "3", "--check", "1", "--out",
+                         str(tiny["folder"] / f"engine-{engine}"), "--json"]) == 0
+        found[engine] = json.loads(out.getvalue())
+    theirs, ours = found["transformers"], found["ours"]
+    assert theirs["engine"] != ours["engine"]
+    assert np.array(theirs["dla"]["heads"]) == pytest.approx(np.array(ours["dla"]["heads"]), abs=1e-5)
+    assert [(e["sender"], e["receiver"]) for e in theirs["circuit"]["edges"]] == [
+        (e["sender"], e["receiver"]) for e in ours["circuit"]["edges"]]
+    assert [e["score"] for e in theirs["circuit"]["edges"]] == pytest.approx(
+        [e["score"] for e in ours["circuit"]["edges"]], abs=1e-5)
+    assert theirs["circuit"]["faithfulness"]["kept"] == pytest.approx(ours["circuit"]["faithfulness"]["kept"],
+                                                                      abs=1e-5)
+    assert theirs["circuit"]["checks"][0]["exact"] == pytest.approx(ours["circuit"]["checks"][0]["exact"], abs=1e-5)
+    assert np.array(theirs["composition"]["kinds"]["k_kv"]["scores"]) == pytest.approx(
+        np.array(ours["composition"]["kinds"]["k_kv"]["scores"]), abs=1e-9)
+
+
 def test_read_pairs_reads_the_shipped_file() -> None:
     from importlib import resources
 
