@@ -17,6 +17,7 @@ from multihead import MultiheadError
 from multihead.heads.eap import Edge, check_edges, edge_attribution, faithfulness
 from multihead.heads.patching import activation_patching, attribution_patching, logit_difference
 from multihead.heads.paths import path_patching
+from multihead.hooks import hooks
 from multihead.models.llama import LlamaConfig, LlamaModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -256,6 +257,9 @@ def test_bad_input_names_the_values() -> None:
         check_edges(model, clean, corrupted, METRIC, [Edge("L1.H0", "L0.H2", 0.0)])
     with pytest.raises(MultiheadError, match="ablation 'zero'"):
         faithfulness(model, clean, corrupted, METRIC, [], ablation="zero")
+    with hooks(model, {"layers.1.hook_mlp_out": lambda x, _p: 2 * x}), \
+            pytest.raises(MultiheadError, match="layer 1's MLP, run from its input, differs"):
+        edge_attribution(model, clean, corrupted, METRIC)  # its gradient would not be the model's
 
 
 def test_on_smollm2_the_top_edges_sign_agrees_with_the_exact_check(smollm2) -> None:  # type: ignore[no-untyped-def]
