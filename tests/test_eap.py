@@ -17,6 +17,7 @@ from multihead import MultiheadError
 from multihead.heads.eap import Edge, check_edges, edge_attribution, faithfulness
 from multihead.heads.patching import activation_patching, attribution_patching, logit_difference
 from multihead.heads.paths import path_patching
+from multihead.hooks import hooks
 from multihead.models.llama import LlamaConfig, LlamaModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -154,6 +155,12 @@ def test_faithfulness_of_every_edge_is_the_clean_run_and_of_none_the_corrupted_o
     assert empty.circuit_metric == pytest.approx(scores.corrupted_metric, abs=1e-6)
     assert faithfulness(model, clean, corrupted, METRIC, scores.edges, ablation="mean").kept == \
         pytest.approx(1.0, abs=1e-6)
+    # over a corrupted batch of one row the mean is that row: mean ablation (every receiver in its own copy of the
+    # batch) equals corrupt ablation (receivers with only ablated edges read the corrupted run)
+    one = logit_difference(3, 5)
+    some = scores.edges[::3]
+    kept = [faithfulness(model, clean[:1], corrupted[:1], one, some, ablation=a).kept for a in ("mean", "corrupt")]
+    assert kept[0] == pytest.approx(kept[1], abs=1e-5) and abs(kept[0]) > 1e-3
 
 
 @VARIANTS
@@ -187,6 +194,52 @@ def test_the_exact_check_of_an_edge_equals_path_patching_along_it(n_kv_heads: in
     assert max(abs(v) for _, v in measured) > 1e-3
 
 
+def _hf_and_port(n_kv_heads: int) -> tuple[nn.Module, LlamaModel]:
+    """A transformers Llama (after hf.enable) and our port carrying its weights."""
+    transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
+    from multihead import hf
+
+    config = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=H, num_key_value_heads=n_kv_heads,
+                                      max_position_embeddings=64, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(torch.rand_like(p) + 0.5 if "norm" in name else torch.randn_like(p) * 0.3)
+    port = LlamaModel(LlamaConfig(vocab_size=V, d_model=D, n_layers=2, n_heads=H, n_kv_heads=n_kv_heads, ffn_dim=48,
+                                  rms_eps=config.rms_norm_eps, tie_embeddings=False))
+    renames = (("model.", ""), ("embed_tokens.", "embed."), ("self_attn.", "attn."), ("mlp.", ""),
+               ("input_layernorm.", "attn_norm."), ("post_attention_layernorm.", "ffn_norm."))
+    state = {}
+    for key, w in model.state_dict().items():
+        for old, new in renames:
+            key = key.replace(old, new)
+        state[key] = w
+    port.load_state_dict(state)
+    return hf.enable(model), port.eval()
+
+
+@VARIANTS
+def test_a_transformers_model_and_our_port_with_its_weights_score_and_check_alike(n_kv_heads: int) -> None:
+    import json
+
+    model, port = _hf_and_port(n_kv_heads)
+    clean, corrupted = _ids(1), _ids(2)
+    ours = edge_attribution(port, clean, corrupted, METRIC, method="eap-ig", steps=2)
+    theirs = edge_attribution(model, clean, corrupted, METRIC, method="eap-ig", steps=2)
+    mine = {(e.sender, e.receiver): e.score for e in ours.edges}
+    assert {(e.sender, e.receiver): e.score for e in theirs.edges} == pytest.approx(mine, abs=1e-4)
+    top = ours.top(6)
+    checked = [v for _, v in check_edges(model, clean, corrupted, METRIC, top)]
+    assert checked == pytest.approx([v for _, v in check_edges(port, clean, corrupted, METRIC, top)], abs=1e-4)
+    kept = [faithfulness(m, clean, corrupted, METRIC, ours.top(20)).kept for m in (model, port)]
+    assert kept[0] == pytest.approx(kept[1], abs=1e-4)
+    data = json.loads(json.dumps(theirs.to_json()))
+    assert data["method"] == "eap-ig" and data["steps"] == 2 and data["n_kv_heads"] == n_kv_heads
+    assert len(data["edges"]) == len(theirs.edges) and data["edges"][0]["score"] == theirs.edges[0].score
+
+
 def test_bad_input_names_the_values() -> None:
     model = _port(2)
     clean, corrupted = _ids(1), _ids(2)
@@ -204,6 +257,9 @@ def test_bad_input_names_the_values() -> None:
         check_edges(model, clean, corrupted, METRIC, [Edge("L1.H0", "L0.H2", 0.0)])
     with pytest.raises(MultiheadError, match="ablation 'zero'"):
         faithfulness(model, clean, corrupted, METRIC, [], ablation="zero")
+    with hooks(model, {"layers.1.hook_mlp_out": lambda x, _p: 2 * x}), \
+            pytest.raises(MultiheadError, match="layer 1's MLP, run from its input, differs"):
+        edge_attribution(model, clean, corrupted, METRIC)  # its gradient would not be the model's
 
 
 def test_on_smollm2_the_top_edges_sign_agrees_with_the_exact_check(smollm2) -> None:  # type: ignore[no-untyped-def]

@@ -312,11 +312,24 @@ def _receiver_grads(net: _Net, ids: Tensor, metric: Metric, embed: Tensor) -> Te
             if gm is None:
                 out.append(torch.zeros_like(xm))
             else:
-                (gx,) = torch.autograd.grad(net.mlp[i](xm), xm, gm)
+                y = net.mlp[i](xm)
+                _same_mlp(y, seen[f"mlp{i}"], i)
+                (gx,) = torch.autograd.grad(y, xm, gm)
                 out.append(gx)
         gf = grad["final"]
         out.append(torch.zeros_like(seen["final"]) if gf is None else gf)
     return torch.stack([o.detach() for o in out])
+
+
+def _same_mlp(recomputed: Tensor, seen: Tensor, layer: int) -> None:
+    """The MLP run as a function of its input must give what the model's MLP gave (else its gradient is not the
+    model's): a MultiheadError naming the difference."""
+    scale = float(seen.detach().abs().max()) + 1.0
+    tolerance = 1e-4 if seen.dtype in (torch.float32, torch.float64) else 64 * torch.finfo(seen.dtype).eps
+    error = float((recomputed.detach() - seen.detach()).abs().max())
+    if error > tolerance * scale:
+        raise MultiheadError(f"layer {layer}'s MLP, run from its input, differs from the model's by {error:.3g}: an "
+                             "MLP edge attribution does not read (it reads Llama's: norm, gate, up, down)")
 
 
 def edge_attribution(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, *, method: str = "eap",
