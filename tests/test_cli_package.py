@@ -42,7 +42,7 @@ def test_help_lists_every_command_without_importing_one() -> None:
     done = subprocess.run([sys.executable, "-m", "multihead", "--help"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0
     for name in ("heads", "shapes", "count", "compare", "presets", "embed", "generate", "experiment", "check",
-                 "patch", "tradeoff"):
+                 "patch", "tradeoff", "circuit"):
         assert re.search(rf"^\s+{name}\s+\S", done.stdout, re.M), name
 
 
