@@ -341,6 +341,20 @@ def _same_mlp(recomputed: Tensor, seen: Tensor, layer: int) -> None:
                              "MLP edge attribution does not read (it reads Llama's: norm, gate, up, down)")
 
 
+def _prepare(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric
+             ) -> tuple[_Net, list[Tensor], list[Tensor], dict[str, Tensor], float, float]:
+    """The model read, the clean and the corrupted run's writes, what the corrupted run saw, both metrics."""
+    _check_ids(clean, corrupted)
+    net = _net(model)
+    b = clean.shape[0]
+    clean_logits, clean_w, _ = _writes(net, clean)
+    corrupt_logits, corrupt_w, corrupt_seen = _writes(net, corrupted)
+    with torch.no_grad():
+        m_clean = float(_rows(metric, clean_logits, b).mean())
+        m_corrupt = float(_rows(metric, corrupt_logits, b).mean())
+    return net, clean_w, corrupt_w, corrupt_seen, m_clean, m_corrupt
+
+
 def edge_attribution(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, *, method: str = "eap",
                      steps: int = 5) -> EdgeScores:
     """Score every edge of the model's graph by EAP (``method="eap"``) or EAP-IG (``"eap-ig"``, ``steps``
@@ -352,15 +366,8 @@ def edge_attribution(model: Any, clean: Tensor, corrupted: Tensor, metric: Metri
         raise MultiheadError(f"method {method!r} is not one of {', '.join(METHODS)}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise MultiheadError(f"steps ({steps!r}) must be a positive int (the EAP-IG interpolation points)")
-    _check_ids(clean, corrupted)
-    net = _net(model)
+    net, clean_w, corrupt_w, _, m_clean, m_corrupt = _prepare(model, clean, corrupted, metric)
     g = net.graph
-    b = clean.shape[0]
-    clean_logits, clean_w, _ = _writes(net, clean)
-    corrupt_logits, corrupt_w, _ = _writes(net, corrupted)
-    with torch.no_grad():
-        m_clean = float(_rows(metric, clean_logits, b).mean())
-        m_corrupt = float(_rows(metric, corrupt_logits, b).mean())
     points = 1 if method == "eap" else steps
     e_clean, e_corrupt = clean_w[0], corrupt_w[0]
     grads: Tensor | None = None
@@ -542,19 +549,6 @@ def _edge_mask(g: _Graph, edges: Sequence[Any]) -> list[tuple[int, int]]:
                                  "receiver reads (an earlier layer, or a head into its own layer's MLP)")
         out.append((u, r))
     return out
-
-
-def _prepare(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric
-             ) -> tuple[_Net, Tensor, list[Tensor], dict[str, Tensor], float, float]:
-    _check_ids(clean, corrupted)
-    net = _net(model)
-    b = clean.shape[0]
-    clean_logits, _, _ = _writes(net, clean)
-    corrupt_logits, corrupt_w, corrupt_seen = _writes(net, corrupted)
-    with torch.no_grad():
-        m_clean = float(_rows(metric, clean_logits, b).mean())
-        m_corrupt = float(_rows(metric, corrupt_logits, b).mean())
-    return net, clean_logits, corrupt_w, corrupt_seen, m_clean, m_corrupt
 
 
 def check_edges(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, edges: Sequence[Edge]
