@@ -42,10 +42,18 @@ taken from that copy), so one forward checks many edges.
 mean over the corrupted batch, ``ablation="mean"``) into its receiver, every edge inside it the sender's write in
 this very run: receiver r reads ``sum_(u in circuit) w_u + sum_(u outside) w_u(corrupted)``. With every edge the run
 is the clean one; with none the corrupted one (corrupt ablation). ``kept = (m(circuit) - m(corrupted)) /
-(m(clean) - m(corrupted))``.
+(m(clean) - m(corrupted))``. One forward: each receiver that reads some ablated and some kept edges reads its own
+stream in its own copy of the batch (at most h + 2g + 1 copies: one layer's receivers); one that reads only ablated
+edges takes the corrupted run's q, k, v, MLP output or final stream (so the empty circuit is the corrupted run).
+A circuit is only as good as its paths from ``embed``: the top n edges by |score| alone can keep nothing when none
+of their senders is fed by kept edges (seen on SmolLM2: EAP's top 10 keep 0.0).
+
+The metric maps logits (rows, s, vocab) to one value per row; the exact forwards repeat the batch, so it must take
+any multiple of b rows (row r belongs to pair r % b), as :func:`multihead.heads.patching.logit_difference` does.
 
 Models: those :func:`multihead.heads.attribution.read_model` reads (our Llama port, transformers Llama-family models
-after ``hf.enable``). Run them in eval mode (dropout off).
+after ``hf.enable``). Run them in eval mode (dropout off). Not BERT: its blocks normalise after the residual sum
+(post-norm), so its stream is not a sum of the writes, and it has no unembedding.
 """
 
 from __future__ import annotations
@@ -66,7 +74,7 @@ from multihead.hooks import HookPoint
 
 METHODS = ("eap", "eap-ig")
 ABLATIONS = ("corrupt", "mean")
-_CHUNK = 64  # batch copies per forward in the exact checks
+_CHUNK = 32  # rows per forward in the exact checks (each edge takes two copies of the batch)
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,8 @@ class Edge:
 
 @dataclass
 class EdgeScores:
-    """Every edge of the graph with its score, sorted by |score|, largest first."""
+    """Every edge of the graph with its score, sorted by |score|, largest first; ``steps`` the gradient points
+    (1 for EAP); ``seconds`` the time it took."""
 
     edges: list[Edge]
     method: str
@@ -332,6 +341,20 @@ def _same_mlp(recomputed: Tensor, seen: Tensor, layer: int) -> None:
                              "MLP edge attribution does not read (it reads Llama's: norm, gate, up, down)")
 
 
+def _prepare(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric
+             ) -> tuple[_Net, list[Tensor], list[Tensor], dict[str, Tensor], float, float]:
+    """The model read, the clean and the corrupted run's writes, what the corrupted run saw, both metrics."""
+    _check_ids(clean, corrupted)
+    net = _net(model)
+    b = clean.shape[0]
+    clean_logits, clean_w, _ = _writes(net, clean)
+    corrupt_logits, corrupt_w, corrupt_seen = _writes(net, corrupted)
+    with torch.no_grad():
+        m_clean = float(_rows(metric, clean_logits, b).mean())
+        m_corrupt = float(_rows(metric, corrupt_logits, b).mean())
+    return net, clean_w, corrupt_w, corrupt_seen, m_clean, m_corrupt
+
+
 def edge_attribution(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, *, method: str = "eap",
                      steps: int = 5) -> EdgeScores:
     """Score every edge of the model's graph by EAP (``method="eap"``) or EAP-IG (``"eap-ig"``, ``steps``
@@ -343,15 +366,8 @@ def edge_attribution(model: Any, clean: Tensor, corrupted: Tensor, metric: Metri
         raise MultiheadError(f"method {method!r} is not one of {', '.join(METHODS)}")
     if not isinstance(steps, int) or isinstance(steps, bool) or steps < 1:
         raise MultiheadError(f"steps ({steps!r}) must be a positive int (the EAP-IG interpolation points)")
-    _check_ids(clean, corrupted)
-    net = _net(model)
+    net, clean_w, corrupt_w, _, m_clean, m_corrupt = _prepare(model, clean, corrupted, metric)
     g = net.graph
-    b = clean.shape[0]
-    clean_logits, clean_w, _ = _writes(net, clean)
-    corrupt_logits, corrupt_w, _ = _writes(net, corrupted)
-    with torch.no_grad():
-        m_clean = float(_rows(metric, clean_logits, b).mean())
-        m_corrupt = float(_rows(metric, corrupt_logits, b).mean())
     points = 1 if method == "eap" else steps
     e_clean, e_corrupt = clean_w[0], corrupt_w[0]
     grads: Tensor | None = None
@@ -535,19 +551,6 @@ def _edge_mask(g: _Graph, edges: Sequence[Any]) -> list[tuple[int, int]]:
     return out
 
 
-def _prepare(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric
-             ) -> tuple[_Net, Tensor, list[Tensor], dict[str, Tensor], float, float]:
-    _check_ids(clean, corrupted)
-    net = _net(model)
-    b = clean.shape[0]
-    clean_logits, _, _ = _writes(net, clean)
-    corrupt_logits, corrupt_w, corrupt_seen = _writes(net, corrupted)
-    with torch.no_grad():
-        m_clean = float(_rows(metric, clean_logits, b).mean())
-        m_corrupt = float(_rows(metric, corrupt_logits, b).mean())
-    return net, clean_logits, corrupt_w, corrupt_seen, m_clean, m_corrupt
-
-
 def check_edges(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, edges: Sequence[Edge]
                 ) -> list[tuple[Edge, float]]:
     """Exact path patching of each edge on its own: the clean run with the sender's corrupted write along that one
@@ -558,7 +561,7 @@ def check_edges(model: Any, clean: Tensor, corrupted: Tensor, metric: Metric, ed
     pairs = _edge_mask(g, edges)
     ablated_w = torch.stack(corrupt_w)
     out: list[tuple[Edge, float]] = []
-    per_forward = max(1, _CHUNK // 2)
+    per_forward = max(1, _CHUNK // (2 * clean.shape[0]))
     for start in range(0, len(pairs), per_forward):
         runs = []
         for u, r in pairs[start:start + per_forward]:
