@@ -209,7 +209,9 @@ class QuantizedKVCache(Cache):
 
         The three parts are written into one new tensor each for keys and values (no concatenation): the codes
         dequantised in place there, the residual and the new tokens copied after them. Under autograd (the new
-        keys need a gradient) the parts are concatenated instead, so the gradient reaches k and v."""
+        keys need a gradient) the parts are concatenated instead, so the gradient reaches k and v. Resident bytes
+        are :attr:`bytes` (no buffer is kept beside the codes); a step holds one layer's dequantised keys and values,
+        2 * b * g * (used + s) * d elements of the cache's dtype, until that layer has attended."""
         self._check_keys(layer, k)
         n, r, s = self._quantized, self._used - self._quantized, k.shape[2]
         dtype = self.res_k.dtype
