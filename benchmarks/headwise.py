@@ -20,25 +20,13 @@ import argparse
 import datetime
 import os
 import statistics
-import time
 
 import bench
+import ctxbench
 import torch
 
-from multihead.cache import HeadPlan, HeadwiseCache, KVCache
-from multihead.models import LlamaConfig, LlamaModel
-
-SMOLLM2 = {"vocab_size": 49152, "d_model": 576, "n_layers": 30, "n_heads": 9, "n_kv_heads": 3, "ffn_dim": 1536,
-           "rope_base": 100000.0, "max_context": 8192}
-
-
-def load(random: bool) -> LlamaModel:
-    if random:
-        torch.manual_seed(0)
-        return LlamaModel(LlamaConfig(**SMOLLM2)).eval()  # type: ignore[arg-type]
-    from multihead.models import load_llama
-
-    return load_llama()[0]
+from multihead.cache import HeadPlan
+from multihead.models import LlamaModel
 
 
 def plan_for(model: LlamaModel, fraction: float, *, sinks: int, window: int) -> HeadPlan:
@@ -49,37 +37,11 @@ def plan_for(model: LlamaModel, fraction: float, *, sinks: int, window: int) -> 
                                 shape=(c.n_layers, a.n_heads, a.n_kv_heads, a.head_dim), method="benchmark")
 
 
-def make_cache(model: LlamaModel, plan: HeadPlan | None, max_len: int) -> KVCache | HeadwiseCache:
-    """A cache of max_len tokens, made directly: the decode steps may run past the model's context (the time of
-    a step does not depend on the positions' values)."""
-    a = model.config.attention()
-    assert a.n_kv_heads is not None and a.head_dim is not None
-    if plan is None:
-        return KVCache(batch=1, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim, max_len=max_len,
-                       n_layers=model.config.n_layers, dtype=model.dtype)
-    return HeadwiseCache(plan, batch=1, max_len=max_len, dtype=model.dtype)
-
-
-@torch.no_grad()
 def run_once(model: LlamaModel, plan: HeadPlan | None, tokens: torch.Tensor, chunk: int, steps: int
              ) -> tuple[float, float, int]:
     """(prefill seconds, median decode step seconds, cache bytes) of one cache."""
-    n = tokens.shape[1]
-    cache = make_cache(model, plan, n + steps)
-    start = time.perf_counter()
-    for at in range(0, n, chunk):
-        part = tokens[:, at:at + chunk]
-        logits = model(part, cache=cache)
-        cache.advance(part.shape[1])
-    prefill = time.perf_counter() - start
-    nxt = logits[:, -1:].argmax(-1)
-    times = []
-    for _ in range(steps):
-        t = time.perf_counter()
-        logits = model(nxt, cache=cache)
-        cache.advance(1)
-        times.append(time.perf_counter() - t)
-        nxt = logits[:, -1:].argmax(-1)
+    cache = ctxbench.make_cache(model, "full" if plan is None else "headwise", tokens.shape[1] + steps, plan=plan)
+    prefill, times = ctxbench.prefill_decode(model, cache, tokens, chunk, steps)
     return prefill, statistics.median(times), cache.bytes
 
 
@@ -97,7 +59,7 @@ def main() -> None:
     if min(args.lengths) < 1 or args.rounds < 1 or args.chunk < 1 or args.steps < 1:
         p.error("--lengths, --rounds, --chunk and --steps must be positive")
     load_before = os.getloadavg()
-    model = load(args.random)
+    model = ctxbench.load(args.random)
     plans: list[tuple[str, HeadPlan | None]] = [("full cache", None)] + [
         (f"head-wise {f:.0%} full", plan_for(model, f, sinks=args.sinks, window=args.window))
         for f in args.fractions]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 
 import torch
@@ -54,6 +55,24 @@ def unpack(packed: Tensor, bits: int) -> Tensor:
         return packed
     shifts = torch.arange(0, 8, bits, device=packed.device, dtype=torch.uint8)
     return ((packed[..., None] >> shifts) & ((1 << bits) - 1)).flatten(-2)
+
+
+def unpack_fast(packed: Tensor, bits: int) -> Tensor:
+    """:func:`unpack`, in whole-tensor passes without the (.., n, per) intermediate of shifted bytes: each byte is
+    widened to an integer of ``per`` bytes whose bytes are its codes (low bits first, the order :func:`pack` writes),
+    and that integer read back as bytes (little-endian machines; elsewhere :func:`unpack`)."""
+    per = 8 // bits
+    if per == 1:
+        return packed
+    if sys.byteorder != "little":
+        return unpack(packed, bits)
+    wide = packed.to(torch.int16 if per == 2 else torch.int32)  # (.., n / per): one byte per code to come
+    mask = (1 << bits) - 1
+    parts = [(wide & (mask << (i * bits))) << (i * (8 - bits)) for i in range(1, per)]  # code i into byte i
+    wide.bitwise_and_(mask)
+    for part in parts:
+        wide.bitwise_or_(part)
+    return wide.view(torch.uint8)  # (.., n)
 
 
 def fake_quantize_keys(k: Tensor, bits: int, group: int) -> Tensor:
@@ -154,6 +173,8 @@ class QuantizedKVCache(Cache):
         return quantized_tokens(used, group=self.group, residual=self.residual)
 
     def _read(self, layer: int) -> tuple[Tensor, Tensor]:
+        """The layer's quantized tokens dequantised, (b, g, quantized, d) keys and values: the reference path (one
+        op after another, as :func:`dequantize` writes it); :meth:`update` writes the same values in fewer passes."""
         n, dtype = self._quantized, self.res_k.dtype
         if n == 0:
             empty = self.res_k[layer, :, :, :0]
@@ -166,17 +187,50 @@ class QuantizedKVCache(Cache):
                             dtype).flatten(-2)  # (b, g, n, d)
         return keys, values
 
+    def _dequantize_into(self, layer: int, keys: Tensor, values: Tensor) -> None:
+        """Write the layer's quantized tokens, dequantised, into ``keys`` and ``values`` (b, g, quantized, d): the
+        values of :meth:`_read` (codes * scale + minimum in float32, rounded once to the cache's dtype), in three
+        passes (unpack, to float32, one multiply-add into the output) instead of six and a concatenation."""
+        n, group = self._quantized, self.group
+        b, g, _, d = keys.shape
+        f32 = torch.float32
+        codes_k = unpack_fast(self.codes_k[layer, :, :, :n], self.bits).to(f32)  # (b, g, n, d)
+        torch.addcmul(self.min_k[layer, :, :, :n // group, None].to(f32), codes_k.view(b, g, n // group, group, d),
+                      self.scale_k[layer, :, :, :n // group, None].to(f32),
+                      out=keys.view(b, g, n // group, group, d))
+        codes_v = unpack_fast(self.codes_v[layer, :, :, :n], self.bits).to(f32)
+        torch.addcmul(self.min_v[layer, :, :, :n, :, None].to(f32), codes_v.view(b, g, n, d // group, group),
+                      self.scale_v[layer, :, :, :n, :, None].to(f32), out=values.view(b, g, n, d // group, group))
+
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
                ) -> tuple[Tensor, Tensor]:
         """The dequantized codes, the full-precision residual and the new keys and values (b, g, used + s, d); the
-        tail after the codes waits for :meth:`advance` (``read_only``: it is not kept)."""
+        tail after the codes waits for :meth:`advance` (``read_only``: it is not kept).
+
+        The three parts are written into one new tensor each for keys and values (no concatenation): the codes
+        dequantised in place there, the residual and the new tokens copied after them. Under autograd (the new
+        keys need a gradient) the parts are concatenated instead, so the gradient reaches k and v. Resident bytes
+        are :attr:`bytes` (no buffer is kept beside the codes); a step holds one layer's dequantised keys and values,
+        2 * b * g * (used + s) * d elements of the cache's dtype, until that layer has attended."""
         self._check_keys(layer, k)
-        old_k, old_v = self._read(layer)
-        r = self._used - self._quantized
-        keys = torch.cat([old_k, self.res_k[layer, :, :, :r], k.to(self.res_k.dtype)], dim=2)  # (b, g, used + s, d)
-        values = torch.cat([old_v, self.res_v[layer, :, :, :r], v.to(self.res_v.dtype)], dim=2)
+        n, r, s = self._quantized, self._used - self._quantized, k.shape[2]
+        dtype = self.res_k.dtype
+        if torch.is_grad_enabled() and (k.requires_grad or v.requires_grad):
+            old_k, old_v = self._read(layer)
+            keys = torch.cat([old_k, self.res_k[layer, :, :, :r], k.to(dtype)], dim=2)  # (b, g, used + s, d)
+            values = torch.cat([old_v, self.res_v[layer, :, :, :r], v.to(dtype)], dim=2)
+        else:
+            b, g, _, d = k.shape
+            keys = torch.empty(b, g, n + r + s, d, dtype=dtype, device=k.device)  # (b, g, used + s, d)
+            values = torch.empty_like(keys)
+            if n:
+                self._dequantize_into(layer, keys[:, :, :n], values[:, :, :n])
+            keys[:, :, n:n + r] = self.res_k[layer, :, :, :r]
+            values[:, :, n:n + r] = self.res_v[layer, :, :, :r]
+            keys[:, :, n + r:] = k
+            values[:, :, n + r:] = v
         if not read_only:
-            self._pending[layer] = (keys[:, :, self._quantized:], values[:, :, self._quantized:])  # the full tail
+            self._pending[layer] = (keys[:, :, n:], values[:, :, n:])  # the full tail
         return keys, values
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:

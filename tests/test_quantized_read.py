@@ -1,0 +1,86 @@
+"""The quantized cache's read in few passes (QuantizedKVCache.update without autograd): the same keys and values as
+the reference read (unpack, dequantize, concatenate), bit for bit, with no concatenation; the same greedy tokens and
+logits as the autograd path, which still reads the reference way; the same bytes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from multihead import cost
+from multihead.cache import QuantizedKVCache, Slots, unpack
+from multihead.cache.quantized import unpack_fast
+from multihead.models import LlamaConfig, LlamaModel
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_fast_unpack_equals_unpack(bits: int) -> None:
+    packed = torch.randint(0, 256, (2, 3, 7, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
+    assert torch.equal(unpack_fast(packed, bits), unpack(packed, bits))
+
+
+def _filled(bits: int, dtype: torch.dtype) -> QuantizedKVCache:
+    """A cache holding codes, residual tokens and room for more: 5 chunks of 12 tokens, group 8, residual 8."""
+    cache = QuantizedKVCache(batch=2, n_kv_heads=3, head_dim=16, max_len=80, bits=bits, group=8, residual=8,
+                             n_layers=2, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(5):
+        for layer in range(2):
+            k, v = (torch.randn(2, 3, 12, 16, generator=g).to(dtype) for _ in range(2))
+            cache.update(layer, k, v, Slots(s=12, t=cache.used + 12, positions=None, start=None, aligned=True))
+        cache.advance(12)
+    assert cache.quantized == 48 and cache.used == 60  # codes and a residual of 12
+    return cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_read_equals_the_reference_read_bit_for_bit(bits: int, dtype: torch.dtype) -> None:
+    cache = _filled(bits, dtype)
+    k, v = (torch.randn(2, 3, 1, 16).to(dtype) for _ in range(2))
+    r = cache.used - cache.quantized
+    for layer in range(2):
+        old_k, old_v = cache._read(layer)
+        want_k = torch.cat([old_k, cache.res_k[layer, :, :, :r], k], dim=2)
+        want_v = torch.cat([old_v, cache.res_v[layer, :, :, :r], v], dim=2)
+        with torch.no_grad():
+            got_k, got_v = cache.update(layer, k, v, Slots(s=1, t=61, positions=None, start=None, aligned=True),
+                                        read_only=True)
+        assert got_k.dtype == dtype and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_the_read_makes_no_concatenation() -> None:
+    cache = _filled(4, torch.float32)
+    k = torch.randn(2, 3, 1, 16)
+    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+        cache.update(0, k, k, Slots(s=1, t=61, positions=None, start=None, aligned=True), read_only=True)
+    ops = {e.key for e in prof.key_averages()}
+    assert "aten::addcmul" in ops and not ops & {"aten::cat", "aten::mul", "aten::add"}, sorted(ops)
+
+
+def test_decoding_gives_the_autograd_paths_tokens_and_logits_and_the_same_bytes() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96, max_context=96)
+    model = LlamaModel(config).eval()
+    prompt = torch.randint(0, 96, (1, 30))
+
+    def decode(grad: bool) -> tuple[list[int], torch.Tensor, int]:
+        cache = model.new_cache(1, 60, bits=4, group=8, residual=8)
+        with torch.set_grad_enabled(grad):
+            logits = model(prompt, cache=cache)
+            cache.advance(30)
+            tokens, steps = [], []
+            for _ in range(12):
+                nxt = logits[:, -1:].argmax(-1)
+                tokens.append(int(nxt))
+                logits = model(nxt, cache=cache)
+                cache.advance(1)
+                steps.append(logits[0, -1].detach())
+        return tokens, torch.stack(steps), cache.bytes
+
+    fast, reference = decode(False), decode(True)  # with autograd the keys need a gradient: the reference read
+    assert fast[0] == reference[0]
+    torch.testing.assert_close(fast[1], reference[1], atol=1e-5, rtol=1e-5)
+    assert fast[2] == reference[2] == cost.quantized_cache_bytes(config.attention(), context=60, bits=4, group=8,
+                                                                 residual=8, n_layers=2, dtype="fp32")
