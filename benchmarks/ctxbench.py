@@ -62,7 +62,7 @@ def prefill_decode(model: LlamaModel, cache: Cache, tokens: torch.Tensor, chunk:
     start = time.perf_counter()
     for at in range(0, n, chunk):
         part = tokens[:, at:at + chunk]
-        logits = model(part, cache=cache)
+        logits = model(part, cache=cache, logits_to_keep=1)  # as transformers' generate: the last position only
         cache.advance(part.shape[1])
     prefill = time.perf_counter() - start
     nxt = logits[:, -1:].argmax(-1)

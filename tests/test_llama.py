@@ -269,3 +269,26 @@ def test_a_tiny_temperature_samples_the_most_likely_token_instead_of_nan() -> No
         Sampling(temperature=1.0, seed=2**70)
     with pytest.raises(MultiheadError, match=r"temperature \(inf\) must be finite and >= 0"):
         Sampling(temperature=float("inf"))
+
+
+def test_logits_to_keep_gives_the_last_rows_of_the_full_logits_and_the_same_cache() -> None:
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                         max_context=128)
+    model = LlamaModel(config).eval()
+    tokens = torch.randint(0, 64, (2, 12))
+    with torch.no_grad():
+        full = model(tokens)
+        for n in (1, 5, 12, 20):  # more than s keeps every row, as a slice does
+            # the same rows (a product over fewer rows may round differently: within float32 rounding)
+            torch.testing.assert_close(model(tokens, logits_to_keep=n), full[:, -n:], rtol=1e-6, atol=1e-6)
+        a, b = model.new_cache(2, 16), model.new_cache(2, 16)
+        model(tokens, cache=a)
+        model(tokens, cache=b, logits_to_keep=1)
+        a.advance(12)
+        b.advance(12)
+        step = torch.randint(0, 64, (2, 1))
+        torch.testing.assert_close(model(step, cache=b), model(step, cache=a), rtol=0, atol=0)
+    for bad in (-1, 1.5, True, "1"):
+        with pytest.raises(MultiheadError, match=r"logits_to_keep must be an int >= 0 .* not"):
+            model(tokens, logits_to_keep=bad)  # type: ignore[arg-type]

@@ -191,12 +191,12 @@ class CopyModel:
     def new_cache(self, batch: int, max_len: int | None = None, **_: Any) -> _Held:
         return _Held()
 
-    def __call__(self, tokens: torch.Tensor, *, cache: _Held) -> torch.Tensor:
+    def __call__(self, tokens: torch.Tensor, *, cache: _Held, logits_to_keep: int = 0) -> torch.Tensor:
         cache.pending = tokens[0].tolist()
         seen = cache.tokens + cache.pending
         logits = torch.zeros(1, tokens.shape[1], len(CHARS))
         logits[0, -1, self._next(seen) if self.copy else 0] = 1.0  # only the last position is read
-        return logits
+        return logits[:, -logits_to_keep:] if logits_to_keep else logits
 
     @staticmethod
     def _next(seen: list[int]) -> int:

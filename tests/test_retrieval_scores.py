@@ -62,7 +62,7 @@ class CopyToy(nn.Module):
     def new_cache(self, batch: int, max_len: int) -> KVCache:
         return KVCache(batch=batch, n_kv_heads=2, head_dim=N, max_len=max_len, n_layers=2)
 
-    def forward(self, ids: Tensor, *, cache: KVCache | None = None) -> Tensor:
+    def forward(self, ids: Tensor, *, cache: KVCache | None = None, logits_to_keep: int = 0) -> Tensor:
         b, s = ids.shape
         start = 0 if cache is None else int(cache.lengths[0])
         h = torch.zeros(b, s, D)
@@ -71,6 +71,7 @@ class CopyToy(nn.Module):
         step = self.attn[0].step(h, causal=True, cache=cache)
         for i, layer in enumerate(self.attn):
             h = h + layer(h, step=step, cache=None if cache is None else cache.layer(i))
+        h = h[:, -logits_to_keep:] if logits_to_keep else h  # as LlamaModel's: the last rows only
         return h[..., OUT:OUT + V]  # (b, s, V): the copied token
 
 

@@ -149,9 +149,12 @@ def generate_ids(
     gen = sampling.generator()
 
     with torch.no_grad():
-        logits = model(tokens, cache=cache)  # (b, s, vocab): each sequence from position 0
+        if len(set(lengths)) == 1:  # the last position's logits only (no vocabulary product for the others)
+            last = model(tokens, cache=cache, logits_to_keep=1)[:, -1]  # (b, vocab)
+        else:  # (b, s, vocab): each sequence from position 0, its last real token's row taken
+            logits = model(tokens, cache=cache)
+            last = logits[torch.arange(b, device=device), torch.tensor(lengths, device=device) - 1]
         cache.advance(longest, lengths=lengths)
-        last = logits[torch.arange(b, device=device), torch.tensor(lengths, device=device) - 1]  # (b, vocab)
         done = [False] * b
         call = step if step is not None else (lambda t, pos: model(t, cache=cache))
         for n in range(max_new_tokens):
@@ -188,7 +191,7 @@ def _generate_windowed(model: LlamaModel, prompts: Sequence[Sequence[int]], *, m
     tokens = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=model.device)
     gen = sampling.generator()
     with torch.no_grad():
-        last = model(tokens, cache=cache)[:, -1]  # (b, vocab)
+        last = model(tokens, cache=cache, logits_to_keep=1)[:, -1]  # (b, vocab)
         cache.advance(tokens.shape[1])
         done = [False] * len(prompts)
         for n in range(max_new_tokens):

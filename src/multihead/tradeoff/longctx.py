@@ -607,8 +607,9 @@ def prefill(model: Any, ids: Sequence[int], cache: Any, chunk: int) -> Tensor:
     tokens = torch.tensor(list(ids), dtype=torch.long, device=getattr(model, "device", None))[None]  # (1, n)
     out = None
     for start in range(0, tokens.shape[1], chunk):
-        out = model(tokens[:, start:start + chunk], cache=cache)
-        cache.advance(out.shape[1])
+        part = tokens[:, start:start + chunk]
+        out = model(part, cache=cache, logits_to_keep=1)  # the next token's logits only
+        cache.advance(part.shape[1])
     if out is None:
         raise MultiheadError("nothing to prefill: the context is empty")
     last: Tensor = out[0, -1]
