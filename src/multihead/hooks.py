@@ -99,8 +99,9 @@ class HookPoint(nn.Module):
         self.active = False
 
     def _set(self, fns: tuple[HookFn, ...]) -> None:
-        self._fns = fns
-        self.active = bool(fns)
+        state = self.__dict__  # neither is a parameter, buffer or module: nn.Module.__setattr__'s checks are not needed
+        state["_fns"] = fns
+        state["active"] = bool(fns)
 
     @property
     def kv_heads(self) -> bool:
