@@ -39,7 +39,7 @@ from torch import Tensor
 
 from multihead.cache.base import Cache, LayerCache, Slots, write_slots
 from multihead.cache.plan import HeadPlan
-from multihead.cache.sink import keep_sinks_and_window, sink_keep
+from multihead.cache.sink import held_keep, keep_sinks_and_window
 from multihead.errors import MultiheadError
 
 FULL, STREAMING = 0, 1  # the index of each kind's Slots in Slots.parts (and of its mask in Step.masks)
@@ -168,13 +168,8 @@ class HeadwiseCache(Cache):
 
     def _keep(self, q_positions: Tensor | None, s: int, window: int | None) -> Tensor | None:
         """The streaming heads' keep (1, 1, s, held + s), or None when each query sees every held slot."""
-        w = self.window if window is None else min(window, self.window)
-        if s == 1 and w == self.window:
-            return None  # one new token sees every held slot: they are exactly its sinks and window
-        assert q_positions is not None
-        new = q_positions[0]  # (s,): the sequences hold one length
-        keys = torch.cat([self.slot_positions[:self._held], new])  # (t,)
-        return sink_keep(new, keys, window=w, sink_tokens=self.sink_tokens)[None, None]  # (1, 1, s, t)
+        return held_keep(self.slot_positions, self._held, q_positions, s, window, store_window=self.window,
+                         sink_tokens=self.sink_tokens)
 
     # ------------------------------------------------------------------ a layer's verb
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False

@@ -74,13 +74,8 @@ class SinkCache(Cache):
         return self._held + s
 
     def _keep(self, q_positions: Tensor | None, s: int, window: int | None) -> Tensor | None:
-        w = self.window if window is None else min(window, self.window)
-        if s == 1 and w == self.window:
-            return None  # one new token sees every held slot: the slots are exactly its sinks and window
-        assert q_positions is not None
-        new = q_positions[0]  # (s,): the sequences hold one length
-        keys = torch.cat([self.slot_positions[:self._held], new])  # (t,)
-        return sink_keep(new, keys, window=w, sink_tokens=self.sink_tokens)[None, None]  # (1, 1, s, t)
+        return held_keep(self.slot_positions, self._held, q_positions, s, window, store_window=self.window,
+                         sink_tokens=self.sink_tokens)
 
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
                ) -> tuple[Tensor, Tensor]:
@@ -114,6 +109,20 @@ def ring_slot(p: int, *, sink_tokens: int, window: int) -> int:
     if p < sink_tokens:
         return p
     return sink_tokens + (p - sink_tokens) % (window - 1)
+
+
+def held_keep(slot_positions: Tensor, held: int, q_positions: Tensor | None, s: int, window: int | None, *,
+              store_window: int, sink_tokens: int) -> Tensor | None:
+    """The keep (1, 1, s, held + s) of ``s`` new queries over a sinks + window store's ``held`` slots (their
+    positions in ``slot_positions``) and the new keys, under ``window`` (None: the store's own), or None when each
+    query sees every held slot."""
+    w = store_window if window is None else min(window, store_window)
+    if s == 1 and w == store_window:
+        return None  # one new token sees every held slot: the slots are exactly its sinks and window
+    assert q_positions is not None
+    new = q_positions[0]  # (s,): the sequences hold one length
+    keys = torch.cat([slot_positions[:held], new])  # (t,)
+    return sink_keep(new, keys, window=w, sink_tokens=sink_tokens)[None, None]  # (1, 1, s, t)
 
 
 def keep_sinks_and_window(pending: Mapping[int, tuple[Tensor, Tensor]],
