@@ -21,6 +21,7 @@ from multihead.heads.report import write_all
 from multihead.heads.scores import pattern_scores, repeat_scores
 from multihead.reference import Weights, multihead_attention
 from tests_support import browse
+from toys import wire_previous_token_and_induction, zeroed_layers
 
 TEXT = "The cat sat on the mat because the cat was tired, and the mat was warm."
 
@@ -65,21 +66,8 @@ class Toy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.attn = nn.ModuleList(MultiHeadAttention(d_model=D_MODEL, n_heads=2, head_dim=HEAD_DIM, bias=False,
-                                                     scale=1.0) for _ in range(2))
-        for layer in self.attn:
-            for p in layer.parameters():
-                nn.init.zeros_(p)
-        prev, ind = self.attn
-        with torch.no_grad():
-            for p in range(N - 1):
-                prev.q_proj.weight[p, POS + p] = C  # query at position p looks for ...
-                prev.k_proj.weight[p + 1, POS + p] = 1.0  # ... the key at position p - 1
-            for t in range(V):
-                prev.v_proj.weight[t, TOK + t] = 1.0  # value: the key's token
-                prev.o_proj.weight[PREV + t, t] = 1.0  # written into PREV
-                ind.q_proj.weight[t, TOK + t] = C  # query: the current token ...
-                ind.k_proj.weight[t, PREV + t] = 1.0  # ... against each key's previous token
+        self.attn = zeroed_layers(2, d_model=D_MODEL, head_dim=HEAD_DIM)
+        wire_previous_token_and_induction(*self.attn, vocab=V, positions=N, c=C)
 
     def forward(self, ids: Tensor) -> Tensor:
         s = ids.shape[1]
@@ -228,6 +216,7 @@ def test_heads_command_json_has_a_record_per_head(tmp_path: Path, capsys: pytest
     for key in ("layer", "head", "kv_head", "previous_token", "first_token", "self", "next_token", "local",
                 "entropy", "duplicate_token", "induction", "label"):
         assert key in first
+    assert len(data["kv_heads"]) == 6 * 12 and data["kv_heads"][0]["query_heads"] == [0]  # MiniLM is MHA
     assert Path(data["files"]["html"]).exists()
 
 
@@ -287,3 +276,21 @@ def test_a_5000_token_hostile_passage_renders_safely(tmp_path: Path) -> None:
     console = [line for line in dom.stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
     assert not console, console
     assert dom.stdout.count("&lt;/script&gt;&lt;script&gt;window.pwned=1") == 24  # the whole passage, as text
+
+
+def test_the_json_per_kv_head_groups_query_heads_as_the_cache_does() -> None:
+    """kv_heads (one record per layer and KV head, the unit of a head-wise cache plan): query heads i with
+    i // (h / g) == j, their labels, and each score the max over them (against a reshape of the (L, h) scores)."""
+    from multihead.heads.report import kv_records
+    from multihead.heads.scores import SCORE_NAMES, HeadScores, label_heads
+
+    rng = np.random.default_rng(0)
+    scores = {name: rng.random((3, 6)) for name in SCORE_NAMES}
+    head_scores = HeadScores(scores=scores, n_kv_heads=2, labels=label_heads(scores))
+    rows = kv_records(head_scores)
+    assert [(r["layer"], r["kv_head"]) for r in rows] == [(la, j) for la in range(3) for j in range(2)]
+    assert [r["query_heads"] for r in rows[:2]] == [[0, 1, 2], [3, 4, 5]]
+    for name in SCORE_NAMES:
+        want = scores[name].reshape(3, 2, 3).max(-1).ravel()
+        np.testing.assert_allclose([r[name] for r in rows], want, atol=1e-6, err_msg=name)
+    assert rows[3]["labels"] == head_scores.labels[1][3:]

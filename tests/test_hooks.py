@@ -4,6 +4,8 @@ KV pooling through hooks equals a layer with pooled weights, the verbs, and bad 
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from multihead.hooks import (
     run_with_cache,
     zero_heads,
 )
+from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.reference import Weights, multihead_attention
 
 VARIANTS = pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
@@ -244,3 +247,97 @@ def test_hook_points_hold_no_state_and_compile_without_hooks() -> None:
     compiled = torch.compile(layer, fullgraph=True, backend="eager")
     x = torch.randn(1, 4, 32)
     assert torch.equal(compiled(x, causal=True), layer(x, causal=True))
+
+
+def _probe(points: dict[str, HookPoint]) -> dict[str, tuple[bool, bool]]:
+    """Per point: (its active flag, whether running it calls a hook). The hooks a test attaches all record in
+    CALLED, so the second is seen, not read from the point's state."""
+    out = {}
+    for name, point in points.items():
+        CALLED.clear()
+        point(torch.zeros(1))
+        out[name] = (point.active, bool(CALLED))
+    return out
+
+
+CALLED: list[str] = []
+
+
+def _note(x: Tensor, point: HookPoint) -> None:
+    CALLED.append(point.name)
+
+
+def test_active_is_kept_by_every_path_that_adds_or_removes_a_hook() -> None:
+    torch.manual_seed(0)
+    model = Stack()
+    points = hook_points(model)
+
+    def check(expect: set[str]) -> None:
+        probed = _probe(points)
+        stale = {n: v for n, v in probed.items() if v[0] != v[1]}
+        assert not stale, f"active disagrees with the hooks that run: {stale}"
+        assert {n for n, (a, _) in probed.items() if a} == expect
+
+    z0, k1 = points["layers.0.hook_z"], points["layers.1.hook_k"]
+    check(set())
+    h1, h2 = z0.add(_note), z0.add(_note)  # the same function twice: two hooks
+    check({"layers.0.hook_z"})
+    h1.remove()
+    check({"layers.0.hook_z"})
+    h2.remove()
+    h2.remove()  # a second remove is a no-op
+    check(set())
+    with z0.add(_note), k1.add(_note):
+        check({"layers.0.hook_z", "layers.1.hook_k"})
+    check(set())
+    with pytest.raises(RuntimeError), z0.add(_note):
+        raise RuntimeError
+    check(set())
+    stale = z0.add(_note)
+    z0.add(_note)
+    z0.clear()
+    check(set())
+    stale.remove()  # after clear: a no-op, and nothing comes back
+    check(set())
+    with hooks(model, {"*.hook_pattern": _note}):
+        check({"layers.0.hook_pattern", "layers.1.hook_pattern"})
+    check(set())
+    with pytest.raises(MultiheadError), hooks(model, [("layers.0.hook_q", _note), ("nothing.here", _note)]):
+        pass  # the second name fails after the first was attached
+    check(set())
+    run_with_cache(model, torch.randn(1, 3, 32), names="*.hook_z")
+    check(set())
+
+    def once(x: Tensor, point: HookPoint) -> None:  # a hook that removes itself and adds another while running
+        handle.remove()
+        point.add(_note)
+    handle = z0.add(once)
+    model(torch.randn(1, 3, 32))
+    check({"layers.0.hook_z"})
+    z0.clear()
+    with z0.add(_note):
+        copied = copy.deepcopy(model)
+    check(set())
+    assert {n for n, p in hook_points(copied).items() if p.active} == {"layers.0.hook_z"}
+    hook_points(copied)["layers.0.hook_z"].clear()
+    assert not any(p.active for p in hook_points(copied).values())
+
+
+def test_a_point_a_layer_holds_cannot_be_replaced() -> None:
+    """A layer reads its points from the tuple it was built with: a point put in one's place would never run its
+    hooks (it did not, before this was refused), so replacing one is an error, for the layer's and a block's."""
+    layer = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2)
+    with pytest.raises(MultiheadError, match=r"hook_z of this MultiHeadAttention cannot be replaced.*\.add\(fn\)"):
+        layer.hook_z = HookPoint("(b, h, s, d)", role="hook_z")
+    with pytest.raises(MultiheadError, match="cannot be replaced"):
+        layer.add_module("hook_q", nn.Identity())
+    del layer.hook_k
+    with pytest.raises(MultiheadError, match="cannot be replaced"):
+        layer.hook_k = HookPoint("(b, g, t, d)", role="hook_k")
+    block = LlamaModel(LlamaConfig(vocab_size=16, d_model=16, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=32,
+                                   max_context=8)).layers[0]
+    with pytest.raises(MultiheadError, match=r"hook_resid_post of this .* cannot be replaced"):
+        block.hook_resid_post = HookPoint("(b, s, d_model)", role="hook_resid_post")
+    layer.hook_z = layer.hook_z  # the same point again is no replacement
+    other = nn.Module()
+    other.hook_z = nn.Identity()  # a module without hook points names its children as it likes

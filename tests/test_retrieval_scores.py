@@ -5,6 +5,7 @@ aggregation, the ablation against an independent count, bad input, and the peak 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -12,7 +13,7 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-from multihead import MultiHeadAttention, MultiheadError
+from multihead import MultiheadError
 from multihead.cache import KVCache
 from multihead.heads.capture import capture_weights
 from multihead.heads.retrieval import (
@@ -25,6 +26,10 @@ from multihead.heads.retrieval import (
 )
 from multihead.models import LlamaConfig, LlamaModel
 from multihead.tradeoff.longctx import Case
+from toys import wire_previous_token_and_induction, zeroed_layers
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from retrieval_memory import peak_cpu_bytes
 
 # ---------------------------------------------------------------------------------------------- a hand-set copy model
 V, N = 32, 96  # vocabulary, positions
@@ -39,21 +44,11 @@ class CopyToy(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.attn = nn.ModuleList(MultiHeadAttention(d_model=D, n_heads=2, head_dim=N, bias=False, scale=1.0)
-                                  for _ in range(2))
-        for layer in self.attn:
-            for p in layer.parameters():
-                nn.init.zeros_(p)
+        self.attn = zeroed_layers(2, d_model=D, head_dim=N)
         prev, ind = self.attn
+        wire_previous_token_and_induction(prev, ind, vocab=V, positions=N, c=C)
         with torch.no_grad():
-            for p in range(N - 1):
-                prev.q_proj.weight[p, POS + p] = C
-                prev.k_proj.weight[p + 1, POS + p] = 1.0
             for t in range(V):
-                prev.v_proj.weight[t, TOK + t] = 1.0
-                prev.o_proj.weight[PREV + t, t] = 1.0
-                ind.q_proj.weight[t, TOK + t] = C
-                ind.k_proj.weight[t, PREV + t] = 1.0
                 ind.v_proj.weight[t, TOK + t] = 1.0
                 ind.o_proj.weight[OUT + t, t] = 1.0
             ind.q_proj.weight[N, POS:POS + N] = C  # head 1: every query the same ...
@@ -221,29 +216,13 @@ def test_bad_input_is_refused_with_the_values_named() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- bounded memory
-def peak_cpu_bytes(fn: object) -> int:
-    """The peak of the bytes torch allocated on the CPU while ``fn()`` ran (the profiler's allocation and free
-    events, in time order), above what was held when it began."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()  # type: ignore[operator]
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()  # type: ignore[union-attr]
-                    if e.name() == "[memory]")
-    held = peak = 0
-    for _, n in events:
-        held += n
-        peak = max(peak, held)
-    return peak
-
-
 def test_scoring_a_long_input_stays_far_below_one_layers_attention_matrix() -> None:
     n = 1536
     model = _tiny(n_heads=8, n_kv_heads=2, d_model=64, layers=1, context=4096)
     case = _random_case(n)
     st = RetrievalSettings(sinks=4, window=64, block=32, chunk=128, correct_only=False)
     got: list[object] = []
-    peak = peak_cpu_bytes(lambda: got.append(retrieval_scores(model, [case], st)))
+    peak, _ = peak_cpu_bytes(lambda: got.append(retrieval_scores(model, [case], st)))
     matrix = 1 * 8 * n * n * 4  # one layer's (b, h, s, t) float32 weights: 72 MiB
     assert got and peak < matrix / 16, f"peak {peak / 2**20:.1f} MiB against a {matrix / 2**20:.0f} MiB matrix"
 

@@ -13,8 +13,9 @@ A KV head is shared by h / g query heads (query head i reads KV head i // (h / g
 changes what all of its query heads see.
 
 A hook is ``fn(tensor, point) -> Tensor | None``: it returns None to leave the tensor as it is, or a replacement of
-the same shape and dtype. Points with no hook cost one attribute test. A hook on ``hook_pattern`` that only reads
-keeps the fused kernel for the output (the pattern is recomputed exactly from the same q, k and mask); one that
+the same shape and dtype. Points with no hook cost one attribute test (``point.active``: a plain attribute that
+adding or removing a hook keeps; a point a layer holds cannot be replaced). A hook on ``hook_pattern`` that only
+reads keeps the fused kernel for the output (the pattern is recomputed exactly from the same q, k and mask); one that
 returns a replacement makes that call's output ``pattern @ v`` (the math path), and ``explain`` says so.
 
 The verbs::
@@ -92,11 +93,15 @@ class HookPoint(nn.Module):
         self.legend = legend
         self.role = role
         self.name = ""  # the full module path, set when the point is found by name (hook_points)
-        self._fns: list[HookFn] = []
+        self._fns: tuple[HookFn, ...] = ()
+        # whether any hook is attached: a plain attribute, read on every call of the hot path (a property would be a
+        # Python call per point per step); _set, the one writer of _fns, keeps it equal to bool(_fns)
+        self.active = False
 
-    @property
-    def active(self) -> bool:
-        return bool(self._fns)
+    def _set(self, fns: tuple[HookFn, ...]) -> None:
+        state = self.__dict__  # neither is a parameter, buffer or module: nn.Module.__setattr__'s checks are not needed
+        state["_fns"] = fns
+        state["active"] = bool(fns)
 
     @property
     def kv_heads(self) -> bool:
@@ -106,14 +111,15 @@ class HookPoint(nn.Module):
     def add(self, fn: HookFn) -> HookHandle:
         if not callable(fn):
             raise MultiheadError(f"a hook must be callable as fn(tensor, point), got {type(fn).__name__}")
-        self._fns.append(fn)
+        self._set((*self._fns, fn))
         return HookHandle(self, fn)
 
     def clear(self) -> None:
-        self._fns.clear()
+        """Detach every hook of this point."""
+        self._set(())
 
     def forward(self, x: Tensor) -> Tensor:
-        for fn in tuple(self._fns):
+        for fn in self._fns:  # a tuple: a hook that adds or removes hooks changes the next call, not this one
             out = fn(x, self)
             if out is None:
                 continue
@@ -137,8 +143,11 @@ class HookHandle:
         self.point, self.fn = point, fn
 
     def remove(self) -> None:
-        if self.fn in self.point._fns:
-            self.point._fns.remove(self.fn)
+        """Detach the hook (a no-op when it is detached already, e.g. by ``clear``)."""
+        fns = self.point._fns
+        if self.fn in fns:
+            i = fns.index(self.fn)
+            self.point._set(fns[:i] + fns[i + 1:])
 
     def __enter__(self) -> HookHandle:
         return self
@@ -186,6 +195,54 @@ def add_resid_points(module: nn.Module) -> tuple[HookPoint, ...]:
     return found
 
 
+def resid_block(points: tuple[HookPoint, ...], h: Tensor, attention: Callable[..., Tensor],
+                mlp: Callable[[Tensor], Tensor], *, attn_norm: Callable[[Tensor], Tensor] | None = None,
+                mid_norm: Callable[[Tensor], Tensor] | None = None, **attn_kwargs: Any) -> Tensor:
+    """One block's residual stream through its five points (:func:`add_resid_points`'s tuple), each applied only
+    when hooked. Pre-norm (Llama): ``attn_norm`` before attention, ``mlp`` brings its own norm. Post-norm (BERT):
+    ``mid_norm`` (the attention LayerNorm) after hook_resid_mid, and the caller norms the result::
+
+        h = resid_pre(h);  h = resid_mid(h + attn_out(attention(attn_norm(h), **attn_kwargs)))
+        h = mid_norm(h);   return resid_post(h + mlp_out(mlp(h)))
+    """
+    pre, attn_out, mid, mlp_out, post = points
+    if pre.active:
+        h = pre(h)
+    a = attention(h if attn_norm is None else attn_norm(h), **attn_kwargs)
+    if attn_out.active:
+        a = attn_out(a)
+    h = h + a
+    if mid.active:
+        h = mid(h)
+    if mid_norm is not None:
+        h = mid_norm(h)
+    m = mlp(h)
+    if mlp_out.active:
+        m = mlp_out(m)
+    h = h + m
+    return post(h) if post.active else h
+
+
+def _refuse_replacing_points(module: nn.Module, name: str, value: nn.Module) -> None:
+    """torch's global module-registration hook (every ``module.name = submodule`` and ``add_module``): a layer or
+    block that has its points reads them from the tuple add_hook_points / add_resid_points kept, so a point put in
+    one's place would never run its hooks. Such a replacement is refused; anything else passes untouched."""
+    if name in POINTS:
+        held, index = module.__dict__.get("_hook_points"), list(POINTS).index(name)
+    elif name in RESID_POINTS:
+        held, index = module.__dict__.get("_resid_points"), list(RESID_POINTS).index(name)
+    else:
+        return
+    if held is None or held[index] is value:
+        return
+    raise MultiheadError(f"{held[index].name or name} of this {type(module).__name__} cannot be replaced (the module "
+                         "reads the point it was built with): attach hooks with .add(fn), detach them with the "
+                         "handle's remove() or the point's clear()")
+
+
+torch.nn.modules.module.register_module_module_registration_hook(_refuse_replacing_points)
+
+
 def _points(module: HookedAttention) -> tuple[HookPoint, ...]:
     found = getattr(module, "_hook_points", None)
     return found if found is not None else tuple(getattr(module, name) for name in POINTS)
@@ -197,11 +254,11 @@ def call_hooks(module: HookedAttention, *, z: bool = True) -> CallHooks | None:
     absorbed path applies it after its up-projection). What the hooks change about the kernel is decided by
     :func:`multihead.kernels.resolve_backend`, not here."""
     hq, hk, hv, hp, hz, ho = _points(module)
-    if not (hq._fns or hk._fns or hv._fns or hp._fns or hz._fns or ho._fns):
+    if not (hq.active or hk.active or hv.active or hp.active or hz.active or ho.active):
         return None
-    return CallHooks(q=hq if hq._fns else None, k=hk if hk._fns else None, v=hv if hv._fns else None,
-                     pattern=hp if hp._fns else None, z=hz if z and hz._fns else None,
-                     names=tuple(name for name, p in zip(POINTS, (hq, hk, hv, hp, hz, ho), strict=True) if p._fns))
+    return CallHooks(q=hq if hq.active else None, k=hk if hk.active else None, v=hv if hv.active else None,
+                     pattern=hp if hp.active else None, z=hz if z and hz.active else None,
+                     names=tuple(name for name, p in zip(POINTS, (hq, hk, hv, hp, hz, ho), strict=True) if p.active))
 
 
 # ------------------------------------------------------------------------------------------ finding points by name

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -288,12 +289,18 @@ def kv_max_context(model: ModelConfig, *, memory: int, batch: int, dtype: str, c
     def ok(c: int) -> bool:
         return kv_bytes(model, context=c, batch=batch, dtype=dtype, cache=cache) <= memory
 
+    return _largest(ok, limit=1 << 50)
+
+
+def _largest(ok: Callable[[int], bool], *, limit: int) -> int | None:
+    """The largest n >= 1 with ``ok(n)`` for a test that holds up to some n and fails after it: 0 when not even 1,
+    None when it still holds at ``limit`` (doubling, then bisecting)."""
     if not ok(1):
         return 0
     lo, hi = 1, 2
     while ok(hi):
         lo, hi = hi, hi * 2
-        if hi > 1 << 50:
+        if hi > limit:
             return None
     while hi - lo > 1:
         mid = (lo + hi) // 2
@@ -406,17 +413,8 @@ def largest(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype:
         return fit(model, size, seq=s, batch=b, dtype=dtype, weights_dtype=weights_dtype, memory=memory, tp=tp,
                    cache=cache, prefill_chunk=prefill_chunk, reserve=reserve, shard_embeddings=shard_embeddings).fits
 
-    if not ok(1):
-        return 0
-    lo, hi = 1, 2
-    while ok(hi):
-        lo, hi = hi, hi * 2
-        if hi > 1 << 40:
-            return lo
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
+    found = _largest(ok, limit=1 << 40)
+    return 1 << 40 if found is None else found  # it still fits at 2**40: that is reported
 
 
 def context_limit(model: ModelConfig) -> int | None:

@@ -39,7 +39,7 @@ from torch import Tensor
 
 from multihead.cache.base import Cache, LayerCache, Slots, write_slots
 from multihead.cache.plan import HeadPlan
-from multihead.cache.sink import sink_keep
+from multihead.cache.sink import held_keep, keep_sinks_and_window
 from multihead.errors import MultiheadError
 
 FULL, STREAMING = 0, 1  # the index of each kind's Slots in Slots.parts (and of its mask in Step.masks)
@@ -168,13 +168,8 @@ class HeadwiseCache(Cache):
 
     def _keep(self, q_positions: Tensor | None, s: int, window: int | None) -> Tensor | None:
         """The streaming heads' keep (1, 1, s, held + s), or None when each query sees every held slot."""
-        w = self.window if window is None else min(window, self.window)
-        if s == 1 and w == self.window:
-            return None  # one new token sees every held slot: they are exactly its sinks and window
-        assert q_positions is not None
-        new = q_positions[0]  # (s,): the sequences hold one length
-        keys = torch.cat([self.slot_positions[:self._held], new])  # (t,)
-        return sink_keep(new, keys, window=w, sink_tokens=self.sink_tokens)[None, None]  # (1, 1, s, t)
+        return held_keep(self.slot_positions, self._held, q_positions, s, window, store_window=self.window,
+                         sink_tokens=self.sink_tokens)
 
     # ------------------------------------------------------------------ a layer's verb
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
@@ -223,28 +218,12 @@ class HeadwiseCache(Cache):
             raise MultiheadError(f"advance takes a non-negative number of tokens, got {s!r}")
         self._check_commit(s, lengths, dict.fromkeys(self._placed))
         self.check_room(s)
-        first, ring = self._used, self.window - 1
-        kept = [(i, p) for i, p in enumerate(range(first, first + s))
-                if p < self.sink_tokens or (ring and p >= first + s - ring)]
-        if kept and self._pending:
-            device = self.slot_positions.device
-            index = torch.tensor([i for i, _ in kept], device=device)
-            slots = torch.tensor([self._slot(p) for _, p in kept], device=device)
-            for layer, (k, v) in self._pending.items():
-                keys, values = self._tensors(layer, "stream")
-                keys.index_copy_(2, slots, k.index_select(2, index).to(keys.dtype))
-                values.index_copy_(2, slots, v.index_select(2, index).to(values.dtype))
-            self.slot_positions.index_copy_(0, slots, torch.tensor([p for _, p in kept], device=device))
+        keep_sinks_and_window(self._pending, lambda layer: self._tensors(layer, "stream"), self.slot_positions,
+                              first=self._used, s=s, sink_tokens=self.sink_tokens, window=self.window)
         self._pending.clear()
         self._placed.clear()
         self._held = min(self._used + s, self.slots)
         super().advance(s)
-
-    def _slot(self, p: int) -> int:
-        """Streaming slot of position p: the sinks in order, then a ring of ``window - 1`` slots."""
-        if p < self.sink_tokens:
-            return p
-        return self.sink_tokens + (p - self.sink_tokens) % (self.window - 1)
 
     def extra_repr(self) -> str:
         return (f"n_layers={self.n_layers}, batch={self.batch}, n_kv_heads={self.n_kv_heads}, "

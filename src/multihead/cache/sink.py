@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 from torch import Tensor
@@ -74,13 +74,8 @@ class SinkCache(Cache):
         return self._held + s
 
     def _keep(self, q_positions: Tensor | None, s: int, window: int | None) -> Tensor | None:
-        w = self.window if window is None else min(window, self.window)
-        if s == 1 and w == self.window:
-            return None  # one new token sees every held slot: the slots are exactly its sinks and window
-        assert q_positions is not None
-        new = q_positions[0]  # (s,): the sequences hold one length
-        keys = torch.cat([self.slot_positions[:self._held], new])  # (t,)
-        return sink_keep(new, keys, window=w, sink_tokens=self.sink_tokens)[None, None]  # (1, 1, s, t)
+        return held_keep(self.slot_positions, self._held, q_positions, s, window, store_window=self.window,
+                         sink_tokens=self.sink_tokens)
 
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
                ) -> tuple[Tensor, Tensor]:
@@ -97,31 +92,60 @@ class SinkCache(Cache):
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         """Keep the sinks and the last ``window`` tokens of what the layers wrote this step; evict the rest."""
         self._check_commit(s, lengths, self._pending)
-        first, ring = self._used, self.window - 1
-        kept = [(i, p) for i, p in enumerate(range(first, first + s))
-                if p < self.sink_tokens or (ring and p >= first + s - ring)]
-        if kept:
-            device = self.k.device
-            index = torch.tensor([i for i, _ in kept], device=device)
-            slots = torch.tensor([self._slot(p) for _, p in kept], device=device)
-            for layer, (k, v) in self._pending.items():
-                self.k[layer].index_copy_(2, slots, k.index_select(2, index).to(self.k.dtype))
-                self.v[layer].index_copy_(2, slots, v.index_select(2, index).to(self.v.dtype))
-            self.slot_positions.index_copy_(0, slots, torch.tensor([p for _, p in kept], device=device))
+        keep_sinks_and_window(self._pending, lambda layer: (self.k[layer], self.v[layer]), self.slot_positions,
+                              first=self._used, s=s, sink_tokens=self.sink_tokens, window=self.window)
         self._pending.clear()
         self._held = min(self._used + s, self.slots)
         super().advance(s)
-
-    def _slot(self, p: int) -> int:
-        """Slot of position p: the sinks in order, then a ring of ``window - 1`` slots."""
-        if p < self.sink_tokens:
-            return p
-        return self.sink_tokens + (p - self.sink_tokens) % (self.window - 1)
 
     def extra_repr(self) -> str:
         return (f"n_layers={self.n_layers}, batch={self.batch}, n_kv_heads={self.n_kv_heads}, "
                 f"sink_tokens={self.sink_tokens}, window={self.window}, head_dim={self.head_dim}, "
                 f"dtype={self.k.dtype}, bytes={self.bytes:,}")
+
+
+def ring_slot(p: int, *, sink_tokens: int, window: int) -> int:
+    """Slot of position p in a sinks + window store: the sinks in order, then a ring of ``window - 1`` slots."""
+    if p < sink_tokens:
+        return p
+    return sink_tokens + (p - sink_tokens) % (window - 1)
+
+
+def held_keep(slot_positions: Tensor, held: int, q_positions: Tensor | None, s: int, window: int | None, *,
+              store_window: int, sink_tokens: int) -> Tensor | None:
+    """The keep (1, 1, s, held + s) of ``s`` new queries over a sinks + window store's ``held`` slots (their
+    positions in ``slot_positions``) and the new keys, under ``window`` (None: the store's own), or None when each
+    query sees every held slot."""
+    w = store_window if window is None else min(window, store_window)
+    if s == 1 and w == store_window:
+        return None  # one new token sees every held slot: the slots are exactly its sinks and window
+    assert q_positions is not None
+    new = q_positions[0]  # (s,): the sequences hold one length
+    keys = torch.cat([slot_positions[:held], new])  # (t,)
+    return sink_keep(new, keys, window=w, sink_tokens=sink_tokens)[None, None]  # (1, 1, s, t)
+
+
+def keep_sinks_and_window(pending: Mapping[int, tuple[Tensor, Tensor]],
+                          store: Callable[[int], tuple[Tensor, Tensor]], slot_positions: Tensor, *, first: int,
+                          s: int, sink_tokens: int, window: int) -> None:
+    """Commit a step of ``s`` tokens from position ``first`` to a sinks + window store (:class:`SinkCache`, the
+    streaming heads of a head-wise cache): of what each layer wrote (``pending``: layer -> (k, v), (b, g, s, d)),
+    the sink positions and the last ``window - 1`` are copied to their :func:`ring_slot` in ``store(layer)``'s
+    (keys, values), (b, g, slots, d), and ``slot_positions`` records the position each slot now holds; the rest is
+    evicted."""
+    ring = window - 1
+    kept = [(i, p) for i, p in enumerate(range(first, first + s))
+            if p < sink_tokens or (ring and p >= first + s - ring)]
+    if not kept or not pending:
+        return
+    device = slot_positions.device
+    index = torch.tensor([i for i, _ in kept], device=device)
+    slots = torch.tensor([ring_slot(p, sink_tokens=sink_tokens, window=window) for _, p in kept], device=device)
+    for layer, (k, v) in pending.items():
+        keys, values = store(layer)
+        keys.index_copy_(2, slots, k.index_select(2, index).to(keys.dtype))
+        values.index_copy_(2, slots, v.index_select(2, index).to(values.dtype))
+    slot_positions.index_copy_(0, slots, torch.tensor([p for _, p in kept], device=device))
 
 
 def sink_keep(q_positions: Tensor, k_positions: Tensor, *, window: int, sink_tokens: int) -> Tensor:

@@ -17,7 +17,7 @@ import numpy as np
 from multihead.errors import MultiheadError
 from multihead.files import save_figure, write_text
 from multihead.heads.analysis import HeadReport
-from multihead.heads.scores import SCORE_NAMES
+from multihead.heads.scores import SCORE_NAMES, HeadScores
 from multihead.names import head_name
 
 
@@ -182,9 +182,26 @@ def _write_json(report: HeadReport, path: Path) -> Path:
     return write_text(path, json.dumps(result_json(report), indent=1))
 
 
+def kv_records(scores: HeadScores) -> list[dict[str, Any]]:
+    """One record per (layer, KV head), the unit a KV cache (and a head-wise plan) decides on: its query heads,
+    their labels, and each score as the max over those query heads (a KV head serves a pattern if one of its query
+    heads does)."""
+    group = scores.n_heads // scores.n_kv_heads
+    rows: list[dict[str, Any]] = []
+    for layer in range(scores.n_layers):
+        for kv in range(scores.n_kv_heads):
+            heads = list(range(kv * group, (kv + 1) * group))
+            row: dict[str, Any] = {"layer": layer, "kv_head": kv, "query_heads": heads,
+                                   "labels": [scores.labels[layer][h] for h in heads]}
+            row.update({name: round(float(scores.scores[name][layer, heads].max()), 6) for name in SCORE_NAMES})
+            rows.append(row)
+    return rows
+
+
 def result_json(report: HeadReport) -> dict[str, Any]:
     return {"model": report.model, "engine": report.engine, "n_layers": report.n_layers, "n_heads": report.n_heads,
             "n_kv_heads": report.n_kv_heads, "tokens": len(report.tokens), "heads": report.scores.records(),
+            "kv_heads": kv_records(report.scores),
             "ablation": report.ablation, "ablation_summary": report.ablation_summary(),
             "conversion": report.conversion, "metric": report.metric_name, "baseline": report.baseline,
             "patching": report.patching,

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from multihead.attention import MultiHeadAttention
 from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint, add_resid_points
+from multihead.hooks import HookPoint, add_resid_points, resid_block
 from multihead.models.tokenizer import TextTokenizer
 from multihead.step import Step
 from multihead.values import MAX_FFN
@@ -93,21 +93,12 @@ class BertLayer(nn.Module):
         add_resid_points(self)  # post-norm: resid_mid and resid_post are the sums before each LayerNorm
 
     def forward(self, h: Tensor, step: Step) -> Tensor:
-        pre, attn_out, mid, mlp_out, post = self._resid_points
-        if pre.active:
-            h = pre(h)
-        a = self.attn(h, step=step)
-        if attn_out.active:
-            a = attn_out(a)
-        r = h + a
-        if mid.active:
-            r = mid(r)
-        h = self.attn_norm(r)
-        m = self.ffn_out(self.act(self.ffn_in(h)))
-        if mlp_out.active:
-            m = mlp_out(m)
-        r = h + m
-        out: Tensor = self.ffn_norm(post(r) if post.active else r)
+        out: Tensor = self.ffn_norm(resid_block(self._resid_points, h, self.attn, self._ffn, mid_norm=self.attn_norm,
+                                                step=step))
+        return out
+
+    def _ffn(self, h: Tensor) -> Tensor:
+        out: Tensor = self.ffn_out(self.act(self.ffn_in(h)))
         return out
 
 

@@ -30,7 +30,7 @@ from multihead.cache import (
 )
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint, add_resid_points
+from multihead.hooks import HookPoint, add_resid_points, resid_block
 from multihead.linear import Linear, linear
 from multihead.norms import RMSNorm
 from multihead.step import Step
@@ -98,21 +98,13 @@ class LlamaBlock(nn.Module):
         add_resid_points(self)  # hook_resid_pre .. hook_resid_post (multihead.hooks), no parameters
 
     def forward(self, h: Tensor, *, step: Step, cache: LayerCache | None = None) -> Tensor:
-        pre, attn_out, mid, mlp_out, post = self._resid_points
-        if pre.active:
-            h = pre(h)
-        a = self.attn(self.attn_norm(h), step=step, cache=cache)
-        if attn_out.active:
-            a = attn_out(a)
-        h = h + a
-        if mid.active:
-            h = mid(h)
+        return resid_block(self._resid_points, h, self.attn, self._mlp, attn_norm=self.attn_norm, step=step,
+                           cache=cache)
+
+    def _mlp(self, h: Tensor) -> Tensor:
         x = self.ffn_norm(h)
-        m = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        if mlp_out.active:
-            m = mlp_out(m)
-        out: Tensor = h + m
-        return post(out) if post.active else out
+        out: Tensor = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return out
 
 
 class LlamaModel(nn.Module):
@@ -166,13 +158,12 @@ class LlamaModel(nn.Module):
             if max_len is not None or bits is not None:
                 raise MultiheadError("a windowed cache has no max_len and stores keys in full: give window= alone "
                                      "(with sink_tokens=)")
-        elif max_len is None:
-            raise MultiheadError("new_cache needs max_len (the tokens it holds), or window= for a windowed cache")
-        elif max_len > self.config.max_context:
-            raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
-        elif sink_tokens:
-            raise MultiheadError(f"sink_tokens ({sink_tokens}) go with a window: new_cache(b, window=w, "
-                                 "sink_tokens=n)")
+        else:
+            self._check_max_len(max_len, "new_cache needs max_len (the tokens it holds), or window= for a windowed "
+                                "cache")
+            if sink_tokens:
+                raise MultiheadError(f"sink_tokens ({sink_tokens}) go with a window: new_cache(b, window=w, "
+                                     "sink_tokens=n)")
 
         def make(n_kv_heads: int, n_layers: int) -> Cache:
             shape = {**where, "n_kv_heads": n_kv_heads, "n_layers": n_layers}
@@ -187,6 +178,14 @@ class LlamaModel(nn.Module):
             return make(kv_heads[0], len(kv_heads))
         return LayeredCache([make(g, 1) for g in kv_heads])  # layers of different widths (a pruned model)
 
+    def _check_max_len(self, max_len: int | None, missing: str) -> int:
+        """``max_len``, given (else ``missing`` is the error) and within the model's context."""
+        if max_len is None:
+            raise MultiheadError(missing)
+        if max_len > self.config.max_context:
+            raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
+        return max_len
+
     def _headwise_cache(self, batch: int, max_len: int | None, plan: HeadPlan, *, window: int | None,
                         sink_tokens: int, bits: int | None) -> HeadwiseCache:
         if not isinstance(plan, HeadPlan):
@@ -194,10 +193,8 @@ class LlamaModel(nn.Module):
         if window is not None or sink_tokens or bits is not None:
             raise MultiheadError("a head plan brings its own sinks and window and stores keys in full: give "
                                  "new_cache(b, max_len, plan=plan) without window=, sink_tokens= or bits=")
-        if max_len is None:
-            raise MultiheadError("new_cache(b, max_len, plan=plan) needs max_len (the tokens a full KV head holds)")
-        if max_len > self.config.max_context:
-            raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
+        max_len = self._check_max_len(max_len, "new_cache(b, max_len, plan=plan) needs max_len (the tokens a full KV "
+                                      "head holds)")
         c = self.config
         a = c.attention()
         assert a.n_kv_heads is not None and a.head_dim is not None
