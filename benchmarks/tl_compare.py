@@ -117,6 +117,8 @@ def prepare(name: str, out: Path = OUT) -> Path:
     folder = out / name
     if (folder / "config.json").is_file():
         return folder
+    if name not in MODELS:
+        raise SystemExit(f"unknown model {name!r}: choose from {', '.join(MODELS)}")
     folder.mkdir(parents=True, exist_ok=True)
     if name == "tiny-gpt2":
         tiny_gpt2().save_pretrained(str(folder))
@@ -124,12 +126,15 @@ def prepare(name: str, out: Path = OUT) -> Path:
     elif name == "smollm2":
         gguf = smollm2_gguf()
         tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
-                                                                  dtype=torch.float32)
+        read = transformers.AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                                 dtype=torch.float32)
+        config = read.config
+        if hasattr(config, "quantization_config"):  # a GGUF-read model refuses save_pretrained: copy its weights
+            del config.quantization_config
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.load_state_dict(read.state_dict())
         model.save_pretrained(str(folder))
         tokenizer.save_pretrained(str(folder))
-    else:
-        raise SystemExit(f"unknown model {name!r}: choose from {', '.join(MODELS)}")
     return folder
 
 
@@ -244,7 +249,9 @@ def tl_dla(bridge: Any, ids: Tensor, answers: Tensor, wrongs: Tensor) -> dict[st
         logits, cache = bridge.run_with_cache(ids)
         heads = cache.stack_head_results(layer=-1, pos_slice=-1)  # (L H, b, D)
         attrs = cache.logit_attrs(heads, answers, wrongs, pos_slice=-1).view(n, h, -1)  # (L, H, b)
-        biases = torch.stack([bridge.blocks[i].attn.b_O.detach() for i in range(n)])  # (L, D)
+        d_model = int(cfg.d_model)
+        biases = torch.stack([torch.zeros(d_model) if bridge.blocks[i].attn.b_O is None  # (L, D); Llama: none
+                              else bridge.blocks[i].attn.b_O.detach() for i in range(n)])
         share = cache.logit_attrs(biases[:, None].expand(n, ids.shape[0], -1), answers, wrongs, pos_slice=-1) / h
         parts, labels = cache.decompose_resid(layer=-1, pos_slice=-1, return_labels=True)  # (parts, b, D)
         attributed = cache.logit_attrs(parts, answers, wrongs, pos_slice=-1)  # (parts, b)
@@ -399,7 +406,8 @@ def memory(name: str, folder: Path, rounds: int) -> dict[str, Any]:
     for task in TASKS:
         for r in range(rounds):
             for tool in tools if r % 2 == 0 else tools[::-1]:
-                done = subprocess.run([sys.executable, __file__, "--worker", tool, name, task, str(folder)],
+                done = subprocess.run([sys.executable, __file__, "--threads", str(torch.get_num_threads()),
+                                       "--worker", tool, name, task, str(folder)],
                                       capture_output=True, text=True, check=True)
                 found.setdefault(task, {}).setdefault(tool, []).append(json.loads(done.stdout.splitlines()[-1]))
     out: dict[str, Any] = {}
@@ -428,10 +436,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--models", nargs="+", choices=MODELS, default=list(MODELS))
     parser.add_argument("--rounds", type=int, default=5, help="timing rounds per task (medians)")
     parser.add_argument("--memory-rounds", type=int, default=3, help="processes per tool and task (medians); 0: none")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads, both tools (default 1: the figures "
+                        "on a shared CPU are steadier)")
     parser.add_argument("--json", type=Path, default=OUT / "results.json")
     parser.add_argument("--worker", nargs=4, metavar=("TOOL", "MODEL", "TASK", "FOLDER"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
+    torch.set_num_threads(args.threads)
     if args.worker:
         tool, name, task, folder = args.worker
         print(json.dumps(worker(tool, name, task, Path(folder))))
