@@ -202,14 +202,15 @@ def mh_patching(model: nn.Module, clean: Tensor, corrupt: Tensor, answers: Tenso
     return activation_patching(model, clean, corrupt, logit_difference(answers, wrongs)).effects
 
 
-def mh_composition(model: nn.Module, *, samples: int = 1) -> dict[str, np.ndarray]:
+def mh_composition(model: nn.Module, *, layers: int | None = None, samples: int = 1) -> dict[str, np.ndarray]:
     """Q-, K-, V-composition per query head in TransformerLens's layout: (L, H, L, H) indexed [writer layer, writer
-    head, reader layer, reader head], 0 where the writer's layer is not before the reader's. ``samples``: the random
-    baseline's draws (not compared; TransformerLens computes none)."""
+    head, reader layer, reader head], 0 where the writer's layer is not before the reader's; ``layers``: the first
+    that many layers only (default all). ``samples``: the random baseline's draws (not compared; TransformerLens
+    computes none)."""
     from multihead.heads.composition import composition_scores
 
-    comp = composition_scores(model, samples=samples)
-    n, h = len(comp.n_heads), comp.n_heads[0]
+    comp = composition_scores(model, samples=samples, layers=None if layers is None else list(range(layers)))
+    n, h = layers or len(comp.n_heads), comp.n_heads[0]
     out = {}
     for kind in ("q", "k", "v"):
         grid = np.zeros((n, h, n, h))
@@ -285,10 +286,26 @@ def tl_patching(bridge: Any, clean: Tensor, corrupt: Tensor, answers: Tensor, wr
     return np.asarray(effects.double().numpy())
 
 
-def tl_composition(bridge: Any) -> dict[str, np.ndarray]:
-    """``all_composition_scores`` for Q, K, V: (L, H, L, H) [writer layer, writer head, reader layer, reader head]."""
+def tl_composition(bridge: Any, layers: int | None = None) -> dict[str, np.ndarray]:
+    """``all_composition_scores`` for Q, K, V: (L, H, L, H) [writer layer, writer head, reader layer, reader head].
+    With ``layers``, the first that many layers only, by the same steps as all_composition_scores (TL's
+    FactoredMatrix and utils.composition_scores, K and V repeated to the query heads by the bridge's
+    _expand_kv_heads): all_composition_scores on SmolLM2's 30 layers broadcasts (30, 9, 30, 9) factored products and
+    was killed by the OOM killer at 18 GB RSS on this 24 GB machine."""
+    if layers is None:
+        with torch.no_grad():
+            return {mode.lower(): bridge.all_composition_scores(mode).scores.double().numpy() for mode in "QKV"}
+    from transformer_lens import utilities as utils
+    from transformer_lens.FactoredMatrix import FactoredMatrix
+
     with torch.no_grad():
-        return {mode.lower(): bridge.all_composition_scores(mode).scores.double().numpy() for mode in "QKV"}
+        w_q, w_o = bridge.W_Q[:layers], bridge.W_O[:layers]
+        w_k, w_v = (bridge._expand_kv_heads(w[:layers]) for w in (bridge.W_K, bridge.W_V))
+        left = FactoredMatrix(w_v, w_o)
+        qk = FactoredMatrix(w_q, w_k.transpose(-2, -1))
+        mask = (torch.arange(layers)[:, None, None, None] < torch.arange(layers)[None, None, :, None])
+        return {kind: torch.where(mask, utils.composition_scores(left, right, broadcast_dims=True), 0.0)
+                .double().numpy() for kind, right in (("q", qk), ("k", qk.T), ("v", left))}
 
 
 # ---------------------------------------------------------------------------------------------- the comparison
@@ -299,6 +316,9 @@ def _max_diff(a: np.ndarray, b: np.ndarray) -> float:
 def _top(effects: np.ndarray, n: int = 5) -> list[str]:
     order = np.argsort(-np.abs(effects), axis=None)[:n]
     return [f"L{o // effects.shape[1]}H{o % effects.shape[1]}" for o in order]
+
+
+COMPOSITION_LAYERS: dict[str, int | None] = {"tiny-gpt2": None, "smollm2": 6}  # None: all, by all_composition_scores
 
 
 def agreements(name: str, model: nn.Module, tokenizer: Any) -> dict[str, Any]:
@@ -320,10 +340,11 @@ def agreements(name: str, model: nn.Module, tokenizer: Any) -> dict[str, Any]:
                          "clean_minus_corrupted": float(np.mean(ours["logit_diff"])
                                                         - np.mean(mh_dla(mh, corrupt, answers, wrongs)["logit_diff"])),
                          "top5_multihead": _top(ours_p), "top5_transformer_lens": _top(theirs_p)}
-    ours_c = mh_composition(model)
-    found["composition"] = {}
+    layers = COMPOSITION_LAYERS[name]
+    ours_c = mh_composition(model, layers=layers)
+    found["composition"] = {"layers": layers or len(ours_c["q"])}
     for processing in ("fold_ln", "default", "raw"):
-        theirs_c = tl_composition(tl_bridge(model, tokenizer, name, processing))
+        theirs_c = tl_composition(tl_bridge(model, tokenizer, name, processing), layers)
         found["composition"][processing] = {kind: _max_diff(ours_c[kind], theirs_c[kind]) for kind in ours_c}
     found["composition"]["max_score"] = float(max(v.max() for v in ours_c.values()))
     return found
@@ -337,10 +358,10 @@ def _tasks(name: str, model: nn.Module, tokenizer: Any) -> dict[str, dict[str, C
     return {
         "multihead": {"dla": lambda: mh_dla(mh, clean, answers, wrongs),
                       "patching": lambda: mh_patching(mh, clean, corrupt, answers, wrongs),
-                      "composition": lambda: mh_composition(model)},
+                      "composition": lambda: mh_composition(model, layers=COMPOSITION_LAYERS[name])},
         "transformer_lens": {"dla": lambda: tl_dla(tl_dla_bridge, clean, answers, wrongs),
                              "patching": lambda: tl_patching(tl_raw, clean, corrupt, answers, wrongs),
-                             "composition": lambda: tl_composition(tl_fold)},
+                             "composition": lambda: tl_composition(tl_fold, COMPOSITION_LAYERS[name])},
     }
 
 
@@ -350,7 +371,7 @@ def timings(name: str, model: nn.Module, tokenizer: Any, rounds: int) -> dict[st
     tools = list(tasks)
     seconds: dict[str, dict[str, list[float]]] = {tool: {task: [] for task in TASKS} for tool in tools}
     for task in TASKS:
-        for tool in tools:  # one warm-up run each
+        for tool in tools if task != "patching" else ():  # one warm-up run each (patching: minutes, none)
             tasks[tool][task]()
         for r in range(rounds):
             for tool in tools if r % 2 == 0 else tools[::-1]:
@@ -392,11 +413,11 @@ def _one_task(tool: str, name: str, task: str, model: nn.Module, tokenizer: Any)
         mh = mh_prepare(model) if task != "composition" else model
         return {"dla": lambda: mh_dla(mh, clean, answers, wrongs),
                 "patching": lambda: mh_patching(mh, clean, corrupt, answers, wrongs),
-                "composition": lambda: mh_composition(model)}[task]
+                "composition": lambda: mh_composition(model, layers=COMPOSITION_LAYERS[name])}[task]
     bridge = tl_bridge(model, tokenizer, name, {"dla": "dla", "patching": "raw", "composition": "fold_ln"}[task])
     return {"dla": lambda: tl_dla(bridge, clean, answers, wrongs),
             "patching": lambda: tl_patching(bridge, clean, corrupt, answers, wrongs),
-            "composition": lambda: tl_composition(bridge)}[task]
+            "composition": lambda: tl_composition(bridge, COMPOSITION_LAYERS[name])}[task]
 
 
 def memory(name: str, folder: Path, rounds: int) -> dict[str, Any]:
