@@ -290,8 +290,9 @@ def tl_composition(bridge: Any, layers: int | None = None) -> dict[str, np.ndarr
     """``all_composition_scores`` for Q, K, V: (L, H, L, H) [writer layer, writer head, reader layer, reader head].
     With ``layers``, the first that many layers only, by the same steps as all_composition_scores (TL's
     FactoredMatrix and utils.composition_scores, K and V repeated to the query heads by the bridge's
-    _expand_kv_heads): all_composition_scores on SmolLM2's 30 layers broadcasts (30, 9, 30, 9) factored products and
-    was killed by the OOM killer at 18 GB RSS on this 24 GB machine."""
+    _expand_kv_heads). The whole of SmolLM2 (30 layers) went through all_composition_scores once here, and the
+    process was killed by the OOM killer at 18 GB RSS (24 GB machine) in that step: its broadcast holds every
+    (writer, reader) pair of the 270 heads at once."""
     if layers is None:
         with torch.no_grad():
             return {mode.lower(): bridge.all_composition_scores(mode).scores.double().numpy() for mode in "QKV"}
