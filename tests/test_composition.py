@@ -315,9 +315,11 @@ def test_a_transformers_bert_gives_the_scores_of_our_port_with_its_weights() -> 
 
 
 def test_models_it_cannot_read_are_refused_by_name() -> None:
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=40))
-    with pytest.raises(MultiheadError, match=r"GPT2LMHeadModel.*'gpt2'"):
-        composition_scores(gpt2)
+    opt = transformers.OPTForCausalLM(transformers.OPTConfig(hidden_size=32, num_hidden_layers=2, ffn_dim=48,
+                                                             num_attention_heads=4, vocab_size=40,
+                                                             word_embed_proj_dim=32))
+    with pytest.raises(MultiheadError, match=r"OPTForCausalLM.*'opt'"):
+        composition_scores(opt)
     with pytest.raises(MultiheadError, match="got a Linear"):
         composition_scores(nn.Linear(3, 3))
     port = _llama(2)

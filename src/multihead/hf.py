@@ -153,25 +153,39 @@ def _out_hook(module: nn.Module, _args: Any, output: Any) -> Any:
 
 
 # decoder layers written as Llama's (residual = h; h = residual + self_attn(input_layernorm(h)); residual = h;
-# h = residual + mlp(post_attention_layernorm(h))): the families whose layers get the residual-stream points
-RESID_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo")
+# h = residual + mlp(post_attention_layernorm(h))): the families whose layers get the residual-stream points. GPT-2's
+# blocks are the same two pre-norm sublayers under other names (attn, mlp, ln_1, ln_2: LayerNorms with a bias)
+RESID_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "gpt2")
+
+# (attention, MLP, the norm before each) as the family's decoder layer names them
+_LLAMA_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+_BLOCK_PARTS: dict[str, tuple[str, str, str, str]] = {"gpt2": ("attn", "mlp", "ln_1", "ln_2")}
+
+
+def block_parts(model: nn.Module) -> tuple[str, str, str, str]:
+    """The names of (attention, MLP, attention's norm, MLP's norm) in a decoder layer of ``model``'s family:
+    ``("attn", "mlp", "ln_1", "ln_2")`` for GPT-2, Llama's ``self_attn`` .. ``post_attention_layernorm`` otherwise."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return _BLOCK_PARTS.get(str(getattr(text, "model_type", None)), _LLAMA_PARTS)
 
 
 def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The decoder layers of a transformers model of the :data:`RESID_FAMILIES` (modules holding ``self_attn``,
-    ``mlp``, ``input_layernorm`` and ``post_attention_layernorm``), by name; empty for other families."""
+    """The decoder layers of a transformers model of the :data:`RESID_FAMILIES` (modules holding the family's
+    attention, MLP and their two norms, :func:`block_parts`), by name; empty for other families."""
     config: Any = getattr(model, "config", None)
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if getattr(text, "model_type", None) not in RESID_FAMILIES:
         return {}
-    parts = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    parts = block_parts(model)
     return {name: m for name, m in model.named_modules()
             if all(isinstance(getattr(m, p, None), nn.Module) for p in parts)}
 
 
-def _add_resid_points(layer: nn.Module) -> None:
-    """The five residual-stream points on one Llama-structured decoder layer, by module hooks (transformers' forward
-    is not edited): resid_pre on the layer's input, attn_out on self_attn's output, resid_mid as resid_pre + attn_out
+def _add_resid_points(layer: nn.Module, attention: str = "self_attn", mlp: str = "mlp") -> None:
+    """The five residual-stream points on one Llama-structured decoder layer (its sublayers named ``attention`` and
+    ``mlp``), by module hooks (transformers' forward is not edited): resid_pre on the layer's input, attn_out on the
+    attention's output, resid_mid as resid_pre + attn_out
     (a replacement R is handed on as attn_out = R - resid_pre, so what the layer adds is R up to one rounding),
     mlp_out on the MLP's output, resid_post on the layer's output. Points with no hook cost one list test each."""
     pre, attn_out, mid, mlp_out, post = add_resid_points(layer)
@@ -215,17 +229,15 @@ def _add_resid_points(layer: nn.Module) -> None:
         return (post(output[0]), *output[1:]) if isinstance(output, tuple) else post(output)
 
     layer.register_forward_pre_hook(on_input, with_kwargs=True)
-    attention: Any = layer.self_attn
-    attention.register_forward_hook(on_attention)
-    mlp: Any = layer.mlp
-    mlp.register_forward_hook(on_mlp)
+    layer.get_submodule(attention).register_forward_hook(on_attention)
+    layer.get_submodule(mlp).register_forward_hook(on_mlp)
     layer.register_forward_hook(on_output)
 
 
 def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     """Switch a transformers model to multihead's attention (in place) and give each attention module the hook points
     ``hook_q`` .. ``hook_out`` (``hook_out`` is the module's own output), and each decoder layer of the
-    :data:`RESID_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo) the residual-stream points
+    :data:`RESID_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo, GPT-2) the residual-stream points
     ``hook_resid_pre`` .. ``hook_resid_post`` (``model.layers.3.hook_resid_post``; :mod:`multihead.hooks`).
     Returns the model."""
     register()
@@ -246,9 +258,10 @@ def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
             add_hook_points(module)
             module.register_forward_hook(_out_hook)
         module.multihead_backend = backend  # type: ignore[assignment]
+    attention, mlp = block_parts(model)[:2]
     for layer in decoder_layers(model).values():
         if "_resid_points" not in layer.__dict__:
-            _add_resid_points(layer)
+            _add_resid_points(layer, attention, mlp)
     return model
 
 

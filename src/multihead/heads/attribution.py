@@ -32,7 +32,8 @@ z_(l,i) W_O^(l,i) pushes toward, through the final norm with the real run's froz
 
 Models: multihead's :class:`~multihead.models.llama.LlamaModel` (or its head-analysis adapter), and transformers
 causal models of the Llama-structured families of :data:`multihead.hf.RESID_FAMILIES` with an RMSNorm (llama,
-mistral, qwen2, qwen3, smollm3) after :func:`multihead.hf.enable`. The BERT encoder has no unembedding: not here.
+mistral, qwen2, qwen3, smollm3), and GPT-2 (LayerNorms with a bias, learned absolute positions in block 0's input,
+Conv1D weights read transposed), after :func:`multihead.hf.enable`. The BERT encoder has no unembedding: not here.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def read_model(model: Any) -> _Model:
     if isinstance(inner, nn.Module) and hasattr(inner, "_can_set_attn_implementation"):
         return _read_transformers(inner)
     raise MultiheadError(f"direct logit attribution reads multihead's LlamaModel and transformers causal models "
-                         f"(llama, mistral, qwen2, qwen3, smollm3) after hf.enable: got a {type(model).__name__}")
+                         f"(llama, mistral, qwen2, qwen3, smollm3, gpt2) after hf.enable: got a "
+                         f"{type(model).__name__}")
 
 
 def _read_port(model: Any) -> _Model:
@@ -142,33 +144,45 @@ def _read_transformers(model: nn.Module) -> _Model:
     name = type(model).__name__
     blocks = list(hf.decoder_layers(model).values())
     head: Any = getattr(model, "lm_head", None)
-    base: Any = getattr(model, "model", None)
-    norm: Any = getattr(base, "norm", None)
+    gpt2 = text.model_type == "gpt2"
+    base: Any = getattr(model, "transformer" if gpt2 else "model", None)
+    norm: Any = getattr(base, "ln_f" if gpt2 else "norm", None)
     families = [f for f in hf.RESID_FAMILIES if f != "olmo"]
     if text.model_type not in families or not blocks or not isinstance(head, nn.Linear) or norm is None:
         raise MultiheadError(f"direct logit attribution reads transformers causal models of type "
-                             f"{', '.join(families)} (decoder layers at .model.layers, an lm_head): {name} "
-                             f"(model_type {text.model_type!r}) is not one")
-    if not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
+                             f"{', '.join(families)} (decoder layers at .model.layers or GPT-2's .transformer.h, an "
+                             f"lm_head): {name} (model_type {text.model_type!r}) is not one")
+    if gpt2:
+        if not isinstance(norm, nn.LayerNorm) or norm.normalized_shape != (head.weight.shape[1],):
+            raise MultiheadError(f"{name}: the final norm ln_f is a {type(norm).__name__}, not a LayerNorm over "
+                                 "d_model")
+    elif not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
         raise MultiheadError(f"{name}: the final norm is a {type(norm).__name__}, not a Llama-style RMSNorm")
     if getattr(text, "final_logit_softcapping", None):
         raise MultiheadError(f"{name} softcaps its logits: a logit difference is then not a sum of writes")
     h = int(text.num_attention_heads)
     g = int(getattr(text, "num_key_value_heads", None) or h)
+    attention = hf.block_parts(model)[0]
     layers = []
     for i, block in enumerate(blocks):
-        attn: Any = block.self_attn
+        attn: Any = getattr(block, attention)
         where = f"layers.{i}"
-        o = attn.o_proj
-        layers.append(_Layer(attn, hook_point(attn, "hook_z", f"{where}.self_attn"),
+        o = attn.c_proj if gpt2 else attn.o_proj
+        w_o = o.weight.detach().T if gpt2 else o.weight.detach()  # GPT-2's Conv1D holds (in, out): as nn.Linear's
+        layers.append(_Layer(attn, hook_point(attn, "hook_z", f"{where}.{attention}"),
                              hook_point(block, "hook_mlp_out", where), hook_point(block, "hook_resid_post", where),
-                             o.weight.detach(), None if o.bias is None else o.bias.detach(), h, g,
-                             int(getattr(attn, "head_dim", None) or o.weight.shape[1] // h)))
+                             w_o, None if o.bias is None else o.bias.detach(), h, g,
+                             int(getattr(attn, "head_dim", None) or w_o.shape[1] // h)))
 
     def forward(ids: Tensor) -> Tensor:
         out: Tensor = model(ids, use_cache=False).logits
         return out
 
+    if gpt2:  # the final LayerNorm: centred, with a bias; block 0's input is the token plus position embeddings
+        return _Model(name, forward, hook_point(blocks[0], "hook_resid_pre", "layers.0"), tuple(layers),
+                      None if norm.weight is None else norm.weight.detach(),
+                      None if norm.bias is None else norm.bias.detach(), float(norm.eps), True,
+                      head.weight.detach(), None if head.bias is None else head.bias.detach())
     return _Model(name, forward, hook_point(blocks[0], "hook_resid_pre", "layers.0"), tuple(layers),
                   norm.weight.detach(), None, float(norm.variance_epsilon), False, head.weight.detach(),
                   None if head.bias is None else head.bias.detach())
@@ -277,13 +291,13 @@ def direct_logit_attribution(model: Any, ids: Tensor, answers: Tokens, wrongs: T
     w = None if wrongs is None else _tokens(wrongs, b, "wrongs", vocab).to(logits.device)
     f64 = torch.float64
     real = logits.to(f64).gather(-1, a.view(b, 1, 1).expand(b, s, 1))[..., 0]
-    u = m.unembed.to(f64)[a]  # (b, D)
+    u = m.unembed[a].to(f64)  # (b, D): the answer rows only (not the whole unembedding in float64)
     const = torch.zeros(b, dtype=f64, device=logits.device)
     if m.unembed_bias is not None:
         const = const + m.unembed_bias.to(f64)[a]
     if w is not None:
         real = real - logits.to(f64).gather(-1, w.view(b, 1, 1).expand(b, s, 1))[..., 0]
-        u = u - m.unembed.to(f64)[w]
+        u = u - m.unembed[w].to(f64)
         if m.unembed_bias is not None:
             const = const - m.unembed_bias.to(f64)[w]
     if m.norm_bias is not None:

@@ -70,6 +70,7 @@ from multihead.errors import MultiheadError
 KINDS = ("q", "k", "v", "k_kv", "v_kv")  # per query head of the reader: q, k, v; per KV head: k_kv, v_kv
 _HF_DECODERS = ("llama", "mistral", "qwen2", "qwen3")  # pre-RMSNorm decoders with q/k/v/o_proj (qwen3: q/k norms)
 _HF_ENCODERS = ("bert",)  # post-LayerNorm encoders
+_HF_GPT2 = ("gpt2",)  # pre-LayerNorm decoders with a fused c_attn and c_proj (Conv1D: (in, out) weights)
 
 
 # ---------------------------------------------------------------------------------------------- what the heads read
@@ -173,7 +174,8 @@ def circuits(model: Any, *, dtype: torch.dtype = torch.float64) -> Circuits:
     """The circuits of every attention layer of ``model``, in ``dtype`` (float64 by default), norms folded as the
     module says: our :class:`~multihead.models.llama.LlamaModel` and BERT encoder (``BertEncoder`` or a
     ``SentenceEncoder``), a head-analysis adapter of either (``load_head_model``), or a transformers model of type
-    llama, mistral, qwen2, qwen3 (decoders) or bert (an encoder). Anything else raises a MultiheadError naming it."""
+    llama, mistral, qwen2, qwen3, gpt2 (decoders) or bert (an encoder). Anything else raises a MultiheadError
+    naming it."""
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise MultiheadError(f"dtype ({dtype!r}) must be a floating-point torch dtype, e.g. torch.float64")
     from multihead.models.bert import BertEncoder, SentenceEncoder
@@ -191,7 +193,7 @@ def circuits(model: Any, *, dtype: torch.dtype = torch.float64) -> Circuits:
     if isinstance(inner, nn.Module) and transformers_model:
         return _transformers(inner, dtype)
     raise MultiheadError(f"composition scores read multihead's LlamaModel and BERT encoder and transformers models "
-                         f"({', '.join(_HF_DECODERS + _HF_ENCODERS)}): got a {type(model).__name__}")
+                         f"({', '.join(_HF_DECODERS + _HF_GPT2 + _HF_ENCODERS)}): got a {type(model).__name__}")
 
 
 def _unwrap(model: Any) -> Any:
@@ -294,11 +296,14 @@ def _transformers(model: nn.Module, dtype: torch.dtype) -> Circuits:
     config: Any = model.config
     model_type = getattr(config, "model_type", None)
     name = type(model).__name__
-    if model_type not in _HF_DECODERS + _HF_ENCODERS:
+    known = _HF_DECODERS + _HF_GPT2 + _HF_ENCODERS
+    if model_type not in known:
         raise MultiheadError(f"composition scores cannot read {name} (model_type {model_type!r}): its weights and "
-                             f"norms are read for transformers models of type {', '.join(_HF_DECODERS + _HF_ENCODERS)}")
+                             f"norms are read for transformers models of type {', '.join(known)}")
     if model_type in _HF_ENCODERS:
         return _transformers_bert(model, name, dtype)
+    if model_type in _HF_GPT2:
+        return _transformers_gpt2(model, name, dtype)
     base: Any = getattr(model, "model", model)
     blocks = getattr(base, "layers", None)
     if not isinstance(blocks, nn.ModuleList):
@@ -334,6 +339,38 @@ def _transformers(model: nn.Module, dtype: torch.dtype) -> Circuits:
     if biased:
         notes.append(_BIAS_NOTE)
     return Circuits(name, tuple(layers), tuple(() for _ in layers), tuple(notes))
+
+
+def _transformers_gpt2(model: nn.Module, name: str, dtype: torch.dtype) -> Circuits:
+    """GPT-2: pre-LayerNorm blocks (ln_1 folded into W_Q, W_K, W_V as P diag(gamma)), c_attn's (D, 3D) Conv1D weight
+    split into q, k, v and, like c_proj's, transposed to nn.Linear's (out, in)."""
+    base: Any = getattr(model, "transformer", model)
+    blocks = getattr(base, "h", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise MultiheadError(f"{name} (model_type 'gpt2') has no blocks at .transformer.h")
+    config: Any = model.config
+    h = int(config.num_attention_heads)
+    layers = []
+    block: Any
+    for i, block in enumerate(blocks):
+        where = f"transformer.h.{i}.attn"
+        attn = getattr(block, "attn", None)
+        if attn is None or getattr(attn, "is_cross_attention", False) or not isinstance(block.ln_1, nn.LayerNorm):
+            raise MultiheadError(f"{name}: block {i} has no self-attention 'attn' read through a LayerNorm 'ln_1'")
+        qkv = _plain(attn.c_attn.weight, f"{where}.c_attn.weight")  # (D, 3 D): x @ W
+        d_model = qkv.shape[0]
+        if tuple(qkv.shape) != (d_model, 3 * d_model) or d_model % h:
+            raise MultiheadError(f"{where}.c_attn.weight is {tuple(qkv.shape)}: expected (d_model, 3 d_model) with "
+                                 f"d_model divisible by {h} heads")
+        q, k, v = (w.T for w in qkv.split(d_model, dim=1))  # (D, D) each, as nn.Linear's (out, in)
+        o = _plain(attn.c_proj.weight, f"{where}.c_proj.weight").T
+        norm = Norm(f"transformer.h.{i}.ln_1", _weight(block.ln_1, f"transformer.h.{i}.ln_1"), center=True)
+        layers.append(_heads(where, q, k, v, o, h=h, g=h, d=d_model // h, norm=norm, dtype=dtype))
+    notes = ("the ln_1 LayerNorm folded into W_Q, W_K, W_V as P diag(gamma) (centring and weight; exact for the "
+             "linear part: 1/sigma(x) is a per-token scale)",
+             "learned absolute positions: they are in the stream the heads read, so the Q- and K-scores carry no "
+             "RoPE caveat", _BIAS_NOTE + ", ln_1's beta too")
+    return Circuits(name, tuple(layers), tuple(() for _ in layers), notes)
 
 
 def _transformers_bert(model: nn.Module, name: str, dtype: torch.dtype) -> Circuits:
