@@ -68,7 +68,7 @@ def _threads() -> int:
 intra_op_threads: Callable[[], int] = torch.compiler.assume_constant_result(_threads)
 
 LOAD_EVERY = 0.1  # seconds between two readings of the other processes' runnable threads
-LOAD_SMOOTHING = 0.3  # weight of a new reading in the running average
+LOAD_SMOOTHING = 0.3  # weight of a new reading in the running average, readings LOAD_EVERY s apart
 
 
 class _Load:
@@ -114,10 +114,10 @@ class _Load:
             return self.pinned
         now = time.monotonic()
         if now - self.at >= LOAD_EVERY:
-            first = self.at == -float("inf")
+            # a reading's weight as if one had been taken every LOAD_EVERY s meanwhile (an old average counts less)
+            weight = 1.0 - (1.0 - LOAD_SMOOTHING) ** min((now - self.at) / LOAD_EVERY, 64.0)
             self.at = now
-            reading = self.read()
-            self.others = reading if first else self.others + LOAD_SMOOTHING * (reading - self.others)
+            self.others += weight * (self.read() - self.others)
             self.spare = self.cores() - self.others
         return self.spare
 
