@@ -142,3 +142,21 @@ def test_busy_processes_show_in_the_reading() -> None:
             proc.kill()
         for proc in procs:
             proc.wait()
+
+
+def test_a_low_precision_split_runs_in_one_thread_where_cores_are_busy_and_the_count_comes_back() -> None:
+    layer = Linear(384, 192, dtype=torch.bfloat16)
+    x = torch.randn(1, 384, dtype=torch.bfloat16)
+    assert not cpu.product_in_one_thread(2, layer.weight)  # two cores free (the fixture)
+    free = layer(x)
+    cpu.pin_spare_cores(1.0)
+    assert cpu.product_in_one_thread(2, layer.weight)
+    assert not cpu.product_in_one_thread(1, layer.weight)  # plain F.linear: PyTorch's own threads
+    assert not cpu.product_in_one_thread(2, layer.weight.float())  # float32 falls back to F.linear instead
+    with cpu.disabled():
+        assert not cpu.product_in_one_thread(2, layer.weight)
+    seen: list[int] = []
+    layer.register_forward_hook(lambda m, i, o: seen.append(torch.get_num_threads()))
+    busy = layer(x)
+    assert torch.get_num_threads() == 2 and seen == [2]  # the count is back once the product ran
+    assert torch.equal(busy, free)  # the same blocks, the same sums

@@ -7,6 +7,7 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
   over the intra-op threads that find a free core (:func:`free_threads`: other processes' runnable threads are read
   from the kernel, so a loaded machine gets plain F.linear for float32), and for bfloat16/float16 with the weight as
   the left operand, which their one-row F.linear lacks (:mod:`multihead.linear`);
+- :func:`product_in_one_thread`: on a loaded machine a split low-precision product runs with one intra-op thread;
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
   which kernel runs and how; run by :func:`multihead.kernels.sdpa_attention`);
@@ -179,6 +180,19 @@ def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
     if weight.dtype != torch.float32:
         n = max(n, 2)  # the layout gains with one thread too (see above)
     return n if n > 1 and weight.shape[0] % n == 0 else 1
+
+
+def product_in_one_thread(blocks: int, weight: Tensor) -> bool:
+    """Whether a split low-precision product (``blocks`` > 1 from :func:`split_product`) runs with one intra-op thread
+    because other processes leave fewer cores free than there are threads (:func:`free_threads`).
+
+    oneDNN's bfloat16 product over 2 threads waits for whichever thread the scheduler left off the core. Measured, the
+    211 matrices of SmolLM2-135M in bfloat16 at one row, one process, alternating, 9 rounds, load average 3.9 on the
+    2 cores (median ms): F.linear 454, split over 2 threads 324, split in one thread 146 (0.32x F.linear); setting the
+    thread count there and back costs 12 us. Not under torch.compile (the count is a process setting, not an op).
+    """
+    return (_enabled and blocks > 1 and weight.dtype != torch.float32 and not torch.compiler.is_compiling()
+            and free_threads() < intra_op_threads())
 
 
 def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: torch.device,
