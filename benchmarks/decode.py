@@ -4,14 +4,21 @@ Each round times multihead (eager, and with ``--compile`` its compiled decoding 
 (alternating), for float32 and bfloat16; the ratio of medians is reported with two memory-bandwidth bounds: bytes
 of weights read per token over the measured copy rate (bytes copied per second, one direction counted) and over the
 measured read rate (a large tensor summed). The compiled step is compiled once before the rounds (time reported).
+"multihead plain" is the same model with :mod:`multihead.cpu`'s speed paths off (``cpu.disabled()``).
 
-    .venv/bin/python benchmarks/decode.py [--new-tokens 128] [--rounds 5] [--compile] [--record]
+``--load N`` runs every round twice, first as the machine is, then with N busy processes this benchmark starts (pure
+Python loops, one core each), and reports both conditions in one table. ``--profile`` adds, for each dtype, the ops
+taking the most self CPU time over ``--profile-tokens`` decoded tokens (torch.profiler, key_averages) for multihead
+(eager, compiled with --compile) and transformers; with --load, under the load too.
+
+    .venv/bin/python benchmarks/decode.py [--new-tokens 128] [--rounds 5] [--compile] [--load N] [--profile] [--record]
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import multiprocessing
 import os
 import statistics
 import sys
@@ -52,11 +59,59 @@ def read_rate(nbytes: int = 512 * 2**20) -> float:
     return nbytes / statistics.median(times)
 
 
+def busy() -> None:
+    """One core's worth of load: a pure-Python loop until terminated."""
+    while True:
+        pass
+
+
+def start_load(n: int) -> list[multiprocessing.Process]:
+    """N busy processes, started and given a second to show in the load readings."""
+    procs = [multiprocessing.get_context("spawn").Process(target=busy, daemon=True) for _ in range(n)]
+    for proc in procs:
+        proc.start()
+    time.sleep(1.0)
+    return procs
+
+
+def stop_load(procs: list[multiprocessing.Process]) -> None:
+    for proc in procs:
+        proc.terminate()
+    for proc in procs:
+        proc.join()
+
+
+def uptime() -> str:
+    """The load averages (1, 5, 15 minutes) as the kernel reports them."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def profile_table(title: str, run: Callable[[], int], rows: int) -> list[str]:
+    """The ``rows`` ops with the most self CPU time while ``run`` decodes, as a markdown table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        got = run()
+    events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
+    total = sum(e.self_cpu_time_total for e in events) or 1.0
+    lines = [f"{title} ({got} tokens, self CPU {total / 1e3:.0f} ms in all):", "",
+             "| op | self CPU ms | of all | calls | per token ms |", "|---|---|---|---|---|"]
+    for e in events[:rows]:
+        lines.append(f"| {e.key} | {e.self_cpu_time_total / 1e3:.1f} | {e.self_cpu_time_total / total:.0%} | "
+                     f"{e.count} | {e.self_cpu_time_total / 1e3 / max(got, 1):.2f} |")
+    return [*lines, ""]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--new-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--compile", action="store_true", help="also time multihead's compiled decoding step")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="also run every round with N busy background processes (one core each)")
+    parser.add_argument("--profile", action="store_true", help="per-op self CPU time for each dtype and model")
+    parser.add_argument("--profile-tokens", type=int, default=16)
+    parser.add_argument("--profile-rows", type=int, default=10)
     parser.add_argument("--record", action="store_true", help="append the results to benchmarks/RESULTS.md")
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
@@ -64,6 +119,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
+    from multihead import cpu
     from multihead.models import load_llama
     from multihead.models.generate import generate_ids
     from tests_support import smollm2_gguf
@@ -84,9 +140,16 @@ def main() -> None:
         got = run()
         return got / (time.perf_counter() - t)
 
+    conditions = ["as is"] + ([f"{args.load} busy"] if args.load else [])
+    profiles: list[str] = []
     for dtype, (ours, hf) in models.items():
+        def plain(m: Any = ours) -> int:
+            with cpu.disabled():
+                return sum(1 for _ in generate_ids(m, [prompt], max_new_tokens=n))
+
         runs: dict[str, Callable[[], int]] = {
             "multihead": lambda m=ours: sum(1 for _ in generate_ids(m, [prompt], max_new_tokens=n)),
+            "multihead plain": plain,
         }
         if args.compile:
             runs["multihead compiled"] = lambda m=ours: sum(
@@ -95,34 +158,53 @@ def main() -> None:
             runs["multihead compiled"]()
             notes.append(f"{dtype}: compiling the decode step took {time.perf_counter() - t:.0f} s (once)")
 
-        def hf_run(m: Any = hf) -> int:
+        def hf_run(m: Any = hf, k: int = n) -> int:
             with torch.no_grad():
-                m.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False)
-            return n
+                m.generate(torch.tensor([prompt]), max_new_tokens=k, min_new_tokens=k, do_sample=False)
+            return k
 
-        speeds: dict[str, list[float]] = {name: [] for name in [*runs, "transformers"]}
-        for _ in range(args.rounds):
-            for name, run in runs.items():
-                speeds[name].append(tokens_per_second(run))
-            speeds["transformers"].append(tokens_per_second(hf_run))
+        runs["transformers"] = hf_run
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
-        h = statistics.median(speeds["transformers"])
-        for name in runs:
-            o = statistics.median(speeds[name])
-            lines.append(f"| {dtype} | {name} | {o:.1f} | {h:.1f} | {o / h:.2f}x | {rate / weight_bytes:.1f} | "
-                         f"{o / (rate / weight_bytes):.0%} | {read / weight_bytes:.1f} | "
-                         f"{o / (read / weight_bytes):.0%} |")
+        for condition in conditions:
+            procs = start_load(args.load) if condition != "as is" else []
+            try:
+                notes.append(f"{dtype}, {condition}: load averages before the rounds {uptime()}, "
+                             f"multihead.cpu.free_threads() {cpu.free_threads()}")
+                speeds: dict[str, list[float]] = {name: [] for name in runs}
+                for _ in range(args.rounds):
+                    for name, run in runs.items():
+                        speeds[name].append(tokens_per_second(run))
+                if args.profile:
+                    k = args.profile_tokens
+                    picked: dict[str, Callable[[], int]] = {
+                        "multihead": lambda m=ours, k=k: sum(1 for _ in generate_ids(m, [prompt], max_new_tokens=k)),
+                        "transformers": lambda k=k: hf_run(k=k)}
+                    if args.compile:
+                        picked["multihead compiled"] = lambda m=ours, k=k: sum(
+                            1 for _ in generate_ids(m, [prompt], max_new_tokens=k, compile=True))
+                    for name, run in picked.items():
+                        profiles += profile_table(f"{dtype}, {condition}, {name}", run, args.profile_rows)
+            finally:
+                stop_load(procs)
+            h = statistics.median(speeds["transformers"])
+            for name in runs:
+                if name == "transformers":
+                    continue
+                o = statistics.median(speeds[name])
+                lines.append(f"| {dtype} | {condition} | {name} | {o:.1f} | {h:.1f} | {o / h:.2f}x | "
+                             f"{rate / weight_bytes:.1f} | {o / (rate / weight_bytes):.0%} | "
+                             f"{read / weight_bytes:.1f} | {o / (read / weight_bytes):.0%} |")
     header = [
         f"### SmolLM2-135M greedy decode, batch 1, {n} new tokens ({datetime.date.today()})",
         f"machine: {bench.machine()}, torch {torch.__version__}; copy rate {rate / 1e9:.1f} GB/s "
         f"(one direction), read rate {read / 1e9:.1f} GB/s; median of {args.rounds} alternating rounds",
         *[f"{note}" for note in notes],
         "",
-        "| dtype | ours | ours tok/s | transformers tok/s | ratio | copy bound tok/s | of it | read bound tok/s "
-        "| of it |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| dtype | load | ours | ours tok/s | transformers tok/s | ratio | copy bound tok/s | of it | read bound "
+        "tok/s | of it |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    text = "\n".join(header + lines) + "\n"
+    text = "\n".join(header + lines + (["", *profiles] if profiles else [])) + "\n"
     publish(text, args.record)
 
 

@@ -28,10 +28,15 @@ def to_np(t: torch.Tensor) -> np.ndarray:
 
 @pytest.fixture
 def two_threads():  # type: ignore[no-untyped-def]
-    """Two intra-op threads for the test, whatever the machine: the CPU paths that split work by thread count."""
+    """Two intra-op threads for the test, whatever the machine and its load: the CPU paths that split work by thread
+    count (multihead.cpu decides as if other processes left two cores free)."""
+    from multihead import cpu
+
     before = torch.get_num_threads()
     torch.set_num_threads(2)
+    cpu.pin_spare_cores(2)
     yield
+    cpu.pin_spare_cores(None)
     torch.set_num_threads(before)
 
 

@@ -1,10 +1,13 @@
 """The speed decisions measured on a small CPU, gathered in one place behind one switch.
 
 Each function here answers "take the fast path for this call?" for one trick that gives the same result as the plain
-code (within float32 rounding) and was measured faster on the 2-core machine of benchmarks/RESULTS.md:
+code (within the dtype's rounding) and was measured faster on the 2-core machine of benchmarks/RESULTS.md:
 
 - :func:`split_product`: few-row projections (decoding) as a batched product over row blocks of the weight, spread
-  over the intra-op threads (:mod:`multihead.linear`);
+  over the intra-op threads that find a free core (:func:`free_threads`: other processes' runnable threads are read
+  from the kernel, so a loaded machine gets plain F.linear for float32), and for bfloat16/float16 with the weight as
+  the left operand, which their one-row F.linear lacks (:mod:`multihead.linear`);
+- :func:`product_in_one_thread`: on a loaded machine a split low-precision product runs with one intra-op thread;
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
   which kernel runs and how; run by :func:`multihead.kernels.sdpa_attention`);
@@ -20,6 +23,8 @@ the switch is read when the graph is traced.
 
 from __future__ import annotations
 
+import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -28,9 +33,10 @@ from torch import Tensor
 
 _enabled = True
 
-# split product: at most this many rows (tokens x batch), weights of at least this many elements, float32 only
+# split product: at most this many rows (tokens x batch), weights of at least this many elements
 SPLIT_MAX_ROWS = 64
 SPLIT_MIN_WEIGHT = 65536
+SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def enabled() -> bool:
@@ -62,21 +68,106 @@ def _threads() -> int:
 # under torch.compile the thread count is read once, when the graph is traced (set_num_threads before compiling)
 intra_op_threads: Callable[[], int] = torch.compiler.assume_constant_result(_threads)
 
+LOAD_EVERY = 0.1  # seconds between two readings of the other processes' runnable threads
+LOAD_SMOOTHING = 0.3  # weight of a new reading in the running average, readings LOAD_EVERY s apart
+
+
+class _Load:
+    """The cores other processes leave to this one, from readings at most LOAD_EVERY s apart (a running average).
+
+    A reading is the kernel's count of runnable threads at this instant (the 4th field of /proc/loadavg, not the
+    1-minute average) less this process's own (its threads in state R): the threads that compete with this process's
+    intra-op threads for the cores. Where /proc is not there (not Linux), nothing is counted (every core free).
+    ``pinned`` replaces the result with a fixed count of spare cores (tests, and benchmarks that want one decision
+    throughout).
+    """
+
+    def __init__(self) -> None:
+        self.at = -float("inf")
+        self.others = 0.0
+        self.spare = float(self.cores())
+        self.pinned: float | None = None
+
+    @staticmethod
+    def cores() -> int:
+        """The machine's cores: the runnable threads read are the whole machine's."""
+        return os.cpu_count() or 1
+
+    @staticmethod
+    def read() -> float:
+        try:
+            with open("/proc/loadavg") as f:
+                running = int(f.read().split()[3].split("/")[0])
+            mine = 0
+            for task in os.listdir("/proc/self/task"):
+                try:
+                    with open(f"/proc/self/task/{task}/stat") as f:
+                        mine += f.read().rpartition(")")[2].split()[0] == "R"
+                except (OSError, IndexError):  # the thread ended meanwhile
+                    continue
+        except (OSError, ValueError, IndexError):
+            return 0.0
+        return float(max(running - mine, 0))
+
+    def spare_cores(self) -> float:
+        """Cores less the other processes' runnable threads (the running average), refreshed when due."""
+        if self.pinned is not None:
+            return self.pinned
+        now = time.monotonic()
+        if now - self.at >= LOAD_EVERY:
+            # a reading's weight as if one had been taken every LOAD_EVERY s meanwhile (an old average counts less)
+            weight = 1.0 - (1.0 - LOAD_SMOOTHING) ** min((now - self.at) / LOAD_EVERY, 64.0)
+            self.at = now
+            self.others += weight * (self.read() - self.others)
+            self.spare = self.cores() - self.others
+        return self.spare
+
+
+_load = _Load()
+
+
+def free_threads() -> int:
+    """How many of this process's intra-op threads find a core that no other process keeps busy (at least 1).
+
+    ``intra_op_threads()`` capped by the cores less the other processes' runnable threads (:class:`_Load`, a running
+    average refreshed at most every LOAD_EVERY s, so a call costs a clock reading). Under torch.compile it is read
+    once, when the graph is traced (:data:`free_threads_traced`).
+    """
+    return max(1, min(intra_op_threads(), int(_load.spare_cores() + 0.5)))
+
+
+free_threads_traced: Callable[[], int] = torch.compiler.assume_constant_result(free_threads)
+
+
+def pin_spare_cores(spare: float | None) -> None:
+    """Decide as if other processes left ``spare`` cores free (a large number: an idle machine); None: read the load
+    again (the default)."""
+    _load.pinned = None if spare is None else float(spare)
+
 
 def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
     """How many row blocks to split ``x @ weight.T`` into (1 = plain ``F.linear``).
 
-    Measured (float32, the 210 matrices of SmolLM2-135M at one row): 63 ms with F.linear, whose gemv kept to one core
-    here, 33 ms split in 2; 1536 x 576 at 1-64 rows 0.4-0.8x the time of F.linear; from about 128 rows the two are
-    level. bfloat16 gains nothing (its gemm already uses both cores). Weights under SPLIT_MIN_WEIGHT elements sit in
-    cache and the split's own dispatch costs more than it saves (72 x 64 at one row: 20 us split, 5 us plain).
+    float32: measured (the 210 matrices of SmolLM2-135M at one row, idle 2-core Xeon): 63 ms with F.linear, whose
+    gemv kept to one core here, 33 ms split in 2; 1536 x 576 at 1-64 rows 0.4-0.8x the time of F.linear; from about
+    128 rows the two are level. It splits over :func:`free_threads` blocks only: when other processes keep the cores
+    busy, a split waits for its descheduled thread while F.linear's one-core gemv does not (1536 x 576, one row,
+    load average 7 on the 2 cores: split in 2 748 us against F.linear's 49 us; 15x), so it falls back to F.linear.
+
+    bfloat16 and float16: split in at least 2 blocks, whatever the load. Their F.linear at one row (oneDNN's AMX
+    matmul, x as the one-row left operand) is slow for the larger matrices; ``W @ x^T`` (the weight as the left
+    operand, as the split runs it) is not. One process, alternating, best of 15 (load average 6.7 on the 2 cores, so
+    the figures are loaded ones), bfloat16 F.linear against split in 2, 2 threads: 1536 x 576 478 / 60 us, 576 x 1536
+    383 / 56 us, 576 x 576 73 / 68 us, 49152 x 576 (the tied lm_head) 17.5 / 17.8 ms; 1 thread: 260 / 220, 463 / 216,
+    61 / 49 us, 28.9 / 14.4 ms. Weights under SPLIT_MIN_WEIGHT elements sit in cache and the split's own dispatch
+    costs more than it saves (float32 72 x 64 at one row: 20 us split, 5 us plain).
     """
     if (  # cheapest tests first: this runs for every projection of every step
         not _enabled
         or not 0 < rows <= SPLIT_MAX_ROWS
         or weight.numel() < SPLIT_MIN_WEIGHT
-        or x.dtype != torch.float32
-        or weight.dtype != torch.float32
+        or x.dtype != weight.dtype
+        or weight.dtype not in SPLIT_DTYPES
         or x.device.type != "cpu"
         or type(weight) not in (Tensor, torch.nn.Parameter)  # tensor subclasses (DTensor shards) dispatch their own
         or type(x) is not Tensor
@@ -85,8 +176,23 @@ def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
         or not weight.is_contiguous()
     ):
         return 1
-    n = intra_op_threads()
+    n = free_threads_traced()
+    if weight.dtype != torch.float32:
+        n = max(n, 2)  # the layout gains with one thread too (see above)
     return n if n > 1 and weight.shape[0] % n == 0 else 1
+
+
+def product_in_one_thread(blocks: int, weight: Tensor) -> bool:
+    """Whether a split low-precision product (``blocks`` > 1 from :func:`split_product`) runs with one intra-op thread
+    because other processes leave fewer cores free than there are threads (:func:`free_threads`).
+
+    oneDNN's bfloat16 product over 2 threads waits for whichever thread the scheduler left off the core. Measured, the
+    211 matrices of SmolLM2-135M in bfloat16 at one row, one process, alternating, 9 rounds, load average 3.9 on the
+    2 cores (median ms): F.linear 454, split over 2 threads 324, split in one thread 146 (0.32x F.linear); setting the
+    thread count there and back costs 12 us. Not under torch.compile (the count is a process setting, not an op).
+    """
+    return (_enabled and blocks > 1 and weight.dtype != torch.float32 and not torch.compiler.is_compiling()
+            and free_threads() < intra_op_threads())
 
 
 def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: torch.device,

@@ -9,9 +9,11 @@ here, while a batched product over ``n`` row blocks of the weight is spread over
 Same weights, same parameters and state_dict, no copy of W. The product is the same sum in a different order
 (float32 rounding differs at the last bits). Measured on the 2-core machine of benchmarks/RESULTS.md, float32, the 210
 matrices of SmolLM2-135M at one row: 63 ms with F.linear, 33 ms split in 2; 1536 x 576 at 1-64 rows: 0.4-0.8x the time
-of F.linear; from about 128 rows the two are level and F.linear is kept. bfloat16 showed no gain (its gemm already uses
-both cores), so the path is float32 only. When to split is decided in :func:`multihead.cpu.split_product` (with the
-other CPU speed paths, behind one switch).
+of F.linear; from about 128 rows the two are level and F.linear is kept. In bfloat16 and float16 the product runs
+split too, in at least 2 blocks: their one-row F.linear (oneDNN, x as the left operand) was up to 8x slower than the
+weight-as-left-operand product for SmolLM2's MLP matrices. On a loaded machine float32 falls back to F.linear (a
+split waits for its descheduled thread) and a low-precision split runs in one thread. When to split is decided in
+:func:`multihead.cpu.split_product` (with the other CPU speed paths, behind one switch).
 """
 
 from __future__ import annotations
@@ -30,6 +32,18 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     n = cpu.split_product(rows, weight, x)
     if n == 1:
         return F.linear(x, weight, bias)
+    if cpu.product_in_one_thread(n, weight):
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            return _split(x, weight, bias, n, rows, in_features)
+        finally:
+            torch.set_num_threads(threads)
+    return _split(x, weight, bias, n, rows, in_features)
+
+
+def _split(x: Tensor, weight: Tensor, bias: Tensor | None, n: int, rows: int, in_features: int) -> Tensor:
+    """``F.linear(x, weight, bias)`` as a batched product over ``n`` row blocks of the weight."""
     out_features = weight.shape[0]
     # x^T as (in, m) with unit stride along in: MKL takes a fast path for this layout (a (in, 1) column with other
     # strides measured 3-5x slower)
