@@ -59,15 +59,18 @@ def read_rate(nbytes: int = 512 * 2**20) -> float:
     return nbytes / statistics.median(times)
 
 
-def busy() -> None:
-    """One core's worth of load: a pure-Python loop until terminated."""
-    while True:
-        pass
+def busy(parent: int) -> None:
+    """One core's worth of load: a pure-Python loop until terminated, or until the benchmark that started it is gone
+    (killed: its daemon children are not cleaned up then)."""
+    while os.getppid() == parent:
+        for _ in range(1_000_000):
+            pass
 
 
 def start_load(n: int) -> list[multiprocessing.Process]:
     """N busy processes, started and given a second to show in the load readings."""
-    procs = [multiprocessing.get_context("spawn").Process(target=busy, daemon=True) for _ in range(n)]
+    procs = [multiprocessing.get_context("spawn").Process(target=busy, args=(os.getpid(),), daemon=True)
+             for _ in range(n)]
     for proc in procs:
         proc.start()
     time.sleep(1.0)

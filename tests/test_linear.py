@@ -88,3 +88,43 @@ def test_a_width_mismatch_gets_f_linears_error() -> None:
     layer = Linear(512, 256)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
         layer(torch.randn(1, 500))
+
+
+def test_the_split_is_measured_once_against_f_linear_and_the_faster_kept() -> None:
+    import time as _time
+
+    calls = {"slow": 0, "fast": 0}
+
+    def slow() -> None:
+        calls["slow"] += 1
+        _time.sleep(0.002)
+
+    def fast() -> None:
+        calls["fast"] += 1
+
+    cpu.force_split(None)
+    key_a, key_b = ("test", "split slower"), ("test", "split faster")
+    try:
+        assert cpu.split_pays(key_a, slow, fast) is False
+        assert cpu.split_pays(key_b, fast, slow) is True
+        assert calls == {"slow": 2 * (1 + cpu.MEASURE_REPEATS), "fast": 2 * (1 + cpu.MEASURE_REPEATS)}
+        assert cpu.split_pays(key_a, fast, slow) is False  # kept for the process: not measured again
+        assert calls["fast"] == 2 * (1 + cpu.MEASURE_REPEATS)
+        cpu.force_split(True)
+        assert cpu.split_pays(key_a, slow, fast) is True
+    finally:
+        cpu.force_split(None)
+        for key in (key_a, key_b):
+            cpu.forget_measured(key)
+
+
+def test_linear_gives_f_linear_whichever_way_the_measurement_goes() -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(1536, 576), torch.randn(1, 1, 576)
+    for forced in (True, False, None):
+        cpu.force_split(forced)
+        try:
+            # the same sum in another order: float32 rounding of sums of 576 products of size ~1 (values ~24)
+            torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+        finally:
+            cpu.force_split(None)

@@ -24,6 +24,7 @@ the switch is read when the graph is traced.
 from __future__ import annotations
 
 import os
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -143,6 +144,59 @@ def pin_spare_cores(spare: float | None) -> None:
     """Decide as if other processes left ``spare`` cores free (a large number: an idle machine); None: read the load
     again (the default)."""
     _load.pinned = None if spare is None else float(spare)
+
+
+# the split measured against F.linear, once a process: (out, in, dtype, rows, blocks, one thread) -> split faster
+_measured: dict[tuple[object, ...], bool] = {}
+_forced: bool | None = None
+MEASURE_REPEATS = 5  # alternating runs of each side at a first use
+SPLIT_MARGIN = 0.9  # the split is taken when its median time is under this fraction of F.linear's
+
+
+def force_split(on: bool | None) -> None:
+    """Take (True) or refuse (False) every split :func:`split_product` allows, without measuring; None: measure at
+    first use (the default). For tests of the split itself, and benchmarks that want one decision throughout."""
+    global _forced
+    _forced = on
+
+
+def forget_measured(key: tuple[object, ...] | None = None) -> None:
+    """Measure again at the next use: the choice for ``key``, or every choice (None), e.g. after the load changed."""
+    if key is None:
+        _measured.clear()
+    else:
+        _measured.pop(key, None)
+
+
+def split_pays(key: tuple[object, ...], split: Callable[[], object], plain: Callable[[], object]) -> bool:
+    """Whether ``split`` ran faster than ``plain`` (the same product), measured at the first call for ``key`` and kept
+    for the process: MEASURE_REPEATS alternating runs each, medians compared with SPLIT_MARGIN.
+
+    Why measured and not fixed: the same 2-core Xeon type gave opposite answers on two hosts. The split was written
+    where SmolLM2's 210 float32 matrices at one row took 63 ms with F.linear and 33 ms split in 2; on the host of
+    2026-12-01 (idle, one process, alternating, 15 rounds) they took 21.8 ms with F.linear and 48.6 ms split (2.23x
+    slower), and in bfloat16 26.0 / 26.6 ms. A few products at a first use (microseconds to milliseconds each) decide
+    it on the machine it runs on. Under torch.compile nothing is measured: a choice already made is used, else the
+    split is taken.
+    """
+    if _forced is not None:
+        return _forced
+    found = _measured.get(key)
+    if found is not None:
+        return found
+    if torch.compiler.is_compiling():
+        return True
+    times: dict[bool, list[float]] = {True: [], False: []}
+    with torch.no_grad():
+        split(), plain()  # first calls (allocation, kernel choice) not counted
+        for i in range(2 * MEASURE_REPEATS):
+            side = (i % 2 == 0) == (i // 2 % 2 == 0)  # split, plain, plain, split, ...: neither side always first
+            began = time.perf_counter()
+            (split if side else plain)()
+            times[side].append(time.perf_counter() - began)
+    pays = statistics.median(times[True]) < SPLIT_MARGIN * statistics.median(times[False])
+    _measured[key] = pays
+    return pays
 
 
 def split_product(rows: int, weight: Tensor, x: Tensor) -> int:

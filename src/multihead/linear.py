@@ -32,14 +32,22 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     n = cpu.split_product(rows, weight, x)
     if n == 1:
         return F.linear(x, weight, bias)
-    if cpu.product_in_one_thread(n, weight):
+    one = cpu.product_in_one_thread(n, weight)
+
+    def split() -> Tensor:
+        if not one:
+            return _split(x, weight, bias, n, rows, in_features)
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
             return _split(x, weight, bias, n, rows, in_features)
         finally:
             torch.set_num_threads(threads)
-    return _split(x, weight, bias, n, rows, in_features)
+
+    key = (weight.shape[0], in_features, weight.dtype, rows, n, one)
+    if cpu.split_pays(key, split, lambda: F.linear(x, weight, bias)):
+        return split()
+    return F.linear(x, weight, bias)
 
 
 def _split(x: Tensor, weight: Tensor, bias: Tensor | None, n: int, rows: int, in_features: int) -> Tensor:
