@@ -128,3 +128,14 @@ def test_linear_gives_f_linear_whichever_way_the_measurement_goes() -> None:
             torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
         finally:
             cpu.force_split(None)
+
+
+def test_a_flop_counter_sees_one_product_not_the_measurement() -> None:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    cpu.force_split(None)
+    cpu.forget_measured()
+    w, x = torch.randn(1536, 576), torch.randn(1, 576)
+    with FlopCounterMode(display=False) as counter:
+        linear(x, w)
+    assert counter.get_total_flops() == 2 * 1536 * 576

@@ -31,6 +31,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 _enabled = True
 
@@ -177,7 +178,8 @@ def split_pays(key: tuple[object, ...], split: Callable[[], object], plain: Call
     2026-12-01 (idle, one process, alternating, 15 rounds) they took 21.8 ms with F.linear and 48.6 ms split (2.23x
     slower), and in bfloat16 26.0 / 26.6 ms. A few products at a first use (microseconds to milliseconds each) decide
     it on the machine it runs on. Under torch.compile nothing is measured: a choice already made is used, else the
-    split is taken.
+    split is taken; under a dispatch or function mode (FLOP counters, fake tensors) or torch.jit.trace F.linear, not
+    measured.
     """
     if _forced is not None:
         return _forced
@@ -186,6 +188,9 @@ def split_pays(key: tuple[object, ...], split: Callable[[], object], plain: Call
         return found
     if torch.compiler.is_compiling():
         return True
+    if (is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._get_tracing_state() is not None):
+        return False  # a FLOP counter, fake tensors or a tracer would see the trial products: plain, not measured
     times: dict[bool, list[float]] = {True: [], False: []}
     with torch.no_grad():
         split(), plain()  # first calls (allocation, kernel choice) not counted
