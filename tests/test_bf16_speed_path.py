@@ -11,25 +11,15 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from multihead import cpu
 from multihead.linear import Linear
 from multihead.models.generate import generate_ids
+from tests_support import aten_ops
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # two threads, as if two cores were free
 
 
-class _Ops(TorchDispatchMode):
-    """Records the aten ops a call runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +59,7 @@ def test_smollm2_bf16_decodes_the_same_tokens_and_logits_with_and_without_the_sp
         plain = list(generate_ids(model, [prompt], max_new_tokens=8))
     assert fast == plain
     ids = torch.tensor([prompt])
-    with _Ops() as ops:
+    with aten_ops() as ops:
         model(ids[:, :1])
     assert "bmm.default" in ops.names  # the split product runs at one row
     got = _teacher_forced_logits(model, ids)

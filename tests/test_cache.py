@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from multihead import AttentionConfig, KVCache, MultiHeadAttention, MultiheadError, cost
+from tests_support import aten_ops
 
 
 def _layer(window: int | None = None) -> MultiHeadAttention:
@@ -129,16 +130,6 @@ def test_the_slice_write_of_equal_lengths_equals_the_indexed_write() -> None:
 def test_a_decode_step_makes_no_positions_when_nothing_reads_them() -> None:
     """One sequence, no RoPE: the slice write and the plain bottom-right mask need no positions tensor, so the step
     makes none (an arange and an add per call before); explain reads the cache through the slot as well."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    class Ops(TorchDispatchMode):
-        def __init__(self) -> None:
-            super().__init__()
-            self.names: list[str] = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            self.names.append(func.__name__)
-            return func(*args, **(kwargs or {}))
 
     layer = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2).eval()
     cache = KVCache(batch=1, n_kv_heads=2, head_dim=8, max_len=8)
@@ -150,7 +141,7 @@ def test_a_decode_step_makes_no_positions_when_nothing_reads_them() -> None:
         before = cache.k.clone()
         assert layer.explain(x[:, 4:], causal=True, cache=cache.layer(0)).backend == "sdpa"
         assert torch.equal(cache.k, before)
-        with Ops() as ops:
+        with aten_ops() as ops:
             last = layer(x[:, 4:], causal=True, cache=cache.layer(0))
     assert "arange.default" not in ops.names and "add.Tensor" not in ops.names, ops.names
     torch.testing.assert_close(last, layer(x, causal=True)[:, 4:], atol=1e-6, rtol=1e-5)

@@ -6,25 +6,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from multihead import cpu
 from multihead.cpu import SPLIT_MAX_ROWS as MAX_ROWS
 from multihead.cpu import SPLIT_MIN_WEIGHT as MIN_WEIGHT
 from multihead.linear import Linear, linear
-
-
-class _Ops(TorchDispatchMode):
-    """Records the aten ops a call runs."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.names: list[str] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        self.names.append(func.__name__)
-        return func(*args, **(kwargs or {}))
-
+from tests_support import aten_ops
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the split needs at least two threads, whatever the machine
 
@@ -37,7 +24,7 @@ def test_split_product_equals_f_linear(rows: int, bias: bool) -> None:
     assert layer.weight.numel() >= MIN_WEIGHT
     x = torch.randn(1, rows, 384)
     assert cpu.split_product(rows, layer.weight, x) == (2 if rows <= MAX_ROWS else 1)
-    with _Ops() as ops:
+    with aten_ops() as ops:
         got = layer(x)
     assert ("bmm.default" in ops.names) == (rows <= MAX_ROWS)  # the split product ran, up to MAX_ROWS rows
     assert got.shape == (1, rows, 192)
@@ -51,7 +38,7 @@ def test_uneven_widths_other_dtypes_and_gradients_fall_back_or_agree() -> None:
     assert torch.equal(odd(x), F.linear(x, odd.weight, odd.bias))
     small = Linear(64, 72)  # under MIN_WEIGHT: plain F.linear
     x = torch.randn(1, 64)
-    with _Ops() as ops:
+    with aten_ops() as ops:
         assert torch.equal(small(x), F.linear(x, small.weight, small.bias))
     assert "bmm.default" not in ops.names
     w64 = torch.randn(6, 8, dtype=torch.float64)

@@ -7,6 +7,7 @@ import importlib.util
 import shutil
 import subprocess
 from pathlib import Path
+from typing import Any
 
 
 def package_dir(name: str) -> Path:
@@ -43,3 +44,20 @@ def browse(html: Path, *extra: str) -> subprocess.CompletedProcess[str]:
 def console_errors(stderr: str) -> list[str]:
     """The lines of Chromium's log that report a console message or an uncaught error."""
     return [line for line in stderr.splitlines() if "CONSOLE" in line or "Uncaught" in line]
+
+
+def aten_ops() -> Any:
+    """A dispatch mode recording the names of the aten ops run inside it (``with aten_ops() as ops: ...;
+    ops.names``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class AtenOps(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    return AtenOps()
