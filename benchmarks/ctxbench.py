@@ -56,9 +56,10 @@ def make_cache(model: LlamaModel, kind: str, max_len: int, *, plan: HeadPlan | N
 @torch.no_grad()
 def prefill_decode(model: LlamaModel, cache: Cache, tokens: torch.Tensor, chunk: int, steps: int
                    ) -> tuple[float, list[float]]:
-    """Prefill ``tokens`` (1, n) into ``cache`` in chunks of ``chunk``, then ``steps`` greedy decode steps: (prefill
-    seconds, each decode step's seconds)."""
+    """Prefill ``tokens`` (1, n) into ``cache`` in chunks of ``chunk`` (0: in one call), then ``steps`` greedy decode
+    steps: (prefill seconds, each decode step's seconds)."""
     n = tokens.shape[1]
+    chunk = chunk or n
     start = time.perf_counter()
     for at in range(0, n, chunk):
         part = tokens[:, at:at + chunk]

@@ -2,14 +2,15 @@
 transformers (sdpa) on the same GGUF weights, alternating in one process.
 
     .venv/bin/python benchmarks/longctx.py [--lengths 2048 4096 8192] [--dtypes float32 bfloat16]
-        [--caches full sink int4 int8 headwise] [--rounds 3] [--decode-tokens 16] [--chunk 512]
+        [--caches full sink int4 int8 headwise] [--rounds 3] [--decode-tokens 16] [--chunk 0]
         [--window 256] [--sinks 4] [--plan docs/experiments/smollm2-0-best-plan.json] [--quick] [--random]
         [--no-transformers] [--record] [--json out.json | --json -]
 
 For each dtype and length the prompt is the first ``length`` tokens of the held-out Jargon File text
 (:mod:`multihead.tradeoff.text`, Debian's jargon-text). Each round runs every runner once, the order rotated every
-round: multihead with each cache of ``--caches`` (prefill in chunks of ``--chunk`` tokens, as
-:mod:`multihead.tradeoff.longctx` prefills; then ``--decode-tokens`` greedy steps, each timed) and transformers (its
+round: multihead with each cache of ``--caches`` (the whole prompt in one call with ``logits_to_keep=1``, as
+transformers is called, or with ``--chunk N`` in chunks of N tokens, as a server's chunked prefill and
+:mod:`multihead.tradeoff.longctx` prefill; then ``--decode-tokens`` greedy steps, each timed) and transformers (its
 model called on the whole prompt at once with ``logits_to_keep=1``, as ``generate`` prefills, then the same number of
 steps through its DynamicCache). A figure is the median over rounds (decode: of each run's median step); the ratios
 are ratios of those medians. Caches: ``full`` (every token, KVCache), ``sink`` (``--sinks`` + ``--window``,
@@ -103,7 +104,8 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     p.add_argument("--caches", nargs="+", default=list(ctxbench.CACHE_KINDS), help="multihead's cache kinds")
     p.add_argument("--rounds", type=int, default=None, help="alternating rounds (default 3)")
     p.add_argument("--decode-tokens", type=int, default=None, help="greedy steps after the prompt (default 16)")
-    p.add_argument("--chunk", type=int, default=512, help="multihead's prefill chunk")
+    p.add_argument("--chunk", type=int, default=0,
+                   help="multihead's prefill chunk (default 0: the whole prompt in one call, as transformers)")
     p.add_argument("--window", type=int, default=256, help="the sink cache's window")
     p.add_argument("--sinks", type=int, default=4, help="the sink cache's sink tokens")
     p.add_argument("--plan", default=str(PLAN), help="the head-wise cache's plan (a HeadPlan JSON file)")
@@ -118,10 +120,11 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     dtypes = a.dtypes or (["float32"] if quick else ["float32", "bfloat16"])
     rounds = a.rounds if a.rounds is not None else (1 if quick else 3)
     steps = a.decode_tokens if a.decode_tokens is not None else (4 if quick else 16)
-    for name, value in (("--rounds", rounds), ("--decode-tokens", steps), ("--chunk", a.chunk),
-                        ("--window", a.window)):
+    for name, value in (("--rounds", rounds), ("--decode-tokens", steps), ("--window", a.window)):
         if value < 1:
             p.error(f"{name} ({value}) must be at least 1")
+    if a.chunk < 0:
+        p.error(f"--chunk ({a.chunk}) must be at least 1, or 0 for the whole prompt in one call")
     if a.sinks < 0 or a.sinks > a.window:
         p.error(f"--sinks ({a.sinks}) must lie between 0 and --window ({a.window})")
     bad = [n for n in lengths if not 1 <= n <= ctxbench.SMOLLM2["max_context"]]
@@ -239,7 +242,9 @@ def table(rows: Sequence[Row], s: Settings, notes: Sequence[str]) -> str:
     lines = [f"### SmolLM2-135M long context: prefill and decode, multihead's caches against transformers (sdpa) "
              f"({datetime.date.today()})",
              *notes,
-             f"multihead prefills in chunks of {s.chunk}; transformers prefills the whole prompt (logits_to_keep=1); "
+             ("multihead and transformers prefill the whole prompt in one call (logits_to_keep=1); " if not s.chunk
+              else f"multihead prefills in chunks of {s.chunk}; transformers the whole prompt (logits_to_keep=1); ")
+             +
              f"{s.decode_tokens} greedy decode tokens after it (median step); median of {s.rounds} alternating "
              f"round(s), order rotated; sink = {s.sinks} sinks + window {s.window}; int4/int8 group {s.group} "
              f"residual {s.residual}; "

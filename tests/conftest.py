@@ -35,9 +35,9 @@ def two_threads():  # type: ignore[no-untyped-def]
     before = torch.get_num_threads()
     torch.set_num_threads(2)
     cpu.pin_spare_cores(2)
-    cpu.force_split(True)  # the split path runs wherever it is allowed (not measured against F.linear)
+    cpu.force_product("split")  # the split path runs wherever it is allowed (not measured against F.linear)
     yield
-    cpu.force_split(None)
+    cpu.force_product(None)
     cpu.pin_spare_cores(None)
     torch.set_num_threads(before)
 

@@ -77,50 +77,134 @@ def test_a_width_mismatch_gets_f_linears_error() -> None:
         layer(torch.randn(1, 500))
 
 
-def test_the_split_is_measured_once_against_f_linear_and_the_faster_kept() -> None:
-    import time as _time
+def _measure(key: tuple[object, ...], kinds: tuple[str, ...], seconds: dict[str, float]) -> list[str]:
+    """Calls of ``key`` as linear() makes them, each kind's product "taking" ``seconds[kind]``, until decided."""
+    ran = []
+    while key not in cpu.measured():
+        kind, timed = cpu.product_kind(key, kinds)
+        assert timed
+        ran.append(kind)
+        cpu.record_product(key, kind, seconds[kind])
+    return ran
 
-    calls = {"slow": 0, "fast": 0}
 
-    def slow() -> None:
-        calls["slow"] += 1
-        _time.sleep(0.002)
-
-    def fast() -> None:
-        calls["fast"] += 1
-
-    cpu.force_split(None)
-    key_a, key_b = ("test", "split slower"), ("test", "split faster")
+def test_the_product_kind_is_measured_on_the_real_calls_and_the_fastest_kept() -> None:
+    cpu.force_product(None)
+    keys = [("test", name) for name in ("linear wins", "blas wins", "within the margin")]
     try:
-        assert cpu.split_pays(key_a, slow, fast) is False
-        assert cpu.split_pays(key_b, fast, slow) is True
-        assert calls == {"slow": 2 * (1 + cpu.MEASURE_REPEATS), "fast": 2 * (1 + cpu.MEASURE_REPEATS)}
-        assert cpu.split_pays(key_a, fast, slow) is False  # kept for the process: not measured again
-        assert calls["fast"] == 2 * (1 + cpu.MEASURE_REPEATS)
-        cpu.force_split(True)
-        assert cpu.split_pays(key_a, slow, fast) is True
+        ran = _measure(keys[0], ("linear", "split"), {"linear": 1e-4, "split": 2e-4})
+        assert cpu.measured()[keys[0]] == "linear"
+        # each kind in turn: one untimed first call each, then MEASURE_REPEATS timed ones
+        assert ran == ["linear", "split"] * (1 + cpu.MEASURE_REPEATS)
+        _measure(keys[1], ("linear", "split", "blas"), {"linear": 4e-4, "split": 2e-4, "blas": 1e-4})
+        assert cpu.measured()[keys[1]] == "blas"
+        # a kind under SPLIT_MARGIN of F.linear's time only: level ones keep F.linear
+        _measure(keys[2], ("linear", "split"), {"linear": 4e-4, "split": 3.8e-4})
+        assert cpu.measured()[keys[2]] == "linear"
+        assert cpu.product_kind(keys[1], ("linear", "split", "blas")) == ("blas", False)  # kept, not timed again
+        cpu.force_product("split")
+        assert cpu.product_kind(keys[0], ("linear", "split")) == ("split", False)
+        with pytest.raises(ValueError, match=r"unknown product kind .fast.*linear, mv, split, blas"):
+            cpu.force_product("fast")
     finally:
-        cpu.force_split(None)
-        for key in (key_a, key_b):
+        cpu.force_product(None)
+        for key in keys:
             cpu.forget_measured(key)
 
 
-def test_linear_gives_f_linear_whichever_way_the_measurement_goes() -> None:
+def test_several_rows_are_measured_up_front_so_every_call_computes_the_same_way() -> None:
+    from collections import Counter
+
+    ran: Counter[str] = Counter()
+
+    def trial(kind: str):  # type: ignore[no-untyped-def]
+        def run() -> None:
+            ran[kind] += 1
+            if kind == "linear":
+                import time as _time
+                _time.sleep(0.001)
+        return run
+
+    cpu.force_product(None)
+    key = ("test", "up front")
+    try:
+        assert cpu.product_kind(key, ("linear", "split"), trial) == ("split", False)  # decided before the call
+        assert ran == {"linear": 1 + cpu.MEASURE_REPEATS, "split": 1 + cpu.MEASURE_REPEATS}
+        assert cpu.measured()[key] == "split"
+    finally:
+        cpu.forget_measured(key)
+    # a real layer: the first call already runs the kind every later call runs (bitwise the same output)
+    cpu.forget_measured()
+    layer = Linear(576, 1536, bias=False)
+    x = torch.randn(1, 5, 576)
+    first = layer(x)
+    assert all(torch.equal(layer(x), first) for _ in range(3))
+    cpu.forget_measured()
+
+
+def test_the_first_call_of_each_kind_is_not_counted() -> None:
+    """A slow first call (allocation, kernel set-up) does not decide: only the timed rounds after it."""
+    cpu.force_product(None)
+    key = ("test", "slow first call")
+    try:
+        for kind, seconds in (("linear", 1e-4), ("split", 1.0)):  # the split's first call: a second
+            assert cpu.product_kind(key, ("linear", "split")) == (kind, True)
+            cpu.record_product(key, kind, seconds)
+        _measure(key, ("linear", "split"), {"linear": 2e-4, "split": 1e-4})
+        assert cpu.measured()[key] == "split"
+    finally:
+        cpu.forget_measured(key)
+
+
+def test_a_real_layer_decides_within_its_first_calls_and_keeps_the_product() -> None:
     torch.manual_seed(0)
-    w, x = torch.randn(1536, 576), torch.randn(1, 1, 576)
-    for forced in (True, False, None):
-        cpu.force_split(forced)
+    cpu.force_product(None)
+    cpu.forget_measured()
+    cpu.pin_spare_cores(64.0)  # every core free: the key's one-thread flag stays False
+    layer = Linear(576, 1536, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(1, 576, dtype=torch.bfloat16)
+    want = F.linear(x.double(), layer.weight.double())
+    key = (1536, 576, torch.bfloat16, 1, cpu.split_product(1, layer.weight, x), False)
+    for _ in range(4 * (1 + cpu.MEASURE_REPEATS)):  # four kinds at one row in bfloat16
+        assert ((layer(x).double() - want).abs() <= 1.5 * 2.0**-8 * want.abs().clamp_min(1.0)).all()
+    assert cpu.measured()[key] in cpu.PRODUCT_KINDS
+    cpu.pin_spare_cores(None)
+    cpu.forget_measured()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_linear_gives_f_linear_whichever_kind_runs(dtype: torch.dtype) -> None:
+    torch.manual_seed(0)
+    w, x = torch.randn(1536, 576, dtype=dtype), torch.randn(1, 1, 576, dtype=dtype)
+    exact = F.linear(x.double(), w.double())
+    # float32: the same sum in another order (sums of 576 products of size ~1, values ~24); bfloat16: each output
+    # rounded once to bfloat16 from a float32 sum, within 1.5 steps of the float64 product
+    tol = 1e-4 if dtype == torch.float32 else 1.5 * 2.0**-8
+    for kind in ("linear", "mv", "split", "blas", None):
+        cpu.force_product(kind)
         try:
-            # the same sum in another order: float32 rounding of sums of 576 products of size ~1 (values ~24)
-            torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-4)
+            got = linear(x, w)
         finally:
-            cpu.force_split(None)
+            cpu.force_product(None)
+        assert got.dtype == dtype and got.is_contiguous()
+        assert ((got.double() - exact).abs() <= tol * exact.abs().clamp_min(1.0)).all(), kind
+    assert torch._C._get_mkldnn_enabled()  # the "blas" kind put oneDNN back
+
+
+def test_the_blas_kind_puts_onednn_and_the_thread_count_back_when_the_product_raises() -> None:
+    from multihead.linear import _run
+
+    threads = torch.get_num_threads()
+    w = torch.randn(256, 512, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="cannot be multiplied"):
+        _run("blas", torch.randn(1, 500, dtype=torch.bfloat16), w, None, 2, 1, 500, True)
+    assert torch._C._get_mkldnn_enabled() and torch.get_num_threads() == threads
 
 
 def test_a_flop_counter_sees_one_product_not_the_measurement() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
-    cpu.force_split(None)
+    cpu.force_product(None)
     cpu.forget_measured()
     w, x = torch.randn(1536, 576), torch.randn(1, 576)
     with FlopCounterMode(display=False) as counter:

@@ -147,61 +147,140 @@ def pin_spare_cores(spare: float | None) -> None:
     _load.pinned = None if spare is None else float(spare)
 
 
-# the split measured against F.linear, once a process: (out, in, dtype, rows, blocks, one thread) -> split faster
-_measured: dict[tuple[object, ...], bool] = {}
-_forced: bool | None = None
-MEASURE_REPEATS = 5  # alternating runs of each side at a first use
-SPLIT_MARGIN = 0.9  # the split is taken when its median time is under this fraction of F.linear's
+# the product kind measured fastest, once a process: (out, in, dtype, rows, blocks, one thread) -> kind
+PRODUCT_KINDS = ("linear", "mv", "split", "blas")
+_measured: dict[tuple[object, ...], str] = {}
+_trials: dict[tuple[object, ...], _Trial] = {}
+_forced: str | None = None
+MEASURE_REPEATS = 7  # timed real calls of each kind before the choice (after one untimed first call each)
+SPLIT_MARGIN = 0.95  # another kind is taken when its median time is under this fraction of F.linear's
 
 
-def force_split(on: bool | None) -> None:
-    """Take (True) or refuse (False) every split :func:`split_product` allows, without measuring; None: measure at
-    first use (the default). For tests of the split itself, and benchmarks that want one decision throughout."""
+class _Trial:
+    """The real calls of one key timed so far, each kind in turn (round robin)."""
+
+    __slots__ = ("calls", "kinds", "times")
+
+    def __init__(self, kinds: tuple[str, ...]) -> None:
+        self.kinds = kinds
+        self.calls = 0
+        self.times: dict[str, list[float]] = {kind: [] for kind in kinds}
+
+
+def force_product(kind: str | None) -> None:
+    """Take ``kind`` for every product :func:`split_product` lets choose, without measuring (a kind the call has
+    not, e.g. "blas" for float32, gives F.linear); None: measure (the default). For tests of the kinds themselves,
+    and benchmarks that want one decision throughout."""
     global _forced
-    _forced = on
+    if kind is not None and kind not in PRODUCT_KINDS:
+        raise ValueError(f"unknown product kind {kind!r}: one of {', '.join(PRODUCT_KINDS)}, or None to measure")
+    _forced = kind
 
 
 def forget_measured(key: tuple[object, ...] | None = None) -> None:
-    """Measure again at the next use: the choice for ``key``, or every choice (None), e.g. after the load changed."""
+    """Measure again from the next use: the choice for ``key``, or every choice (None), e.g. after the load
+    changed."""
     if key is None:
         _measured.clear()
+        _trials.clear()
     else:
         _measured.pop(key, None)
+        _trials.pop(key, None)
 
 
-def split_pays(key: tuple[object, ...], split: Callable[[], object], plain: Callable[[], object]) -> bool:
-    """Whether ``split`` ran faster than ``plain`` (the same product), measured at the first call for ``key`` and kept
-    for the process: MEASURE_REPEATS alternating runs each, medians compared with SPLIT_MARGIN.
+def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
+                 trial: Callable[[str], Callable[[], object]] | None = None) -> tuple[str, bool]:
+    """Which of ``kinds`` (the same product computed differently; "linear" first) to run for this call of ``key``,
+    and whether to time it for :func:`record_product`.
 
-    Why measured and not fixed: the same 2-core Xeon type gave opposite answers on two hosts. The split was written
-    where SmolLM2's 210 float32 matrices at one row took 63 ms with F.linear and 33 ms split in 2; on the host of
-    2026-12-01 (idle, one process, alternating, 15 rounds) they took 21.8 ms with F.linear and 48.6 ms split (2.23x
-    slower), and in bfloat16 26.0 / 26.6 ms. A few products at a first use (microseconds to milliseconds each) decide
-    it on the machine it runs on. Under torch.compile nothing is measured: a choice already made is used, else the
-    split is taken; under a dispatch or function mode (FLOP counters, fake tensors) or torch.jit.trace F.linear, not
-    measured.
+    The kinds (:mod:`multihead.linear` runs them): "linear" is ``F.linear``; "mv" (one row) ``torch.mv``, the
+    matrix-vector kernel; "split" the batched product over row blocks of the weight; "blas" (bfloat16/float16 only)
+    ``F.linear`` with oneDNN switched off for the call, so PyTorch's own vectorised gemv/gemm runs (float32
+    accumulation) instead of oneDNN's AMX matmul, whose fixed cost per call (~40 us here) dominates a one-row
+    product of a small matrix.
+
+    How a key is decided. With ``trial`` (several rows: prompts, patching runs), up front: ``trial(kind)`` gives
+    each kind's product on this call's inputs, run MEASURE_REPEATS times each, alternating, before the call's own
+    product, so every call of the key computes the same way. Without it (one row: decoding), on the real calls:
+    until the key is decided its calls take the kinds in turn and are timed (the first call of each kind not
+    counted), nothing computed twice, and the weights are every layer's, as they come from memory, where a trial's
+    weight sits in cache: the first decoding steps of a process (a few, one per 4 x 8 calls of a shape) therefore
+    round differently from the later ones (the kinds agree within the dtype's rounding). Either way the fastest
+    median is kept for the process if it is under SPLIT_MARGIN of F.linear's, else F.linear.
+
+    Why measured and not fixed: the same 2-core Xeon type gave opposite answers on two hosts, and warm and cold
+    weights rank the kinds differently. The float32 split was written where SmolLM2's 210 matrices at one row took
+    63 ms with F.linear and 33 ms split in 2; on the host of 2026-12-01 (idle, one process, alternating, 15 rounds)
+    they took 21.8 ms with F.linear and 48.6 ms split (2.23x slower). On that host in bfloat16, one row, a weight in
+    cache (the same matrix again and again): 192 x 576 F.linear 53 us, "blas" 18; 1536 x 576 134 / 136, "mv" 74;
+    with the weights from memory (400 MB of copies in turn): 1536 x 576 F.linear 137 us, split 103, "mv" 110,
+    "blas" 147; 576 x 1536 153 / 215 / 129 / 184; float32 1536 x 576 F.linear 161 us, "mv" 155, split 382.
+
+    Under torch.compile nothing is measured: a choice already made is used ("blas" becomes "linear": the compiler
+    owns the product), else "split"; under a dispatch or function mode (FLOP counters, fake tensors) or
+    torch.jit.trace "linear", not timed.
     """
     if _forced is not None:
-        return _forced
+        return _forced, False
     found = _measured.get(key)
     if found is not None:
-        return found
+        return ("linear" if found == "blas" and torch.compiler.is_compiling() else found), False
     if torch.compiler.is_compiling():
-        return True
+        return "split", False
     if (is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
             or torch._C._get_tracing_state() is not None):
-        return False  # a FLOP counter, fake tensors or a tracer would see the trial products: plain, not measured
-    times: dict[bool, list[float]] = {True: [], False: []}
+        return "linear", False  # a FLOP counter, fake tensors or a tracer: the plain product, not timed
+    if trial is not None:
+        _measured[key] = kind = _measure_up_front(kinds, trial)
+        return kind, False
+    state = _trials.get(key)
+    if state is None:
+        state = _trials[key] = _Trial(kinds)
+    kind = state.kinds[state.calls % len(state.kinds)]
+    state.calls += 1
+    return kind, True
+
+
+def _measure_up_front(kinds: tuple[str, ...], trial: Callable[[str], Callable[[], object]]) -> str:
+    runs = {kind: trial(kind) for kind in kinds}
+    times: dict[str, list[float]] = {kind: [] for kind in kinds}
     with torch.no_grad():
-        split(), plain()  # first calls (allocation, kernel choice) not counted
-        for i in range(2 * MEASURE_REPEATS):
-            side = (i % 2 == 0) == (i // 2 % 2 == 0)  # split, plain, plain, split, ...: neither side always first
-            began = time.perf_counter()
-            (split if side else plain)()
-            times[side].append(time.perf_counter() - began)
-    pays = statistics.median(times[True]) < SPLIT_MARGIN * statistics.median(times[False])
-    _measured[key] = pays
-    return pays
+        for run in runs.values():  # first calls (allocation, kernel set-up) not counted
+            run()
+        for r in range(MEASURE_REPEATS):
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # no kind always first
+            for kind in order:
+                began = time.perf_counter()
+                runs[kind]()
+                times[kind].append(time.perf_counter() - began)
+    return _fastest(times)
+
+
+def _fastest(times: dict[str, list[float]]) -> str:
+    """The kind of the fastest median if it is under SPLIT_MARGIN of F.linear's, else "linear"."""
+    medians = {name: statistics.median(t) for name, t in times.items()}
+    best = min(medians, key=medians.__getitem__)
+    plain = medians.get("linear")
+    return best if plain is None or best == "linear" or medians[best] < SPLIT_MARGIN * plain else "linear"
+
+
+def record_product(key: tuple[object, ...], kind: str, seconds: float) -> None:
+    """One timed call of ``kind`` for ``key`` (after :func:`product_kind` said to time it); decides the key once
+    every kind has MEASURE_REPEATS timed calls."""
+    state = _trials.get(key)
+    if state is None or kind not in state.times:
+        return
+    if state.calls <= len(state.kinds):  # the first round: allocation and kernel set-up, not counted
+        return
+    state.times[kind].append(seconds)
+    if min(len(t) for t in state.times.values()) >= MEASURE_REPEATS:
+        _measured[key] = _fastest(state.times)
+        del _trials[key]
+
+
+def measured() -> dict[tuple[object, ...], str]:
+    """The choices made so far: (out, in, dtype, rows, blocks, one thread) -> kind (a copy)."""
+    return dict(_measured)
 
 
 def split_product(rows: int, weight: Tensor, x: Tensor) -> int:

@@ -1,22 +1,29 @@
-"""``Linear``: torch.nn.Linear with a faster path for the few-row products of decoding on the CPU.
+"""``Linear``: torch.nn.Linear with faster kinds of the few-row products of decoding on the CPU.
 
 Decoding multiplies one token (a few rows) by every weight matrix: a matrix-vector product, bound by reading the
-weights from memory. For these shapes on the CPU, torch's ``F.linear`` runs a BLAS gemv/gemm that keeps to one core
-here, while a batched product over ``n`` row blocks of the weight is spread over the intra-op threads::
+weights from memory. PyTorch has several kernels for the same product and none is fastest for every shape, dtype
+and machine, so :func:`linear` runs the one :func:`multihead.cpu.product_kind` measured fastest for the shape:
 
-    W (out, in) viewed as (n, out / n, in);   y = (W @ x^T) -> (n, out / n, m) -> (m, out)
+- "linear": ``F.linear`` (MKL's sgemv for float32, oneDNN's matmul for bfloat16/float16);
+- "mv": ``torch.mv(W, x)`` at one row (the matrix-vector kernel);
+- "split": a batched product over ``n`` row blocks of the weight, spread over the intra-op threads and with the
+  weight as the left operand::
 
-Same weights, same parameters and state_dict, no copy of W. The product is the same sum in a different order
-(float32 rounding differs at the last bits). Measured on the 2-core machine of benchmarks/RESULTS.md, float32, the 210
-matrices of SmolLM2-135M at one row: 63 ms with F.linear, 33 ms split in 2; 1536 x 576 at 1-64 rows: 0.4-0.8x the time
-of F.linear; from about 128 rows the two are level and F.linear is kept. In bfloat16 and float16 the product runs
-split too, in at least 2 blocks: their one-row F.linear (oneDNN, x as the left operand) was up to 8x slower than the
-weight-as-left-operand product for SmolLM2's MLP matrices. On a loaded machine float32 falls back to F.linear (a
-split waits for its descheduled thread) and a low-precision split runs in one thread. When to split is decided in
+      W (out, in) viewed as (n, out / n, in);   y = (W @ x^T) -> (n, out / n, m) -> (m, out)
+
+- "blas" (bfloat16/float16): ``F.linear`` with oneDNN off for the call: PyTorch's own vectorised kernels, without
+  oneDNN's fixed cost per call.
+
+Same weights, same parameters and state_dict, no copy of W; the kinds differ at the last bits of the dtype's
+rounding (the same sums in another order). Measured on the 2-core machine of benchmarks/RESULTS.md (SmolLM2-135M
+greedy decoding, one process, alternating with transformers, 2026-12-01): bfloat16 24.0 tok/s with each shape's
+fastest kind against 20.2 with the speed paths off, and above float32's 21.0. Which calls may choose is decided in
 :func:`multihead.cpu.split_product` (with the other CPU speed paths, behind one switch).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 import torch.nn.functional as F
@@ -24,30 +31,67 @@ from torch import Tensor, nn
 
 from multihead import cpu
 
+# the kinds of product measured for a call (multihead.cpu.product_kind): by dtype, and with "mv" at one row
+_KINDS = {True: ("linear", "split"), False: ("linear", "split", "blas")}
+_ONE_ROW_KINDS = {True: ("linear", "mv", "split"), False: ("linear", "mv", "split", "blas")}
+
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``, split over the CPU threads where :func:`multihead.cpu.split_product` says so."""
+    """``F.linear(x, weight, bias)``, as the kind of product :func:`multihead.cpu.product_kind` measured fastest for
+    its shape where :func:`multihead.cpu.split_product` lets it choose (few rows on the CPU)."""
     in_features = x.shape[-1] if x.ndim else 0
     rows = x.numel() // in_features if in_features else 0
     n = cpu.split_product(rows, weight, x)
     if n == 1:
         return F.linear(x, weight, bias)
     one = cpu.product_in_one_thread(n, weight)
+    key = (weight.shape[0], in_features, weight.dtype, rows, n, one)
+    f32 = weight.dtype == torch.float32
+    if rows == 1:  # decoding: measured on the real calls (multihead.cpu.product_kind)
+        kind, timed = cpu.product_kind(key, _ONE_ROW_KINDS[f32])
+    else:  # measured up front on this call's inputs: every call of the shape computes the same way
+        kind, timed = cpu.product_kind(key, _KINDS[f32], lambda k: lambda: _run(k, x, weight, bias, n, rows,
+                                                                                  in_features, one))
+    if not timed:
+        return _run(kind, x, weight, bias, n, rows, in_features, one)
+    began = time.perf_counter()
+    y = _run(kind, x, weight, bias, n, rows, in_features, one)
+    cpu.record_product(key, kind, time.perf_counter() - began)
+    return y
 
-    def split() -> Tensor:
-        if not one:
-            return _split(x, weight, bias, n, rows, in_features)
-        threads = torch.get_num_threads()
+
+def _run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, rows: int, in_features: int,
+         one: bool) -> Tensor:
+    """The product as ``kind`` (:func:`multihead.cpu.product_kind`); "split", "blas" and "mv" in one intra-op thread
+    when ``one``. "blas" on float32 is F.linear (MKL, no oneDNN there to switch off); "mv" with more than one row is
+    F.linear."""
+    if kind == "linear" or (kind == "blas" and weight.dtype == torch.float32) or (kind == "mv" and rows != 1):
+        return F.linear(x, weight, bias)
+    threads = torch.get_num_threads() if one else 0
+    if one:
         torch.set_num_threads(1)
-        try:
+    try:
+        if kind == "split":
             return _split(x, weight, bias, n, rows, in_features)
-        finally:
+        if kind == "mv":  # one row: torch.mv, the matrix-vector kernel (oneDNN's for low precision)
+            y = torch.mv(weight, x.reshape(in_features)).view(*x.shape[:-1], weight.shape[0])
+            return y if bias is None else y + bias
+        return _without_onednn(x, weight, bias)
+    finally:
+        if one:
             torch.set_num_threads(threads)
 
-    key = (weight.shape[0], in_features, weight.dtype, rows, n, one)
-    if cpu.split_pays(key, split, lambda: F.linear(x, weight, bias)):
-        return split()
-    return F.linear(x, weight, bias)
+
+def _without_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """F.linear with oneDNN off for the call: PyTorch's own low-precision gemv/gemm (float32 accumulation). The
+    switch is process-wide; another thread's product meanwhile also runs without oneDNN (same result within its
+    dtype's rounding)."""
+    was = torch._C._get_mkldnn_enabled()
+    torch._C._set_mkldnn_enabled(False)
+    try:
+        return F.linear(x, weight, bias)
+    finally:
+        torch._C._set_mkldnn_enabled(was)
 
 
 def _split(x: Tensor, weight: Tensor, bias: Tensor | None, n: int, rows: int, in_features: int) -> Tensor:
