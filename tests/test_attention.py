@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -79,8 +81,42 @@ def test_decode_steps_fold_where_it_measured_faster() -> None:
         return resolve_backend(AttentionCall(torch.zeros(b, h, s, 8), k, k, spec, scale=1.0)).fold
 
     assert folds(1, 32, 8) and folds(1, 8, 1) and folds(2, 9, 3)
-    assert not folds(1, 9, 3)  # 3 work items for 2 threads: slower folded (SmolLM2's decode)
     assert not folds(1, 8, 8) and not folds(1, 32, 8, s=2)  # MHA; prefill
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_an_uneven_gqa_decode_is_folded_or_not_as_its_real_calls_measured() -> None:
+    """9/3 heads at batch 1 (SmolLM2's decode: 3 work items for 2 threads): the calls alternate until each way has
+    its timed calls, then the faster is kept for that power-of-two range of key counts; a new range is measured
+    again. attend() times the real calls."""
+    from multihead import cpu
+
+    def plan(t: int):  # type: ignore[no-untyped-def]
+        k = torch.zeros(1, 3, t, 8)
+        return resolve_backend(AttentionCall(torch.zeros(1, 9, 1, 8), k, k, build_mask(batch=1, n_heads=9, s=1, t=t),
+                                             scale=1.0))
+
+    cpu.forget_measured()
+    try:
+        seen = []
+        while ("fold", 1, 9, 3, torch.float32, (100).bit_length()) not in cpu.measured():
+            p = plan(100)
+            assert p.fold_timing is not None
+            seen.append(p.fold)
+            cpu.record_time(p.fold_timing, "folded" if p.fold else "unfolded", 1e-4 if p.fold else 2e-4)
+        assert seen == [False, True] * (1 + cpu.MEASURE_REPEATS)
+        assert plan(100).fold and plan(120).fold and plan(100).fold_timing is None  # kept for 64-127 keys
+        assert plan(128).fold_timing is not None  # 128-255 keys: measured anew
+        cpu.forget_measured()
+        torch.manual_seed(0)
+        q, k, v = torch.randn(1, 9, 1, 8), torch.randn(1, 3, 40, 8), torch.randn(1, 3, 40, 8)
+        call = AttentionCall(q, k, v, build_mask(batch=1, n_heads=9, s=1, t=40), scale=8**-0.5)
+        want = attend(dataclasses.replace(call, backend="math"))[0]
+        for _ in range(2 * (1 + cpu.MEASURE_REPEATS)):
+            torch.testing.assert_close(attend(call)[0], want, rtol=1e-6, atol=1e-6)
+        assert ("fold", 1, 9, 3, torch.float32, (40).bit_length()) in cpu.measured()
+    finally:
+        cpu.forget_measured()
 
 
 def test_k_and_v_projections_are_n_kv_heads_wide() -> None:

@@ -84,7 +84,7 @@ def _measure(key: tuple[object, ...], kinds: tuple[str, ...], seconds: dict[str,
         kind, timed = cpu.product_kind(key, kinds)
         assert timed
         ran.append(kind)
-        cpu.record_product(key, kind, seconds[kind])
+        cpu.record_time(key, kind, seconds[kind])
     return ran
 
 
@@ -149,7 +149,7 @@ def test_the_first_call_of_each_kind_is_not_counted() -> None:
     try:
         for kind, seconds in (("linear", 1e-4), ("split", 1.0)):  # the split's first call: a second
             assert cpu.product_kind(key, ("linear", "split")) == (kind, True)
-            cpu.record_product(key, kind, seconds)
+            cpu.record_time(key, kind, seconds)
         _measure(key, ("linear", "split"), {"linear": 2e-4, "split": 1e-4})
         assert cpu.measured()[key] == "split"
     finally:

@@ -233,6 +233,11 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
     if trial is not None:
         _measured[key] = kind = _measure_up_front(kinds, trial)
         return kind, False
+    return _next_trial(key, kinds)
+
+
+def _next_trial(key: tuple[object, ...], kinds: tuple[str, ...]) -> tuple[str, bool]:
+    """The kind the next real call of an undecided ``key`` takes (round robin), to be timed."""
     state = _trials.get(key)
     if state is None:
         state = _trials[key] = _Trial(kinds)
@@ -264,9 +269,9 @@ def _fastest(times: dict[str, list[float]]) -> str:
     return best if plain is None or best == "linear" or medians[best] < SPLIT_MARGIN * plain else "linear"
 
 
-def record_product(key: tuple[object, ...], kind: str, seconds: float) -> None:
-    """One timed call of ``kind`` for ``key`` (after :func:`product_kind` said to time it); decides the key once
-    every kind has MEASURE_REPEATS timed calls."""
+def record_time(key: tuple[object, ...], kind: str, seconds: float) -> None:
+    """One timed call of ``kind`` for ``key`` (after :func:`product_kind` or :func:`fold_gqa_decode` said to time
+    it); decides the key once every kind has MEASURE_REPEATS timed calls."""
     state = _trials.get(key)
     if state is None or kind not in state.times:
         return
@@ -279,7 +284,8 @@ def record_product(key: tuple[object, ...], kind: str, seconds: float) -> None:
 
 
 def measured() -> dict[tuple[object, ...], str]:
-    """The choices made so far: (out, in, dtype, rows, blocks, one thread) -> kind (a copy)."""
+    """The choices made so far (a copy): products (out, in, dtype, rows, blocks, one thread) -> kind, and GQA decode
+    folds ("fold", b, h, g, dtype, bit length of t) -> "folded" or "unfolded"."""
     return dict(_measured)
 
 
@@ -333,20 +339,40 @@ def product_in_one_thread(blocks: int, weight: Tensor) -> bool:
             and free_threads() < intra_op_threads())
 
 
-def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: torch.device,
-                    plain_causal: bool) -> bool:
-    """Whether SDPA runs a GQA decode step with each group's query heads folded into rows.
+FOLD_KINDS = ("unfolded", "folded")
 
-    On the CPU, when the folded work items (b * g) share evenly among the threads, or are at least two per thread, or
-    each KV head serves at least 4 query heads. Measured with SDPA's CPU flash kernel (float32, head_dim 64, time
-    folded / not folded): 32/8 heads, 4096 keys 0.73; 8/1, 2048 keys 0.71; 16/2 0.40, 12/4 0.91, 9/3 at batch 2
-    0.88, 15/5 1.00 (1024 keys); but 9/3 at batch 1 (3 items for 2 threads) 1.07-1.24 slower for 4096-64 keys, so it
-    stays unfolded there.
+
+def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: torch.device,
+                    plain_causal: bool, t: int = 0, dtype: torch.dtype | None = None
+                    ) -> tuple[bool, tuple[object, ...] | None]:
+    """Whether SDPA runs a GQA decode step with each group's query heads folded into rows, and the key to time the
+    call under (:func:`record_time`) while that is being measured (None: decided).
+
+    On the CPU, folded when the folded work items (b * g) share evenly among the threads, or are at least two per
+    thread, or each KV head serves at least 4 query heads. Measured with SDPA's CPU flash kernel (float32,
+    head_dim 64, time folded / not folded): 32/8 heads, 4096 keys 0.73; 8/1, 2048 keys 0.71; 16/2 0.40, 12/4 0.91,
+    9/3 at batch 2 0.88, 15/5 1.00 (1024 keys). Otherwise (SmolLM2's 9/3 at batch 1: 3 items for 2 threads) it
+    depends on the host and the length, so it is measured on the real calls, per (b, h, g, dtype) and power-of-two
+    range of the key count t (a new range, a new measurement: 2 x 8 calls, a fraction of a step of a 30-layer
+    model): on one host folding was 1.07-1.24x slower for 4096-64 keys, on the host of 2026-12-01 (30 layers' caches
+    in turn, medians of 5) float32 1k keys 2.5 ms folded / 3.8 unfolded, 4k 17.4 / 19.3, 8k 30.9 / 48.4 (the
+    unfolded kernel reads each KV head once per query head); bfloat16 2.0 / 2.1, 13.3 / 12.0, 25.0 / 24.7. Under
+    torch.compile or a dispatch mode an undecided case stays unfolded.
     """
     if not _enabled or n_kv_heads == n_heads or s != 1 or device.type != "cpu" or plain_causal:
-        return False
+        return False, None
     items, threads = batch * n_kv_heads, intra_op_threads()
-    return n_heads // n_kv_heads >= 4 or items % threads == 0 or items >= 2 * threads
+    if n_heads // n_kv_heads >= 4 or items % threads == 0 or items >= 2 * threads:
+        return True, None
+    key = ("fold", batch, n_heads, n_kv_heads, dtype, t.bit_length())
+    found = _measured.get(key)
+    if found is not None:
+        return found == "folded", None
+    if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._get_tracing_state() is not None):
+        return False, None
+    kind, _ = _next_trial(key, FOLD_KINDS)
+    return kind == "folded", key
 
 
 def plain_decode_mask(batch: int, at_cache_end: bool) -> bool:

@@ -28,6 +28,7 @@ not a faster one. Both take the same :class:`AttentionCall`.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -137,6 +138,7 @@ class Plan(NamedTuple):
     reason: str
     fold: bool = False
     pattern_beside: bool = False
+    fold_timing: tuple[object, ...] | None = None  # time the SDPA call under this key (multihead.cpu.record_time)
 
 
 PATTERN_BESIDE = ("; the pattern (b, h, s, t) is made from the same q, k and mask for the pattern hook, and a hook "
@@ -153,9 +155,9 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
     """
     device = call.q.device if device is None else device
     backend, reason = _backend(call, device)
-    fold = backend == "sdpa" and _folds(call, device)
+    fold, timing = _folds(call, device) if backend == "sdpa" else (False, None)
     beside = call.hooks is not None and call.hooks.pattern is not None and backend != "math"
-    return Plan(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside)
+    return Plan(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside, timing)
 
 
 def _backend(call: AttentionCall, device: torch.device) -> tuple[str, str]:
@@ -226,10 +228,12 @@ def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
     return "flex", f"the mask has structure ({found}): flex attention skips the masked blocks, no dense mask"
 
 
-def _folds(call: AttentionCall, device: torch.device) -> bool:
-    """SDPA's GQA decode fold, as :mod:`multihead.cpu` decides it for this device."""
+def _folds(call: AttentionCall, device: torch.device) -> tuple[bool, tuple[object, ...] | None]:
+    """SDPA's GQA decode fold, as :mod:`multihead.cpu` decides it for this device (and the key to time the call
+    under while it is measured)."""
     q, k = call.q, call.k
-    return cpu.fold_gqa_decode(q.shape[0], q.shape[1], k.shape[1], q.shape[2], device, call.mask.is_plain_causal)
+    return cpu.fold_gqa_decode(q.shape[0], q.shape[1], k.shape[1], q.shape[2], device, call.mask.is_plain_causal,
+                               k.shape[2], q.dtype)
 
 
 def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float, softcap: float | None = None,
@@ -359,8 +363,12 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         weights = weights if call.need_weights else None
     elif plan.backend == "flex":
         out = flex.flex_attention(q, k, v, spec, scale=call.scale, softcap=call.softcap)
-    else:
+    elif plan.fold_timing is None:
         out = sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
+    else:  # the fold is being measured on the real calls
+        began = time.perf_counter()
+        out = sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
+        cpu.record_time(plan.fold_timing, "folded" if plan.fold else "unfolded", time.perf_counter() - began)
     if plan.pattern_beside:
         assert pattern is not None
         out = _pattern_beside(call, out, pattern)
