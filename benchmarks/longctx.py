@@ -23,6 +23,9 @@ delta``, the process's resident high-water mark during the run (reset before it,
 resident size before it (the heap trimmed first, glibc's malloc_trim): the cache, the activations and every
 temporary the run touches afresh; memory the allocator still holds and reuses is not counted again.
 
+Before the rounds each model decodes a short prompt (:func:`warm_up`), so multihead's measured choices of kernel
+(:func:`multihead.cpu.product_kind`) are made before anything is timed.
+
 ``--quick``: one length of 512 tokens, float32, one round, 4 decode tokens (about a minute: a check that it runs,
 its figures are not the benchmark). ``--random``: random weights of SmolLM2's shape, no transformers (no model file
 needed). ``--record`` appends the table to benchmarks/RESULTS.md; ``--json PATH`` writes the rows (``-``: stdout).
@@ -294,6 +297,21 @@ def load_models(s: Settings) -> tuple[dict[str, tuple[LlamaModel, Any]], Any, st
     return models, tokenizer, "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)"
 
 
+WARM_UP_TOKENS = 48
+
+
+def warm_up(models: dict[str, tuple[LlamaModel, Any]], tokens: torch.Tensor) -> None:
+    """A short prompt and WARM_UP_TOKENS greedy steps per dtype for each model before anything is timed, as a
+    server warms up: multihead measures which kind of product and of GQA decode runs fastest on its first real
+    calls (:func:`multihead.cpu.product_kind`; a shape called once a step, the lm_head, needs a few dozen steps)."""
+    prompt = tokens[:, :16]
+    for ours, theirs in models.values():
+        cache = ours.new_cache(1, prompt.shape[1] + WARM_UP_TOKENS)
+        ctxbench.prefill_decode(ours, cache, prompt, 0, WARM_UP_TOKENS)
+        if theirs is not None:
+            transformers_run(theirs, prompt, 8)
+
+
 def main(argv: Sequence[str] | None = None) -> list[Row]:
     s = parse(argv)
     torch.set_num_threads(os.cpu_count() or 1)
@@ -310,6 +328,7 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         a = c.attention()
         assert a.n_kv_heads is not None and a.head_dim is not None
         plan.check(n_layers=c.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
+    warm_up(models, tokens)
     started = time.perf_counter()
     rows = measure(models, tokens, s, plan)
     load_after = os.getloadavg()

@@ -92,12 +92,15 @@ def test_the_product_kind_is_measured_on_the_real_calls_and_the_fastest_kept() -
     cpu.force_product(None)
     keys = [("test", name) for name in ("linear wins", "blas wins", "within the margin")]
     try:
-        ran = _measure(keys[0], ("linear", "split"), {"linear": 1e-4, "split": 2e-4})
+        ran = _measure(keys[0], ("linear", "split"), {"linear": 1e-4, "split": 1.4e-4})
         assert cpu.measured()[keys[0]] == "linear"
         # each kind in turn: one untimed first call each, then MEASURE_REPEATS timed ones
         assert ran == ["linear", "split"] * (1 + cpu.MEASURE_REPEATS)
-        _measure(keys[1], ("linear", "split", "blas"), {"linear": 4e-4, "split": 2e-4, "blas": 1e-4})
+        # a kind over DROP_OVER times the best after 2 timed calls each leaves the running: F.linear (4x) and the
+        # split (2x) stop after their 2 timed calls, and the one kind left is the choice at once
+        ran = _measure(keys[1], ("linear", "split", "blas"), {"linear": 4e-4, "split": 2e-4, "blas": 1e-4})
         assert cpu.measured()[keys[1]] == "blas"
+        assert ran == ["linear", "split", "blas"] * 3
         # a kind under SPLIT_MARGIN of F.linear's time only: level ones keep F.linear
         _measure(keys[2], ("linear", "split"), {"linear": 4e-4, "split": 3.8e-4})
         assert cpu.measured()[keys[2]] == "linear"

@@ -153,17 +153,20 @@ _measured: dict[tuple[object, ...], str] = {}
 _trials: dict[tuple[object, ...], _Trial] = {}
 _forced: str | None = None
 MEASURE_REPEATS = 7  # timed real calls of each kind before the choice (after one untimed first call each)
+DROP_OVER = 1.5  # a kind this much slower than the best after 2 timed calls each stops being tried
 SPLIT_MARGIN = 0.95  # another kind is taken when its median time is under this fraction of F.linear's
 
 
 class _Trial:
-    """The real calls of one key timed so far, each kind in turn (round robin)."""
+    """The real calls of one key so far: the kinds still in the running (taken in turn), which have had their
+    untimed first call, and each kind's timed calls."""
 
-    __slots__ = ("calls", "kinds", "times")
+    __slots__ = ("active", "calls", "times", "warm")
 
     def __init__(self, kinds: tuple[str, ...]) -> None:
-        self.kinds = kinds
+        self.active = kinds
         self.calls = 0
+        self.warm: set[str] = set()
         self.times: dict[str, list[float]] = {kind: [] for kind in kinds}
 
 
@@ -241,7 +244,7 @@ def _next_trial(key: tuple[object, ...], kinds: tuple[str, ...]) -> tuple[str, b
     state = _trials.get(key)
     if state is None:
         state = _trials[key] = _Trial(kinds)
-    kind = state.kinds[state.calls % len(state.kinds)]
+    kind = state.active[state.calls % len(state.active)]
     state.calls += 1
     return kind, True
 
@@ -271,15 +274,27 @@ def _fastest(times: dict[str, list[float]]) -> str:
 
 def record_time(key: tuple[object, ...], kind: str, seconds: float) -> None:
     """One timed call of ``kind`` for ``key`` (after :func:`product_kind` or :func:`fold_gqa_decode` said to time
-    it); decides the key once every kind has MEASURE_REPEATS timed calls."""
+    it). A kind's first call is not counted (allocation, kernel set-up). Once every kind in the running has 2 timed
+    calls, a kind whose median is over DROP_OVER times the best one's leaves the running (a shape called once a
+    step, the lm_head, would otherwise run a 3x slower kind for dozens of steps); the key is decided when every
+    kind left has MEASURE_REPEATS timed calls."""
     state = _trials.get(key)
-    if state is None or kind not in state.times:
+    if state is None or kind not in state.active:
         return
-    if state.calls <= len(state.kinds):  # the first round: allocation and kernel set-up, not counted
+    if kind not in state.warm:
+        state.warm.add(kind)
         return
     state.times[kind].append(seconds)
-    if min(len(t) for t in state.times.values()) >= MEASURE_REPEATS:
-        _measured[key] = _fastest(state.times)
+    counts = [len(state.times[name]) for name in state.active]
+    if min(counts) >= 2 and len(state.active) > 1:
+        medians = {name: statistics.median(state.times[name]) for name in state.active}
+        best = min(medians.values())
+        kept = tuple(name for name in state.active if medians[name] <= DROP_OVER * best)
+        if kept != state.active:
+            state.active = kept
+            state.calls = 0
+    if len(state.active) == 1 or min(len(state.times[name]) for name in state.active) >= MEASURE_REPEATS:
+        _measured[key] = _fastest({name: times for name, times in state.times.items() if times})
         del _trials[key]
 
 
