@@ -167,6 +167,10 @@ def main() -> None:
             return k
 
         runs["transformers"] = hf_run
+        # warm-up: multihead measures which kind of product runs fastest on its first real calls (the lm_head,
+        # called once a step, takes a few dozen steps): made before anything is timed, as a server warms up
+        sum(1 for _ in generate_ids(ours, [prompt], max_new_tokens=48))
+        hf_run(k=8)
         weight_bytes = sum(p.numel() * p.element_size() for p in ours.parameters())
         for condition in conditions:
             procs = start_load(args.load) if condition != "as is" else []
