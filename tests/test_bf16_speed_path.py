@@ -150,3 +150,24 @@ def test_a_low_precision_split_runs_in_one_thread_where_cores_are_busy_and_the_c
     busy = layer(x)
     assert torch.get_num_threads() == 2 and seen == [2]  # the count is back once the product ran
     assert torch.equal(busy, free)  # the same blocks, the same sums
+
+
+def test_a_low_precision_rms_norm_is_f_rms_norm_within_a_step_and_plain_is_transformers_formula() -> None:
+    from multihead.norms import RMSNorm
+
+    torch.manual_seed(0)
+    norm = RMSNorm(576, 1e-5, dtype=torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(576) * 0.5 + 1)
+    x = (torch.randn(64, 576) * 3).bfloat16()
+    exact = x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight.double()
+    fast = norm(x)
+    assert torch.equal(fast, F.rms_norm(x, (576,), norm.weight, 1e-5))
+    with cpu.disabled():
+        plain = norm(x)
+    # within one bfloat16 step (2^-8 relative) of the float64 formula, and no further off than transformers' formula
+    assert ((fast.double() - exact).abs() <= 2.0**-8 * exact.abs() + 1e-6).all()
+    assert (fast.double() - exact).abs().max() <= (plain.double() - exact).abs().max()
+    x32 = x.float()
+    want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
+    assert torch.equal(plain, want)  # transformers' LlamaRMSNorm, bit for bit

@@ -11,6 +11,7 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
   which kernel runs and how; run by :func:`multihead.kernels.sdpa_attention`);
+- :func:`fused_low_precision_norm`: a bfloat16/float16 RMSNorm as PyTorch's ``F.rms_norm``;
 - :func:`plain_decode_mask`: one sequence continuing at its cached length attends with a plain bottom-right causal
   mask instead of a mask by positions (no per-call position tensor in the kernel);
 - :func:`slice_cache_write`: sequences that all continue at the same length write the cache as one slice copy instead
@@ -327,7 +328,7 @@ def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
         or weight.numel() < SPLIT_MIN_WEIGHT
         or x.dtype != weight.dtype
         or weight.dtype not in SPLIT_DTYPES
-        or x.device.type != "cpu"
+        or not x.is_cpu
         or type(weight) not in (Tensor, torch.nn.Parameter)  # tensor subclasses (DTensor shards) dispatch their own
         or type(x) is not Tensor
         or weight.ndim != 2
@@ -388,6 +389,14 @@ def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: t
         return False, None
     kind, _ = _next_trial(key, FOLD_KINDS)
     return kind == "folded", key
+
+
+def fused_low_precision_norm(x: Tensor) -> bool:
+    """Whether a bfloat16/float16 RMSNorm on the CPU runs as PyTorch's ``F.rms_norm`` (one call, normalised in
+    float32, composed in C++) instead of transformers' formula (six Python-level ops and two casts). Measured,
+    bfloat16 (1, 1, 576), one process, alternating: 17-18 us against 22-37 us; over 1,000 rows of size ~3 the
+    largest relative error to the float64 formula 0.0039 against 0.0076."""
+    return _enabled and x.is_cpu
 
 
 def plain_decode_mask(batch: int, at_cache_end: bool) -> bool:

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead import cpu
+
 
 class RMSNorm(nn.Module):
     """x / sqrt(mean(x^2) + eps) * weight, normalised in float32."""
@@ -18,8 +20,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
 
     def forward(self, x: Tensor) -> Tensor:
-        if x.dtype == self.weight.dtype == torch.float32:
-            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one fused op, the same formula
+        if x.dtype == self.weight.dtype and (x.dtype == torch.float32 or cpu.fused_low_precision_norm(x)):
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)  # one call, normalised in float32
         x32 = x.float()
         normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
         out: Tensor = self.weight * normed.to(x.dtype)
