@@ -99,7 +99,7 @@ def test_an_uneven_gqa_decode_is_folded_or_not_as_its_real_calls_measured() -> N
     cpu.forget_measured()
     try:
         seen = []
-        while ("fold", 1, 9, 3, torch.float32, (100).bit_length()) not in cpu.measured():
+        while ("fold", 1, 9, 3, torch.float32, (100).bit_length(), 2) not in cpu.measured():
             p = plan(100)
             assert p.fold_timing is not None
             seen.append(p.fold)
@@ -114,7 +114,7 @@ def test_an_uneven_gqa_decode_is_folded_or_not_as_its_real_calls_measured() -> N
         want = attend(dataclasses.replace(call, backend="math"))[0]
         for _ in range(2 * (1 + cpu.MEASURE_REPEATS)):
             torch.testing.assert_close(attend(call)[0], want, rtol=1e-6, atol=1e-6)
-        assert ("fold", 1, 9, 3, torch.float32, (40).bit_length()) in cpu.measured()
+        assert ("fold", 1, 9, 3, torch.float32, (40).bit_length(), 2) in cpu.measured()
     finally:
         cpu.forget_measured()
 

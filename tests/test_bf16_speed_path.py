@@ -171,3 +171,28 @@ def test_a_low_precision_rms_norm_is_f_rms_norm_within_a_step_and_plain_is_trans
     x32 = x.float()
     want = norm.weight * (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + 1e-5)).to(torch.bfloat16)
     assert torch.equal(plain, want)  # transformers' LlamaRMSNorm, bit for bit
+
+
+def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_gives_the_count_back() -> None:
+    from multihead.models import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=64, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=48,
+                                   max_context=64)).eval()
+    seen: list[int] = []
+    model.layers[1].register_forward_hook(lambda m, i, o: seen.append(torch.get_num_threads()))
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():
+        idle = model(ids)  # two cores free (the fixture)
+        cpu.pin_spare_cores(1.0)  # one core left by other processes
+        loaded = model(ids)
+        with cpu.disabled():
+            model(ids)
+    assert seen == [2, 1, 2] and torch.get_num_threads() == 2
+    torch.testing.assert_close(loaded, idle, rtol=1e-5, atol=1e-5)  # the same model, in one thread
+    with cpu.step_threads() as inside:
+        assert inside == 1 == torch.get_num_threads()
+    assert torch.get_num_threads() == 2
+    with pytest.raises(RuntimeError), cpu.step_threads():
+        raise RuntimeError("a layer raised")
+    assert torch.get_num_threads() == 2  # given back when the step raises too

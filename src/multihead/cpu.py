@@ -7,6 +7,7 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
   over the intra-op threads that find a free core (:func:`free_threads`: other processes' runnable threads are read
   from the kernel, so a loaded machine gets plain F.linear for float32), and for bfloat16/float16 with the weight as
   the left operand, which their one-row F.linear lacks (:mod:`multihead.linear`);
+- :func:`step_threads`: on a loaded machine a model step runs with as many intra-op threads as cores are free;
 - :func:`product_in_one_thread`: on a loaded machine a split low-precision product runs with one intra-op thread;
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
@@ -148,7 +149,7 @@ def pin_spare_cores(spare: float | None) -> None:
     _load.pinned = None if spare is None else float(spare)
 
 
-# the product kind measured fastest, once a process: (out, in, dtype, rows, blocks, one thread) -> kind
+# the product kind measured fastest, once a process: (out, in, dtype, rows, blocks, threads it runs with) -> kind
 PRODUCT_KINDS = ("linear", "mv", "split", "blas")
 _measured: dict[tuple[object, ...], str] = {}
 _trials: dict[tuple[object, ...], _Trial] = {}
@@ -300,8 +301,8 @@ def record_time(key: tuple[object, ...], kind: str, seconds: float) -> None:
 
 
 def measured() -> dict[tuple[object, ...], str]:
-    """The choices made so far (a copy): products (out, in, dtype, rows, blocks, one thread) -> kind, and GQA decode
-    folds ("fold", b, h, g, dtype, bit length of t) -> "folded" or "unfolded"."""
+    """The choices made so far (a copy): products (out, in, dtype, rows, blocks, threads) -> kind, and GQA decode
+    folds ("fold", b, h, g, dtype, bit length of t, threads) -> "folded" or "unfolded"."""
     return dict(_measured)
 
 
@@ -342,6 +343,31 @@ def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
     return n if n > 1 and weight.shape[0] % n == 0 else 1
 
 
+@contextmanager
+def step_threads() -> Iterator[int]:
+    """Run a model step with only as many intra-op threads as cores are free (:func:`free_threads`), and give the
+    count back after; yields the count the step runs with.
+
+    On a loaded machine an op spread over two threads waits for whichever thread the scheduler left off its core:
+    measured in SmolLM2's bfloat16 decode with two busy processes on the 2 cores (decode.py --load 2 --profile),
+    SDPA's CPU kernel took 70 ms a token and oneDNN's products pushed plain PyTorch and transformers to 0.5 tok/s.
+    One thread where one core is free avoids the wait for every op of the step, not only the products. Idle, or
+    under torch.compile (a process setting, not an op), or with the speed paths off, nothing changes."""
+    if not _enabled or torch.compiler.is_compiling():
+        yield intra_op_threads()
+        return
+    threads = torch.get_num_threads()
+    want = free_threads()
+    if want >= threads:
+        yield threads
+        return
+    torch.set_num_threads(want)
+    try:
+        yield want
+    finally:
+        torch.set_num_threads(threads)
+
+
 def product_in_one_thread(blocks: int, weight: Tensor) -> bool:
     """Whether a split low-precision product (``blocks`` > 1 from :func:`split_product`) runs with one intra-op thread
     because other processes leave fewer cores free than there are threads (:func:`free_threads`).
@@ -380,7 +406,7 @@ def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: t
     items, threads = batch * n_kv_heads, intra_op_threads()
     if n_heads // n_kv_heads >= 4 or items % threads == 0 or items >= 2 * threads:
         return True, None
-    key = ("fold", batch, n_heads, n_kv_heads, dtype, t.bit_length())
+    key = ("fold", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads)
     found = _measured.get(key)
     if found is not None:
         return found == "folded", None

@@ -45,7 +45,7 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     if n == 1:
         return F.linear(x, weight, bias)
     one = cpu.product_in_one_thread(n, weight)
-    key = (weight.shape[0], in_features, weight.dtype, rows, n, one)
+    key = (weight.shape[0], in_features, weight.dtype, rows, n, 1 if one else cpu.intra_op_threads())
     f32 = weight.dtype == torch.float32
     if rows == 1:  # decoding: measured on the real calls (multihead.cpu.product_kind)
         kind, timed = cpu.product_kind(key, _ONE_ROW_KINDS[f32])

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from multihead import cpu
 from multihead.attention import MultiHeadAttention
 from multihead.cache import (
     Cache,
@@ -220,15 +221,16 @@ class LlamaModel(nn.Module):
         self._check_tokens(tokens)
         if isinstance(logits_to_keep, bool) or not isinstance(logits_to_keep, int) or logits_to_keep < 0:
             raise MultiheadError(f"logits_to_keep must be an int >= 0 (0 = every position), not {logits_to_keep!r}")
-        h = self.embed(tokens)  # (b, s, d_model)
-        step = self.step(h, positions=positions, cache=cache, key_padding_mask=key_padding_mask, mask=mask)
-        for i, layer in enumerate(self.layers):
-            h = layer(h, step=step, cache=None if cache is None else cache.layer(i))
-        if logits_to_keep:
-            h = h[:, -logits_to_keep:]
-        h = self.norm(h)
-        weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return linear(h, weight)  # (b, s, vocab)
+        with cpu.step_threads():  # a loaded machine: as many intra-op threads as cores are free
+            h = self.embed(tokens)  # (b, s, d_model)
+            step = self.step(h, positions=positions, cache=cache, key_padding_mask=key_padding_mask, mask=mask)
+            for i, layer in enumerate(self.layers):
+                h = layer(h, step=step, cache=None if cache is None else cache.layer(i))
+            if logits_to_keep:
+                h = h[:, -logits_to_keep:]
+            h = self.norm(h)
+            weight = self.embed.weight if self.lm_head is None else self.lm_head.weight
+            return linear(h, weight)  # (b, s, vocab)
 
     def step(self, h: Tensor, *, positions: Tensor | None = None, cache: Cache | None = None,
              key_padding_mask: Tensor | None = None, mask: Tensor | None = None) -> Step:
