@@ -83,3 +83,11 @@ def test_a_tiny_run_gives_every_runner_a_row_with_exact_bytes(monkeypatch: pytes
         by["transformers"].prefill_s / by["int4"].prefill_s)
     text = longctx.table(rows, s, ["machine: test"])
     assert text.count("\n| float32 | 40 |") == len(rows)
+
+
+def test_the_windowed_caches_prefill_in_chunks_the_others_in_one_call_unless_a_chunk_is_given() -> None:
+    assert [longctx.prefill_chunk(kind, 0) for kind in ctxbench.CACHE_KINDS] == [
+        0 if kind in ("full", "int4", "int8") else longctx.WINDOW_CHUNK for kind in ctxbench.CACHE_KINDS]
+    assert {longctx.prefill_chunk(kind, 64) for kind in ctxbench.CACHE_KINDS} == {64}
+    with pytest.raises(SystemExit):
+        longctx.parse(["--chunk", "-1"])
