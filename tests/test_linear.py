@@ -213,3 +213,25 @@ def test_a_flop_counter_sees_one_product_not_the_measurement() -> None:
     with FlopCounterMode(display=False) as counter:
         linear(x, w)
     assert counter.get_total_flops() == 2 * 1536 * 576
+
+
+def test_under_compile_an_undecided_product_is_f_linear_and_a_decided_one_kept(monkeypatch: pytest.MonkeyPatch
+                                                                                 ) -> None:
+    """A graph traced before any eager call of a shape gets F.linear (the compiler's own product), one traced after
+    the eager calls decided gets the measured kind; "blas" (oneDNN off, a process setting) becomes F.linear."""
+    cpu.force_product(None)
+    kinds = ("linear", "mv", "split", "blas")
+    decided = {("test", "mv"): "mv", ("test", "split"): "split", ("test", "blas"): "blas"}
+    try:
+        for key, kind in decided.items():
+            _measure(key, kinds, {name: 1e-4 if name == kind else 4e-4 for name in kinds})
+            assert cpu.measured()[key] == kind
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert cpu.product_kind(("test", "never called eagerly"), kinds) == ("linear", False)
+        assert cpu.product_kind(("test", "mv"), kinds) == ("mv", False)
+        assert cpu.product_kind(("test", "split"), kinds) == ("split", False)
+        assert cpu.product_kind(("test", "blas"), kinds) == ("linear", False)
+        assert ("test", "never called eagerly") not in cpu.measured()
+    finally:
+        monkeypatch.undo()
+        cpu.forget_measured()
