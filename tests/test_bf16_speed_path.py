@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from multihead import cpu
 from multihead.linear import Linear
 from multihead.models.generate import generate_ids
-from tests_support import aten_ops
+from tests_support import aten_ops, teacher_forced_logits
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # two threads, as if two cores were free
 
@@ -31,14 +31,7 @@ def smollm2_bf16():  # type: ignore[no-untyped-def]
 
 def _teacher_forced_logits(model, ids: torch.Tensor) -> torch.Tensor:  # type: ignore[no-untyped-def]
     """Logits of a 6-token prompt then one token a step through the cache (the decode path), float32."""
-    cache = model.new_cache(1, 32)
-    with torch.no_grad():
-        steps = [model(ids[:, :6], cache=cache)]
-        cache.advance(6)
-        for i in range(6, ids.shape[1]):
-            steps.append(model(ids[:, i:i + 1], cache=cache))
-            cache.advance(1)
-    return torch.cat(steps, dim=1).float()
+    return teacher_forced_logits(model, ids).float()  # type: ignore[no-any-return]
 
 
 def test_smollm2_bf16_decodes_the_same_tokens_and_logits_with_and_without_the_speed_paths(  # type: ignore[no-untyped-def]

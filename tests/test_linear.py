@@ -101,7 +101,7 @@ def test_the_product_kind_is_measured_on_the_real_calls_and_the_fastest_kept() -
         ran = _measure(keys[1], ("linear", "split", "blas"), {"linear": 4e-4, "split": 2e-4, "blas": 1e-4})
         assert cpu.measured()[keys[1]] == "blas"
         assert ran == ["linear", "split", "blas"] * 3
-        # a kind under SPLIT_MARGIN of F.linear's time only: level ones keep F.linear
+        # a kind under KIND_MARGIN of F.linear's time only: level ones keep F.linear
         _measure(keys[2], ("linear", "split"), {"linear": 4e-4, "split": 3.8e-4})
         assert cpu.measured()[keys[2]] == "linear"
         assert cpu.product_kind(keys[1], ("linear", "split", "blas")) == ("blas", False)  # kept, not timed again

@@ -11,7 +11,7 @@ import torch
 from multihead import MultiheadError, cpu
 from multihead.models import LlamaConfig, LlamaModel, load_llama
 from multihead.models.generate import Sampling, generate_ids
-from tests_support import smollm2_gguf
+from tests_support import smollm2_gguf, teacher_forced_logits
 
 PROMPTS = [
     "The",
@@ -113,14 +113,7 @@ def test_the_cpu_fast_paths_change_no_token_and_no_logit_beyond_rounding(smollm2
     for on in (True, False):
         cpu.set_enabled(on)
         try:
-            cache = model.new_cache(1, 32)
-            with torch.no_grad():
-                steps = [model(ids[:, :6], cache=cache)]
-                cache.advance(6)
-                for i in range(6, ids.shape[1]):
-                    steps.append(model(ids[:, i:i + 1], cache=cache))
-                    cache.advance(1)
-            logits[on] = torch.cat(steps, dim=1)
+            logits[on] = teacher_forced_logits(model, ids)
         finally:
             cpu.set_enabled(True)
     torch.testing.assert_close(logits[True], logits[False], atol=2e-4, rtol=1e-4)

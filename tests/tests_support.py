@@ -61,3 +61,18 @@ def aten_ops() -> Any:
             return func(*args, **(kwargs or {}))
 
     return AtenOps()
+
+
+def teacher_forced_logits(model: Any, ids: Any, prompt: int = 6) -> Any:
+    """Logits (1, n, vocab) of ``ids`` (1, n) through a cache: the first ``prompt`` tokens in one call, then one token a
+    step (the decode path), no gradients."""
+    import torch
+
+    cache = model.new_cache(1, ids.shape[1])
+    with torch.no_grad():
+        steps = [model(ids[:, :prompt], cache=cache)]
+        cache.advance(prompt)
+        for i in range(prompt, ids.shape[1]):
+            steps.append(model(ids[:, i:i + 1], cache=cache))
+            cache.advance(1)
+    return torch.cat(steps, dim=1)

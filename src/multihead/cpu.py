@@ -3,10 +3,11 @@
 Each function here answers "take the fast path for this call?" for one trick that gives the same result as the plain
 code (within the dtype's rounding) and was measured faster on the 2-core machine of benchmarks/RESULTS.md:
 
-- :func:`split_product`: few-row projections (decoding) as a batched product over row blocks of the weight, spread
-  over the intra-op threads that find a free core (:func:`free_threads`: other processes' runnable threads are read
-  from the kernel, so a loaded machine gets plain F.linear for float32), and for bfloat16/float16 with the weight as
-  the left operand, which their one-row F.linear lacks (:mod:`multihead.linear`);
+- :func:`split_product`: which few-row projections (decoding) may choose their kind of product, and the row blocks
+  of the split one (over the intra-op threads that find a free core, :func:`free_threads`: other processes'
+  runnable threads are read from the kernel, so a loaded machine gets plain F.linear for float32);
+- :func:`product_kind`: the kind each such product runs (F.linear, torch.mv, the split, or low precision with oneDNN
+  off), measured for its shape (:mod:`multihead.linear` runs them);
 - :func:`step_threads`: on a loaded machine a model step runs with as many intra-op threads as cores are free;
 - :func:`product_in_one_thread`: on a loaded machine a split low-precision product runs with one intra-op thread;
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
@@ -156,7 +157,7 @@ _trials: dict[tuple[object, ...], _Trial] = {}
 _forced: str | None = None
 MEASURE_REPEATS = 7  # timed real calls of each kind before the choice (after one untimed first call each)
 DROP_OVER = 1.5  # a kind this much slower than the best after 2 timed calls each stops being tried
-SPLIT_MARGIN = 0.95  # another kind is taken when its median time is under this fraction of F.linear's
+KIND_MARGIN = 0.95  # another kind is taken when its median time is under this fraction of F.linear's
 
 
 class _Trial:
@@ -196,7 +197,7 @@ def forget_measured(key: tuple[object, ...] | None = None) -> None:
 def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
                  trial: Callable[[str], Callable[[], object]] | None = None) -> tuple[str, bool]:
     """Which of ``kinds`` (the same product computed differently; "linear" first) to run for this call of ``key``,
-    and whether to time it for :func:`record_product`.
+    and whether to time it for :func:`record_time`.
 
     The kinds (:mod:`multihead.linear` runs them): "linear" is ``F.linear``; "mv" (one row) ``torch.mv``, the
     matrix-vector kernel; "split" the batched product over row blocks of the weight; "blas" (bfloat16/float16 only)
@@ -211,7 +212,7 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
     counted), nothing computed twice, and the weights are every layer's, as they come from memory, where a trial's
     weight sits in cache: the first decoding steps of a process (a few, one per 4 x 8 calls of a shape) therefore
     round differently from the later ones (the kinds agree within the dtype's rounding). Either way the fastest
-    median is kept for the process if it is under SPLIT_MARGIN of F.linear's, else F.linear.
+    median is kept for the process if it is under KIND_MARGIN of F.linear's, else F.linear.
 
     Why measured and not fixed: the same 2-core Xeon type gave opposite answers on two hosts, and warm and cold
     weights rank the kinds differently. The float32 split was written where SmolLM2's 210 matrices at one row took
@@ -232,15 +233,19 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
     found = _measured.get(key)
     if found is not None:
         return ("linear" if found == "blas" and torch.compiler.is_compiling() else found), False
-    if torch.compiler.is_compiling():
+    if _unmeasurable():
         return "linear", False
-    if (is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._get_tracing_state() is not None):
-        return "linear", False  # a FLOP counter, fake tensors or a tracer: the plain product, not timed
     if trial is not None:
         _measured[key] = kind = _measure_up_front(kinds, trial)
         return kind, False
     return _next_trial(key, kinds)
+
+
+def _unmeasurable() -> bool:
+    """Whether a call cannot be timed: under torch.compile (a graph, not a run), a dispatch or function mode (FLOP
+    counters, fake tensors would see the trials) or torch.jit.trace. Such calls take the plain way, undecided."""
+    return (torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._get_tracing_state() is not None)
 
 
 def _next_trial(key: tuple[object, ...], kinds: tuple[str, ...]) -> tuple[str, bool]:
@@ -269,11 +274,11 @@ def _measure_up_front(kinds: tuple[str, ...], trial: Callable[[str], Callable[[]
 
 
 def _fastest(times: dict[str, list[float]]) -> str:
-    """The kind of the fastest median if it is under SPLIT_MARGIN of F.linear's, else "linear"."""
+    """The kind of the fastest median if it is under KIND_MARGIN of F.linear's, else "linear"."""
     medians = {name: statistics.median(t) for name, t in times.items()}
     best = min(medians, key=medians.__getitem__)
     plain = medians.get("linear")
-    return best if plain is None or best == "linear" or medians[best] < SPLIT_MARGIN * plain else "linear"
+    return best if plain is None or best == "linear" or medians[best] < KIND_MARGIN * plain else "linear"
 
 
 def record_time(key: tuple[object, ...], kind: str, seconds: float) -> None:
@@ -309,7 +314,7 @@ def measured() -> dict[tuple[object, ...], str]:
 
 
 def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
-    """How many row blocks to split ``x @ weight.T`` into (1 = plain ``F.linear``).
+    """How many row blocks the split kind of ``x @ weight.T`` takes (1: plain ``F.linear``, no kind to choose).
 
     float32: measured (the 210 matrices of SmolLM2-135M at one row, idle 2-core Xeon): 63 ms with F.linear, whose
     gemv kept to one core here, 33 ms split in 2; 1536 x 576 at 1-64 rows 0.4-0.8x the time of F.linear; from about
@@ -412,8 +417,7 @@ def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: t
     found = _measured.get(key)
     if found is not None:
         return found == "folded", None
-    if (torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._get_tracing_state() is not None):
+    if _unmeasurable():
         return False, None
     kind, _ = _next_trial(key, FOLD_KINDS)
     return kind == "folded", key

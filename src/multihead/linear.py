@@ -16,8 +16,8 @@ and machine, so :func:`linear` runs the one :func:`multihead.cpu.product_kind` m
 
 Same weights, same parameters and state_dict, no copy of W; the kinds differ at the last bits of the dtype's
 rounding (the same sums in another order). Measured on the 2-core machine of benchmarks/RESULTS.md (SmolLM2-135M
-greedy decoding, one process, alternating with transformers, 2026-12-01): bfloat16 24.0 tok/s with each shape's
-fastest kind against 20.2 with the speed paths off, and above float32's 21.0. Which calls may choose is decided in
+greedy decoding, decode.py, one process, alternating, 2026-12-01): bfloat16 16.3 tok/s with each shape's fastest
+kind against 11.7 with the speed paths off, level with float32's 16.1. Which calls may choose is decided in
 :func:`multihead.cpu.split_product` (with the other CPU speed paths, behind one switch).
 """
 
