@@ -6,8 +6,8 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
 - :func:`split_product`: which few-row projections (decoding) may choose their kind of product, and the row blocks
   of the split one (over the intra-op threads that find a free core, :func:`free_threads`: other processes'
   runnable threads are read from the kernel, so a loaded machine gets plain F.linear for float32);
-- :func:`product_kind`: the kind each such product runs (F.linear, torch.mv, the split, or low precision with oneDNN
-  off), measured for its shape (:mod:`multihead.linear` runs them);
+- :func:`product_kind`: the kind each such product runs (F.linear, torch.mv, the split, low precision with oneDNN
+  off, or multihead.native's bfloat16 kernel), measured for its shape (:mod:`multihead.linear` runs them);
 - :func:`step_threads`: on a loaded machine a model step runs with as many intra-op threads as cores are free;
 - :func:`product_in_one_thread`: on a loaded machine a split low-precision product runs with one intra-op thread;
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
@@ -151,7 +151,7 @@ def pin_spare_cores(spare: float | None) -> None:
 
 
 # the product kind measured fastest, once a process: (out, in, dtype, rows, blocks, threads it runs with) -> kind
-PRODUCT_KINDS = ("linear", "mv", "split", "blas")
+PRODUCT_KINDS = ("linear", "mv", "split", "blas", "native")
 _measured: dict[tuple[object, ...], str] = {}
 _trials: dict[tuple[object, ...], _Trial] = {}
 _forced: str | None = None
@@ -203,7 +203,9 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
     matrix-vector kernel; "split" the batched product over row blocks of the weight; "blas" (bfloat16/float16 only)
     ``F.linear`` with oneDNN switched off for the call, so PyTorch's own vectorised gemv/gemm runs (float32
     accumulation) instead of oneDNN's AMX matmul, whose fixed cost per call (~40 us here) dominates a one-row
-    product of a small matrix.
+    product of a small matrix; "native" (one bfloat16 row) :func:`multihead.native.gemv_bf16`, a C kernel reading
+    the weight at the memory's speed (1536 x 576 from memory: 75-88 us against F.linear's 240-278 on the host of
+    2026-12-01).
 
     How a key is decided. With ``trial`` (several rows: prompts, patching runs), up front: ``trial(kind)`` gives
     each kind's product on this call's inputs, run MEASURE_REPEATS times each, alternating, before the call's own
@@ -222,9 +224,9 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
     with the weights from memory (400 MB of copies in turn): 1536 x 576 F.linear 137 us, split 103, "mv" 110,
     "blas" 147; 576 x 1536 153 / 215 / 129 / 184; float32 1536 x 576 F.linear 161 us, "mv" 155, split 382.
 
-    Under torch.compile nothing is measured: a choice already made is used ("blas" becomes "linear": the compiler
-    owns the product), else "linear" (a graph traced before any eager call of the shape: the split was the default
-    there until a compiled SmolLM2 step, all split, ran at 0.5x transformers in both dtypes on the host of
+    Under torch.compile nothing is measured: a choice already made is used ("blas" and "native" become "linear":
+    the compiler owns the product), else "linear" (a graph traced before any eager call of the shape: the split was
+    the default there until a compiled SmolLM2 step, all split, ran at 0.5x transformers in both dtypes on the host of
     2026-12-01, against 1.15x eager); decode eagerly for a few steps before compiling to trace with the measured
     kinds. Under a dispatch or function mode (FLOP counters, fake tensors) or torch.jit.trace "linear", not timed.
     """
@@ -232,7 +234,7 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
         return _forced, False
     found = _measured.get(key)
     if found is not None:
-        return ("linear" if found == "blas" and torch.compiler.is_compiling() else found), False
+        return ("linear" if found in ("blas", "native") and torch.compiler.is_compiling() else found), False
     if _unmeasurable():
         return "linear", False
     if trial is not None:

@@ -12,12 +12,15 @@ and machine, so :func:`linear` runs the one :func:`multihead.cpu.product_kind` m
       W (out, in) viewed as (n, out / n, in);   y = (W @ x^T) -> (n, out / n, m) -> (m, out)
 
 - "blas" (bfloat16/float16): ``F.linear`` with oneDNN off for the call: PyTorch's own vectorised kernels, without
-  oneDNN's fixed cost per call.
+  oneDNN's fixed cost per call;
+- "native" (one bfloat16 row, inference): :func:`multihead.native.gemv_bf16`, a C kernel built on first use that
+  reads the weight at the memory's speed (AVX512-BF16 products, software prefetch); offered only where it built.
 
 Same weights, same parameters and state_dict, no copy of W; the kinds differ at the last bits of the dtype's
 rounding (the same sums in another order). Measured on the 2-core machine of benchmarks/RESULTS.md (SmolLM2-135M
 greedy decoding, decode.py, one process, alternating, 2026-12-01): bfloat16 16.3 tok/s with each shape's fastest
-kind against 11.7 with the speed paths off, level with float32's 16.1. Which calls may choose is decided in
+kind against 11.7 with the speed paths off, level with float32's 16.1; with "native" among the kinds (every shape
+chose it) 25.9 against 15.8 plain and transformers' 15.8. Which calls may choose is decided in
 :func:`multihead.cpu.split_product` (with the other CPU speed paths, behind one switch).
 """
 
@@ -29,11 +32,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import cpu
+from multihead import cpu, native
 
 # the kinds of product measured for a call (multihead.cpu.product_kind): by dtype, and with "mv" at one row
 _KINDS = {True: ("linear", "split"), False: ("linear", "split", "blas")}
 _ONE_ROW_KINDS = {True: ("linear", "mv", "split"), False: ("linear", "mv", "split", "blas")}
+_NATIVE_KINDS = ("linear", "mv", "split", "blas", "native")  # one bfloat16 row, when multihead.native is built
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -48,7 +52,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     key = (weight.shape[0], in_features, weight.dtype, rows, n, 1 if one else cpu.intra_op_threads())
     f32 = weight.dtype == torch.float32
     if rows == 1:  # decoding: measured on the real calls (multihead.cpu.product_kind)
-        kind, timed = cpu.product_kind(key, _ONE_ROW_KINDS[f32])
+        kinds = (_NATIVE_KINDS if weight.dtype == torch.bfloat16 and native.library() is not None
+                 else _ONE_ROW_KINDS[f32])
+        kind, timed = cpu.product_kind(key, kinds)
     else:  # measured up front on this call's inputs: every call of the shape computes the same way
         kind, timed = cpu.product_kind(key, _KINDS[f32], lambda k: lambda: _run(k, x, weight, bias, n, rows,
                                                                                   in_features, one))
@@ -62,11 +68,20 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def _run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, rows: int, in_features: int,
          one: bool) -> Tensor:
-    """The product as ``kind`` (:func:`multihead.cpu.product_kind`); "split", "blas" and "mv" in one intra-op thread
-    when ``one``. "blas" on float32 is F.linear (MKL, no oneDNN there to switch off); "mv" with more than one row is
-    F.linear."""
+    """The product as ``kind`` (:func:`multihead.cpu.product_kind`); "split", "blas", "mv" and "native" in one
+    intra-op thread when ``one``. "blas" on float32 is F.linear (MKL, no oneDNN there to switch off); "mv" with more
+    than one row is F.linear; "native" is F.linear unless it is one contiguous bfloat16 row without autograd and the
+    kernel built (the kernel reads raw memory: every layout it relies on is checked here)."""
     if kind == "linear" or (kind == "blas" and weight.dtype == torch.float32) or (kind == "mv" and rows != 1):
         return F.linear(x, weight, bias)
+    if kind == "native":
+        if (rows == 1 and weight.dtype == torch.bfloat16 and x.is_contiguous() and native.library() is not None
+                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
+                                      and bias.shape == weight.shape[:1]))
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                      or (bias is not None and bias.requires_grad)))):
+            return native.gemv_bf16(x, weight, bias, 1 if one else None, check=False)
+        return F.linear(x, weight, bias)  # another dtype, autograd or a strided row: PyTorch's product
     threads = torch.get_num_threads() if one else 0
     if one:
         torch.set_num_threads(1)

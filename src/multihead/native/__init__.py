@@ -1,0 +1,177 @@
+"""Native CPU kernels: a few C functions (``kernels.c`` beside this file) compiled on first use with the machine's C
+compiler and called through ctypes, for the products PyTorch runs slowly on the CPU.
+
+Today one: :func:`gemv_bf16`, decoding's one-row bfloat16 product ``F.linear(x, W, bias)``. Measured on the 2-core
+Xeon of benchmarks/RESULTS.md (AVX512-BF16, one process, 60 weights in turn, median of 7): 1536 x 576 75-88 us
+against F.linear's 240-278 (oneDNN) and 235-243 with oneDNN off; 576 x 1536 79-84 against 156-261; 192 x 576 19
+against 20-73; PyTorch's kernels read a bfloat16 weight at 6-11 GB/s there, this one at 21-25 (a large sum reads
+17-21 GB/s). :func:`multihead.cpu.product_kind` times it beside the other kinds ("native") and keeps it where it is
+the fastest.
+
+The library is built once per machine and source: ``cc -O3 -march=native -fopenmp -shared -fPIC``, into
+``$MULTIHEAD_NATIVE_DIR`` (default ``$XDG_CACHE_HOME/multihead/native``, else ``~/.cache/multihead/native``), named
+by a hash of the source, the compiler's version, the command and the CPU's flags, written to a temporary name and
+renamed into place (processes building at once do not see half a file). Without a compiler, when the build fails, or
+with ``MULTIHEAD_NATIVE=0``, :func:`library` is None, :func:`unavailable` says why, and every caller keeps PyTorch's
+kernels: nothing is lost but the speed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+SOURCE = Path(__file__).with_name("kernels.c")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+BUILD_TIMEOUT_S = 120
+
+_lock = threading.Lock()
+_state: dict[str, object] = {}  # "lib": the loaded library or None; "why": the reason it is None
+
+
+def cache_dir() -> Path:
+    """Where built libraries are kept: $MULTIHEAD_NATIVE_DIR, else $XDG_CACHE_HOME/multihead/native, else
+    ~/.cache/multihead/native."""
+    if os.environ.get("MULTIHEAD_NATIVE_DIR"):
+        return Path(os.environ["MULTIHEAD_NATIVE_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "multihead" / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return ""
+
+
+def _compiler() -> str | None:
+    for name in (os.environ.get("CC") or "cc", "gcc", "clang"):
+        found = shutil.which(name)
+        if found:
+            return found
+    return None
+
+
+def _build(cc: str) -> Path:
+    """The built library's path (built now unless already there); raises RuntimeError naming the failure."""
+    source = SOURCE.read_bytes()
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"the C compiler {cc} did not run: {e}") from e
+    digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(FLAGS).encode(),
+                                        _cpu_flags().encode()])).hexdigest()[:16]
+    out = cache_dir() / f"kernels-{digest}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            tail = " ".join(done.stderr.strip().splitlines()[-3:])
+            raise RuntimeError(f"{cc} {' '.join(FLAGS)} {SOURCE.name} exited with {done.returncode}: {tail}")
+        os.replace(tmp, out)
+    except subprocess.TimeoutExpired as e:
+        raise RuntimeError(f"{cc} did not finish building {SOURCE.name} in {BUILD_TIMEOUT_S} s") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
+    if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
+        return None, "turned off by MULTIHEAD_NATIVE=0"
+    cc = _compiler()
+    if cc is None:
+        return None, "no C compiler found (cc, gcc or clang on PATH, or $CC)"
+    try:
+        path = _build(cc)
+        lib = ctypes.CDLL(str(path))
+    except (RuntimeError, OSError) as e:
+        return None, str(e)
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.mh_gemv_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.mh_gemv_bf16.restype = None
+    lib.mh_gemv_bf16_vectorised.argtypes = []
+    lib.mh_gemv_bf16_vectorised.restype = ctypes.c_int
+    return lib, None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels (built on the first call of the process), or None when they cannot be had
+    (:func:`unavailable` says why)."""
+    if "lib" not in _state:
+        with _lock:
+            if "lib" not in _state:
+                _state["lib"], _state["why"] = _load()
+    lib = _state["lib"]
+    return lib if isinstance(lib, ctypes.CDLL) else None
+
+
+def unavailable() -> str | None:
+    """Why the kernels are not there (None when they are); builds them first if no call has yet."""
+    library()
+    why = _state.get("why")
+    return why if isinstance(why, str) else None
+
+
+def vectorised() -> bool:
+    """Whether the kernels were compiled with this CPU's AVX512-BF16 products (else a portable loop)."""
+    lib = library()
+    return bool(lib is not None and lib.mh_gemv_bf16_vectorised())
+
+
+def gemv_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: int | None = None, *,
+              check: bool = True) -> Tensor:
+    """``F.linear(x, weight, bias)`` for one bfloat16 row ``x`` (any leading shape of one element) on the CPU, by the
+    native kernel: float32 sums rounded once to bfloat16. ``threads``: OpenMP threads (default: PyTorch's
+    intra-op count). No autograd: for inference (the caller checks). Raises RuntimeError when the kernels are not
+    there (:func:`unavailable`) and ValueError naming what does not fit; ``check=False`` skips the checks, for a
+    caller that made them (:func:`multihead.linear.linear`: a wrong layout there reads the wrong memory)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"multihead's native kernels are not available: {unavailable()}")
+    in_features = weight.shape[-1] if weight.ndim == 2 else -1
+    if check:
+        _check(x, weight, bias, in_features)
+    out = weight.shape[0]
+    y = torch.empty((*x.shape[:-1], out), dtype=torch.bfloat16)
+    lib.mh_gemv_bf16(weight.data_ptr(), weight.stride(0), x.data_ptr(), None if bias is None else bias.data_ptr(),
+                     y.data_ptr(), out, in_features, torch.get_num_threads() if threads is None else threads)
+    return y
+
+
+def _check(x: Tensor, weight: Tensor, bias: Tensor | None, in_features: int) -> None:
+    problems = []
+    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
+        problems.append(f"dtypes {x.dtype} and {weight.dtype} (bfloat16 both)")
+    if not (x.is_cpu and weight.is_cpu):
+        problems.append(f"devices {x.device} and {weight.device} (cpu both)")
+    if weight.ndim != 2 or weight.stride(-1) != 1:
+        problems.append(f"weight of shape {tuple(weight.shape)} and strides {weight.stride()} "
+                        "(2-D, rows of unit stride)")
+    if x.numel() != in_features or not x.is_contiguous():
+        problems.append(f"x of shape {tuple(x.shape)} (one contiguous row of {in_features})")
+    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (weight.shape[0],)
+                             or not bias.is_contiguous() or not bias.is_cpu):
+        problems.append(f"bias of shape {tuple(bias.shape)} and dtype {bias.dtype} "
+                        f"(contiguous bfloat16 of {weight.shape[0]})")
+    if problems:
+        raise ValueError("gemv_bf16: " + "; ".join(problems))
