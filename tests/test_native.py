@@ -161,3 +161,152 @@ def test_a_failed_build_says_what_the_compiler_said_and_a_good_one_is_kept(tmp_p
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_state", {})
     assert native.library() is not None and built[0].stat().st_mtime_ns == stamp  # found, not built again
+
+
+def _filled_cache(b: int, g: int, d: int, t: int, group: int, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
+    """A 4-bit cache (one layer) holding t random tokens, and its layer's keys and values as SDPA would read them
+    for the next step (the reference path: dequantised, then the residual and the new token)."""
+    from multihead.cache import QuantizedKVCache
+
+    cache = QuantizedKVCache(batch=b, n_kv_heads=g, head_dim=d, max_len=t + 4, bits=4, group=group, residual=40,
+                             dtype=dtype)
+    if t:
+        cache.update(0, torch.randn(b, g, t, d, dtype=dtype), torch.randn(b, g, t, d, dtype=dtype) * 3,
+                     cache.plan(t, None, need_positions=False, window=None, validate=True))
+        cache.advance(t)
+    return cache
+
+
+@pytest.mark.parametrize(("b", "h", "g", "d", "group", "t"), [
+    (1, 9, 3, 64, 32, 8192 - 40),  # SmolLM2's heads, AVX-512 path, many chunks
+    (1, 9, 3, 64, 32, 300), (2, 8, 2, 128, 32, 700), (1, 4, 4, 64, 32, 0), (1, 3, 1, 64, 32, 39),
+    (2, 6, 3, 32, 16, 200), (1, 2, 1, 8, 4, 97), (1, 10, 1, 64, 32, 500),  # the portable path (HPG 10 > 8 too)
+])
+def test_attend_q4_is_softmax_attention_over_the_dequantised_cache(b: int, h: int, g: int, d: int, group: int,
+                                                                  t: int) -> None:
+    """Against float64 attention over what the cache's reference read gives (codes dequantised, residual, new
+    token): float32 sums, so within 1e-5 (the quantized part is there: n > 0 wherever t > residual)."""
+    cache = _filled_cache(b, g, d, t, group)
+    q, k1, v1 = torch.randn(b, h, 1, d), torch.randn(b, g, 1, d), torch.randn(b, g, 1, d)
+    slots = cache.plan(1, None, need_positions=False, window=None, validate=True)
+    keys, values = cache.update(0, k1, v1, slots, read_only=True)
+    want = F.scaled_dot_product_attention(q.double(), keys.double().repeat_interleave(h // g, 1),
+                                          values.double().repeat_interleave(h // g, 1))
+    n, r = cache.quantized, cache.lengths[0].item() - cache.quantized
+    assert (n > 0) == (t >= 40 + group)
+    tk = torch.cat([cache.res_k[0, :, :, :r], k1], 2)
+    tv = torch.cat([cache.res_v[0, :, :, :r], v1], 2)
+    for threads in (1, 2):
+        got = native.attend_q4(q, cache.codes_k[0], cache.scale_k[0], cache.min_k[0], cache.codes_v[0],
+                               cache.scale_v[0], cache.min_v[0], n, group, tk, tv, d**-0.5, threads)
+        assert got.shape == (b, h, 1, d) and got.dtype == torch.float32
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def test_attend_q4_names_what_does_not_fit() -> None:
+    cache = _filled_cache(1, 3, 64, 200, 32)
+    n = cache.quantized
+    args = [cache.codes_k[0], cache.scale_k[0], cache.min_k[0], cache.codes_v[0], cache.scale_v[0], cache.min_v[0]]
+    tail = torch.randn(1, 3, 5, 64)
+    q = torch.randn(1, 9, 1, 64)
+    with pytest.raises(ValueError, match=r"q of shape \(1, 9, 2, 64\) \(one query a head\)"):
+        native.attend_q4(torch.randn(1, 9, 2, 64), *args, n, 32, tail, tail, 0.125)
+    with pytest.raises(ValueError, match=r"8 query heads over 3 KV heads"):
+        native.attend_q4(torch.randn(1, 8, 1, 64), *args, n, 32, tail, tail, 0.125)
+    with pytest.raises(ValueError, match=r"group 32, 100 quantized"):
+        native.attend_q4(q, *args, 100, 32, tail, tail, 0.125)
+    with pytest.raises(ValueError, match=r"codes_k of shape \(1, 3, 204, 32\), strides .* torch.int16"):
+        native.attend_q4(q, args[0].to(torch.int16), *args[1:], n, 32, tail, tail, 0.125)
+    with pytest.raises(ValueError, match=r"tails of shapes \(1, 3, 5, 64\) and \(1, 3, 4, 64\)"):
+        native.attend_q4(q, *args, n, 32, tail, tail[:, :, :4], 0.125)
+
+
+def _tiny_llama(d_head: int = 64):  # type: ignore[no-untyped-def]
+    from multihead.models.llama import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    return LlamaModel(LlamaConfig(vocab_size=64, d_model=3 * d_head, n_layers=2, n_heads=3, n_kv_heads=1,
+                                  ffn_dim=96)).eval()
+
+
+def _decode_int4(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    cache = model.new_cache(tokens.shape[0], tokens.shape[1], bits=4, group=32, residual=32)
+    with torch.no_grad():
+        out = [model(tokens[:, :prompt], cache=cache)]
+        cache.advance(prompt)
+        for i in range(prompt, tokens.shape[1]):
+            out.append(model(tokens[:, i:i + 1], cache=cache))
+            cache.advance(1)
+    assert cache.quantized > 0
+    return torch.cat(out, 1)
+
+
+def test_a_4bit_cache_decodes_over_its_codes_as_the_dequantising_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every decode step of every layer attends in the kernel (counted), the logits equal the dequantise-then-SDPA
+    path's (multihead.cpu off) within float32 rounding; a hooked pattern, weights or gradients keep the plain path."""
+    from multihead.hooks import hooks
+
+    model = _tiny_llama()
+    tokens = torch.randint(0, 64, (2, 150))
+    calls = []
+    kernel = native.attend_q4
+    monkeypatch.setattr(native, "attend_q4", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    got = _decode_int4(model, tokens, 100)
+    assert len(calls) == 2 * 50  # two layers, fifty decode steps
+    with cpu.disabled():
+        want = _decode_int4(model, tokens, 100)
+    assert len(calls) == 100
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    seen = []
+    with hooks(model, {"layers.0.attn.hook_pattern": lambda w, point: seen.append(w.shape)}):
+        hooked = _decode_int4(model, tokens[:, :110], 100)
+    assert len(calls) == 100 + 10  # layer 1 only: layer 0's hooked pattern needs the keys
+    assert seen and seen[-1][-1] == 110
+    torch.testing.assert_close(hooked, want[:, :110], atol=1e-4, rtol=1e-4)
+
+
+def test_smollm2_decodes_over_its_4bit_codes_as_the_dequantising_path_does(smollm2, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    """The real model (float32, 9/3 heads, head_dim 64: the AVX-512 path) with a 4-bit cache holding 256 tokens as
+    codes: every layer's decode steps run in the kernel; the logits equal the dequantise-then-SDPA path's within
+    float32 rounding and the greedy tokens are the same."""
+    model, tok = smollm2
+    ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog. " * 40)[:400]])
+    calls = []
+    kernel = native.attend_q4
+    monkeypatch.setattr(native, "attend_q4", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+
+    def decode() -> tuple[torch.Tensor, list[int]]:
+        cache = model.new_cache(1, 410, bits=4)
+        with torch.no_grad():
+            logits = [model(ids, cache=cache)[:, -1]]
+            cache.advance(ids.shape[1])
+            for _ in range(4):
+                logits.append(model(logits[-1].argmax(-1, keepdim=True), cache=cache)[:, -1])
+                cache.advance(1)
+        assert cache.quantized == 256
+        return torch.stack(logits), [int(x.argmax()) for x in logits]
+
+    got, tokens = decode()
+    assert len(calls) == 4 * model.config.n_layers
+    with cpu.disabled():
+        want, plain_tokens = decode()
+    assert tokens == plain_tokens
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
+
+
+def test_explain_says_when_the_4bit_cache_attends_itself() -> None:
+    model = _tiny_llama()
+    tokens = torch.randint(0, 64, (1, 101))
+    cache = model.new_cache(1, 110, bits=4, group=32, residual=32)
+    with torch.no_grad():
+        model(tokens[:, :100], cache=cache)
+        cache.advance(100)
+        layer = model.layers[0].attn
+        h = torch.randn(1, 1, layer.config.d_model)
+        step = layer.step(h, causal=True, cache=cache.layer(0))
+        choice = layer.explain(h, step=step, cache=cache.layer(0))
+        assert choice.backend == "cache" and "attend_q4" in choice.reason
+        assert cache.lengths.tolist() == [100]
+        with cpu.disabled():
+            assert layer.explain(h, step=layer.step(h, causal=True, cache=cache.layer(0)),
+                                 cache=cache.layer(0)).backend == "sdpa"

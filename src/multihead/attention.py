@@ -25,8 +25,23 @@ from multihead.hooks import HookPoint, add_hook_points, call_hooks
 from multihead.kernels import AttentionCall, KernelChoice, attend, check_backend
 from multihead.kernels import explain as explain_call
 from multihead.linear import Linear
+from multihead.masks import MaskSpec
 from multihead.rope import RotaryEmbedding
 from multihead.step import Step, build_step, check_cache_call
+
+
+def _sees_every_key(spec: MaskSpec) -> bool:
+    """Whether every query of the call may attend to every key: an empty mask, or one decode query a sequence that
+    is causal by positions at or after the last key (a batch continuing at one cached length); read once a step."""
+    if spec.is_empty:
+        return True
+    if (spec.s != 1 or not spec.causal or spec.q_positions is None or spec.window is not None or spec.keep is not None
+            or spec.bias is not None or spec.documents is not None):
+        return False
+    seen = spec.memo.get("sees every key")
+    if seen is None:
+        seen = spec.memo["sees every key"] = bool((spec.q_positions >= spec.t - 1).all())
+    return bool(seen)
 
 
 def _zero_padding(k: Tensor, v: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -156,6 +171,10 @@ class MultiHeadAttention(nn.Module):
             assert step.slots is not None  # checked: a cache call's step carries the cache's plan
             if step.slots.parts is not None:  # a head-wise cache: one call per group of KV heads
                 return self._forward_groups(q, k, v, step, cache, backend)
+            z = self._cache_attends(q, k, v, step, cache, return_weights, backend)
+            if z is not None:  # the cache attended over its own store (a 4-bit cache's codes, read once)
+                out: Tensor = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))
+                return self.hook_out(out) if self.hook_out.active else out
             k, v = cache.update(k, v, step.slots)  # (b, g, t, d): the cached keys and values, the new ones included
         z, weights = attend(self._call(q, k, v, step, return_weights, backend))  # (b, h, s, d), hooked
         del q, k, v  # free the projections before merging: a long sequence's peak is q, k, v and the output
@@ -190,8 +209,28 @@ class MultiHeadAttention(nn.Module):
                 assert step.slots is not None
                 if step.slots.parts is not None:  # a head-wise cache: one call per group of KV heads
                     return self._explain_groups(q, k, v, step, cache, return_weights, backend)
+                if self._cache_attends(q, k, v, step, cache, return_weights, backend, read_only=True) is not None:
+                    return KernelChoice("cache", f"{type(cache.cache).__name__}.attend",
+                                        "the cache attends over its own store (4-bit codes read once inside the "
+                                        "attention, multihead.native.attend_q4): every key visible, nothing hooked",
+                                        "none")
                 k, v = cache.update(k, v, step.slots, read_only=True)
         return explain_call(self._call(q, k, v, step, return_weights, backend))
+
+    def _cache_attends(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, return_weights: bool,
+                       backend: str | None, read_only: bool = False) -> Tensor | None:
+        """The cache's own attention for this call (:meth:`multihead.cache.Cache.attend`) where nothing between the
+        cache and the output needs the keys: every key visible (no mask, window or padding), no weights, no hook at
+        the core, no dropout, the automatic backend. None otherwise, or where the cache has no such path."""
+        if not cache.cache.attends or torch.compiler.is_compiling():  # most kinds have no such path
+            return None
+        spec = step.mask
+        if (return_weights or not _sees_every_key(spec) or spec.padding is not None or call_hooks(self) is not None
+                or (self.training and self.config.dropout > 0)
+                or (self.backend if backend is None else check_backend(backend)) != "auto"):
+            return None
+        assert step.slots is not None
+        return cache.attend(q, k, v, step.slots, scale=self.config.softmax_scale, read_only=read_only)
 
     # ------------------------------------------------------------------ a head-wise cache: one call per group
     def _forward_groups(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, backend: str | None

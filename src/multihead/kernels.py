@@ -401,7 +401,8 @@ def _pattern_beside(call: AttentionCall, out: Tensor, pattern: TensorFn) -> Tens
 class KernelChoice:
     """Which attention kernel runs for a call, and why.
 
-    ``backend`` is the multihead backend ("sdpa", "math" or "flex"); ``kernel`` the implementation underneath
+    ``backend`` is the multihead backend ("sdpa", "math" or "flex", or "cache" where the cache attends over its own
+    store, :meth:`multihead.cache.Cache.attend`); ``kernel`` the implementation underneath
     (for SDPA the one PyTorch selects: "flash", "efficient", "cudnn", "math", ...); ``reason`` says why this one
     and, when it is not the fastest available, what keeps the faster one out.
     """

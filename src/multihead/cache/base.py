@@ -291,6 +291,16 @@ class Cache(BaseCache):
         placed. The tokens count as held at :meth:`advance` (the module's rule)."""
         raise NotImplementedError
 
+    attends = False  # whether :meth:`attend` may answer (a kind with its own attention path sets it)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Slots, *, scale: float,
+               read_only: bool = False) -> Tensor | None:
+        """One decode step's attention output (b, h, s, d) computed by the cache from its own store, placing k and v
+        as :meth:`update` does (``read_only``: nothing placed), for a call whose every query sees every held key
+        (no mask, hook, weights or gradient: the layer checks); None when this kind has no such path for the call,
+        and then nothing was placed (call :meth:`update`). The default: None."""
+        return None
+
     def _check_keys(self, layer: int, k: Tensor) -> None:
         b, g, _, d = k.shape
         if (b, g, d) != (self.batch, self.n_kv_heads, self.head_dim):
@@ -320,3 +330,8 @@ class LayerCache(LayerView):
     def update(self, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> tuple[Tensor, Tensor]:
         """:meth:`Cache.update` of this layer."""
         return self.cache.update(self.index, k, v, slots, read_only=read_only)
+
+    def attend(self, q: Tensor, k: Tensor, v: Tensor, slots: Slots, *, scale: float, read_only: bool = False
+               ) -> Tensor | None:
+        """:meth:`Cache.attend` of this layer."""
+        return self.cache.attend(self.index, q, k, v, slots, scale=scale, read_only=read_only)

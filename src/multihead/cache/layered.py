@@ -58,6 +58,13 @@ class LayeredCache(Cache):
         self._check_layer(layer)
         return self._part(layer).update(0, k, v, slots, read_only=read_only)
 
+    attends = True  # a part may (its own :meth:`attend` says)
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Slots, *, scale: float,
+               read_only: bool = False) -> Tensor | None:
+        self._check_layer(layer)
+        return self._part(layer).attend(0, q, k, v, slots, scale=scale, read_only=read_only)
+
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         for i in range(self.n_layers):
             self._part(i).advance(s, lengths=lengths)

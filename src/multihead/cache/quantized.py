@@ -8,6 +8,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from multihead import cpu, native
 from multihead.cache.base import Cache, Slots, check_count
 from multihead.errors import MultiheadError
 
@@ -111,6 +112,7 @@ class QuantizedKVCache(Cache):
     """
 
     addressed = False
+    attends = True  # a 4-bit decode step attends over the codes (:meth:`attend`)
     codes_k: Tensor
     codes_v: Tensor
     scale_k: Tensor
@@ -232,6 +234,27 @@ class QuantizedKVCache(Cache):
         if not read_only:
             self._pending[layer] = (keys[:, :, n:], values[:, :, n:])  # the full tail
         return keys, values
+
+    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Slots, *, scale: float,
+               read_only: bool = False) -> Tensor | None:
+        """A decode step's attention over the codes themselves (4 bits, :func:`multihead.cpu.native_quantized_decode`):
+        the quantized tokens are read once inside the attention (:func:`multihead.native.attend_q4`), never
+        dequantised into a tensor, and the residual and the new tokens in full precision join the same softmax; the
+        tail waits for :meth:`advance` as after :meth:`update`. None (nothing placed) where that path does not
+        apply. Equal to :meth:`update` then SDPA within the cache dtype's rounding of the dequantised keys."""
+        needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+        if k.shape[2] != 1 or not cpu.native_quantized_decode(q, self.bits, needs_grad):
+            return None
+        self._check_keys(layer, k)
+        n, r = self._quantized, self._used - self._quantized
+        dtype = self.res_k.dtype
+        tail_k = torch.cat([self.res_k[layer, :, :, :r], k.to(dtype)], dim=2)  # (b, g, r + 1, d)
+        tail_v = torch.cat([self.res_v[layer, :, :, :r], v.to(dtype)], dim=2)
+        z = native.attend_q4(q, self.codes_k[layer], self.scale_k[layer], self.min_k[layer], self.codes_v[layer],
+                             self.scale_v[layer], self.min_v[layer], n, self.group, tail_k, tail_v, scale)
+        if not read_only:
+            self._pending[layer] = (tail_k, tail_v)
+        return z
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         """Quantize the whole groups that left the residual window; keep the rest in full precision."""

@@ -111,6 +111,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mh_gemv_bf16.restype = None
     lib.mh_gemv_bf16_vectorised.argtypes = []
     lib.mh_gemv_bf16_vectorised.restype = ctypes.c_int
+    lib.mh_attend_q4_scratch.argtypes = [i64] * 7
+    lib.mh_attend_q4_scratch.restype = i64
+    lib.mh_attend_q4.argtypes = [i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64,
+                                 ptr, ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    lib.mh_attend_q4.restype = ctypes.c_int
     return lib, None
 
 
@@ -175,3 +180,63 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, in_features: int) -> 
                         f"(contiguous bfloat16 of {weight.shape[0]})")
     if problems:
         raise ValueError("gemv_bf16: " + "; ".join(problems))
+
+
+def attend_q4(q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor, scale_v: Tensor,
+              min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
+              threads: int | None = None) -> Tensor:
+    """One decode step's attention over a 4-bit KIVI store read as codes (never dequantised into memory), with its
+    full-precision tail: softmax(q K^T * scale) V over the ``n`` quantized tokens then ``tail_k``/``tail_v``.
+
+    q (b, h, 1, d), query head i reading KV head i // (h / g); codes_k, codes_v (b, g, >= n, d / 2) uint8 (two codes a
+    byte, the even channel low); scale_k, min_k (b, g, >= n / group, d) float16 (keys per channel over groups of
+    ``group`` tokens); scale_v, min_v (b, g, >= n, d / group) float16 (values per token over groups of ``group``
+    channels); tail_k, tail_v (b, g, m, d). Returns (b, h, 1, d) in q's dtype; sums in float32 (the reference,
+    dequantise then SDPA, rounds the keys to the cache's dtype first: the two agree within that rounding). Inference
+    only, CPU only; raises ValueError naming what does not fit."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"multihead's native kernels are not available: {unavailable()}")
+    b, h, s, d = q.shape
+    g = codes_k.shape[1]
+    m = tail_k.shape[2]
+    problems = []
+    if s != 1:
+        problems.append(f"q of shape {tuple(q.shape)} (one query a head)")
+    if g < 1 or h % g:
+        problems.append(f"{h} query heads over {g} KV heads (g must divide h)")
+    if d % 2 or group < 2 or group % 2 or d % group or n % group or n < 0 or n + m < 1:
+        problems.append(f"head_dim {d}, group {group}, {n} quantized and {m} full tokens (d and group even, "
+                        "group dividing d and n, at least one token)")
+    for name, t, shape, dtype in (("codes_k", codes_k, (b, g, None, d // 2), torch.uint8),
+                                  ("codes_v", codes_v, (b, g, None, d // 2), torch.uint8),
+                                  ("scale_k", scale_k, (b, g, None, d), torch.float16),
+                                  ("min_k", min_k, (b, g, None, d), torch.float16),
+                                  ("scale_v", scale_v, (b, g, None, d // max(group, 1)), torch.float16),
+                                  ("min_v", min_v, (b, g, None, d // max(group, 1)), torch.float16)):
+        rows = n // max(group, 1) if name in ("scale_k", "min_k") else n
+        if (t.dtype != dtype or t.ndim != 4 or t.shape[:2] != shape[:2] or t.shape[3] != shape[3]
+                or t.shape[2] < rows or t.stride(3) != 1 or t.stride(2) != t.shape[3] or not t.is_cpu):
+            problems.append(f"{name} of shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype} "
+                            f"((b, g, >= {rows}, {shape[3]}) {dtype}, rows contiguous)")
+    if tail_k.shape != (b, g, m, d) or tail_v.shape != (b, g, m, d):
+        problems.append(f"tails of shapes {tuple(tail_k.shape)} and {tuple(tail_v.shape)} ({(b, g, m, d)})")
+    if scale_k.stride() != min_k.stride() or scale_v.stride() != min_v.stride():
+        problems.append("scales and minimums laid out differently")
+    if problems:
+        raise ValueError("attend_q4: " + "; ".join(problems))
+    f32 = torch.float32
+    qg = q.reshape(b, g, h // g, d).to(f32).contiguous()
+    tk, tv = tail_k.to(f32).contiguous(), tail_v.to(f32).contiguous()
+    out = torch.empty(b, g, h // g, d, dtype=f32)
+    scratch = torch.empty(lib.mh_attend_q4_scratch(b, g, h // g, d, n, group, m), dtype=f32)
+    rc = lib.mh_attend_q4(b, g, h // g, d, n, group, qg.data_ptr(),
+                          codes_k.data_ptr(), codes_k.stride(0), codes_k.stride(1),
+                          scale_k.data_ptr(), min_k.data_ptr(), scale_k.stride(0), scale_k.stride(1),
+                          codes_v.data_ptr(), codes_v.stride(0), codes_v.stride(1),
+                          scale_v.data_ptr(), min_v.data_ptr(), scale_v.stride(0), scale_v.stride(1),
+                          tk.data_ptr(), tv.data_ptr(), m, scale, out.data_ptr(), scratch.data_ptr(),
+                          torch.get_num_threads() if threads is None else threads)
+    if rc:
+        raise ValueError(f"attend_q4: the kernel refused head_dim {d}, group {group}, n {n}, m {m}")
+    return out.view(b, h, 1, d).to(q.dtype)

@@ -112,3 +112,333 @@ void mh_gemv_bf16(const uint16_t *w, int64_t ld, const uint16_t *x, const uint16
     for (int64_t r = 4 * blocks; r < out; r++)
         y[r] = f32_to_bf16(dot1(w + r * ld, x, in) + (bias ? bf16_to_f32(bias[r]) : 0.0f));
 }
+
+/* ------------------------------------------------------------------------------------------------------------------
+   mh_attend_q4: one decode step's attention over a 4-bit KIVI cache (multihead.cache.QuantizedKVCache) read as codes,
+   never dequantised into memory. Keys are quantized per channel over groups of `group` tokens (scale and minimum per
+   group and channel), values per token over groups of `group` channels; two codes a byte, the even channel in the low
+   nibble. For a query q and a key group with scales s and minimums mn:
+       q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c mn_c
+   and for the weights p_t of the softmax:
+       out_c = sum_t (p_t s_t,grp(c)) code_tc + sum_t p_t mn_t,grp(c)
+   so each code is read once and turned into a float once per query head of its KV head. The `m` full-precision keys
+   and values after the codes (the residual window and the step's own tokens, float32) are attended in the same
+   softmax. Work items: (batch, KV head, chunk of MH_CHUNK tokens) and (batch, KV head, the full-precision tail), each
+   a partial softmax (max, sum, weighted values) in `scratch`, merged per query head at the end (flash decoding).
+   Layouts: q and out (B, G, HPG, D) float32 contiguous (query head h = g * HPG + i); code rows of D / 2 bytes and
+   key-scale rows of D halves, value-scale rows of D / group halves, with the given batch and head strides (in
+   elements); tk, tv (B, G, m, D) float32 contiguous. Needs D even, D % group == 0 when values are read. */
+
+#define MH_CHUNK 256
+
+static inline float f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, ex = (h >> 10) & 0x1fu, man = h & 0x3ffu, u;
+    float f;
+    if (ex == 0) {
+        f = (float)man * 5.9604644775390625e-8f; /* 2^-24: zero or subnormal */
+        memcpy(&u, &f, sizeof u);
+        u |= sign;
+    } else if (ex == 31) {
+        u = sign | 0x7f800000u | (man << 13);
+    } else {
+        u = sign | ((ex + 112u) << 23) | (man << 13);
+    }
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#include <math.h>
+
+/* exp(x) for x <= 0 (a softmax's shifted scores), vectorisable: 2^n * e^r with |r| <= ln2 / 2 and a degree-6
+   polynomial for e^r (relative error under 2e-7); 0 below -87 (e^-87 is under float's smallest normal) */
+static inline float exp_neg(float x) {
+    x = x < -87.0f ? -87.0f : x;
+    float n = __builtin_roundevenf(x * 1.44269504088896341f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.0f + r * (1.0f + r * (0.5f + r * (0.166666672f + r * (4.16666716e-2f + r * (8.33336078e-3f
+              + r * 1.38889148e-3f)))));
+    int32_t e = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &e, sizeof scale);
+    return x <= -87.0f ? 0.0f : p * scale;
+}
+
+/* one chunk [t0, t1) of the codes of one (batch, KV head): partial softmax of every query head of the group */
+static inline __attribute__((always_inline)) void q4_chunk(
+        int64_t HPG, int64_t D, int64_t group, int64_t t0, int64_t t1, const float *restrict q,
+        const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
+        const uint8_t *restrict cv, const uint16_t *restrict sv, const uint16_t *restrict mv, float scale,
+        float *restrict part, float *restrict work) {
+    int64_t half = D / 2, n = t1 - t0, vg = D / group;
+    float *qe = work, *qo = qe + HPG * half, *qm = qo + HPG * half, *sc = qm + HPG;  /* sc: HPG x n */
+    float *lo = sc + HPG * n, *hi = lo + half, *s = hi + half, *mn = s + D, *w = mn + D, *wm = w + HPG * vg;
+    for (int64_t t = t0; t < t1; t += group) {
+        const uint16_t *sg = sk + (t / group) * D, *mg = mk + (t / group) * D;
+        for (int64_t c = 0; c < D; c++) {
+            s[c] = f16_to_f32(sg[c]);
+            mn[c] = f16_to_f32(mg[c]);
+        }
+        for (int64_t h = 0; h < HPG; h++) {
+            const float *qh = q + h * D;
+            float m0 = 0.0f;
+            for (int64_t j = 0; j < half; j++) {
+                qe[h * half + j] = qh[2 * j] * s[2 * j] * scale;
+                qo[h * half + j] = qh[2 * j + 1] * s[2 * j + 1] * scale;
+            }
+            for (int64_t c = 0; c < D; c++) m0 += qh[c] * mn[c];
+            qm[h] = m0 * scale;
+        }
+        int64_t end = t + group < t1 ? t + group : t1;
+        for (int64_t tt = t; tt < end; tt++) {
+            const uint8_t *code = ck + tt * half;
+            for (int64_t j = 0; j < half; j++) {
+                lo[j] = (float)(code[j] & 15u);
+                hi[j] = (float)(code[j] >> 4);
+            }
+            for (int64_t h = 0; h < HPG; h++) {
+                const float *e = qe + h * half, *o = qo + h * half;
+                float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+                for (int64_t j = 0; j < half; j++) a += e[j] * lo[j] + o[j] * hi[j];
+                sc[h * n + (tt - t0)] = a + qm[h];
+            }
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
+        float *r = sc + h * n, mx = -INFINITY, l = 0.0f;
+        for (int64_t i = 0; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+#pragma omp simd reduction(+ : l)
+        for (int64_t i = 0; i < n; i++) {
+            r[i] = exp_neg(r[i] - mx);
+            l += r[i];
+        }
+        part[h * (D + 2)] = mx;
+        part[h * (D + 2) + 1] = l;
+    }
+    float *acc = work + HPG * n + 4 * D + 2 * HPG * half + HPG + 2 * HPG * vg; /* HPG x D: even then odd halves */
+    memset(acc, 0, sizeof(float) * (size_t)(HPG * D));
+    memset(wm, 0, sizeof(float) * (size_t)(HPG * vg));
+    for (int64_t tt = t0; tt < t1; tt++) {
+        const uint8_t *code = cv + tt * half;
+        const uint16_t *st = sv + tt * vg, *mt = mv + tt * vg;
+        for (int64_t j = 0; j < half; j++) {
+            lo[j] = (float)(code[j] & 15u);
+            hi[j] = (float)(code[j] >> 4);
+        }
+        for (int64_t k = 0; k < vg; k++) {
+            s[k] = f16_to_f32(st[k]);
+            mn[k] = f16_to_f32(mt[k]);
+        }
+        for (int64_t h = 0; h < HPG; h++) {
+            float p = sc[h * n + (tt - t0)];
+            for (int64_t k = 0; k < vg; k++) {
+                w[h * vg + k] = p * s[k];
+                wm[h * vg + k] += p * mn[k];
+            }
+            float *ae = acc + h * D, *ao = ae + half;
+            int64_t per = group / 2; /* byte columns of one value group */
+            for (int64_t k = 0; k < vg; k++) {
+                float wk = w[h * vg + k];
+                for (int64_t j = k * per; j < (k + 1) * per; j++) {
+                    ae[j] += wk * lo[j];
+                    ao[j] += wk * hi[j];
+                }
+            }
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++) {
+        float *ae = acc + h * D, *ao = ae + half, *dst = part + h * (D + 2) + 2;
+        for (int64_t j = 0; j < half; j++) {
+            dst[2 * j] = ae[j] + wm[h * vg + (2 * j) / group];
+            dst[2 * j + 1] = ao[j] + wm[h * vg + (2 * j + 1) / group];
+        }
+    }
+}
+
+#if defined(__AVX512F__)
+/* q4_chunk for group 32 and head_dim 32 * PIECES with AVX-512: keys 16 tokens at a time in the lanes (codes gathered
+   4 bytes a token, so no sum across lanes), values a token at a time with the channels in the lanes (the 16 bytes of
+   piece p hold channels 32p .. 32p + 31, one value group: the even ones in the low nibbles). */
+static inline __attribute__((always_inline)) void q4_chunk_avx512(
+        const int64_t HPG, const int64_t PIECES, int64_t t0, int64_t t1, const float *restrict q,
+        const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
+        const uint8_t *restrict cv, const uint16_t *restrict sv, const uint16_t *restrict mv, float scale,
+        float *restrict part, float *restrict work) {
+    const int64_t D = 32 * PIECES, half = D / 2, n = t1 - t0;
+    float *qe = work, *qo = qe + HPG * half, *qm = qo + HPG * half, *sc = qm + HPG; /* sc: HPG x n */
+    const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                            _mm512_set1_epi32((int)half));
+    const __m512i nibble = _mm512_set1_epi32(15);
+    for (int64_t t = t0; t < t1; t += 32) {
+        const uint16_t *sg = sk + (t / 32) * D, *mg = mk + (t / 32) * D;
+        for (int64_t h = 0; h < HPG; h++) {
+            const float *qh = q + h * D;
+            float m0 = 0.0f;
+            for (int64_t j = 0; j < half; j++) {
+                qe[h * half + j] = qh[2 * j] * f16_to_f32(sg[2 * j]) * scale;
+                qo[h * half + j] = qh[2 * j + 1] * f16_to_f32(sg[2 * j + 1]) * scale;
+            }
+            for (int64_t c = 0; c < D; c++) m0 += qh[c] * f16_to_f32(mg[c]);
+            qm[h] = m0 * scale;
+        }
+        int64_t end = t + 32 < t1 ? t + 32 : t1;
+        for (int64_t tb = t; tb < end; tb += 16) {
+            __m512 acc[8];
+            for (int64_t h = 0; h < HPG; h++) acc[h] = _mm512_set1_ps(qm[h]);
+            const uint8_t *base = ck + tb * half;
+            for (int64_t jj = 0; jj < half / 4; jj++) {
+                __m512i x = _mm512_i32gather_epi32(rows, (const void *)(base + 4 * jj), 1);
+                for (int bb = 0; bb < 4; bb++) {
+                    int64_t j = 4 * jj + bb;
+                    __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, 8 * bb), nibble));
+                    __m512 hi = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, 8 * bb + 4), nibble));
+                    for (int64_t h = 0; h < HPG; h++) {
+                        acc[h] = _mm512_fmadd_ps(lo, _mm512_set1_ps(qe[h * half + j]), acc[h]);
+                        acc[h] = _mm512_fmadd_ps(hi, _mm512_set1_ps(qo[h * half + j]), acc[h]);
+                    }
+                }
+            }
+            for (int64_t h = 0; h < HPG; h++) _mm512_storeu_ps(sc + h * n + (tb - t0), acc[h]);
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
+        float *r = sc + h * n, mx = -INFINITY, l = 0.0f;
+        for (int64_t i = 0; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+#pragma omp simd reduction(+ : l)
+        for (int64_t i = 0; i < n; i++) {
+            r[i] = exp_neg(r[i] - mx);
+            l += r[i];
+        }
+        part[h * (D + 2)] = mx;
+        part[h * (D + 2) + 1] = l;
+    }
+    __m512 lo_acc[8][4], hi_acc[8][4]; /* [head][piece]: even channels (low nibbles), odd (high) */
+    float wm[8][4];
+    for (int64_t h = 0; h < HPG; h++)
+        for (int64_t p = 0; p < PIECES; p++) {
+            lo_acc[h][p] = hi_acc[h][p] = _mm512_setzero_ps();
+            wm[h][p] = 0.0f;
+        }
+    for (int64_t tt = t0; tt < t1; tt++) {
+        const uint8_t *code = cv + tt * half;
+        const uint16_t *st = sv + tt * PIECES, *mt = mv + tt * PIECES;
+        for (int64_t p = 0; p < PIECES; p++) {
+            __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(code + 16 * p)));
+            __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, nibble));
+            __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
+            float s0 = f16_to_f32(st[p]), m0 = f16_to_f32(mt[p]);
+            for (int64_t h = 0; h < HPG; h++) {
+                float pr = sc[h * n + (tt - t0)];
+                __m512 wv = _mm512_set1_ps(pr * s0);
+                lo_acc[h][p] = _mm512_fmadd_ps(lo, wv, lo_acc[h][p]);
+                hi_acc[h][p] = _mm512_fmadd_ps(hi, wv, hi_acc[h][p]);
+                wm[h][p] += pr * m0;
+            }
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++) {
+        float *dst = part + h * (D + 2) + 2, lo[16], hi[16];
+        for (int64_t p = 0; p < PIECES; p++) {
+            _mm512_storeu_ps(lo, lo_acc[h][p]);
+            _mm512_storeu_ps(hi, hi_acc[h][p]);
+            for (int k = 0; k < 16; k++) {
+                dst[32 * p + 2 * k] = lo[k] + wm[h][p];
+                dst[32 * p + 2 * k + 1] = hi[k] + wm[h][p];
+            }
+        }
+    }
+}
+#endif
+
+/* the full-precision tail (m keys and values, float32) of one (batch, KV head) */
+static void f32_tail(int64_t HPG, int64_t D, int64_t m, const float *q, const float *tk, const float *tv, float scale,
+                     float *part, float *work) {
+    for (int64_t h = 0; h < HPG; h++) {
+        const float *qh = q + h * D;
+        float *r = work, mx = -INFINITY, l = 0.0f, *dst = part + h * (D + 2) + 2;
+        for (int64_t i = 0; i < m; i++) {
+            float a = 0.0f;
+            const float *k = tk + i * D;
+#pragma omp simd reduction(+ : a)
+            for (int64_t c = 0; c < D; c++) a += qh[c] * k[c];
+            r[i] = a * scale;
+            mx = r[i] > mx ? r[i] : mx;
+        }
+        for (int64_t c = 0; c < D; c++) dst[c] = 0.0f;
+        for (int64_t i = 0; i < m; i++) {
+            float p = exp_neg(r[i] - mx);
+            const float *v = tv + i * D;
+            l += p;
+            for (int64_t c = 0; c < D; c++) dst[c] += p * v[c];
+        }
+        part[h * (D + 2)] = mx;
+        part[h * (D + 2) + 1] = l;
+    }
+}
+
+/* floats of scratch a call needs (one partial per work item, and each item's working memory) */
+int64_t mh_attend_q4_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group, int64_t m) {
+    int64_t chunk = MH_CHUNK / group > 0 ? (MH_CHUNK / group) * group : group;
+    int64_t per = (n + chunk - 1) / chunk + (m > 0), longest = chunk > m ? chunk : m;
+    int64_t work = HPG * longest + 4 * D + HPG * D + HPG + 2 * HPG * (D / group + 1) + HPG * D;
+    return B * G * per * (HPG * (D + 2) + work);
+}
+
+int mh_attend_q4(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group, const float *q,
+                 const uint8_t *ck, int64_t ck_b, int64_t ck_g, const uint16_t *sk, const uint16_t *mk, int64_t sk_b,
+                 int64_t sk_g, const uint8_t *cv, int64_t cv_b, int64_t cv_g, const uint16_t *sv, const uint16_t *mv,
+                 int64_t sv_b, int64_t sv_g, const float *tk, const float *tv, int64_t m, float scale, float *out,
+                 float *scratch, int threads) {
+    if (D % 2 || group < 1 || D % group || group % 2 || n % group || n + m < 1) return 1;
+    int64_t chunk = MH_CHUNK / group > 0 ? (MH_CHUNK / group) * group : group;
+    int64_t nq = (n + chunk - 1) / chunk, per = nq + (m > 0), items = B * G * per;
+    int64_t longest = chunk > m ? chunk : m;
+    int64_t part_size = HPG * (D + 2);
+    int64_t work_size = HPG * longest + 4 * D + HPG * D + HPG + 2 * HPG * (D / group + 1) + HPG * D;
+    float *parts = scratch, *works = scratch + items * part_size;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t bg = it / per, c = it % per, b = bg / G, g = bg % G;
+        const float *qg = q + bg * HPG * D;
+        float *part = parts + it * part_size, *work = works + it * work_size;
+        if (c < nq) {
+            int64_t t0 = c * chunk, t1 = t0 + chunk < n ? t0 + chunk : n;
+            const uint8_t *ckp = ck + b * ck_b + g * ck_g, *cvp = cv + b * cv_b + g * cv_g;
+            const uint16_t *skp = sk + b * sk_b + g * sk_g, *mkp = mk + b * sk_b + g * sk_g;
+            const uint16_t *svp = sv + b * sv_b + g * sv_g, *mvp = mv + b * sv_b + g * sv_g;
+#if defined(__AVX512F__)
+            if (group == 32 && (D == 64 || D == 128) && HPG <= 8 && (t1 - t0) % 16 == 0) {
+                if (D == 64 && HPG == 3) /* SmolLM2's shape: constant trip counts throughout */
+                    q4_chunk_avx512(3, 2, t0, t1, qg, ckp, skp, mkp, cvp, svp, mvp, scale, part, work);
+                else if (D == 64)
+                    q4_chunk_avx512(HPG, 2, t0, t1, qg, ckp, skp, mkp, cvp, svp, mvp, scale, part, work);
+                else
+                    q4_chunk_avx512(HPG, 4, t0, t1, qg, ckp, skp, mkp, cvp, svp, mvp, scale, part, work);
+                continue;
+            }
+#endif
+            q4_chunk(HPG, D, group, t0, t1, qg, ckp, skp, mkp, cvp, svp, mvp, scale, part, work);
+        } else {
+            f32_tail(HPG, D, m, qg, tk + bg * m * D, tv + bg * m * D, scale, part, work);
+        }
+    }
+    for (int64_t bg = 0; bg < B * G; bg++) { /* merge the partials of each query head */
+        for (int64_t h = 0; h < HPG; h++) {
+            float mx = -INFINITY, l = 0.0f, *dst = out + (bg * HPG + h) * D;
+            for (int64_t c = 0; c < per; c++) {
+                float v = parts[(bg * per + c) * part_size + h * (D + 2)];
+                mx = v > mx ? v : mx;
+            }
+            for (int64_t k = 0; k < D; k++) dst[k] = 0.0f;
+            for (int64_t c = 0; c < per; c++) {
+                const float *p = parts + (bg * per + c) * part_size + h * (D + 2);
+                float f = exp_neg(p[0] - mx);
+                l += p[1] * f;
+                for (int64_t k = 0; k < D; k++) dst[k] += p[2 + k] * f;
+            }
+            for (int64_t k = 0; k < D; k++) dst[k] /= l;
+        }
+    }
+    return 0;
+}
