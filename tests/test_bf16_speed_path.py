@@ -37,7 +37,9 @@ def _teacher_forced_logits(model, ids: torch.Tensor) -> torch.Tensor:  # type: i
 @pytest.mark.parametrize("kind", ["split", "native"])
 def test_smollm2_bf16_decodes_the_same_tokens_and_logits_with_and_without_the_speed_paths(  # type: ignore[no-untyped-def]
         smollm2, smollm2_bf16, kind: str) -> None:
-    """Greedy decoding of 8 tokens: the same tokens. Logits: the bfloat16 model's error to the float32 model (an
+    """Greedy decoding of 8 tokens: the same tokens, up to a near tie (a step where the float32 reference's logits
+    for the two paths' tokens differ by less than the two bfloat16 paths' errors together: there the paths may part,
+    and from there on they continue different texts). Logits: the bfloat16 model's error to the float32 model (an
     independent reference: same weights, plain float32 products) is at most 1.25x plain bfloat16's plus half a bfloat16
     step of the largest logit. Each projection's output is rounded to bfloat16 either way; the split only changes
     the order of the float32 sums before that rounding, so the two paths differ by bfloat16 rounding steps (2^-8
@@ -53,7 +55,6 @@ def test_smollm2_bf16_decodes_the_same_tokens_and_logits_with_and_without_the_sp
     fast = list(generate_ids(model, [prompt], max_new_tokens=8))
     with cpu.disabled():
         plain = list(generate_ids(model, [prompt], max_new_tokens=8))
-    assert fast == plain
     ids = torch.tensor([prompt])
     with torch.no_grad(), aten_ops() as ops:  # inference, as decoding runs
         model(ids[:, :1])
@@ -61,6 +62,7 @@ def test_smollm2_bf16_decodes_the_same_tokens_and_logits_with_and_without_the_sp
         assert "bmm.default" in ops.names  # the split product runs at one row
     else:  # every one-row product ran in the native kernel: no aten product at all
         assert not {"mm.default", "addmm.default", "bmm.default", "mv.default"} & set(ops.names)
+    ids = torch.tensor([prompt + [t[0] for t in plain]])  # the prompt and plain's tokens, teacher-forced
     got = _teacher_forced_logits(model, ids)
     with cpu.disabled():
         want = _teacher_forced_logits(model, ids)
@@ -68,6 +70,10 @@ def test_smollm2_bf16_decodes_the_same_tokens_and_logits_with_and_without_the_sp
     err_fast, err_plain = (got - ref).abs().max().item(), (want - ref).abs().max().item()
     half_step = ref.abs().max().item() * 2.0**-9
     assert err_fast <= 1.25 * err_plain + half_step, (err_fast, err_plain, half_step)
+    same = next((i for i, (a, b) in enumerate(zip(fast, plain, strict=True)) if a != b), len(plain))
+    if same < len(plain):  # the greedy texts part only at a near tie
+        pos, a, b = len(prompt) - 1 + same, fast[same][0], plain[same][0]
+        assert abs(ref[0, pos, a] - ref[0, pos, b]).item() <= err_fast + err_plain, (same, a, b)
     # the top token agrees wherever it is not a near tie: a position where the paths pick different tokens is one
     # where the float32 reference's two logits are closer than the two bfloat16 paths' errors together
     for pos in (got.argmax(-1) != want.argmax(-1)).nonzero()[:, 1].tolist():

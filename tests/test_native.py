@@ -310,3 +310,78 @@ def test_explain_says_when_the_4bit_cache_attends_itself() -> None:
         with cpu.disabled():
             assert layer.explain(h, step=layer.step(h, causal=True, cache=cache.layer(0)),
                                  cache=cache.layer(0)).backend == "sdpa"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("b", "h", "g", "d", "t"), [(1, 9, 3, 64, 3000), (2, 8, 2, 128, 700), (1, 4, 4, 64, 1),
+                                                     (1, 3, 1, 64, 17), (3, 8, 1, 64, 256), (1, 2, 2, 128, 257)])
+def test_attend_dense_is_sdpa_over_every_key(dtype: torch.dtype, b: int, h: int, g: int, d: int, t: int) -> None:
+    """Against float64 attention of the same values: float32 within 1e-5; bfloat16 within its output's rounding
+    (float32 sums rounded once). Keys and values as a cache holds them: views into a longer buffer."""
+    k = torch.randn(b, g, t + 50, d).to(dtype)[:, :, :t]
+    v = torch.randn(b, g, t + 50, d).to(dtype)[:, :, :t]
+    q = torch.randn(b, h, 1, d).to(dtype)
+    assert native.dense_fits(q, k, v)
+    want = F.scaled_dot_product_attention(q.double(), k.double().repeat_interleave(h // g, 1),
+                                          v.double().repeat_interleave(h // g, 1))
+    for threads in (1, 2):
+        got = native.attend_dense(q, k, v, d**-0.5, threads)
+        assert got.shape == (b, h, 1, d) and got.dtype == dtype
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        else:
+            assert _ulps(got, want) <= 1.0 or (got.double() - want).abs().max() < 2e-3
+
+
+def test_attend_dense_names_what_does_not_fit() -> None:
+    k = torch.randn(1, 2, 10, 64)
+    assert not native.dense_fits(torch.randn(1, 4, 2, 64), k, k)  # two queries a head
+    assert not native.dense_fits(torch.randn(1, 4, 1, 32), k[..., :32], k[..., :32])  # head_dim 32
+    assert not native.dense_fits(torch.randn(1, 20, 1, 64), k, k)  # 10 query heads a KV head
+    assert not native.dense_fits(torch.randn(1, 4, 1, 64), k, k.bfloat16())  # k and v of two dtypes
+    assert not native.dense_fits(torch.randn(1, 4, 1, 64), k.transpose(-1, -2).contiguous().transpose(-1, -2), k)
+    assert not native.dense_fits(torch.randn(1, 4, 1, 64), k.double(), k.double())
+    with pytest.raises(ValueError, match=r"attend_dense: q \(1, 4, 2, 64\) .* do not fit \(one query a head"):
+        native.attend_dense(torch.randn(1, 4, 2, 64), k, k, 0.125)
+
+
+def test_a_decode_step_measures_the_native_attention_and_agrees_either_way(monkeypatch: pytest.MonkeyPatch
+                                                                            ) -> None:
+    """A full cache's decode steps: the native kernel is timed against SDPA on the real calls and one of them kept
+    for the shape and length range; the logits equal the plain path's (multihead.cpu off) within float32 rounding;
+    explain names the kernel the measurement kept."""
+    cpu.forget_measured()
+    calls = []
+    kernel = native.attend_dense
+    monkeypatch.setattr(native, "attend_dense", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    model = _tiny_llama()
+    tokens = torch.randint(0, 64, (1, 120))
+
+    def decode() -> torch.Tensor:
+        cache = model.new_cache(1, 120)
+        with torch.no_grad():
+            out = [model(tokens[:, :100], cache=cache)]
+            cache.advance(100)
+            for i in range(100, 120):
+                out.append(model(tokens[:, i:i + 1], cache=cache))
+                cache.advance(1)
+        return torch.cat(out, 1)
+
+    try:
+        got = decode()
+        keys = [key for key in cpu.measured() if key[0] == "native attention"]
+        assert keys and calls  # decided within 20 steps of 2 layers, the native kernel among the timed calls
+        with cpu.disabled():
+            want = decode()
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        cache = model.new_cache(1, 120)
+        with torch.no_grad():
+            model(tokens[:, :100], cache=cache)
+            cache.advance(100)
+            layer = model.layers[1].attn
+            h = torch.randn(1, 1, layer.config.d_model)
+            choice = layer.explain(h, step=layer.step(h, causal=True, cache=cache.layer(1)), cache=cache.layer(1))
+        kept = cpu.measured()[keys[0]]
+        assert (choice.kernel == "multihead.native.attend_dense") == (kept == "native"), (choice, kept)
+    finally:
+        cpu.forget_measured()

@@ -25,23 +25,8 @@ from multihead.hooks import HookPoint, add_hook_points, call_hooks
 from multihead.kernels import AttentionCall, KernelChoice, attend, check_backend
 from multihead.kernels import explain as explain_call
 from multihead.linear import Linear
-from multihead.masks import MaskSpec
 from multihead.rope import RotaryEmbedding
 from multihead.step import Step, build_step, check_cache_call
-
-
-def _sees_every_key(spec: MaskSpec) -> bool:
-    """Whether every query of the call may attend to every key: an empty mask, or one decode query a sequence that
-    is causal by positions at or after the last key (a batch continuing at one cached length); read once a step."""
-    if spec.is_empty:
-        return True
-    if (spec.s != 1 or not spec.causal or spec.q_positions is None or spec.window is not None or spec.keep is not None
-            or spec.bias is not None or spec.documents is not None):
-        return False
-    seen = spec.memo.get("sees every key")
-    if seen is None:
-        seen = spec.memo["sees every key"] = bool((spec.q_positions >= spec.t - 1).all())
-    return bool(seen)
 
 
 def _zero_padding(k: Tensor, v: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -225,7 +210,7 @@ class MultiHeadAttention(nn.Module):
         if not cache.cache.attends or torch.compiler.is_compiling():  # most kinds have no such path
             return None
         spec = step.mask
-        if (return_weights or not _sees_every_key(spec) or spec.padding is not None or call_hooks(self) is not None
+        if (return_weights or not spec.every_key_visible() or spec.padding is not None or call_hooks(self) is not None
                 or (self.training and self.config.dropout > 0)
                 or (self.backend if backend is None else check_backend(backend)) != "auto"):
             return None

@@ -13,6 +13,7 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
   which kernel runs and how; run by :func:`multihead.kernels.sdpa_attention`);
+- :func:`native_decode_attention`: a decode step attends in a native kernel that reads each KV head once;
 - :func:`native_quantized_decode`: a decode step over a 4-bit cache attends over the codes in a native kernel;
 - :func:`fused_low_precision_norm`: a bfloat16/float16 RMSNorm as PyTorch's ``F.rms_norm``;
 - :func:`plain_decode_mask`: one sequence continuing at its cached length attends with a plain bottom-right causal
@@ -36,6 +37,8 @@ from contextlib import contextmanager
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import is_in_torch_dispatch_mode
+
+from multihead.masks import MaskSpec
 
 _enabled = True
 
@@ -225,17 +228,18 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
     with the weights from memory (400 MB of copies in turn): 1536 x 576 F.linear 137 us, split 103, "mv" 110,
     "blas" 147; 576 x 1536 153 / 215 / 129 / 184; float32 1536 x 576 F.linear 161 us, "mv" 155, split 382.
 
-    Under torch.compile nothing is measured: a choice already made is used ("blas" and "native" become "linear":
-    the compiler owns the product), else "linear" (a graph traced before any eager call of the shape: the split was
-    the default there until a compiled SmolLM2 step, all split, ran at 0.5x transformers in both dtypes on the host of
-    2026-12-01, against 1.15x eager); decode eagerly for a few steps before compiling to trace with the measured
-    kinds. Under a dispatch or function mode (FLOP counters, fake tensors) or torch.jit.trace "linear", not timed.
+    Under torch.compile nothing is measured: a choice already made is used ("blas" becomes "linear": oneDNN's switch
+    is a process setting, not an op; "native" is the operator ``torch.ops.multihead.gemv_bf16``), else "linear" (a
+    graph traced before any eager call of the shape: the split was the default there until a compiled SmolLM2 step,
+    all split, ran at 0.5x transformers in both dtypes on the host of 2026-12-01, against 1.15x eager); decode
+    eagerly for a few steps before compiling to trace with the measured kinds. Under a dispatch or function mode
+    (FLOP counters, fake tensors) or torch.jit.trace "linear", not timed.
     """
     if _forced is not None:
         return _forced, False
     found = _measured.get(key)
     if found is not None:
-        return ("linear" if found in ("blas", "native") and torch.compiler.is_compiling() else found), False
+        return ("linear" if found == "blas" and torch.compiler.is_compiling() else found), False
     if _unmeasurable():
         return "linear", False
     if trial is not None:
@@ -424,6 +428,36 @@ def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: t
         return False, None
     kind, _ = _next_trial(key, FOLD_KINDS)
     return kind == "folded", key
+
+
+NATIVE_ATTENTION_KINDS = ("sdpa", "native")
+
+
+def native_decode_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, needs_grad: bool, dropout_p: float
+                            ) -> tuple[bool, tuple[object, ...] | None]:
+    """Whether a decode step (one query a head, every key visible) runs in :func:`multihead.native.attend_dense`
+    instead of SDPA's CPU kernel, and the key to time the call under (:func:`record_time`) while that is measured.
+
+    The native kernel reads each KV head once for all the query heads it serves, float32 sums, with software
+    prefetch. Measured (SmolLM2's 9/3 heads, head_dim 64, 30 layers' caches in turn, one process, alternating,
+    medians of 7, the host of 2026-12-01): 8,192 keys float32 25.8 ms against SDPA's 62.9, bfloat16 15.3 against
+    27.1; 2,048 keys float32 8.8 / 12.4, bfloat16 7.4 / 7.7. Measured per (b, h, g, dtype) and power-of-two range
+    of the key count on the real calls, as the GQA fold is (after it: the SDPA side runs the fold decided), since
+    short contexts are level. Not under torch.compile, a dispatch mode or with gradients, dropout or padded keys."""
+    if (not _enabled or not q.is_cpu or q.shape[2] != 1 or needs_grad or dropout_p > 0.0 or spec.padding is not None
+            or _unmeasurable() or not spec.every_key_visible()):  # (the mask's values are read last: not in a graph)
+        return False, None
+    from multihead import native
+
+    if native.library() is None or not native.dense_fits(q, k, v):
+        return False, None
+    key = ("native attention", q.shape[0], q.shape[1], k.shape[1], k.dtype, k.shape[2].bit_length(),
+           intra_op_threads())
+    found = _measured.get(key)
+    if found is not None:
+        return found == "native", None
+    kind, _ = _next_trial(key, NATIVE_ATTENTION_KINDS)
+    return kind == "native", key
 
 
 def native_quantized_decode(q: Tensor, bits: int, needs_grad: bool) -> bool:

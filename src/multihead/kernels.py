@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead import cpu, flex
+from multihead import cpu, flex, native
 from multihead.errors import MultiheadError
 from multihead.masks import MaskSpec
 
@@ -131,7 +131,9 @@ class Plan(NamedTuple):
     ``backend`` is the kernel that computes the output ("math", "sdpa" or "flex"); ``reason`` why this one and what
     keeps a faster one out; ``fold`` that SDPA runs a GQA decode step with each KV head's query heads as its rows
     (:func:`multihead.cpu.fold_gqa_decode`); ``pattern_beside`` that a hooked pattern is made by the math path beside
-    the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's).
+    the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's);
+    ``native`` that the SDPA backend's CPU decode step runs in :func:`multihead.native.attend_dense` (each KV head
+    read once for its query heads; :func:`multihead.cpu.native_decode_attention`).
     """
 
     backend: str
@@ -139,10 +141,16 @@ class Plan(NamedTuple):
     fold: bool = False
     pattern_beside: bool = False
     fold_timing: tuple[object, ...] | None = None  # time the SDPA call under this key (multihead.cpu.record_time)
+    native: bool = False  # the "sdpa" backend's decode step runs in multihead.native.attend_dense
+    native_timing: tuple[object, ...] | None = None  # time the call under this key, as "native" or "sdpa"
 
 
 PATTERN_BESIDE = ("; the pattern (b, h, s, t) is made from the same q, k and mask for the pattern hook, and a hook "
                   "that returns a replacement makes this call's output pattern @ v (the math path)")
+
+
+NATIVE_DECODE = ("; this CPU decode step runs in multihead.native.attend_dense (each KV head read once for its query "
+                 "heads; measured faster than SDPA's CPU kernel for this shape and length)")
 
 
 def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) -> Plan:
@@ -156,8 +164,14 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
     device = call.q.device if device is None else device
     backend, reason = _backend(call, device)
     fold, timing = _folds(call, device) if backend == "sdpa" else (False, None)
+    native, native_timing = False, None
+    if backend == "sdpa" and timing is None and device.type == "cpu":  # after the fold is decided
+        native, native_timing = cpu.native_decode_attention(call.q, call.k, call.v, call.mask, call.needs_grad,
+                                                            call.dropout_p)
+        if native:
+            fold, reason = False, reason + NATIVE_DECODE
     beside = call.hooks is not None and call.hooks.pattern is not None and backend != "math"
-    return Plan(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside, timing)
+    return Plan(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside, timing, native, native_timing)
 
 
 def _backend(call: AttentionCall, device: torch.device) -> tuple[str, str]:
@@ -363,6 +377,15 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         weights = weights if call.need_weights else None
     elif plan.backend == "flex":
         out = flex.flex_attention(q, k, v, spec, scale=call.scale, softcap=call.softcap)
+    elif plan.native and plan.native_timing is None:
+        out = native.attend_dense(q, k, v, call.scale)
+    elif plan.native_timing is not None:  # the native kernel is being measured against SDPA on the real calls
+        began = time.perf_counter()
+        if plan.native:
+            out = native.attend_dense(q, k, v, call.scale)
+        else:
+            out = sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
+        cpu.record_time(plan.native_timing, "native" if plan.native else "sdpa", time.perf_counter() - began)
     elif plan.fold_timing is None:
         out = sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
     else:  # the fold is being measured on the real calls
@@ -442,6 +465,8 @@ def explain(call: AttentionCall) -> KernelChoice:
         reason = plan.reason + f"; {flex.sparsity(call.mask, call.q.device):.0%} of the 128 x 128 blocks skipped"
     elif plan.backend == "math":
         kernel, reason = "matmul+softmax", plan.reason
+    elif plan.native:
+        kernel, reason = "multihead.native.attend_dense", plan.reason
     else:
         kernel = _sdpa_kernel(call)
         reason = plan.reason + _sdpa_details(call, plan, kernel)

@@ -89,6 +89,19 @@ class MaskSpec:
             return True
         return self.s == 1 and self.q_positions is None and (self.window is None or self.window >= self.t)
 
+    def every_key_visible(self) -> bool:
+        """Whether every query may attend to every key: :attr:`is_empty`, or one decode query a sequence, causal by
+        positions at or after the last key (a batch continuing at one cached length); read once and kept."""
+        if self.is_empty:
+            return True
+        if (self.s != 1 or not self.causal or self.q_positions is None or self.window is not None
+                or self.keep is not None or self.bias is not None or self.documents is not None):
+            return False
+        seen = self.memo.get("every key visible")
+        if seen is None:
+            seen = self.memo["every key visible"] = bool((self.q_positions >= self.t - 1).all())
+        return bool(seen)
+
     @property
     def is_plain_causal(self) -> bool:
         """True when the mask is exactly the square lower triangle (what fused kernels' is_causal flag means)."""

@@ -116,6 +116,11 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mh_attend_q4.argtypes = [i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64,
                                  ptr, ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
     lib.mh_attend_q4.restype = ctypes.c_int
+    lib.mh_attend_dense_scratch.argtypes = [i64] * 5
+    lib.mh_attend_dense_scratch.restype = i64
+    lib.mh_attend_dense.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64,
+                                    ctypes.c_int, ctypes.c_float, ptr, ptr, ctypes.c_int]
+    lib.mh_attend_dense.restype = ctypes.c_int
     return lib, None
 
 
@@ -161,6 +166,18 @@ def gemv_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: in
     lib.mh_gemv_bf16(weight.data_ptr(), weight.stride(0), x.data_ptr(), None if bias is None else bias.data_ptr(),
                      y.data_ptr(), out, in_features, torch.get_num_threads() if threads is None else threads)
     return y
+
+
+@torch.library.custom_op("multihead::gemv_bf16", mutates_args=())
+def gemv_bf16_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """:func:`gemv_bf16` as a PyTorch operator (``torch.ops.multihead.gemv_bf16``), so a compiled graph can call
+    the kernel (torch.compile cannot trace through ctypes): the intra-op thread count at the time of the call."""
+    return gemv_bf16(x.contiguous(), weight, bias, check=False)
+
+
+@gemv_bf16_op.register_fake
+def _(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _check(x: Tensor, weight: Tensor, bias: Tensor | None, in_features: int) -> None:
@@ -239,4 +256,47 @@ def attend_q4(q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_
                           torch.get_num_threads() if threads is None else threads)
     if rc:
         raise ValueError(f"attend_q4: the kernel refused head_dim {d}, group {group}, n {n}, m {m}")
+    return out.view(b, h, 1, d).to(q.dtype)
+
+
+DENSE_HEAD_DIMS = (64, 128)
+DENSE_MAX_GROUP = 8  # query heads a KV head serves, at most
+
+
+def dense_fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether :func:`attend_dense` takes these tensors: the kernels built with AVX-512, one query a head, head_dim
+    64 or 128 for keys and values, at most DENSE_MAX_GROUP query heads a KV head, float32 or bfloat16 keys and
+    values of one dtype on the CPU, each key and value row contiguous and k, v laid out alike."""
+    h, s, d = q.shape[1:]
+    g = k.shape[1]
+    return (s == 1 and d in DENSE_HEAD_DIMS and k.shape[-1] == d and v.shape[-1] == d and k.dtype == v.dtype
+            and k.dtype in (torch.float32, torch.bfloat16) and g > 0 and h % g == 0 and h // g <= DENSE_MAX_GROUP
+            and k.shape[2] > 0 and k.shape[:3] == v.shape[:3] and k.stride(-1) == 1 and v.stride(-1) == 1
+            and k.stride(2) == v.stride(2) and q.is_cpu and k.is_cpu and v.is_cpu and vectorised())
+
+
+def attend_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, threads: int | None = None) -> Tensor:
+    """One decode step's attention: softmax(q k^T * scale) v for q (b, h, 1, d) over every key of k, v (b, g, t, d)
+    (query head i reads KV head i // (h / g)), each KV head read once for all its query heads; float32 sums, the
+    result (b, h, 1, d) in q's dtype. Where SDPA's CPU kernel reads a bfloat16 cache at ~6 GB/s (8,192 keys, SmolLM2's
+    heads) this reads it once, near the memory's speed. Raises ValueError when :func:`dense_fits` says no."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError(f"multihead's native kernels are not available: {unavailable()}")
+    if not dense_fits(q, k, v):
+        raise ValueError(f"attend_dense: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype} strides "
+                         f"{k.stride()}, v {tuple(v.shape)} {v.dtype} strides {v.stride()} do not fit (one query a "
+                         f"head, head_dim in {DENSE_HEAD_DIMS}, at most {DENSE_MAX_GROUP} query heads a KV head, "
+                         "float32 or bfloat16 k and v alike with contiguous rows, AVX-512)")
+    b, h, _, d = q.shape
+    g, t = k.shape[1], k.shape[2]
+    qg = q.reshape(b, g, h // g, d).to(torch.float32).contiguous()
+    out = torch.empty(b, g, h // g, d, dtype=torch.float32)
+    scratch = torch.empty(lib.mh_attend_dense_scratch(b, g, h // g, d, t), dtype=torch.float32)
+    rc = lib.mh_attend_dense(b, g, h // g, d, t, qg.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
+                             v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), int(k.dtype == torch.bfloat16),
+                             scale, out.data_ptr(), scratch.data_ptr(),
+                             torch.get_num_threads() if threads is None else threads)
+    if rc:
+        raise ValueError(f"attend_dense: the kernel refused head_dim {d}, {h // g} query heads a KV head, {t} keys")
     return out.view(b, h, 1, d).to(q.dtype)

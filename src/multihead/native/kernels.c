@@ -256,6 +256,46 @@ static inline __attribute__((always_inline)) void q4_chunk(
 }
 
 #if defined(__AVX512F__)
+/* exp_neg on 16 lanes (the same polynomial and range) */
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.38889148e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33336078e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666716e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), y);
+}
+
+/* r[0..n) -> exp(r - max), in place; returns the sum, *mx the max (the chunk's unnormalised softmax) */
+static inline float softmax_part(float *r, int64_t n, float *mx_out) {
+    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(r + i));
+    float mx = _mm512_reduce_max_ps(m16);
+    for (; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+    __m512 l16 = _mm512_setzero_ps(), mv = _mm512_set1_ps(mx);
+    for (i = 0; i + 16 <= n; i += 16) {
+        __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(r + i), mv));
+        _mm512_storeu_ps(r + i, e);
+        l16 = _mm512_add_ps(l16, e);
+    }
+    float l = _mm512_reduce_add_ps(l16);
+    for (; i < n; i++) {
+        r[i] = exp_neg(r[i] - mx);
+        l += r[i];
+    }
+    *mx_out = mx;
+    return l;
+}
+
 /* q4_chunk for group 32 and head_dim 32 * PIECES with AVX-512: keys 16 tokens at a time in the lanes (codes gathered
    4 bytes a token, so no sum across lanes), values a token at a time with the channels in the lanes (the 16 bytes of
    piece p hold channels 32p .. 32p + 31, one value group: the even ones in the low nibbles). */
@@ -302,13 +342,8 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
         }
     }
     for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
-        float *r = sc + h * n, mx = -INFINITY, l = 0.0f;
-        for (int64_t i = 0; i < n; i++) mx = r[i] > mx ? r[i] : mx;
-#pragma omp simd reduction(+ : l)
-        for (int64_t i = 0; i < n; i++) {
-            r[i] = exp_neg(r[i] - mx);
-            l += r[i];
-        }
+        float mx;
+        float l = softmax_part(sc + h * n, n, &mx);
         part[h * (D + 2)] = mx;
         part[h * (D + 2) + 1] = l;
     }
@@ -441,4 +476,157 @@ int mh_attend_q4(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_
         }
     }
     return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------------------
+   mh_attend_dense: one decode step's attention (one query a head) over a float32 or bfloat16 KV cache, each KV head
+   read once for all the query heads it serves (GQA): softmax(q k^T * scale) v. Work items (batch, KV head, chunk of
+   MH_CHUNK tokens), partial softmaxes merged per query head as in mh_attend_q4. q and out (B, G, HPG, D) float32
+   contiguous; k and v rows of D elements (float32, or bfloat16 when bf16 is 1) with the given batch, head and token
+   strides (in elements). AVX-512, D 64 or 128, HPG <= 8; returns 1 (nothing computed) for any other case. */
+
+#if defined(__AVX512F__)
+static inline __m512 load16(const void *p, int bf16) {
+    if (bf16)
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+    return _mm512_loadu_ps((const float *)p);
+}
+
+/* the 16 horizontal sums of v[0..15], in order, in one vector: pairs of lanes, then of 64-bit halves, then of
+   128-bit quarters added in a tree (15 shuffle-add steps where 16 separate reductions take ~10 operations each) */
+static inline __m512 hsum16(const __m512 *v) {
+    __m512 s1[8], s2[4], s3[2];
+    for (int i = 0; i < 8; i++)
+        s1[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        __m512d x = _mm512_castps_pd(s1[2 * i]), y = _mm512_castps_pd(s1[2 * i + 1]);
+        s2[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    for (int i = 0; i < 2; i++)
+        s3[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0x88),
+                              _mm512_shuffle_f32x4(s2[2 * i], s2[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(s3[0], s3[1], 0x88), _mm512_shuffle_f32x4(s3[0], s3[1], 0xDD));
+}
+
+static inline __attribute__((always_inline)) void dense_chunk(
+        const int64_t HPG, const int64_t P, const int bf16, int64_t t0, int64_t t1, const float *restrict q,
+        const char *restrict k, const char *restrict v, int64_t ts_bytes, float scale, float *restrict part,
+        float *restrict sc) {
+    const int64_t D = 16 * P, n = t1 - t0, es = bf16 ? 2 : 4;
+    __m512 qv[8][8];
+    for (int64_t h = 0; h < HPG; h++)
+        for (int64_t p = 0; p < P; p++) qv[h][p] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * p), _mm512_set1_ps(scale));
+    int64_t tb = t0;
+    for (; tb + 16 <= t1; tb += 16) { /* 16 keys at a time: their scores summed across lanes in one tree */
+        for (int64_t i = 0; i < 16; i++) {
+            const char *ahead = k + (tb + 16 + i) * ts_bytes;
+            for (int64_t off = 0; off < D * es; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+        }
+        float kf[16 * 16 * 8]; /* the 16 keys in float32, converted once for every query head */
+        for (int64_t i = 0; i < 16; i++)
+            for (int64_t p = 0; p < P; p++)
+                _mm512_storeu_ps(kf + (i * P + p) * 16, load16(k + (tb + i) * ts_bytes + 16 * p * es, bf16));
+        for (int64_t h = 0; h < HPG; h++) {
+            __m512 a[16];
+            for (int64_t i = 0; i < 16; i++) {
+                a[i] = _mm512_mul_ps(_mm512_loadu_ps(kf + i * P * 16), qv[h][0]);
+                for (int64_t p = 1; p < P; p++)
+                    a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (i * P + p) * 16), qv[h][p], a[i]);
+            }
+            _mm512_storeu_ps(sc + h * n + (tb - t0), hsum16(a));
+        }
+    }
+    for (int64_t tt = tb; tt < t1; tt++) {
+        const char *row = k + tt * ts_bytes;
+        __m512 kv[8];
+        for (int64_t p = 0; p < P; p++) kv[p] = load16(row + 16 * p * es, bf16);
+        for (int64_t h = 0; h < HPG; h++) {
+            __m512 a = _mm512_mul_ps(kv[0], qv[h][0]);
+            for (int64_t p = 1; p < P; p++) a = _mm512_fmadd_ps(kv[p], qv[h][p], a);
+            sc[h * n + (tt - t0)] = _mm512_reduce_add_ps(a);
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++) {
+        float mx;
+        float l = softmax_part(sc + h * n, n, &mx);
+        part[h * (D + 2)] = mx;
+        part[h * (D + 2) + 1] = l;
+    }
+    __m512 o[8][8];
+    for (int64_t h = 0; h < HPG; h++)
+        for (int64_t p = 0; p < P; p++) o[h][p] = _mm512_setzero_ps();
+    for (int64_t tt = t0; tt < t1; tt++) {
+        const char *row = v + tt * ts_bytes;
+        _mm_prefetch(row + 8 * ts_bytes, _MM_HINT_T0);
+        if (D * es > 64) _mm_prefetch(row + 8 * ts_bytes + 64, _MM_HINT_T0);
+        if (D * es > 128) {
+            _mm_prefetch(row + 8 * ts_bytes + 128, _MM_HINT_T0);
+            _mm_prefetch(row + 8 * ts_bytes + 192, _MM_HINT_T0);
+        }
+        __m512 vv[8];
+        for (int64_t p = 0; p < P; p++) vv[p] = load16(row + 16 * p * es, bf16);
+        for (int64_t h = 0; h < HPG; h++) {
+            __m512 w = _mm512_set1_ps(sc[h * n + (tt - t0)]);
+            for (int64_t p = 0; p < P; p++) o[h][p] = _mm512_fmadd_ps(vv[p], w, o[h][p]);
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++)
+        for (int64_t p = 0; p < P; p++) _mm512_storeu_ps(part + h * (D + 2) + 2 + 16 * p, o[h][p]);
+}
+#endif
+
+int64_t mh_attend_dense_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t t) {
+    int64_t per = (t + MH_CHUNK - 1) / MH_CHUNK;
+    return B * G * per * (HPG * (D + 2) + HPG * MH_CHUNK);
+}
+
+int mh_attend_dense(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t t, const float *q, const void *k,
+                    int64_t k_b, int64_t k_g, int64_t k_t, const void *v, int64_t v_b, int64_t v_g, int64_t v_t,
+                    int bf16, float scale, float *out, float *scratch, int threads) {
+#if defined(__AVX512F__)
+    if ((D != 64 && D != 128) || HPG < 1 || HPG > 8 || t < 1 || k_t != v_t) return 1;
+    int64_t per = (t + MH_CHUNK - 1) / MH_CHUNK, items = B * G * per, es = bf16 ? 2 : 4;
+    int64_t part_size = HPG * (D + 2);
+    float *parts = scratch, *works = scratch + items * part_size;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t bg = it / per, c = it % per, b = bg / G, g = bg % G;
+        int64_t t0 = c * MH_CHUNK, t1 = t0 + MH_CHUNK < t ? t0 + MH_CHUNK : t;
+        const float *qg = q + bg * HPG * D;
+        const char *kp = (const char *)k + (b * k_b + g * k_g) * es, *vp = (const char *)v + (b * v_b + g * v_g) * es;
+        float *part = parts + it * part_size, *sc = works + it * HPG * MH_CHUNK;
+        if (D == 64 && HPG == 3 && bf16)
+            dense_chunk(3, 4, 1, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
+        else if (D == 64 && HPG == 3)
+            dense_chunk(3, 4, 0, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
+        else if (D == 64)
+            dense_chunk(HPG, 4, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
+        else
+            dense_chunk(HPG, 8, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
+    }
+    for (int64_t bg = 0; bg < B * G; bg++) {
+        for (int64_t h = 0; h < HPG; h++) {
+            float mx = -INFINITY, l = 0.0f, *dst = out + (bg * HPG + h) * D;
+            for (int64_t c = 0; c < per; c++) {
+                float m = parts[(bg * per + c) * part_size + h * (D + 2)];
+                mx = m > mx ? m : mx;
+            }
+            for (int64_t j = 0; j < D; j++) dst[j] = 0.0f;
+            for (int64_t c = 0; c < per; c++) {
+                const float *p = parts + (bg * per + c) * part_size + h * (D + 2);
+                float f = exp_neg(p[0] - mx);
+                l += p[1] * f;
+                for (int64_t j = 0; j < D; j++) dst[j] += p[2 + j] * f;
+            }
+            for (int64_t j = 0; j < D; j++) dst[j] /= l;
+        }
+    }
+    return 0;
+#else
+    (void)B; (void)G; (void)HPG; (void)D; (void)t; (void)q; (void)k; (void)k_b; (void)k_g; (void)k_t; (void)v;
+    (void)v_b; (void)v_g; (void)v_t; (void)bf16; (void)scale; (void)out; (void)scratch; (void)threads;
+    return 1;
+#endif
 }
