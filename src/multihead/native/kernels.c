@@ -311,15 +311,26 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
     const __m512i nibble = _mm512_set1_epi32(15);
     for (int64_t t = t0; t < t1; t += 32) {
         const uint16_t *sg = sk + (t / 32) * D, *mg = mk + (t / 32) * D;
+        __m512 s16[8], m16[8]; /* the group's scales and minimums, 16 channels a vector */
+        for (int64_t p = 0; p < 2 * PIECES; p++) {
+            s16[p] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16 * p))),
+                                   _mm512_set1_ps(scale));
+            m16[p] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mg + 16 * p)));
+        }
         for (int64_t h = 0; h < HPG; h++) {
             const float *qh = q + h * D;
-            float m0 = 0.0f;
-            for (int64_t j = 0; j < half; j++) {
-                qe[h * half + j] = qh[2 * j] * f16_to_f32(sg[2 * j]) * scale;
-                qo[h * half + j] = qh[2 * j + 1] * f16_to_f32(sg[2 * j + 1]) * scale;
+            float qs[128];
+            __m512 m0 = _mm512_setzero_ps();
+            for (int64_t p = 0; p < 2 * PIECES; p++) {
+                __m512 qv = _mm512_loadu_ps(qh + 16 * p);
+                _mm512_storeu_ps(qs + 16 * p, _mm512_mul_ps(qv, s16[p]));
+                m0 = _mm512_fmadd_ps(qv, m16[p], m0);
             }
-            for (int64_t c = 0; c < D; c++) m0 += qh[c] * f16_to_f32(mg[c]);
-            qm[h] = m0 * scale;
+            for (int64_t j = 0; j < half; j++) {
+                qe[h * half + j] = qs[2 * j];
+                qo[h * half + j] = qs[2 * j + 1];
+            }
+            qm[h] = _mm512_reduce_add_ps(m0) * scale;
         }
         int64_t end = t + 32 < t1 ? t + 32 : t1;
         for (int64_t tb = t; tb < end; tb += 16) {
@@ -361,7 +372,7 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
             __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(code + 16 * p)));
             __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(w, nibble));
             __m512 hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(w, 4));
-            float s0 = f16_to_f32(st[p]), m0 = f16_to_f32(mt[p]);
+            float s0 = _cvtsh_ss(st[p]), m0 = _cvtsh_ss(mt[p]);
             for (int64_t h = 0; h < HPG; h++) {
                 float pr = sc[h * n + (tt - t0)];
                 __m512 wv = _mm512_set1_ps(pr * s0);
