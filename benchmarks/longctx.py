@@ -40,6 +40,7 @@ import argparse
 import contextlib
 import ctypes
 import datetime
+import inspect
 import json
 import os
 import statistics
@@ -182,15 +183,17 @@ def transformers_cache_bytes(past: Any) -> int:
 def transformers_run(model: Any, tokens: torch.Tensor, steps: int) -> tuple[float, list[float], int]:
     """transformers' prefill of the whole prompt (logits of the last token only, as generate) and ``steps`` greedy
     steps through its cache: (prefill seconds, each step's seconds, cache bytes)."""
+    # transformers 5.x renamed past_key_values to cache (argument and output; the old name is deprecated)
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     start = time.perf_counter()
     out = model(tokens, use_cache=True, logits_to_keep=1)
     prefill = time.perf_counter() - start
-    past, nxt, times = out.past_key_values, out.logits[:, -1:].argmax(-1), []
+    past, nxt, times = getattr(out, name), out.logits[:, -1:].argmax(-1), []
     for _ in range(steps):
         t = time.perf_counter()
-        out = model(nxt, past_key_values=past, use_cache=True)
+        out = model(nxt, use_cache=True, **{name: past})
         times.append(time.perf_counter() - t)
-        past, nxt = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        past, nxt = getattr(out, name), out.logits[:, -1:].argmax(-1)
     return prefill, times, transformers_cache_bytes(past)
 
 
