@@ -296,6 +296,35 @@ static inline float softmax_part(float *r, int64_t n, float *mx_out) {
     return l;
 }
 
+/* 16 rows of 32 bytes (8 words of 4 bytes, rows contiguous) -> cols[j] lane i = word j of row i: three rounds of
+   two-source permutes (pairs of rows, then of 4, then of 8), 24 in all, where 8 gathers of 16 words would be */
+static inline void transpose16x8(const uint8_t *base, __m512i *cols) {
+    __m512i r[8], u[8], w[8];
+    for (int k = 0; k < 8; k++) r[k] = _mm512_loadu_si512((const void *)(base + 64 * k)); /* rows 2k, 2k + 1 */
+    static const int i1[2][16] = {{0, 8, 16, 24, 1, 9, 17, 25, 2, 10, 18, 26, 3, 11, 19, 27},
+                                  {4, 12, 20, 28, 5, 13, 21, 29, 6, 14, 22, 30, 7, 15, 23, 31}};
+    static const int i2[2][16] = {{0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23},
+                                  {8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31}};
+    static const int i3[2][16] = {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+                                  {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}};
+    __m512i x1[2], x2[2], x3[2];
+    for (int h = 0; h < 2; h++) {
+        x1[h] = _mm512_loadu_si512((const void *)i1[h]);
+        x2[h] = _mm512_loadu_si512((const void *)i2[h]);
+        x3[h] = _mm512_loadu_si512((const void *)i3[h]);
+    }
+    for (int m = 0; m < 4; m++) /* rows 4m .. 4m + 3: u[2m] words 0-3, u[2m + 1] words 4-7, 4 lanes a word */
+        for (int h = 0; h < 2; h++) u[2 * m + h] = _mm512_permutex2var_epi32(r[2 * m], x1[h], r[2 * m + 1]);
+    for (int n = 0; n < 2; n++) /* rows 8n .. 8n + 7: w[4n + 2c + h], words 4c + 2h, +1, 8 lanes a word */
+        for (int c = 0; c < 2; c++)
+            for (int h = 0; h < 2; h++)
+                w[4 * n + 2 * c + h] = _mm512_permutex2var_epi32(u[4 * n + c], x2[h], u[4 * n + 2 + c]);
+    for (int c = 0; c < 2; c++) /* all 16 rows: word 4c + 2h + a */
+        for (int h = 0; h < 2; h++)
+            for (int a = 0; a < 2; a++)
+                cols[4 * c + 2 * h + a] = _mm512_permutex2var_epi32(w[2 * c + h], x3[a], w[4 + 2 * c + h]);
+}
+
 /* q4_chunk for group 32 and head_dim 32 * PIECES with AVX-512: keys 16 tokens at a time in the lanes (codes gathered
    4 bytes a token, so no sum across lanes), values a token at a time with the channels in the lanes (the 16 bytes of
    piece p hold channels 32p .. 32p + 31, one value group: the even ones in the low nibbles). */
@@ -337,8 +366,10 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
             __m512 acc[8];
             for (int64_t h = 0; h < HPG; h++) acc[h] = _mm512_set1_ps(qm[h]);
             const uint8_t *base = ck + tb * half;
+            __m512i cols[8]; /* head_dim 64: the 16 x 8 block of 4-byte words transposed in registers */
+            if (PIECES == 2) transpose16x8(base, cols);
             for (int64_t jj = 0; jj < half / 4; jj++) {
-                __m512i x = _mm512_i32gather_epi32(rows, (const void *)(base + 4 * jj), 1);
+                __m512i x = PIECES == 2 ? cols[jj] : _mm512_i32gather_epi32(rows, (const void *)(base + 4 * jj), 1);
                 for (int bb = 0; bb < 4; bb++) {
                     int64_t j = 4 * jj + bb;
                     __m512 lo = _mm512_cvtepi32_ps(_mm512_and_si512(_mm512_srli_epi32(x, 8 * bb), nibble));
