@@ -385,3 +385,27 @@ def test_a_decode_step_measures_the_native_attention_and_agrees_either_way(monke
         assert (choice.kernel == "multihead.native.attend_dense") == (kept == "native"), (choice, kept)
     finally:
         cpu.forget_measured()
+
+
+def test_a_4bit_cache_of_an_odd_group_decodes_the_dequantising_way() -> None:
+    """The kernel reads a value group as whole bytes; an odd group (head_dim 6, group 3) keeps update + SDPA."""
+    from multihead import AttentionConfig, MultiHeadAttention
+    from multihead.cache import QuantizedKVCache
+
+    layer = MultiHeadAttention(AttentionConfig(d_model=12, n_heads=2)).eval()
+    x = torch.randn(1, 12, 12)
+
+    def run() -> torch.Tensor:
+        cache = QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=6, max_len=12, bits=4, group=3, residual=0)
+        outs = []
+        with torch.no_grad():
+            for i in range(12):
+                outs.append(layer(x[:, i:i + 1], causal=True, cache=cache.layer(0)))
+                cache.advance(1)
+        assert cache.quantized == 12
+        return torch.cat(outs, 1)
+
+    got = run()
+    with cpu.disabled():
+        want = run()
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

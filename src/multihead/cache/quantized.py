@@ -243,8 +243,8 @@ class QuantizedKVCache(Cache):
         tail waits for :meth:`advance` as after :meth:`update`. None (nothing placed) where that path does not
         apply. Equal to :meth:`update` then SDPA within the cache dtype's rounding of the dequantised keys."""
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if k.shape[2] != 1 or not cpu.native_quantized_decode(q, self.bits, needs_grad):
-            return None
+        if k.shape[2] != 1 or self.group % 2 or not cpu.native_quantized_decode(q, self.bits, needs_grad):
+            return None  # (the kernel reads a value group as whole bytes: an even group)
         self._check_keys(layer, k)
         n, r = self._quantized, self._used - self._quantized
         dtype = self.res_k.dtype
