@@ -230,15 +230,12 @@ def _tiny_llama(d_head: int = 64):  # type: ignore[no-untyped-def]
 
 
 def _decode_int4(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+    from tests_support import teacher_forced_logits
+
     cache = model.new_cache(tokens.shape[0], tokens.shape[1], bits=4, group=32, residual=32)
-    with torch.no_grad():
-        out = [model(tokens[:, :prompt], cache=cache)]
-        cache.advance(prompt)
-        for i in range(prompt, tokens.shape[1]):
-            out.append(model(tokens[:, i:i + 1], cache=cache))
-            cache.advance(1)
+    out = teacher_forced_logits(model, tokens, prompt, cache=cache)
     assert cache.quantized > 0
-    return torch.cat(out, 1)
+    return out  # type: ignore[no-any-return]
 
 
 def test_a_4bit_cache_decodes_over_its_codes_as_the_dequantising_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -358,14 +355,9 @@ def test_a_decode_step_measures_the_native_attention_and_agrees_either_way(monke
     tokens = torch.randint(0, 64, (1, 120))
 
     def decode() -> torch.Tensor:
-        cache = model.new_cache(1, 120)
-        with torch.no_grad():
-            out = [model(tokens[:, :100], cache=cache)]
-            cache.advance(100)
-            for i in range(100, 120):
-                out.append(model(tokens[:, i:i + 1], cache=cache))
-                cache.advance(1)
-        return torch.cat(out, 1)
+        from tests_support import teacher_forced_logits
+
+        return teacher_forced_logits(model, tokens, 100)  # type: ignore[no-any-return]
 
     try:
         got = decode()

@@ -63,12 +63,12 @@ def aten_ops() -> Any:
     return AtenOps()
 
 
-def teacher_forced_logits(model: Any, ids: Any, prompt: int = 6) -> Any:
-    """Logits (1, n, vocab) of ``ids`` (1, n) through a cache: the first ``prompt`` tokens in one call, then one token a
-    step (the decode path), no gradients."""
+def teacher_forced_logits(model: Any, ids: Any, prompt: int = 6, cache: Any = None) -> Any:
+    """Logits (b, n, vocab) of ``ids`` (b, n) through a cache (default a full one; or ``cache``, left as the run
+    leaves it): the first ``prompt`` tokens in one call, then one token a step (the decode path), no gradients."""
     import torch
 
-    cache = model.new_cache(1, ids.shape[1])
+    cache = model.new_cache(ids.shape[0], ids.shape[1]) if cache is None else cache
     with torch.no_grad():
         steps = [model(ids[:, :prompt], cache=cache)]
         cache.advance(prompt)

@@ -1,4 +1,6 @@
-/* multihead's native CPU kernels, compiled on first use by multihead.native (cc -O3 -march=native -fopenmp).
+/* multihead's native CPU kernels, compiled on first use by multihead.native (cc -O3 -march=native -fopenmp):
+   mh_gemv_bf16 (decoding's one-row bfloat16 product), mh_attend_q4 (a decode step over a 4-bit cache's codes) and
+   mh_attend_dense (a decode step over a float32/bfloat16 cache), each described where it is defined.
 
    mh_gemv_bf16: y = W x (+ bias) for one bfloat16 row x, float32 accumulation, rounded to bfloat16 once
    (round to nearest even), the same product as F.linear(x, W, bias) within bfloat16's rounding. The weight is read
@@ -164,6 +166,39 @@ static inline float exp_neg(float x) {
 }
 
 /* one chunk [t0, t1) of the codes of one (batch, KV head): partial softmax of every query head of the group */
+/* the partial softmaxes of `per` work items for each of BG (batch, KV head) pairs, laid out [pair][item][head]
+   (max, sum, D weighted values), merged into out (BG, HPG, D): each partial rescaled by exp(its max - the max) */
+static void merge_parts(int64_t BG, int64_t HPG, int64_t D, int64_t per, const float *parts, float *out) {
+    int64_t part_size = HPG * (D + 2);
+    for (int64_t bg = 0; bg < BG; bg++) {
+        for (int64_t h = 0; h < HPG; h++) {
+            float mx = -INFINITY, l = 0.0f, *dst = out + (bg * HPG + h) * D;
+            for (int64_t c = 0; c < per; c++) {
+                float m = parts[(bg * per + c) * part_size + h * (D + 2)];
+                mx = m > mx ? m : mx;
+            }
+            for (int64_t j = 0; j < D; j++) dst[j] = 0.0f;
+            for (int64_t c = 0; c < per; c++) {
+                const float *p = parts + (bg * per + c) * part_size + h * (D + 2);
+                float f = exp_neg(p[0] - mx);
+                l += p[1] * f;
+                for (int64_t j = 0; j < D; j++) dst[j] += p[2 + j] * f;
+            }
+            for (int64_t j = 0; j < D; j++) dst[j] /= l;
+        }
+    }
+}
+
+/* mh_attend_q4's chunk of tokens (whole key groups, about MH_CHUNK) and each work item's floats of working memory */
+static inline int64_t q4_chunk_len(int64_t group) {
+    return MH_CHUNK / group > 0 ? (MH_CHUNK / group) * group : group;
+}
+
+static inline int64_t q4_work_size(int64_t HPG, int64_t D, int64_t group, int64_t m) {
+    int64_t chunk = q4_chunk_len(group), longest = chunk > m ? chunk : m;
+    return HPG * longest + 4 * D + HPG * D + HPG + 2 * HPG * (D / group + 1) + HPG * D;
+}
+
 static inline __attribute__((always_inline)) void q4_chunk(
         int64_t HPG, int64_t D, int64_t group, int64_t t0, int64_t t1, const float *restrict q,
         const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
@@ -455,10 +490,8 @@ static void f32_tail(int64_t HPG, int64_t D, int64_t m, const float *q, const fl
 
 /* floats of scratch a call needs (one partial per work item, and each item's working memory) */
 int64_t mh_attend_q4_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group, int64_t m) {
-    int64_t chunk = MH_CHUNK / group > 0 ? (MH_CHUNK / group) * group : group;
-    int64_t per = (n + chunk - 1) / chunk + (m > 0), longest = chunk > m ? chunk : m;
-    int64_t work = HPG * longest + 4 * D + HPG * D + HPG + 2 * HPG * (D / group + 1) + HPG * D;
-    return B * G * per * (HPG * (D + 2) + work);
+    int64_t chunk = q4_chunk_len(group), per = (n + chunk - 1) / chunk + (m > 0);
+    return B * G * per * (HPG * (D + 2) + q4_work_size(HPG, D, group, m));
 }
 
 int mh_attend_q4(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group, const float *q,
@@ -467,11 +500,9 @@ int mh_attend_q4(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_
                  int64_t sv_b, int64_t sv_g, const float *tk, const float *tv, int64_t m, float scale, float *out,
                  float *scratch, int threads) {
     if (D % 2 || group < 1 || D % group || group % 2 || n % group || n + m < 1) return 1;
-    int64_t chunk = MH_CHUNK / group > 0 ? (MH_CHUNK / group) * group : group;
+    int64_t chunk = q4_chunk_len(group);
     int64_t nq = (n + chunk - 1) / chunk, per = nq + (m > 0), items = B * G * per;
-    int64_t longest = chunk > m ? chunk : m;
-    int64_t part_size = HPG * (D + 2);
-    int64_t work_size = HPG * longest + 4 * D + HPG * D + HPG + 2 * HPG * (D / group + 1) + HPG * D;
+    int64_t part_size = HPG * (D + 2), work_size = q4_work_size(HPG, D, group, m);
     float *parts = scratch, *works = scratch + items * part_size;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
@@ -500,23 +531,7 @@ int mh_attend_q4(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_
             f32_tail(HPG, D, m, qg, tk + bg * m * D, tv + bg * m * D, scale, part, work);
         }
     }
-    for (int64_t bg = 0; bg < B * G; bg++) { /* merge the partials of each query head */
-        for (int64_t h = 0; h < HPG; h++) {
-            float mx = -INFINITY, l = 0.0f, *dst = out + (bg * HPG + h) * D;
-            for (int64_t c = 0; c < per; c++) {
-                float v = parts[(bg * per + c) * part_size + h * (D + 2)];
-                mx = v > mx ? v : mx;
-            }
-            for (int64_t k = 0; k < D; k++) dst[k] = 0.0f;
-            for (int64_t c = 0; c < per; c++) {
-                const float *p = parts + (bg * per + c) * part_size + h * (D + 2);
-                float f = exp_neg(p[0] - mx);
-                l += p[1] * f;
-                for (int64_t k = 0; k < D; k++) dst[k] += p[2 + k] * f;
-            }
-            for (int64_t k = 0; k < D; k++) dst[k] /= l;
-        }
-    }
+    merge_parts(B * G, HPG, D, per, parts, out);
     return 0;
 }
 
@@ -648,23 +663,7 @@ int mh_attend_dense(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t t, con
         else
             dense_chunk(HPG, 8, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
     }
-    for (int64_t bg = 0; bg < B * G; bg++) {
-        for (int64_t h = 0; h < HPG; h++) {
-            float mx = -INFINITY, l = 0.0f, *dst = out + (bg * HPG + h) * D;
-            for (int64_t c = 0; c < per; c++) {
-                float m = parts[(bg * per + c) * part_size + h * (D + 2)];
-                mx = m > mx ? m : mx;
-            }
-            for (int64_t j = 0; j < D; j++) dst[j] = 0.0f;
-            for (int64_t c = 0; c < per; c++) {
-                const float *p = parts + (bg * per + c) * part_size + h * (D + 2);
-                float f = exp_neg(p[0] - mx);
-                l += p[1] * f;
-                for (int64_t j = 0; j < D; j++) dst[j] += p[2 + j] * f;
-            }
-            for (int64_t j = 0; j < D; j++) dst[j] /= l;
-        }
-    }
+    merge_parts(B * G, HPG, D, per, parts, out);
     return 0;
 #else
     (void)B; (void)G; (void)HPG; (void)D; (void)t; (void)q; (void)k; (void)k_b; (void)k_g; (void)k_t; (void)v;
