@@ -145,6 +145,32 @@ def test_busy_processes_show_in_the_reading() -> None:
             proc.wait()
 
 
+
+@pytest.mark.parametrize(("readings", "threads"), [
+    ([1.0, 0.0, 0.0, 0.0], 2),  # a transient in one reading: every core still free
+    ([0.0, 0.0, 1.0, 0.0], 2),
+    ([1.0, 1.0, 1.0, 1.0], 1),  # a process runnable in every reading keeps a core busy
+    ([2.0, 3.0, 2.0, 2.0], 1),
+], ids=["transient-first", "transient-later", "busy", "two-busy"])
+def test_a_stale_load_reading_is_taken_afresh_from_several(monkeypatch: pytest.MonkeyPatch, readings: list[float],
+                                                           threads: int) -> None:
+    """After a pause (a long prefill, another program's turn) one instantaneous reading must not decide the next
+    step's threads: the least of several readings does, and between steps a reading moves the average only a little."""
+    monkeypatch.setattr(cpu._Load, "cores", staticmethod(lambda: 2))
+    load = cpu._Load()  # never read: stale
+    fed = readings + [1.0]
+    taken: list[float] = []
+    monkeypatch.setattr(load, "read", lambda: taken.append(fed[len(taken)]) or taken[-1])
+    monkeypatch.setattr(cpu, "_load", load)
+    cpu.pin_spare_cores(None)
+    assert cpu.free_threads() == threads
+    assert taken == readings  # STALE_READINGS readings, once
+    assert cpu.free_threads() == threads and len(taken) == len(readings)  # fresh: not read again at once
+    if threads == 2:  # a fresh average: one more transient a LOAD_EVERY later weighs LOAD_SMOOTHING, not all
+        load.at = time.monotonic() - cpu.LOAD_EVERY
+        assert cpu.free_threads() == 2 and load.others == pytest.approx(cpu.LOAD_SMOOTHING, rel=0.05)
+        assert len(taken) == len(readings) + 1
+
 def test_a_low_precision_split_runs_in_one_thread_where_cores_are_busy_and_the_count_comes_back() -> None:
     layer = Linear(384, 192, dtype=torch.bfloat16)
     x = torch.randn(1, 384, dtype=torch.bfloat16)

@@ -79,6 +79,11 @@ intra_op_threads: Callable[[], int] = torch.compiler.assume_constant_result(_thr
 
 LOAD_EVERY = 0.1  # seconds between two readings of the other processes' runnable threads
 LOAD_SMOOTHING = 0.3  # weight of a new reading in the running average, readings LOAD_EVERY s apart
+# After 2 x LOAD_EVERY s without a reading, one reading would weigh over half the average (1 - 0.7^2), enough to
+# round a transient into a busy core: the average is taken afresh instead, the least of STALE_READINGS readings
+STALE_AFTER = 2 * LOAD_EVERY
+STALE_READINGS = 4
+STALE_SPACING = 0.0005  # seconds between them
 
 
 class _Load:
@@ -87,6 +92,14 @@ class _Load:
     A reading is the kernel's count of runnable threads at this instant (the 4th field of /proc/loadavg, not the
     1-minute average) less this process's own (its threads in state R): the threads that compete with this process's
     intra-op threads for the cores. Where /proc is not there (not Linux), nothing is counted (every core free).
+
+    After STALE_AFTER s without a reading (the first call, or a step that follows other work: a long prefill,
+    another program's turn in a benchmark) the average is replaced by the least of STALE_READINGS readings
+    STALE_SPACING s apart, not by one reading: a process that keeps a core busy is runnable in every reading, while a
+    transient one (a kernel worker, or one of this process's own threads counted runnable by /proc/loadavg and asleep
+    by the time its own state is read) is in few, and one such reading would otherwise run a whole step, seconds of
+    prefill, on one thread (on an idle 2-core machine, right after two-thread work: 3 of 200 such single-reading
+    decisions gave one thread). The burst costs about 2 ms, at most once every STALE_AFTER s.
     ``pinned`` replaces the result with a fixed count of spare cores (tests, and benchmarks that want one decision
     throughout).
     """
@@ -123,7 +136,15 @@ class _Load:
         if self.pinned is not None:
             return self.pinned
         now = time.monotonic()
-        if now - self.at >= LOAD_EVERY:
+        if now - self.at >= STALE_AFTER:
+            readings = [self.read()]
+            for _ in range(STALE_READINGS - 1):
+                time.sleep(STALE_SPACING)
+                readings.append(self.read())
+            self.at = time.monotonic()
+            self.others = min(readings)
+            self.spare = self.cores() - self.others
+        elif now - self.at >= LOAD_EVERY:
             # a reading's weight as if one had been taken every LOAD_EVERY s meanwhile (an old average counts less)
             weight = 1.0 - (1.0 - LOAD_SMOOTHING) ** min((now - self.at) / LOAD_EVERY, 64.0)
             self.at = now
