@@ -158,7 +158,7 @@ def test_a_stale_load_reading_is_taken_afresh_from_several(monkeypatch: pytest.M
     step's threads: the least of several readings does, and between steps a reading moves the average only a little."""
     monkeypatch.setattr(cpu._Load, "cores", staticmethod(lambda: 2))
     load = cpu._Load()  # never read: stale
-    fed = readings + [1.0]
+    fed = [*readings, 1.0]
     taken: list[float] = []
     monkeypatch.setattr(load, "read", lambda: taken.append(fed[len(taken)]) or taken[-1])
     monkeypatch.setattr(cpu, "_load", load)

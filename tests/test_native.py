@@ -163,12 +163,12 @@ def test_a_failed_build_says_what_the_compiler_said_and_a_good_one_is_kept(tmp_p
     assert native.library() is not None and built[0].stat().st_mtime_ns == stamp  # found, not built again
 
 
-def _filled_cache(b: int, g: int, d: int, t: int, group: int, dtype: torch.dtype = torch.float32):  # type: ignore[no-untyped-def]
-    """A 4-bit cache (one layer) holding t random tokens, and its layer's keys and values as SDPA would read them
-    for the next step (the reference path: dequantised, then the residual and the new token)."""
+def _filled_cache(b: int, g: int, d: int, t: int, group: int, dtype: torch.dtype = torch.float32, bits: int = 4):  # type: ignore[no-untyped-def]
+    """A 4- or 8-bit cache (one layer) holding t random tokens, and its layer's keys and values as SDPA would read
+    them for the next step (the reference path: dequantised, then the residual and the new token)."""
     from multihead.cache import QuantizedKVCache
 
-    cache = QuantizedKVCache(batch=b, n_kv_heads=g, head_dim=d, max_len=t + 4, bits=4, group=group, residual=40,
+    cache = QuantizedKVCache(batch=b, n_kv_heads=g, head_dim=d, max_len=t + 4, bits=bits, group=group, residual=40,
                              dtype=dtype)
     if t:
         cache.update(0, torch.randn(b, g, t, d, dtype=dtype), torch.randn(b, g, t, d, dtype=dtype) * 3,
@@ -177,16 +177,20 @@ def _filled_cache(b: int, g: int, d: int, t: int, group: int, dtype: torch.dtype
     return cache
 
 
+KERNELS = {4: "attend_q4", 8: "attend_q8"}
+
+
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize(("b", "h", "g", "d", "group", "t"), [
     (1, 9, 3, 64, 32, 8192 - 40),  # SmolLM2's heads, AVX-512 path, many chunks
     (1, 9, 3, 64, 32, 300), (2, 8, 2, 128, 32, 700), (1, 4, 4, 64, 32, 0), (1, 3, 1, 64, 32, 39),
     (2, 6, 3, 32, 16, 200), (1, 2, 1, 8, 4, 97), (1, 10, 1, 64, 32, 500),  # the portable path (HPG 10 > 8 too)
 ])
-def test_attend_q4_is_softmax_attention_over_the_dequantised_cache(b: int, h: int, g: int, d: int, group: int,
-                                                                  t: int) -> None:
+def test_attend_quantized_is_softmax_attention_over_the_dequantised_cache(bits: int, b: int, h: int, g: int, d: int,
+                                                                         group: int, t: int) -> None:
     """Against float64 attention over what the cache's reference read gives (codes dequantised, residual, new
     token): float32 sums, so within 1e-5 (the quantized part is there: n > 0 wherever t > residual)."""
-    cache = _filled_cache(b, g, d, t, group)
+    cache = _filled_cache(b, g, d, t, group, bits=bits)
     q, k1, v1 = torch.randn(b, h, 1, d), torch.randn(b, g, 1, d), torch.randn(b, g, 1, d)
     slots = cache.plan(1, None, need_positions=False, window=None, validate=True)
     keys, values = cache.update(0, k1, v1, slots, read_only=True)
@@ -196,9 +200,10 @@ def test_attend_q4_is_softmax_attention_over_the_dequantised_cache(b: int, h: in
     assert (n > 0) == (t >= 40 + group)
     tk = torch.cat([cache.res_k[0, :, :, :r], k1], 2)
     tv = torch.cat([cache.res_v[0, :, :, :r], v1], 2)
+    kernel = getattr(native, KERNELS[bits])
     for threads in (1, 2):
-        got = native.attend_q4(q, cache.codes_k[0], cache.scale_k[0], cache.min_k[0], cache.codes_v[0],
-                               cache.scale_v[0], cache.min_v[0], n, group, tk, tv, d**-0.5, threads)
+        got = kernel(q, cache.codes_k[0], cache.scale_k[0], cache.min_k[0], cache.codes_v[0], cache.scale_v[0],
+                     cache.min_v[0], n, group, tk, tv, d**-0.5, threads)
         assert got.shape == (b, h, 1, d) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
 
@@ -219,6 +224,14 @@ def test_attend_q4_names_what_does_not_fit() -> None:
         native.attend_q4(q, args[0].to(torch.int16), *args[1:], n, 32, tail, tail, 0.125)
     with pytest.raises(ValueError, match=r"tails of shapes \(1, 3, 5, 64\) and \(1, 3, 4, 64\)"):
         native.attend_q4(q, *args, n, 32, tail, tail[:, :, :4], 0.125)
+    with pytest.raises(ValueError, match=r"attend_q8: codes_k of shape \(1, 3, 204, 32\).*\(b, g, >= 160, 64\)"):
+        native.attend_q8(q, *args, n, 32, tail, tail, 0.125)  # 4-bit codes given to the 8-bit kernel
+    wide = _filled_cache(1, 3, 64, 200, 32, bits=8)
+    wide_args = [wide.codes_k[0], wide.scale_k[0], wide.min_k[0], wide.codes_v[0], wide.scale_v[0], wide.min_v[0]]
+    with pytest.raises(ValueError, match=r"attend_q4: codes_k of shape \(1, 3, 204, 64\)"):
+        native.attend_q4(q, *wide_args, n, 32, tail, tail, 0.125)
+    with pytest.raises(ValueError, match=r"attend_q8: head_dim 64, group 32, 100 quantized"):
+        native.attend_q8(q, *wide_args, 100, 32, tail, tail, 0.125)
 
 
 def _tiny_llama(d_head: int = 64):  # type: ignore[no-untyped-def]
@@ -229,16 +242,18 @@ def _tiny_llama(d_head: int = 64):  # type: ignore[no-untyped-def]
                                   ffn_dim=96)).eval()
 
 
-def _decode_int4(model, tokens: torch.Tensor, prompt: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
+def _decode_quantized(model, tokens: torch.Tensor, prompt: int, bits: int) -> torch.Tensor:  # type: ignore[no-untyped-def]
     from tests_support import teacher_forced_logits
 
-    cache = model.new_cache(tokens.shape[0], tokens.shape[1], bits=4, group=32, residual=32)
+    cache = model.new_cache(tokens.shape[0], tokens.shape[1], bits=bits, group=32, residual=32)
     out = teacher_forced_logits(model, tokens, prompt, cache=cache)
     assert cache.quantized > 0
     return out  # type: ignore[no-any-return]
 
 
-def test_a_4bit_cache_decodes_over_its_codes_as_the_dequantising_path_does(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_cache_decodes_over_its_codes_as_the_dequantising_path_does(monkeypatch: pytest.MonkeyPatch,
+                                                                                 bits: int) -> None:
     """Every decode step of every layer attends in the kernel (counted), the logits equal the dequantise-then-SDPA
     path's (multihead.cpu off) within float32 rounding; a hooked pattern, weights or gradients keep the plain path."""
     from multihead.hooks import hooks
@@ -246,34 +261,35 @@ def test_a_4bit_cache_decodes_over_its_codes_as_the_dequantising_path_does(monke
     model = _tiny_llama()
     tokens = torch.randint(0, 64, (2, 150))
     calls = []
-    kernel = native.attend_q4
-    monkeypatch.setattr(native, "attend_q4", lambda *a, **k: calls.append(1) or kernel(*a, **k))
-    got = _decode_int4(model, tokens, 100)
+    kernel = getattr(native, KERNELS[bits])
+    monkeypatch.setattr(native, KERNELS[bits], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    got = _decode_quantized(model, tokens, 100, bits)
     assert len(calls) == 2 * 50  # two layers, fifty decode steps
     with cpu.disabled():
-        want = _decode_int4(model, tokens, 100)
+        want = _decode_quantized(model, tokens, 100, bits)
     assert len(calls) == 100
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     seen = []
     with hooks(model, {"layers.0.attn.hook_pattern": lambda w, point: seen.append(w.shape)}):
-        hooked = _decode_int4(model, tokens[:, :110], 100)
+        hooked = _decode_quantized(model, tokens[:, :110], 100, bits)
     assert len(calls) == 100 + 10  # layer 1 only: layer 0's hooked pattern needs the keys
     assert seen and seen[-1][-1] == 110
     torch.testing.assert_close(hooked, want[:, :110], atol=1e-4, rtol=1e-4)
 
 
-def test_smollm2_decodes_over_its_4bit_codes_as_the_dequantising_path_does(smollm2, monkeypatch) -> None:  # type: ignore[no-untyped-def]
-    """The real model (float32, 9/3 heads, head_dim 64: the AVX-512 path) with a 4-bit cache holding 256 tokens as
-    codes: every layer's decode steps run in the kernel; the logits equal the dequantise-then-SDPA path's within
-    float32 rounding and the greedy tokens are the same."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_smollm2_decodes_over_its_quantized_codes_as_the_dequantising_path_does(smollm2, monkeypatch, bits) -> None:  # type: ignore[no-untyped-def]
+    """The real model (float32, 9/3 heads, head_dim 64: the AVX-512 path) with a 4- or 8-bit cache holding 256
+    tokens as codes: every layer's decode steps run in the kernel; the logits equal the dequantise-then-SDPA path's
+    within float32 rounding and the greedy tokens are the same."""
     model, tok = smollm2
     ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog. " * 40)[:400]])
     calls = []
-    kernel = native.attend_q4
-    monkeypatch.setattr(native, "attend_q4", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = getattr(native, KERNELS[bits])
+    monkeypatch.setattr(native, KERNELS[bits], lambda *a, **k: calls.append(1) or kernel(*a, **k))
 
     def decode() -> tuple[torch.Tensor, list[int]]:
-        cache = model.new_cache(1, 410, bits=4)
+        cache = model.new_cache(1, 410, bits=bits)
         with torch.no_grad():
             logits = [model(ids, cache=cache)[:, -1]]
             cache.advance(ids.shape[1])
@@ -291,10 +307,11 @@ def test_smollm2_decodes_over_its_4bit_codes_as_the_dequantising_path_does(smoll
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
-def test_explain_says_when_the_4bit_cache_attends_itself() -> None:
+@pytest.mark.parametrize("bits", [4, 8, 2])
+def test_explain_says_when_the_quantized_cache_attends_itself(bits: int) -> None:
     model = _tiny_llama()
     tokens = torch.randint(0, 64, (1, 101))
-    cache = model.new_cache(1, 110, bits=4, group=32, residual=32)
+    cache = model.new_cache(1, 110, bits=bits, group=32, residual=32)
     with torch.no_grad():
         model(tokens[:, :100], cache=cache)
         cache.advance(100)
@@ -302,7 +319,10 @@ def test_explain_says_when_the_4bit_cache_attends_itself() -> None:
         h = torch.randn(1, 1, layer.config.d_model)
         step = layer.step(h, causal=True, cache=cache.layer(0))
         choice = layer.explain(h, step=step, cache=cache.layer(0))
-        assert choice.backend == "cache" and "attend_q4" in choice.reason
+        if bits == 2:  # no kernel reads 2-bit codes: dequantised, then SDPA
+            assert choice.backend == "sdpa"
+        else:
+            assert choice.backend == "cache" and KERNELS[bits] in choice.reason
         assert cache.lengths.tolist() == [100]
         with cpu.disabled():
             assert layer.explain(h, step=layer.step(h, causal=True, cache=cache.layer(0)),
@@ -379,16 +399,22 @@ def test_a_decode_step_measures_the_native_attention_and_agrees_either_way(monke
         cpu.forget_measured()
 
 
-def test_a_4bit_cache_of_an_odd_group_decodes_the_dequantising_way() -> None:
-    """The kernel reads a value group as whole bytes; an odd group (head_dim 6, group 3) keeps update + SDPA."""
+@pytest.mark.parametrize("bits", [4, 8])
+def test_an_odd_group_decodes_the_dequantising_way_in_4_bits_and_in_the_kernel_in_8(monkeypatch: pytest.MonkeyPatch,
+                                                                                   bits: int) -> None:
+    """The 4-bit kernel reads a value group as whole bytes: an odd group (head_dim 6, group 3) keeps update + SDPA
+    there; the 8-bit kernel (one code a byte) takes it. Either way the output is the plain path's."""
     from multihead import AttentionConfig, MultiHeadAttention
     from multihead.cache import QuantizedKVCache
 
     layer = MultiHeadAttention(AttentionConfig(d_model=12, n_heads=2)).eval()
     x = torch.randn(1, 12, 12)
+    calls = []
+    kernel = getattr(native, KERNELS[bits])
+    monkeypatch.setattr(native, KERNELS[bits], lambda *a, **k: calls.append(1) or kernel(*a, **k))
 
     def run() -> torch.Tensor:
-        cache = QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=6, max_len=12, bits=4, group=3, residual=0)
+        cache = QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=6, max_len=12, bits=bits, group=3, residual=0)
         outs = []
         with torch.no_grad():
             for i in range(12):
@@ -398,6 +424,7 @@ def test_a_4bit_cache_of_an_odd_group_decodes_the_dequantising_way() -> None:
         return torch.cat(outs, 1)
 
     got = run()
+    assert len(calls) == (0 if bits == 4 else 12)  # every step (the first over its own token alone)
     with cpu.disabled():
         want = run()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)

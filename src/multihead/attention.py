@@ -157,7 +157,7 @@ class MultiHeadAttention(nn.Module):
             if step.slots.parts is not None:  # a head-wise cache: one call per group of KV heads
                 return self._forward_groups(q, k, v, step, cache, backend)
             z = self._cache_attends(q, k, v, step, cache, return_weights, backend)
-            if z is not None:  # the cache attended over its own store (a 4-bit cache's codes, read once)
+            if z is not None:  # the cache attended over its own store (a 4- or 8-bit cache's codes, read once)
                 out: Tensor = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))
                 return self.hook_out(out) if self.hook_out.active else out
             k, v = cache.update(k, v, step.slots)  # (b, g, t, d): the cached keys and values, the new ones included
@@ -196,8 +196,9 @@ class MultiHeadAttention(nn.Module):
                     return self._explain_groups(q, k, v, step, cache, return_weights, backend)
                 if self._cache_attends(q, k, v, step, cache, return_weights, backend, read_only=True) is not None:
                     return KernelChoice("cache", f"{type(cache.cache).__name__}.attend",
-                                        "the cache attends over its own store (4-bit codes read once inside the "
-                                        "attention, multihead.native.attend_q4): every key visible, nothing hooked",
+                                        "the cache attends over its own store (4- or 8-bit codes read once inside "
+                                        "the attention, multihead.native.attend_q4 / attend_q8): every key visible, "
+                                        "nothing hooked",
                                         "none")
                 k, v = cache.update(k, v, step.slots, read_only=True)
         return explain_call(self._call(q, k, v, step, return_weights, backend))

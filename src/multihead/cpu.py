@@ -14,7 +14,7 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
   which kernel runs and how; run by :func:`multihead.kernels.sdpa_attention`);
 - :func:`native_decode_attention`: a decode step attends in a native kernel that reads each KV head once;
-- :func:`native_quantized_decode`: a decode step over a 4-bit cache attends over the codes in a native kernel;
+- :func:`native_quantized_decode`: a decode step over a 4- or 8-bit cache attends over the codes in a native kernel;
 - :func:`fused_low_precision_norm`: a bfloat16/float16 RMSNorm as PyTorch's ``F.rms_norm``;
 - :func:`plain_decode_mask`: one sequence continuing at its cached length attends with a plain bottom-right causal
   mask instead of a mask by positions (no per-call position tensor in the kernel);
@@ -482,13 +482,14 @@ def native_decode_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, nee
 
 
 def native_quantized_decode(q: Tensor, bits: int, needs_grad: bool) -> bool:
-    """Whether a decode step (one query a head) over a 4-bit :class:`~multihead.cache.QuantizedKVCache` attends in
-    :func:`multihead.native.attend_q4`, reading the codes once inside the attention, instead of dequantising the
-    whole prefix into a tensor for SDPA. Measured (SmolLM2's 9/3 heads, head_dim 64, 8,192 cached tokens, 30 layers'
-    caches in turn, one process, alternating, medians of 7, the host of 2026-12-01): float32 38 ms against 176 ms
-    dequantised + SDPA and 68 ms for SDPA over the full float32 cache; bfloat16 35 / 168 / 38. Not under
-    torch.compile or a dispatch mode (the kernel is opaque to both), nor with gradients."""
-    if not _enabled or bits != 4 or not q.is_cpu or q.shape[2] != 1 or needs_grad or _unmeasurable():
+    """Whether a decode step (one query a head) over a 4- or 8-bit :class:`~multihead.cache.QuantizedKVCache` attends
+    in :func:`multihead.native.attend_q4` / :func:`~multihead.native.attend_q8`, reading the codes once inside the
+    attention, instead of dequantising the whole prefix into a tensor for SDPA. Measured (SmolLM2's 9/3 heads,
+    head_dim 64, 8,192 cached tokens, 30 layers' caches in turn, one process, alternating, medians of 7, the host of
+    2026-12-01): 4 bits, float32 38 ms against 176 ms dequantised + SDPA and 68 ms for SDPA over the full float32
+    cache; bfloat16 35 / 168 / 38. Not under torch.compile or a dispatch mode (the kernel is opaque to both), nor
+    with gradients; 2 bits always dequantise."""
+    if not _enabled or bits not in (4, 8) or not q.is_cpu or q.shape[2] != 1 or needs_grad or _unmeasurable():
         return False
     from multihead import native
 

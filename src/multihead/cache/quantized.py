@@ -112,7 +112,7 @@ class QuantizedKVCache(Cache):
     """
 
     addressed = False
-    attends = True  # a 4-bit decode step attends over the codes (:meth:`attend`)
+    attends = True  # a 4- or 8-bit decode step attends over the codes (:meth:`attend`)
     codes_k: Tensor
     codes_v: Tensor
     scale_k: Tensor
@@ -237,21 +237,31 @@ class QuantizedKVCache(Cache):
 
     def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Slots, *, scale: float,
                read_only: bool = False) -> Tensor | None:
-        """A decode step's attention over the codes themselves (4 bits, :func:`multihead.cpu.native_quantized_decode`):
-        the quantized tokens are read once inside the attention (:func:`multihead.native.attend_q4`), never
-        dequantised into a tensor, and the residual and the new tokens in full precision join the same softmax; the
-        tail waits for :meth:`advance` as after :meth:`update`. None (nothing placed) where that path does not
-        apply. Equal to :meth:`update` then SDPA within the cache dtype's rounding of the dequantised keys."""
+        """A decode step's attention over the codes themselves (4 or 8 bits,
+        :func:`multihead.cpu.native_quantized_decode`): the quantized tokens are read once inside the attention
+        (:func:`multihead.native.attend_q4`, :func:`~multihead.native.attend_q8`), never dequantised into a tensor,
+        and the residual and the new tokens in full precision join the same softmax; the tail waits for
+        :meth:`advance` as after :meth:`update`. None (nothing placed) where that path does not apply. Equal to
+        :meth:`update` then SDPA within the cache dtype's rounding of the dequantised keys."""
         needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-        if k.shape[2] != 1 or self.group % 2 or not cpu.native_quantized_decode(q, self.bits, needs_grad):
-            return None  # (the kernel reads a value group as whole bytes: an even group)
+        if (k.shape[2] != 1 or (self.bits == 4 and self.group % 2)
+                or not cpu.native_quantized_decode(q, self.bits, needs_grad)):
+            return None  # (the 4-bit kernel reads a value group as whole bytes: an even group)
         self._check_keys(layer, k)
         n, r = self._quantized, self._used - self._quantized
-        dtype = self.res_k.dtype
-        tail_k = torch.cat([self.res_k[layer, :, :, :r], k.to(dtype)], dim=2)  # (b, g, r + 1, d)
-        tail_v = torch.cat([self.res_v[layer, :, :, :r], v.to(dtype)], dim=2)
-        z = native.attend_q4(q, self.codes_k[layer], self.scale_k[layer], self.min_k[layer], self.codes_v[layer],
-                             self.scale_v[layer], self.min_v[layer], n, self.group, tail_k, tail_v, scale)
+        b, g, _, d = k.shape
+        # the residual and the new token, in float32 as the kernel reads them (exact: the cache dtype widened, and
+        # narrowed back unchanged where advance keeps them); (b, g, r + 1, d)
+        tail_k = torch.empty(b, g, r + 1, d, dtype=torch.float32, device=k.device)
+        tail_v = torch.empty_like(tail_k)
+        tail_k[:, :, :r] = self.res_k[layer, :, :, :r]
+        tail_v[:, :, :r] = self.res_v[layer, :, :, :r]
+        tail_k[:, :, r:] = k.to(self.res_k.dtype)  # rounded to the cache's dtype first, as update stores it
+        tail_v[:, :, r:] = v.to(self.res_v.dtype)
+        kernel = native.attend_q4 if self.bits == 4 else native.attend_q8
+        z = kernel(q, self.codes_k[layer], self.scale_k[layer], self.min_k[layer], self.codes_v[layer],
+                   self.scale_v[layer], self.min_v[layer], n, self.group, tail_k, tail_v, scale,
+                   check=False)  # the cache's own buffers, laid out as the kernel reads them
         if not read_only:
             self._pending[layer] = (tail_k, tail_v)
         return z

@@ -1,12 +1,18 @@
 """Native CPU kernels: a few C functions (``kernels.c`` beside this file) compiled on first use with the machine's C
 compiler and called through ctypes, for the products PyTorch runs slowly on the CPU.
 
-Today one: :func:`gemv_bf16`, decoding's one-row bfloat16 product ``F.linear(x, W, bias)``. Measured on the 2-core
-Xeon of benchmarks/RESULTS.md (AVX512-BF16, one process, 60 weights in turn, median of 7): 1536 x 576 75-88 us
-against F.linear's 240-278 (oneDNN) and 235-243 with oneDNN off; 576 x 1536 79-84 against 156-261; 192 x 576 19
-against 20-73; PyTorch's kernels read a bfloat16 weight at 6-11 GB/s there, this one at 21-25 (a large sum reads
-17-21 GB/s). :func:`multihead.cpu.product_kind` times it beside the other kinds ("native") and keeps it where it is
-the fastest.
+The kernels:
+
+- :func:`gemv_bf16`, decoding's one-row bfloat16 product ``F.linear(x, W, bias)``. Measured on the 2-core Xeon of
+  benchmarks/RESULTS.md (AVX512-BF16, one process, 60 weights in turn, median of 7): 1536 x 576 75-88 us against
+  F.linear's 240-278 (oneDNN) and 235-243 with oneDNN off; 576 x 1536 79-84 against 156-261; 192 x 576 19 against
+  20-73; PyTorch's kernels read a bfloat16 weight at 6-11 GB/s there, this one at 21-25 (a large sum reads 17-21
+  GB/s). :func:`multihead.cpu.product_kind` times it beside the other kinds ("native") and keeps it where it is the
+  fastest.
+- :func:`attend_dense`, a decode step's attention over a float32 or bfloat16 cache, each KV head read once for all
+  its query heads (:func:`multihead.cpu.native_decode_attention` measures it against SDPA).
+- :func:`attend_q4` and :func:`attend_q8`, a decode step's attention over a 4- or 8-bit KIVI cache's codes, read
+  once inside the attention and never dequantised into memory (:meth:`multihead.cache.QuantizedKVCache.attend`).
 
 The library is built once per machine and source: ``cc -O3 -march=native -fopenmp -shared -fPIC``, into
 ``$MULTIHEAD_NATIVE_DIR`` (default ``$XDG_CACHE_HOME/multihead/native``, else ``~/.cache/multihead/native``), named
@@ -36,6 +42,8 @@ BUILD_TIMEOUT_S = 120
 
 _lock = threading.Lock()
 _state: dict[str, object] = {}  # "lib": the loaded library or None; "why": the reason it is None
+_local = threading.local()  # each thread's scratch buffer (ctypes releases the GIL: threads may call at once)
+SCRATCH_KEPT = 1 << 22  # floats (16 MiB) of scratch a thread keeps between calls; a larger call allocates its own
 
 
 def cache_dir() -> Path:
@@ -111,11 +119,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None]:
     lib.mh_gemv_bf16.restype = None
     lib.mh_gemv_bf16_vectorised.argtypes = []
     lib.mh_gemv_bf16_vectorised.restype = ctypes.c_int
-    lib.mh_attend_q4_scratch.argtypes = [i64] * 7
-    lib.mh_attend_q4_scratch.restype = i64
-    lib.mh_attend_q4.argtypes = [i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, i64, ptr, i64, i64,
-                                 ptr, ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr, ptr, ctypes.c_int]
-    lib.mh_attend_q4.restype = ctypes.c_int
+    lib.mh_attend_quantized_scratch.argtypes = [i64] * 7
+    lib.mh_attend_quantized_scratch.restype = i64
+    lib.mh_attend_quantized.argtypes = [ctypes.c_int, i64, i64, i64, i64, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64,
+                                        i64, ptr, i64, i64, ptr, ptr, i64, i64, ptr, ptr, i64, ctypes.c_float, ptr,
+                                        ptr, ctypes.c_int]
+    lib.mh_attend_quantized.restype = ctypes.c_int
     lib.mh_attend_dense_scratch.argtypes = [i64] * 5
     lib.mh_attend_dense_scratch.restype = i64
     lib.mh_attend_dense.argtypes = [i64, i64, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, i64,
@@ -140,6 +149,20 @@ def unavailable() -> str | None:
     library()
     why = _state.get("why")
     return why if isinstance(why, str) else None
+
+
+def scratch(floats: int) -> Tensor:
+    """Working memory (float32) of at least ``floats`` for one kernel call of this thread: the thread's buffer, kept
+    between calls and grown to the largest asked for, up to SCRATCH_KEPT floats; a new tensor beyond that. A decode
+    step's attention needs ~0.4-0.7 MB a layer at 8,192 keys (SmolLM2's heads), and a fresh allocation of that size is
+    a new mapping whose pages fault in on every call: 30 layers' 4-bit attention took 9.4 ms with one and 6.1 ms
+    called with the buffers kept (the 2-core host of 2026-12-02)."""
+    if floats > SCRATCH_KEPT:
+        return torch.empty(floats, dtype=torch.float32)
+    buf: Tensor | None = getattr(_local, "scratch", None)
+    if buf is None or buf.numel() < floats:
+        buf = _local.scratch = torch.empty(floats, dtype=torch.float32)
+    return buf
 
 
 def vectorised() -> bool:
@@ -201,7 +224,7 @@ def _check(x: Tensor, weight: Tensor, bias: Tensor | None, in_features: int) -> 
 
 def attend_q4(q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor, scale_v: Tensor,
               min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
-              threads: int | None = None) -> Tensor:
+              threads: int | None = None, *, check: bool = True) -> Tensor:
     """One decode step's attention over a 4-bit KIVI store read as codes (never dequantised into memory), with its
     full-precision tail: softmax(q K^T * scale) V over the ``n`` quantized tokens then ``tail_k``/``tail_v``.
 
@@ -210,53 +233,85 @@ def attend_q4(q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_
     ``group`` tokens); scale_v, min_v (b, g, >= n, d / group) float16 (values per token over groups of ``group``
     channels); tail_k, tail_v (b, g, m, d). Returns (b, h, 1, d) in q's dtype; sums in float32 (the reference,
     dequantise then SDPA, rounds the keys to the cache's dtype first: the two agree within that rounding). Inference
-    only, CPU only; raises ValueError naming what does not fit."""
+    only, CPU only; raises ValueError naming what does not fit. ``check=False`` skips the checks of the tensors'
+    shapes, dtypes and layouts, for a caller that holds them well formed (:class:`~multihead.cache.QuantizedKVCache`:
+    a wrong layout there reads the wrong memory)."""
+    return _attend_codes(4, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n, group, tail_k, tail_v, scale,
+                         threads, check)
+
+
+def attend_q8(q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor, scale_v: Tensor,
+              min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
+              threads: int | None = None, *, check: bool = True) -> Tensor:
+    """:func:`attend_q4` for an 8-bit store: codes_k, codes_v (b, g, >= n, d) uint8, one code a byte; the rest as
+    there (any group dividing d and n)."""
+    return _attend_codes(8, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n, group, tail_k, tail_v, scale,
+                         threads, check)
+
+
+def _attend_codes(bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor,
+                  scale_v: Tensor, min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
+                  threads: int | None, check: bool) -> Tensor:
+    """attend_q4 / attend_q8: the checks, then the kernel (mh_attend_quantized) for ``bits`` 4 or 8."""
+    name = f"attend_q{bits}"
     lib = library()
     if lib is None:
         raise RuntimeError(f"multihead's native kernels are not available: {unavailable()}")
+    b, h, _, d = q.shape
+    g = codes_k.shape[1]
+    m = tail_k.shape[2]
+    if check:
+        _check_codes(name, bits, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n, group, tail_k, tail_v)
+    f32 = torch.float32
+    qg = q.reshape(b, g, h // g, d).to(f32).contiguous()
+    tk, tv = tail_k.to(f32).contiguous(), tail_v.to(f32).contiguous()
+    out = torch.empty(b, g, h // g, d, dtype=f32)
+    work = scratch(lib.mh_attend_quantized_scratch(b, g, h // g, d, n, group, m))
+    rc = lib.mh_attend_quantized(bits, b, g, h // g, d, n, group, qg.data_ptr(),
+                                 codes_k.data_ptr(), codes_k.stride(0), codes_k.stride(1),
+                                 scale_k.data_ptr(), min_k.data_ptr(), scale_k.stride(0), scale_k.stride(1),
+                                 codes_v.data_ptr(), codes_v.stride(0), codes_v.stride(1),
+                                 scale_v.data_ptr(), min_v.data_ptr(), scale_v.stride(0), scale_v.stride(1),
+                                 tk.data_ptr(), tv.data_ptr(), m, scale, out.data_ptr(), work.data_ptr(),
+                                 torch.get_num_threads() if threads is None else threads)
+    if rc:
+        raise ValueError(f"{name}: the kernel refused head_dim {d}, group {group}, n {n}, m {m}")
+    return out.view(b, h, 1, d).to(q.dtype)
+
+
+def _check_codes(name: str, bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor,
+                 scale_v: Tensor, min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor) -> None:
+    """A ValueError naming every way these tensors do not fit the ``bits``-bit kernel, if any does not."""
     b, h, s, d = q.shape
     g = codes_k.shape[1]
     m = tail_k.shape[2]
+    row = d * bits // 8  # bytes of codes a token
     problems = []
     if s != 1:
         problems.append(f"q of shape {tuple(q.shape)} (one query a head)")
     if g < 1 or h % g:
         problems.append(f"{h} query heads over {g} KV heads (g must divide h)")
-    if d % 2 or group < 2 or group % 2 or d % group or n % group or n < 0 or n + m < 1:
-        problems.append(f"head_dim {d}, group {group}, {n} quantized and {m} full tokens (d and group even, "
-                        "group dividing d and n, at least one token)")
-    for name, t, shape, dtype in (("codes_k", codes_k, (b, g, None, d // 2), torch.uint8),
-                                  ("codes_v", codes_v, (b, g, None, d // 2), torch.uint8),
-                                  ("scale_k", scale_k, (b, g, None, d), torch.float16),
-                                  ("min_k", min_k, (b, g, None, d), torch.float16),
-                                  ("scale_v", scale_v, (b, g, None, d // max(group, 1)), torch.float16),
-                                  ("min_v", min_v, (b, g, None, d // max(group, 1)), torch.float16)):
-        rows = n // max(group, 1) if name in ("scale_k", "min_k") else n
+    even = bits == 4
+    if (even and (d % 2 or group % 2)) or group < 1 or d % group or n % group or n < 0 or n + m < 1:
+        problems.append(f"head_dim {d}, group {group}, {n} quantized and {m} full tokens ("
+                        + ("d and group even, " if even else "") + "group dividing d and n, at least one token)")
+    for label, t, shape, dtype in (("codes_k", codes_k, (b, g, None, row), torch.uint8),
+                                   ("codes_v", codes_v, (b, g, None, row), torch.uint8),
+                                   ("scale_k", scale_k, (b, g, None, d), torch.float16),
+                                   ("min_k", min_k, (b, g, None, d), torch.float16),
+                                   ("scale_v", scale_v, (b, g, None, d // max(group, 1)), torch.float16),
+                                   ("min_v", min_v, (b, g, None, d // max(group, 1)), torch.float16)):
+        rows = n // max(group, 1) if label in ("scale_k", "min_k") else n
         if (t.dtype != dtype or t.ndim != 4 or t.shape[:2] != shape[:2] or t.shape[3] != shape[3]
                 or t.shape[2] < rows or t.stride(3) != 1 or t.stride(2) != t.shape[3] or not t.is_cpu):
-            problems.append(f"{name} of shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype} "
+            problems.append(f"{label} of shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype} "
                             f"((b, g, >= {rows}, {shape[3]}) {dtype}, rows contiguous)")
     if tail_k.shape != (b, g, m, d) or tail_v.shape != (b, g, m, d):
         problems.append(f"tails of shapes {tuple(tail_k.shape)} and {tuple(tail_v.shape)} ({(b, g, m, d)})")
     if scale_k.stride() != min_k.stride() or scale_v.stride() != min_v.stride():
         problems.append("scales and minimums laid out differently")
     if problems:
-        raise ValueError("attend_q4: " + "; ".join(problems))
-    f32 = torch.float32
-    qg = q.reshape(b, g, h // g, d).to(f32).contiguous()
-    tk, tv = tail_k.to(f32).contiguous(), tail_v.to(f32).contiguous()
-    out = torch.empty(b, g, h // g, d, dtype=f32)
-    scratch = torch.empty(lib.mh_attend_q4_scratch(b, g, h // g, d, n, group, m), dtype=f32)
-    rc = lib.mh_attend_q4(b, g, h // g, d, n, group, qg.data_ptr(),
-                          codes_k.data_ptr(), codes_k.stride(0), codes_k.stride(1),
-                          scale_k.data_ptr(), min_k.data_ptr(), scale_k.stride(0), scale_k.stride(1),
-                          codes_v.data_ptr(), codes_v.stride(0), codes_v.stride(1),
-                          scale_v.data_ptr(), min_v.data_ptr(), scale_v.stride(0), scale_v.stride(1),
-                          tk.data_ptr(), tv.data_ptr(), m, scale, out.data_ptr(), scratch.data_ptr(),
-                          torch.get_num_threads() if threads is None else threads)
-    if rc:
-        raise ValueError(f"attend_q4: the kernel refused head_dim {d}, group {group}, n {n}, m {m}")
-    return out.view(b, h, 1, d).to(q.dtype)
+        raise ValueError(f"{name}: " + "; ".join(problems))
 
 
 DENSE_HEAD_DIMS = (64, 128)
@@ -275,15 +330,17 @@ def dense_fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
             and k.stride(2) == v.stride(2) and q.is_cpu and k.is_cpu and v.is_cpu and vectorised())
 
 
-def attend_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, threads: int | None = None) -> Tensor:
+def attend_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, threads: int | None = None, *,
+                 check: bool = True) -> Tensor:
     """One decode step's attention: softmax(q k^T * scale) v for q (b, h, 1, d) over every key of k, v (b, g, t, d)
     (query head i reads KV head i // (h / g)), each KV head read once for all its query heads; float32 sums, the
     result (b, h, 1, d) in q's dtype. Where SDPA's CPU kernel reads a bfloat16 cache at ~6 GB/s (8,192 keys, SmolLM2's
-    heads) this reads it once, near the memory's speed. Raises ValueError when :func:`dense_fits` says no."""
+    heads) this reads it once, near the memory's speed. Raises ValueError when :func:`dense_fits` says no
+    (``check=False``: not asked, for a caller that asked it already, :func:`multihead.kernels.attend`)."""
     lib = library()
     if lib is None:
         raise RuntimeError(f"multihead's native kernels are not available: {unavailable()}")
-    if not dense_fits(q, k, v):
+    if check and not dense_fits(q, k, v):
         raise ValueError(f"attend_dense: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype} strides "
                          f"{k.stride()}, v {tuple(v.shape)} {v.dtype} strides {v.stride()} do not fit (one query a "
                          f"head, head_dim in {DENSE_HEAD_DIMS}, at most {DENSE_MAX_GROUP} query heads a KV head, "
@@ -292,10 +349,10 @@ def attend_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, threads: int | N
     g, t = k.shape[1], k.shape[2]
     qg = q.reshape(b, g, h // g, d).to(torch.float32).contiguous()
     out = torch.empty(b, g, h // g, d, dtype=torch.float32)
-    scratch = torch.empty(lib.mh_attend_dense_scratch(b, g, h // g, d, t), dtype=torch.float32)
+    work = scratch(lib.mh_attend_dense_scratch(b, g, h // g, d, t))
     rc = lib.mh_attend_dense(b, g, h // g, d, t, qg.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
                              v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), int(k.dtype == torch.bfloat16),
-                             scale, out.data_ptr(), scratch.data_ptr(),
+                             scale, out.data_ptr(), work.data_ptr(),
                              torch.get_num_threads() if threads is None else threads)
     if rc:
         raise ValueError(f"attend_dense: the kernel refused head_dim {d}, {h // g} query heads a KV head, {t} keys")

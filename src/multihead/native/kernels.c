@@ -1,6 +1,6 @@
 /* multihead's native CPU kernels, compiled on first use by multihead.native (cc -O3 -march=native -fopenmp):
-   mh_gemv_bf16 (decoding's one-row bfloat16 product), mh_attend_q4 (a decode step over a 4-bit cache's codes) and
-   mh_attend_dense (a decode step over a float32/bfloat16 cache), each described where it is defined.
+   mh_gemv_bf16 (decoding's one-row bfloat16 product), mh_attend_quantized (a decode step over a 4- or 8-bit cache's
+   codes) and mh_attend_dense (a decode step over a float32/bfloat16 cache), each described where it is defined.
 
    mh_gemv_bf16: y = W x (+ bias) for one bfloat16 row x, float32 accumulation, rounded to bfloat16 once
    (round to nearest even), the same product as F.linear(x, W, bias) within bfloat16's rounding. The weight is read
@@ -116,10 +116,11 @@ void mh_gemv_bf16(const uint16_t *w, int64_t ld, const uint16_t *x, const uint16
 }
 
 /* ------------------------------------------------------------------------------------------------------------------
-   mh_attend_q4: one decode step's attention over a 4-bit KIVI cache (multihead.cache.QuantizedKVCache) read as codes,
-   never dequantised into memory. Keys are quantized per channel over groups of `group` tokens (scale and minimum per
-   group and channel), values per token over groups of `group` channels; two codes a byte, the even channel in the low
-   nibble. For a query q and a key group with scales s and minimums mn:
+   mh_attend_quantized: one decode step's attention over a 4- or 8-bit KIVI cache (multihead.cache.QuantizedKVCache)
+   read as codes, never dequantised into memory (its dispatcher is at the end of the file, after the 8-bit chunks).
+   Keys are quantized per channel over groups of `group` tokens (scale and minimum per group and channel), values per
+   token over groups of `group` channels; 4 bits: two codes a byte, the even channel in the low nibble; 8 bits: one
+   code a byte. For a query q and a key group with scales s and minimums mn:
        q . k_t = sum_c (q_c s_c) code_tc + sum_c q_c mn_c
    and for the weights p_t of the softmax:
        out_c = sum_t (p_t s_t,grp(c)) code_tc + sum_t p_t mn_t,grp(c)
@@ -127,9 +128,9 @@ void mh_gemv_bf16(const uint16_t *w, int64_t ld, const uint16_t *x, const uint16
    and values after the codes (the residual window and the step's own tokens, float32) are attended in the same
    softmax. Work items: (batch, KV head, chunk of MH_CHUNK tokens) and (batch, KV head, the full-precision tail), each
    a partial softmax (max, sum, weighted values) in `scratch`, merged per query head at the end (flash decoding).
-   Layouts: q and out (B, G, HPG, D) float32 contiguous (query head h = g * HPG + i); code rows of D / 2 bytes and
-   key-scale rows of D halves, value-scale rows of D / group halves, with the given batch and head strides (in
-   elements); tk, tv (B, G, m, D) float32 contiguous. Needs D even, D % group == 0 when values are read. */
+   Layouts: q and out (B, G, HPG, D) float32 contiguous (query head h = g * HPG + i); code rows of D * bits / 8 bytes
+   and key-scale rows of D halves, value-scale rows of D / group halves, with the given batch and head strides (in
+   elements); tk, tv (B, G, m, D) float32 contiguous. Needs D % group == 0, and for 4 bits D and group even. */
 
 #define MH_CHUNK 256
 
@@ -189,13 +190,14 @@ static void merge_parts(int64_t BG, int64_t HPG, int64_t D, int64_t per, const f
     }
 }
 
-/* mh_attend_q4's chunk of tokens (whole key groups, about MH_CHUNK) and each work item's floats of working memory */
-static inline int64_t q4_chunk_len(int64_t group) {
+/* mh_attend_quantized's chunk of tokens (whole key groups, about MH_CHUNK) and each work item's floats of working
+   memory (the 4-bit chunk's layout; the 8-bit one needs D fewer) */
+static inline int64_t quant_chunk_len(int64_t group) {
     return MH_CHUNK / group > 0 ? (MH_CHUNK / group) * group : group;
 }
 
-static inline int64_t q4_work_size(int64_t HPG, int64_t D, int64_t group, int64_t m) {
-    int64_t chunk = q4_chunk_len(group), longest = chunk > m ? chunk : m;
+static inline int64_t quant_work_size(int64_t HPG, int64_t D, int64_t group, int64_t m) {
+    int64_t chunk = quant_chunk_len(group), longest = chunk > m ? chunk : m;
     return HPG * longest + 4 * D + HPG * D + HPG + 2 * HPG * (D / group + 1) + HPG * D;
 }
 
@@ -401,6 +403,8 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
             __m512 acc[8];
             for (int64_t h = 0; h < HPG; h++) acc[h] = _mm512_set1_ps(qm[h]);
             const uint8_t *base = ck + tb * half;
+            for (int64_t off = 0; off < 16 * half; off += 64) /* the next 16 tokens' codes */
+                _mm_prefetch((const char *)(base + 16 * half + off), _MM_HINT_T0);
             __m512i cols[8]; /* head_dim 64: the 16 x 8 block of 4-byte words transposed in registers */
             if (PIECES == 2) transpose16x8(base, cols);
             for (int64_t jj = 0; jj < half / 4; jj++) {
@@ -433,6 +437,7 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
         }
     for (int64_t tt = t0; tt < t1; tt++) {
         const uint8_t *code = cv + tt * half;
+        if (tt % 2 == 0) _mm_prefetch((const char *)(code + 16 * half), _MM_HINT_T0); /* 16 tokens ahead */
         const uint16_t *st = sv + tt * PIECES, *mt = mv + tt * PIECES;
         for (int64_t p = 0; p < PIECES; p++) {
             __m512i w = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(code + 16 * p)));
@@ -488,57 +493,10 @@ static void f32_tail(int64_t HPG, int64_t D, int64_t m, const float *q, const fl
     }
 }
 
-/* floats of scratch a call needs (one partial per work item, and each item's working memory) */
-int64_t mh_attend_q4_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group, int64_t m) {
-    int64_t chunk = q4_chunk_len(group), per = (n + chunk - 1) / chunk + (m > 0);
-    return B * G * per * (HPG * (D + 2) + q4_work_size(HPG, D, group, m));
-}
-
-int mh_attend_q4(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group, const float *q,
-                 const uint8_t *ck, int64_t ck_b, int64_t ck_g, const uint16_t *sk, const uint16_t *mk, int64_t sk_b,
-                 int64_t sk_g, const uint8_t *cv, int64_t cv_b, int64_t cv_g, const uint16_t *sv, const uint16_t *mv,
-                 int64_t sv_b, int64_t sv_g, const float *tk, const float *tv, int64_t m, float scale, float *out,
-                 float *scratch, int threads) {
-    if (D % 2 || group < 1 || D % group || group % 2 || n % group || n + m < 1) return 1;
-    int64_t chunk = q4_chunk_len(group);
-    int64_t nq = (n + chunk - 1) / chunk, per = nq + (m > 0), items = B * G * per;
-    int64_t part_size = HPG * (D + 2), work_size = q4_work_size(HPG, D, group, m);
-    float *parts = scratch, *works = scratch + items * part_size;
-    if (threads < 1) threads = 1;
-#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
-    for (int64_t it = 0; it < items; it++) {
-        int64_t bg = it / per, c = it % per, b = bg / G, g = bg % G;
-        const float *qg = q + bg * HPG * D;
-        float *part = parts + it * part_size, *work = works + it * work_size;
-        if (c < nq) {
-            int64_t t0 = c * chunk, t1 = t0 + chunk < n ? t0 + chunk : n;
-            const uint8_t *ckp = ck + b * ck_b + g * ck_g, *cvp = cv + b * cv_b + g * cv_g;
-            const uint16_t *skp = sk + b * sk_b + g * sk_g, *mkp = mk + b * sk_b + g * sk_g;
-            const uint16_t *svp = sv + b * sv_b + g * sv_g, *mvp = mv + b * sv_b + g * sv_g;
-#if defined(__AVX512F__)
-            if (group == 32 && (D == 64 || D == 128) && HPG <= 8 && (t1 - t0) % 16 == 0) {
-                if (D == 64 && HPG == 3) /* SmolLM2's shape: constant trip counts throughout */
-                    q4_chunk_avx512(3, 2, t0, t1, qg, ckp, skp, mkp, cvp, svp, mvp, scale, part, work);
-                else if (D == 64)
-                    q4_chunk_avx512(HPG, 2, t0, t1, qg, ckp, skp, mkp, cvp, svp, mvp, scale, part, work);
-                else
-                    q4_chunk_avx512(HPG, 4, t0, t1, qg, ckp, skp, mkp, cvp, svp, mvp, scale, part, work);
-                continue;
-            }
-#endif
-            q4_chunk(HPG, D, group, t0, t1, qg, ckp, skp, mkp, cvp, svp, mvp, scale, part, work);
-        } else {
-            f32_tail(HPG, D, m, qg, tk + bg * m * D, tv + bg * m * D, scale, part, work);
-        }
-    }
-    merge_parts(B * G, HPG, D, per, parts, out);
-    return 0;
-}
-
 /* ------------------------------------------------------------------------------------------------------------------
    mh_attend_dense: one decode step's attention (one query a head) over a float32 or bfloat16 KV cache, each KV head
    read once for all the query heads it serves (GQA): softmax(q k^T * scale) v. Work items (batch, KV head, chunk of
-   MH_CHUNK tokens), partial softmaxes merged per query head as in mh_attend_q4. q and out (B, G, HPG, D) float32
+   MH_CHUNK tokens), partial softmaxes merged per query head as in mh_attend_quantized. q and out (B, G, HPG, D) float32
    contiguous; k and v rows of D elements (float32, or bfloat16 when bf16 is 1) with the given batch, head and token
    strides (in elements). AVX-512, D 64 or 128, HPG <= 8; returns 1 (nothing computed) for any other case. */
 
@@ -670,4 +628,237 @@ int mh_attend_dense(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t t, con
     (void)v_b; (void)v_g; (void)v_t; (void)bf16; (void)scale; (void)out; (void)scratch; (void)threads;
     return 1;
 #endif
+}
+
+/* ------------------------------------------------------------------------------------------------------------------
+   The 8-bit store: one code a byte, rows of D bytes, otherwise as the 4-bit one (keys per channel over groups of
+   `group` tokens, values per token over groups of `group` channels, the same two identities). */
+
+/* one chunk [t0, t1) of the 8-bit codes of one (batch, KV head): partial softmax of every query head of the group */
+static inline __attribute__((always_inline)) void q8_chunk(
+        int64_t HPG, int64_t D, int64_t group, int64_t t0, int64_t t1, const float *restrict q,
+        const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
+        const uint8_t *restrict cv, const uint16_t *restrict sv, const uint16_t *restrict mv, float scale,
+        float *restrict part, float *restrict work) {
+    int64_t n = t1 - t0, vg = D / group;
+    float *qs = work, *qm = qs + HPG * D, *sc = qm + HPG; /* sc: HPG x n */
+    float *s = sc + HPG * n, *mn = s + D, *cf = mn + D, *w = cf + D, *wm = w + HPG * vg, *acc = wm + HPG * vg;
+    for (int64_t t = t0; t < t1; t += group) {
+        const uint16_t *sg = sk + (t / group) * D, *mg = mk + (t / group) * D;
+        for (int64_t c = 0; c < D; c++) {
+            s[c] = f16_to_f32(sg[c]);
+            mn[c] = f16_to_f32(mg[c]);
+        }
+        for (int64_t h = 0; h < HPG; h++) {
+            const float *qh = q + h * D;
+            float m0 = 0.0f;
+            for (int64_t c = 0; c < D; c++) {
+                qs[h * D + c] = qh[c] * s[c] * scale;
+                m0 += qh[c] * mn[c];
+            }
+            qm[h] = m0 * scale;
+        }
+        int64_t end = t + group < t1 ? t + group : t1;
+        for (int64_t tt = t; tt < end; tt++) {
+            const uint8_t *code = ck + tt * D;
+            for (int64_t c = 0; c < D; c++) cf[c] = (float)code[c];
+            for (int64_t h = 0; h < HPG; h++) {
+                const float *e = qs + h * D;
+                float a = 0.0f;
+#pragma omp simd reduction(+ : a)
+                for (int64_t c = 0; c < D; c++) a += e[c] * cf[c];
+                sc[h * n + (tt - t0)] = a + qm[h];
+            }
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
+        float *r = sc + h * n, mx = -INFINITY, l = 0.0f;
+        for (int64_t i = 0; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+#pragma omp simd reduction(+ : l)
+        for (int64_t i = 0; i < n; i++) {
+            r[i] = exp_neg(r[i] - mx);
+            l += r[i];
+        }
+        part[h * (D + 2)] = mx;
+        part[h * (D + 2) + 1] = l;
+    }
+    memset(acc, 0, sizeof(float) * (size_t)(HPG * D));
+    memset(wm, 0, sizeof(float) * (size_t)(HPG * vg));
+    for (int64_t tt = t0; tt < t1; tt++) {
+        const uint8_t *code = cv + tt * D;
+        const uint16_t *st = sv + tt * vg, *mt = mv + tt * vg;
+        for (int64_t c = 0; c < D; c++) cf[c] = (float)code[c];
+        for (int64_t k = 0; k < vg; k++) {
+            s[k] = f16_to_f32(st[k]);
+            mn[k] = f16_to_f32(mt[k]);
+        }
+        for (int64_t h = 0; h < HPG; h++) {
+            float p = sc[h * n + (tt - t0)], *a = acc + h * D;
+            for (int64_t k = 0; k < vg; k++) {
+                w[h * vg + k] = p * s[k];
+                wm[h * vg + k] += p * mn[k];
+            }
+            for (int64_t k = 0; k < vg; k++) {
+                float wk = w[h * vg + k];
+                for (int64_t c = k * group; c < (k + 1) * group; c++) a[c] += wk * cf[c];
+            }
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++) {
+        float *dst = part + h * (D + 2) + 2;
+        for (int64_t c = 0; c < D; c++) dst[c] = acc[h * D + c] + wm[h * vg + c / group];
+    }
+}
+
+#if defined(__AVX512F__)
+/* 16 codes -> 16 floats */
+static inline __m512 codes16(const uint8_t *p) {
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+
+/* q8_chunk for group 32 and head_dim 16 * P (P 4 or 8) with AVX-512: keys 16 tokens at a time, each converted once
+   with its channels in the lanes and the 16 scores of a query head summed across lanes in one tree (hsum16); values
+   a token at a time with the channels in the lanes (the 16 channels of piece p lie in value group p / 2). */
+static inline __attribute__((always_inline)) void q8_chunk_avx512(
+        const int64_t HPG, const int64_t P, int64_t t0, int64_t t1, const float *restrict q,
+        const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
+        const uint8_t *restrict cv, const uint16_t *restrict sv, const uint16_t *restrict mv, float scale,
+        float *restrict part, float *restrict work) {
+    const int64_t D = 16 * P, n = t1 - t0, VG = P / 2;
+    float *sc = work; /* HPG x n */
+    for (int64_t t = t0; t < t1; t += 32) {
+        const uint16_t *sg = sk + (t / 32) * D, *mg = mk + (t / 32) * D;
+        __m512 qv[8][8];
+        float qm[8];
+        for (int64_t h = 0; h < HPG; h++) {
+            __m512 m0 = _mm512_setzero_ps();
+            for (int64_t p = 0; p < P; p++) {
+                __m512 qp = _mm512_loadu_ps(q + h * D + 16 * p);
+                __m512 s16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16 * p)));
+                __m512 m16 = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(mg + 16 * p)));
+                qv[h][p] = _mm512_mul_ps(_mm512_mul_ps(qp, s16), _mm512_set1_ps(scale));
+                m0 = _mm512_fmadd_ps(qp, m16, m0);
+            }
+            qm[h] = _mm512_reduce_add_ps(m0) * scale;
+        }
+        for (int64_t tb = t; tb < t + 32; tb += 16) {
+            const uint8_t *base = ck + tb * D;
+            for (int64_t i = 0; i < 16; i++)
+                for (int64_t off = 0; off < D; off += 64) _mm_prefetch((const char *)(base + (16 + i) * D + off), _MM_HINT_T0);
+            float kf[16 * 16 * 8]; /* the 16 keys' codes as floats, converted once for every query head */
+            for (int64_t i = 0; i < 16; i++)
+                for (int64_t p = 0; p < P; p++) _mm512_storeu_ps(kf + (i * P + p) * 16, codes16(base + i * D + 16 * p));
+            for (int64_t h = 0; h < HPG; h++) {
+                __m512 a[16];
+                for (int64_t i = 0; i < 16; i++) {
+                    a[i] = _mm512_mul_ps(_mm512_loadu_ps(kf + i * P * 16), qv[h][0]);
+                    for (int64_t p = 1; p < P; p++)
+                        a[i] = _mm512_fmadd_ps(_mm512_loadu_ps(kf + (i * P + p) * 16), qv[h][p], a[i]);
+                }
+                _mm512_storeu_ps(sc + h * n + (tb - t0), _mm512_add_ps(hsum16(a), _mm512_set1_ps(qm[h])));
+            }
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
+        float mx;
+        float l = softmax_part(sc + h * n, n, &mx);
+        part[h * (D + 2)] = mx;
+        part[h * (D + 2) + 1] = l;
+    }
+    __m512 o[8][8];
+    float wm[8][4];
+    for (int64_t h = 0; h < HPG; h++) {
+        for (int64_t p = 0; p < P; p++) o[h][p] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < VG; k++) wm[h][k] = 0.0f;
+    }
+    for (int64_t tt = t0; tt < t1; tt++) {
+        const uint8_t *code = cv + tt * D;
+        _mm_prefetch((const char *)(code + 8 * D), _MM_HINT_T0);
+        if (D > 64) _mm_prefetch((const char *)(code + 8 * D + 64), _MM_HINT_T0);
+        const uint16_t *st = sv + tt * VG, *mt = mv + tt * VG;
+        __m512 vv[8];
+        float s[4], mn[4];
+        for (int64_t p = 0; p < P; p++) vv[p] = codes16(code + 16 * p);
+        for (int64_t k = 0; k < VG; k++) {
+            s[k] = _cvtsh_ss(st[k]);
+            mn[k] = _cvtsh_ss(mt[k]);
+        }
+        for (int64_t h = 0; h < HPG; h++) {
+            float pr = sc[h * n + (tt - t0)];
+            for (int64_t k = 0; k < VG; k++) {
+                __m512 w = _mm512_set1_ps(pr * s[k]);
+                o[h][2 * k] = _mm512_fmadd_ps(vv[2 * k], w, o[h][2 * k]);
+                o[h][2 * k + 1] = _mm512_fmadd_ps(vv[2 * k + 1], w, o[h][2 * k + 1]);
+                wm[h][k] += pr * mn[k];
+            }
+        }
+    }
+    for (int64_t h = 0; h < HPG; h++)
+        for (int64_t p = 0; p < P; p++)
+            _mm512_storeu_ps(part + h * (D + 2) + 2 + 16 * p, _mm512_add_ps(o[h][p], _mm512_set1_ps(wm[h][p / 2])));
+}
+#endif
+
+/* floats of scratch a call needs (one partial per work item, and each item's working memory) */
+int64_t mh_attend_quantized_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group,
+                                    int64_t m) {
+    int64_t chunk = quant_chunk_len(group), per = (n + chunk - 1) / chunk + (m > 0);
+    return B * G * per * (HPG * (D + 2) + quant_work_size(HPG, D, group, m));
+}
+
+/* one chunk of a (batch, KV head)'s codes, `bits` 4 or 8: the AVX-512 chunk where it fits, else the portable one */
+static void quantized_chunk(int bits, int64_t HPG, int64_t D, int64_t group, int64_t t0, int64_t t1, const float *q,
+                            const uint8_t *ck, const uint16_t *sk, const uint16_t *mk, const uint8_t *cv,
+                            const uint16_t *sv, const uint16_t *mv, float scale, float *part, float *work) {
+#if defined(__AVX512F__)
+    if (group == 32 && (D == 64 || D == 128) && HPG <= 8 && (t1 - t0) % 16 == 0) {
+        if (bits == 4 && D == 64 && HPG == 3) /* SmolLM2's shape: constant trip counts throughout */
+            q4_chunk_avx512(3, 2, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+        else if (bits == 4)
+            q4_chunk_avx512(HPG, D / 32, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+        else if (D == 64 && HPG == 3)
+            q8_chunk_avx512(3, 4, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+        else
+            q8_chunk_avx512(HPG, D / 16, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+        return;
+    }
+#endif
+    if (bits == 4)
+        q4_chunk(HPG, D, group, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+    else
+        q8_chunk(HPG, D, group, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+}
+
+/* One decode step's attention over a `bits`-bit (4 or 8) KIVI store and its full-precision tail: work items (batch,
+   KV head, chunk) and (batch, KV head, tail), merged per query head. Returns 1 (nothing computed) for a shape the
+   kernels do not take. */
+int mh_attend_quantized(int bits, int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group,
+                        const float *q, const uint8_t *ck, int64_t ck_b, int64_t ck_g, const uint16_t *sk,
+                        const uint16_t *mk, int64_t sk_b, int64_t sk_g, const uint8_t *cv, int64_t cv_b, int64_t cv_g,
+                        const uint16_t *sv, const uint16_t *mv, int64_t sv_b, int64_t sv_g, const float *tk,
+                        const float *tv, int64_t m, float scale, float *out, float *scratch, int threads) {
+    if ((bits != 4 && bits != 8) || group < 1 || D % group || (bits == 4 && (D % 2 || group % 2)) || n % group
+        || n + m < 1)
+        return 1;
+    int64_t chunk = quant_chunk_len(group);
+    int64_t nq = (n + chunk - 1) / chunk, per = nq + (m > 0), items = B * G * per;
+    int64_t part_size = HPG * (D + 2), work_size = quant_work_size(HPG, D, group, m);
+    float *parts = scratch, *works = scratch + items * part_size;
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t bg = it / per, c = it % per, b = bg / G, g = bg % G;
+        const float *qg = q + bg * HPG * D;
+        float *part = parts + it * part_size, *work = works + it * work_size;
+        if (c < nq) {
+            int64_t t0 = c * chunk, t1 = t0 + chunk < n ? t0 + chunk : n;
+            quantized_chunk(bits, HPG, D, group, t0, t1, qg, ck + b * ck_b + g * ck_g, sk + b * sk_b + g * sk_g,
+                            mk + b * sk_b + g * sk_g, cv + b * cv_b + g * cv_g, sv + b * sv_b + g * sv_g,
+                            mv + b * sv_b + g * sv_g, scale, part, work);
+        } else {
+            f32_tail(HPG, D, m, qg, tk + bg * m * D, tv + bg * m * D, scale, part, work);
+        }
+    }
+    merge_parts(B * G, HPG, D, per, parts, out);
+    return 0;
 }
