@@ -1,0 +1,236 @@
+"""SmolLM2-135M decode steps at a long context: every cache kind of multihead and transformers (sdpa), interleaved
+step by step in one process.
+
+    .venv/bin/python benchmarks/cache_steps.py [--length 8192] [--dtypes float32 bfloat16]
+        [--caches full sink int4 int8 headwise] [--steps 40] [--warm-steps 4] [--plan PLAN] [--no-transformers]
+        [--record] [--json PATH | --json -]
+
+``benchmarks/longctx.py`` alternates whole runs (a prefill and its decode steps), so on a host whose speed drifts
+(other machines' work on the same hardware) a run that falls in a slow spell moves its runner's median, and with two
+or three rounds one such run is a third or half of the figure. Here every runner prefills the same prompt once (the
+first ``--length`` tokens of the held-out Jargon File text; the full and quantized caches and transformers in one
+call, the sink and head-wise caches in chunks of longctx.WINDOW_CHUNK, as longctx.py does), then each of ``--steps``
+rounds takes one greedy decode step of every runner, the order rotated every round, so a slow spell falls on every
+runner alike. The first ``--warm-steps`` rounds are not timed (multihead measures its kernel choices for a new range
+of key counts on its first calls there). A figure is a runner's median step; the ratios are ratios of medians;
+``spread`` is the middle half of its steps (25th to 75th percentile).
+
+Each runner continues its own sequence, so the caches grow by one token a round, from ``--length`` on, the same for
+all. The models of one dtype are loaded, warmed up (:func:`longctx.warm_up`), measured and freed before the next.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import inspect
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import bench
+import ctxbench
+import longctx
+import torch
+from results import publish
+
+from multihead.cache import HeadPlan
+from multihead.models import LlamaModel
+
+
+@dataclass(frozen=True)
+class Settings:
+    length: int
+    dtypes: tuple[str, ...]
+    caches: tuple[str, ...]
+    steps: int
+    warm_steps: int
+    plan: str
+    transformers: bool
+    record: bool = False
+    json: str | None = None
+
+
+@dataclass(frozen=True)
+class Row:
+    dtype: str
+    runner: str  # a cache kind of multihead, or "transformers"
+    step_ms: float  # median
+    q1_ms: float  # 25th percentile
+    q3_ms: float  # 75th percentile
+    tok_s: float  # 1000 / step_ms
+    vs_full: float | None  # the full cache's median step / this one's (above 1: faster than the full cache)
+    vs_transformers: float | None  # transformers' median step / this one's (above 1: faster than transformers)
+    cache_bytes: int
+    steps_ms: tuple[float, ...] = ()  # every timed step, in order (the JSON keeps them; the table does not)
+
+
+def parse(argv: Sequence[str] | None = None) -> Settings:
+    p = argparse.ArgumentParser(prog="cache_steps.py", description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--length", type=int, default=8192, help="prompt tokens before the decode steps (default 8192)")
+    p.add_argument("--dtypes", nargs="+", default=list(longctx.DTYPES), help="float32, bfloat16 (default both)")
+    p.add_argument("--caches", nargs="+", default=list(ctxbench.CACHE_KINDS), help="multihead's cache kinds")
+    p.add_argument("--steps", type=int, default=40, help="timed rounds, one step of every runner each (default 40)")
+    p.add_argument("--warm-steps", type=int, default=4, help="untimed rounds before them (default 4)")
+    p.add_argument("--plan", default=str(longctx.PLAN), help="the head-wise cache's plan (a HeadPlan JSON file)")
+    p.add_argument("--no-transformers", action="store_true", help="multihead's caches only")
+    p.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here (- for stdout)")
+    a = p.parse_args(argv)
+    if not 1 <= a.length <= ctxbench.SMOLLM2["max_context"]:
+        p.error(f"--length ({a.length}) must lie between 1 and SmolLM2's context ({ctxbench.SMOLLM2['max_context']})")
+    if a.steps < 1 or a.warm_steps < 0:
+        p.error(f"--steps ({a.steps}) must be at least 1 and --warm-steps ({a.warm_steps}) at least 0")
+    unknown = [d for d in a.dtypes if d not in longctx.DTYPES] + [c for c in a.caches if c not in ctxbench.CACHE_KINDS]
+    if unknown:
+        p.error(f"unknown {unknown}: dtypes {', '.join(longctx.DTYPES)}; caches {', '.join(ctxbench.CACHE_KINDS)}")
+    if "headwise" in a.caches and not Path(a.plan).is_file():
+        p.error(f"--plan {a.plan} is not a file (a HeadPlan JSON)")
+    return Settings(a.length, tuple(dict.fromkeys(a.dtypes)), tuple(dict.fromkeys(a.caches)), a.steps, a.warm_steps,
+                    a.plan, not a.no_transformers, a.record, a.json)
+
+
+Step = Callable[[], None]
+
+
+@torch.no_grad()
+def multihead_runner(model: LlamaModel, kind: str, tokens: torch.Tensor, s: Settings, plan: HeadPlan | None
+                     ) -> tuple[Step, Callable[[], int]]:
+    """Prefill ``tokens`` into a new cache of ``kind``; a function that takes one greedy decode step, and one that
+    gives the cache's bytes."""
+    cache = ctxbench.make_cache(model, kind, tokens.shape[1] + s.warm_steps + s.steps, plan=plan)
+    chunk = longctx.prefill_chunk(kind, 0) or tokens.shape[1]
+    for at in range(0, tokens.shape[1], chunk):
+        part = tokens[:, at:at + chunk]
+        logits = model(part, cache=cache, logits_to_keep=1)
+        cache.advance(part.shape[1])
+    state = {"next": logits[:, -1:].argmax(-1)}
+
+    @torch.no_grad()
+    def step() -> None:
+        out = model(state["next"], cache=cache)
+        cache.advance(1)
+        state["next"] = out[:, -1:].argmax(-1)
+
+    return step, lambda: cache.bytes
+
+
+@torch.no_grad()
+def transformers_runner(model: Any, tokens: torch.Tensor) -> tuple[Step, Callable[[], int]]:
+    """transformers' prefill of the whole prompt (its DynamicCache) and a one-step greedy decode function."""
+    name = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+    out = model(tokens, use_cache=True, logits_to_keep=1)
+    state = {"past": getattr(out, name), "next": out.logits[:, -1:].argmax(-1)}
+
+    @torch.no_grad()
+    def step() -> None:
+        o = model(state["next"], use_cache=True, **{name: state["past"]})
+        state["past"], state["next"] = getattr(o, name), o.logits[:, -1:].argmax(-1)
+
+    return step, lambda: longctx.transformers_cache_bytes(state["past"])
+
+
+def interleave(runners: dict[str, Step], steps: int, warm: int) -> dict[str, list[float]]:
+    """``warm`` untimed then ``steps`` timed rounds of one step of every runner, the order rotated every round."""
+    names = list(runners)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for r in range(warm + steps):
+        turn = r % len(names)
+        for name in names[turn:] + names[:turn]:
+            began = time.perf_counter()
+            runners[name]()
+            if r >= warm:
+                times[name].append(time.perf_counter() - began)
+    return times
+
+
+def quartiles(xs: list[float]) -> tuple[float, float]:
+    q = statistics.quantiles(xs, n=4) if len(xs) > 1 else [xs[0]] * 3
+    return q[0], q[2]
+
+
+def load(dtype: str, s: Settings) -> tuple[dict[str, tuple[LlamaModel, Any]], Any]:
+    """multihead's SmolLM2 (and transformers' on the same weights) in one dtype, and the tokenizer."""
+    models, tokenizer, _ = longctx.load_models(longctx.Settings(
+        (s.length,), (dtype,), s.caches, 1, 1, 0, 256, 4, s.plan, False, s.transformers))
+    return models, tokenizer
+
+
+def measure_dtype(dtype: str, models: dict[str, tuple[LlamaModel, Any]], tokens: torch.Tensor, s: Settings,
+                  plan: HeadPlan | None) -> list[Row]:
+    ours, hf = models[dtype]
+    longctx.warm_up(models, tokens)
+    runners: dict[str, Step] = {}
+    sizes: dict[str, Callable[[], int]] = {}
+    prompt = tokens[:, :s.length]
+    for kind in s.caches:
+        runners[kind], sizes[kind] = multihead_runner(ours, kind, prompt, s, plan)
+    if hf is not None:
+        runners[longctx.TRANSFORMERS], sizes[longctx.TRANSFORMERS] = transformers_runner(hf, prompt)
+    times = interleave(runners, s.steps, s.warm_steps)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    rows = []
+    for name, t in times.items():
+        q1, q3 = quartiles(t)
+        full, hf_m = med.get("full"), med.get(longctx.TRANSFORMERS)
+        ours_row = name != longctx.TRANSFORMERS
+        rows.append(Row(dtype, name, med[name] * 1e3, q1 * 1e3, q3 * 1e3, 1 / med[name],
+                        full / med[name] if full and ours_row else None,
+                        hf_m / med[name] if hf_m and ours_row else None, sizes[name](),
+                        tuple(round(x * 1e3, 2) for x in t)))
+    return rows
+
+
+def table(rows: Sequence[Row], s: Settings, notes: Sequence[str]) -> str:
+    lines = [f"### SmolLM2-135M decode steps after {s.length} tokens, every cache and transformers interleaved step "
+             f"by step ({datetime.date.today()})",
+             *notes,
+             f"each runner prefilled the prompt once, then {s.warm_steps} untimed and {s.steps} timed rounds of one "
+             "greedy step of every runner, the order rotated every round; median step, the spread its 25th-75th "
+             f"percentile; vs full / vs transformers: their median step over this one's (above 1: faster); "
+             f"headwise = {Path(s.plan).name}",
+             "",
+             "| dtype | runner | step ms | spread ms | tok/s | vs full | vs transformers | cache MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r.dtype} | {r.runner} | {r.step_ms:.1f} | {r.q1_ms:.1f}-{r.q3_ms:.1f} | {r.tok_s:.1f} | "
+                     f"{longctx._x(r.vs_full)} | {longctx._x(r.vs_transformers)} | {r.cache_bytes / 2**20:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Sequence[str] | None = None) -> list[Row]:
+    s = parse(argv)
+    torch.set_num_threads(os.cpu_count() or 1)
+    load_before = os.getloadavg()
+    plan = HeadPlan.load(s.plan) if "headwise" in s.caches else None
+    started = time.perf_counter()
+    rows: list[Row] = []
+    for dtype in s.dtypes:  # one dtype's models at a time
+        models, tokenizer = load(dtype, s)
+        tokens = longctx.text_tokens(tokenizer, s.length)
+        rows += measure_dtype(dtype, models, tokens, s, plan)
+        del models
+        gc.collect()
+    load_after = os.getloadavg()
+    notes = [f"machine: {bench.machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+             f"SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised); measured in {time.perf_counter() - started:.0f} s",
+             f"load average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+             f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}"]
+    publish(table(rows, s, notes), s.record)
+    if s.json is not None:
+        text = json.dumps({"settings": asdict(s), "notes": notes, "rows": [asdict(r) for r in rows]}, indent=1)
+        if s.json == "-":
+            print(text)
+        else:
+            Path(s.json).write_text(text + "\n", encoding="utf-8")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
