@@ -11,7 +11,7 @@
    The rows are spread over `threads` OpenMP threads (the process's runtime: PyTorch's own libgomp when loaded). */
 #include <stdint.h>
 #include <string.h>
-#if defined(__AVX512BF16__)
+#if defined(__AVX512F__) /* the AVX-512 paths; the bfloat16 products also need AVX512-BF16 */
 #include <immintrin.h>
 #endif
 
@@ -166,7 +166,70 @@ static inline float exp_neg(float x) {
     return x <= -87.0f ? 0.0f : p * scale;
 }
 
-/* one chunk [t0, t1) of the codes of one (batch, KV head): partial softmax of every query head of the group */
+#if defined(__AVX512F__)
+/* exp_neg on 16 lanes (the same polynomial and range) */
+static inline __m512 exp_neg16(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
+    __m512 p = _mm512_set1_ps(1.38889148e-3f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33336078e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666716e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
+    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), y);
+}
+
+/* r[0..n) -> exp(r - max), in place; returns the sum, *mx the max (the chunk's unnormalised softmax) */
+static inline float softmax_part(float *r, int64_t n, float *mx_out) {
+    __m512 m16 = _mm512_set1_ps(-INFINITY);
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(r + i));
+    float mx = _mm512_reduce_max_ps(m16);
+    for (; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+    __m512 l16 = _mm512_setzero_ps(), mv = _mm512_set1_ps(mx);
+    for (i = 0; i + 16 <= n; i += 16) {
+        __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(r + i), mv));
+        _mm512_storeu_ps(r + i, e);
+        l16 = _mm512_add_ps(l16, e);
+    }
+    float l = _mm512_reduce_add_ps(l16);
+    for (; i < n; i++) {
+        r[i] = exp_neg(r[i] - mx);
+        l += r[i];
+    }
+    *mx_out = mx;
+    return l;
+}
+#endif
+
+/* the chunk's unnormalised softmax of each query head: sc (HPG x n) -> exp(sc - max) in place, each head's max and sum
+   into its partial (part: HPG x (D + 2), max then sum then D weighted values) */
+static inline void chunk_softmax(int64_t HPG, int64_t D, int64_t n, float *restrict sc, float *restrict part) {
+    for (int64_t h = 0; h < HPG; h++) {
+        float *r = sc + h * n, mx;
+#if defined(__AVX512F__)
+        float l = softmax_part(r, n, &mx);
+#else
+        float l = 0.0f;
+        mx = -INFINITY;
+        for (int64_t i = 0; i < n; i++) mx = r[i] > mx ? r[i] : mx;
+#pragma omp simd reduction(+ : l)
+        for (int64_t i = 0; i < n; i++) {
+            r[i] = exp_neg(r[i] - mx);
+            l += r[i];
+        }
+#endif
+        part[h * (D + 2)] = mx;
+        part[h * (D + 2) + 1] = l;
+    }
+}
+
 /* the partial softmaxes of `per` work items for each of BG (batch, KV head) pairs, laid out [pair][item][head]
    (max, sum, D weighted values), merged into out (BG, HPG, D): each partial rescaled by exp(its max - the max) */
 static void merge_parts(int64_t BG, int64_t HPG, int64_t D, int64_t per, const float *parts, float *out) {
@@ -241,17 +304,7 @@ static inline __attribute__((always_inline)) void q4_chunk(
             }
         }
     }
-    for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
-        float *r = sc + h * n, mx = -INFINITY, l = 0.0f;
-        for (int64_t i = 0; i < n; i++) mx = r[i] > mx ? r[i] : mx;
-#pragma omp simd reduction(+ : l)
-        for (int64_t i = 0; i < n; i++) {
-            r[i] = exp_neg(r[i] - mx);
-            l += r[i];
-        }
-        part[h * (D + 2)] = mx;
-        part[h * (D + 2) + 1] = l;
-    }
+    chunk_softmax(HPG, D, n, sc, part);
     float *acc = work + HPG * n + 4 * D + 2 * HPG * half + HPG + 2 * HPG * vg; /* HPG x D: even then odd halves */
     memset(acc, 0, sizeof(float) * (size_t)(HPG * D));
     memset(wm, 0, sizeof(float) * (size_t)(HPG * vg));
@@ -293,46 +346,6 @@ static inline __attribute__((always_inline)) void q4_chunk(
 }
 
 #if defined(__AVX512F__)
-/* exp_neg on 16 lanes (the same polynomial and range) */
-static inline __m512 exp_neg16(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x));
-    __m512 p = _mm512_set1_ps(1.38889148e-3f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.33336078e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.16666716e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.166666672f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
-    __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    __m512 y = _mm512_mul_ps(p, _mm512_castsi512_ps(e));
-    return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x, _mm512_set1_ps(-87.0f), _CMP_GT_OQ), y);
-}
-
-/* r[0..n) -> exp(r - max), in place; returns the sum, *mx the max (the chunk's unnormalised softmax) */
-static inline float softmax_part(float *r, int64_t n, float *mx_out) {
-    __m512 m16 = _mm512_set1_ps(-INFINITY);
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(r + i));
-    float mx = _mm512_reduce_max_ps(m16);
-    for (; i < n; i++) mx = r[i] > mx ? r[i] : mx;
-    __m512 l16 = _mm512_setzero_ps(), mv = _mm512_set1_ps(mx);
-    for (i = 0; i + 16 <= n; i += 16) {
-        __m512 e = exp_neg16(_mm512_sub_ps(_mm512_loadu_ps(r + i), mv));
-        _mm512_storeu_ps(r + i, e);
-        l16 = _mm512_add_ps(l16, e);
-    }
-    float l = _mm512_reduce_add_ps(l16);
-    for (; i < n; i++) {
-        r[i] = exp_neg(r[i] - mx);
-        l += r[i];
-    }
-    *mx_out = mx;
-    return l;
-}
-
 /* 16 rows of 32 bytes (8 words of 4 bytes, rows contiguous) -> cols[j] lane i = word j of row i: three rounds of
    two-source permutes (pairs of rows, then of 4, then of 8), 24 in all, where 8 gathers of 16 words would be */
 static inline void transpose16x8(const uint8_t *base, __m512i *cols) {
@@ -422,12 +435,7 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
             for (int64_t h = 0; h < HPG; h++) _mm512_storeu_ps(sc + h * n + (tb - t0), acc[h]);
         }
     }
-    for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
-        float mx;
-        float l = softmax_part(sc + h * n, n, &mx);
-        part[h * (D + 2)] = mx;
-        part[h * (D + 2) + 1] = l;
-    }
+    chunk_softmax(HPG, D, n, sc, part);
     __m512 lo_acc[8][4], hi_acc[8][4]; /* [head][piece]: even channels (low nibbles), odd (high) */
     float wm[8][4];
     for (int64_t h = 0; h < HPG; h++)
@@ -562,12 +570,7 @@ static inline __attribute__((always_inline)) void dense_chunk(
             sc[h * n + (tt - t0)] = _mm512_reduce_add_ps(a);
         }
     }
-    for (int64_t h = 0; h < HPG; h++) {
-        float mx;
-        float l = softmax_part(sc + h * n, n, &mx);
-        part[h * (D + 2)] = mx;
-        part[h * (D + 2) + 1] = l;
-    }
+    chunk_softmax(HPG, D, n, sc, part);
     __m512 o[8][8];
     for (int64_t h = 0; h < HPG; h++)
         for (int64_t p = 0; p < P; p++) o[h][p] = _mm512_setzero_ps();
@@ -671,17 +674,7 @@ static inline __attribute__((always_inline)) void q8_chunk(
             }
         }
     }
-    for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
-        float *r = sc + h * n, mx = -INFINITY, l = 0.0f;
-        for (int64_t i = 0; i < n; i++) mx = r[i] > mx ? r[i] : mx;
-#pragma omp simd reduction(+ : l)
-        for (int64_t i = 0; i < n; i++) {
-            r[i] = exp_neg(r[i] - mx);
-            l += r[i];
-        }
-        part[h * (D + 2)] = mx;
-        part[h * (D + 2) + 1] = l;
-    }
+    chunk_softmax(HPG, D, n, sc, part);
     memset(acc, 0, sizeof(float) * (size_t)(HPG * D));
     memset(wm, 0, sizeof(float) * (size_t)(HPG * vg));
     for (int64_t tt = t0; tt < t1; tt++) {
@@ -759,12 +752,7 @@ static inline __attribute__((always_inline)) void q8_chunk_avx512(
             }
         }
     }
-    for (int64_t h = 0; h < HPG; h++) { /* the chunk's softmax, unnormalised */
-        float mx;
-        float l = softmax_part(sc + h * n, n, &mx);
-        part[h * (D + 2)] = mx;
-        part[h * (D + 2) + 1] = l;
-    }
+    chunk_softmax(HPG, D, n, sc, part);
     __m512 o[8][8];
     float wm[8][4];
     for (int64_t h = 0; h < HPG; h++) {
