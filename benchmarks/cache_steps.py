@@ -25,20 +25,17 @@ import argparse
 import datetime
 import gc
 import inspect
-import json
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import bench
 import ctxbench
 import longctx
 import torch
-from results import publish
 
 from multihead.cache import HeadPlan
 from multihead.models import LlamaModel
@@ -217,18 +214,8 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
         rows += measure_dtype(dtype, models, tokens, s, plan)
         del models
         gc.collect()
-    load_after = os.getloadavg()
-    notes = [f"machine: {bench.machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "
-             f"SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised); measured in {time.perf_counter() - started:.0f} s",
-             f"load average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
-             f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}"]
-    publish(table(rows, s, notes), s.record)
-    if s.json is not None:
-        text = json.dumps({"settings": asdict(s), "notes": notes, "rows": [asdict(r) for r in rows]}, indent=1)
-        if s.json == "-":
-            print(text)
-        else:
-            Path(s.json).write_text(text + "\n", encoding="utf-8")
+    notes = longctx.run_notes("SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", started, load_before)
+    longctx.write_out(table(rows, s, notes), s, notes, rows)
     return rows
 
 

@@ -348,19 +348,31 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     warm_up(models, tokens)
     started = time.perf_counter()
     rows = measure(models, tokens, s, plan)
-    load_after = os.getloadavg()
-    notes = [f"machine: {bench.machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {name}; "
-             f"measured in {time.perf_counter() - started:.0f} s",
-             f"load average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
-             f"after {load_after[0]:.2f} {load_after[1]:.2f} {load_after[2]:.2f}"]
-    publish(table(rows, s, notes), s.record)
-    if s.json is not None:
-        text = json.dumps({"settings": asdict(s), "notes": notes, "rows": [asdict(r) for r in rows]}, indent=1)
-        if s.json == "-":
-            print(text)
-        else:
-            Path(s.json).write_text(text + "\n", encoding="utf-8")
+    notes = run_notes(name, started, load_before)
+    write_out(table(rows, s, notes), s, notes, rows)
     return rows
+
+
+def run_notes(model: str, started: float, load_before: tuple[float, float, float]) -> list[str]:
+    """The lines under a table's title: the machine, the threads, the model, the seconds since ``started`` and the
+    load average before (``load_before``) and now."""
+    after = os.getloadavg()
+    return [f"machine: {bench.machine()}; torch {torch.__version__}, {torch.get_num_threads()} threads; {model}; "
+            f"measured in {time.perf_counter() - started:.0f} s",
+            f"load average (1, 5, 15 min) before {load_before[0]:.2f} {load_before[1]:.2f} {load_before[2]:.2f}, "
+            f"after {after[0]:.2f} {after[1]:.2f} {after[2]:.2f}"]
+
+
+def write_out(text: str, s: Any, notes: Sequence[str], rows: Sequence[Any]) -> None:
+    """Print the table (appended to RESULTS.md with ``s.record``) and write the settings, notes and rows (dataclasses)
+    as JSON to ``s.json`` (``-``: stdout; None: nowhere)."""
+    publish(text, s.record)
+    if s.json is not None:
+        data = json.dumps({"settings": asdict(s), "notes": list(notes), "rows": [asdict(r) for r in rows]}, indent=1)
+        if s.json == "-":
+            print(data)
+        else:
+            Path(s.json).write_text(data + "\n", encoding="utf-8")
 
 
 if __name__ == "__main__":
