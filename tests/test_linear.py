@@ -219,19 +219,27 @@ def test_a_flop_counter_sees_one_product_not_the_measurement() -> None:
 def test_under_compile_an_undecided_product_is_f_linear_and_a_decided_one_kept(monkeypatch: pytest.MonkeyPatch
                                                                                  ) -> None:
     """A graph traced before any eager call of a shape gets F.linear (the compiler's own product), one traced after
-    the eager calls decided gets the measured kind; "blas" (oneDNN off, a process setting) becomes F.linear."""
+    the eager calls decided gets the measured kind; "blas" (oneDNN off, a process setting, not an op) becomes the
+    fastest other kind measured for the key, F.linear where no other was under KIND_MARGIN of it."""
     cpu.force_product(None)
-    kinds = ("linear", "mv", "split", "blas")
+    kinds = ("linear", "mv", "split", "blas", "native")
     decided = {("test", "mv"): "mv", ("test", "split"): "split", ("test", "blas"): "blas"}
     try:
         for key, kind in decided.items():
             _measure(key, kinds, {name: 1e-4 if name == kind else 4e-4 for name in kinds})
             assert cpu.measured()[key] == kind
+        # "blas" fastest, "native" next (what a graph can run), F.linear slowest: native in a graph
+        _measure(("test", "blas, native next"), kinds,
+                 {"linear": 4e-4, "mv": 3.9e-4, "split": 3.9e-4, "blas": 1e-4, "native": 1.4e-4})
+        assert cpu.measured()[("test", "blas, native next")] == "blas"
         monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
         assert cpu.product_kind(("test", "never called eagerly"), kinds) == ("linear", False)
         assert cpu.product_kind(("test", "mv"), kinds) == ("mv", False)
         assert cpu.product_kind(("test", "split"), kinds) == ("split", False)
-        assert cpu.product_kind(("test", "blas"), kinds) == ("linear", False)
+        assert cpu.product_kind(("test", "blas"), kinds) == ("linear", False)  # the others all 4x: none under it
+        assert cpu.product_kind(("test", "blas, native next"), kinds) == ("native", False)
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+        assert cpu.product_kind(("test", "blas, native next"), kinds) == ("blas", False)  # eager: still blas
         assert ("test", "never called eagerly") not in cpu.measured()
     finally:
         monkeypatch.undo()

@@ -178,6 +178,7 @@ def pin_spare_cores(spare: float | None) -> None:
 # the product kind measured fastest, once a process: (out, in, dtype, rows, blocks, threads it runs with) -> kind
 PRODUCT_KINDS = ("linear", "mv", "split", "blas", "native")
 _measured: dict[tuple[object, ...], str] = {}
+_in_graph: dict[tuple[object, ...], str] = {}  # a key decided "blas": the fastest kind measured that a graph can run
 _trials: dict[tuple[object, ...], _Trial] = {}
 _forced: str | None = None
 MEASURE_REPEATS = 7  # timed real calls of each kind before the choice (after one untimed first call each)
@@ -213,9 +214,11 @@ def forget_measured(key: tuple[object, ...] | None = None) -> None:
     changed."""
     if key is None:
         _measured.clear()
+        _in_graph.clear()
         _trials.clear()
     else:
         _measured.pop(key, None)
+        _in_graph.pop(key, None)
         _trials.pop(key, None)
 
 
@@ -249,8 +252,11 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
     with the weights from memory (400 MB of copies in turn): 1536 x 576 F.linear 137 us, split 103, "mv" 110,
     "blas" 147; 576 x 1536 153 / 215 / 129 / 184; float32 1536 x 576 F.linear 161 us, "mv" 155, split 382.
 
-    Under torch.compile nothing is measured: a choice already made is used ("blas" becomes "linear": oneDNN's switch
-    is a process setting, not an op; "native" is the operator ``torch.ops.multihead.gemv_bf16``), else "linear" (a
+    Under torch.compile nothing is measured: a choice already made is used ("native" is the operator
+    ``torch.ops.multihead.gemv_bf16``; "blas" cannot be, oneDNN's switch being a process setting, not an op, so the
+    graph takes the fastest of the other kinds measured for the key, "linear" where none was under KIND_MARGIN of
+    F.linear: on the AMD host of 2026-12-02, without AMX, F.linear is oneDNN's slow bfloat16 product, and a compiled
+    bfloat16 SmolLM2 step that took it for every "blas" shape ran at transformers' speed), else "linear" (a
     graph traced before any eager call of the shape: the split was the default there until a compiled SmolLM2 step,
     all split, ran at 0.5x transformers in both dtypes on the host of 2026-12-01, against 1.15x eager); decode
     eagerly for a few steps before compiling to trace with the measured kinds. Under a dispatch or function mode
@@ -260,12 +266,13 @@ def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
         return _forced, False
     found = _measured.get(key)
     if found is not None:
-        return ("linear" if found == "blas" and torch.compiler.is_compiling() else found), False
+        if found == "blas" and torch.compiler.is_compiling():
+            return _in_graph.get(key, "linear"), False
+        return found, False
     if _unmeasurable():
         return "linear", False
     if trial is not None:
-        _measured[key] = kind = _measure_up_front(kinds, trial)
-        return kind, False
+        return _decide(key, _measure_up_front(kinds, trial)), False
     return _next_trial(key, kinds)
 
 
@@ -286,7 +293,18 @@ def _next_trial(key: tuple[object, ...], kinds: tuple[str, ...]) -> tuple[str, b
     return kind, True
 
 
-def _measure_up_front(kinds: tuple[str, ...], trial: Callable[[str], Callable[[], object]]) -> str:
+def _decide(key: tuple[object, ...], times: dict[str, list[float]]) -> str:
+    """Keep the fastest kind for ``key`` (:func:`_fastest`), and where that is "blas", which a graph cannot run, the
+    fastest of the others for :func:`product_kind` under torch.compile."""
+    kind = _measured[key] = _fastest(times)
+    if kind == "blas":
+        others = {name: t for name, t in times.items() if name != "blas" and t}
+        _in_graph[key] = _fastest(others) if others else "linear"
+    return kind
+
+
+def _measure_up_front(kinds: tuple[str, ...], trial: Callable[[str], Callable[[], object]]
+                      ) -> dict[str, list[float]]:
     runs = {kind: trial(kind) for kind in kinds}
     times: dict[str, list[float]] = {kind: [] for kind in kinds}
     with torch.no_grad():
@@ -298,7 +316,7 @@ def _measure_up_front(kinds: tuple[str, ...], trial: Callable[[str], Callable[[]
                 began = time.perf_counter()
                 runs[kind]()
                 times[kind].append(time.perf_counter() - began)
-    return _fastest(times)
+    return times
 
 
 def _fastest(times: dict[str, list[float]]) -> str:
@@ -331,7 +349,7 @@ def record_time(key: tuple[object, ...], kind: str, seconds: float) -> None:
             state.active = kept
             state.calls = 0
     if len(state.active) == 1 or min(len(state.times[name]) for name in state.active) >= MEASURE_REPEATS:
-        _measured[key] = _fastest({name: times for name, times in state.times.items() if times})
+        _decide(key, {name: times for name, times in state.times.items() if times})
         del _trials[key]
 
 
