@@ -93,14 +93,14 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
                     a.plan, not a.no_transformers, a.record, a.json)
 
 
-Step = Callable[[], None]
+Step = Callable[[], torch.Tensor]  # one greedy decode step; returns the token it chose (1, 1)
 
 
 @torch.no_grad()
 def multihead_runner(model: LlamaModel, kind: str, tokens: torch.Tensor, s: Settings, plan: HeadPlan | None
                      ) -> tuple[Step, Callable[[], int]]:
-    """Prefill ``tokens`` into a new cache of ``kind``; a function that takes one greedy decode step, and one that
-    gives the cache's bytes."""
+    """Prefill ``tokens`` into a new cache of ``kind``; a function that takes one greedy decode step (and returns the
+    token it chose), and one that gives the cache's bytes."""
     cache = ctxbench.make_cache(model, kind, tokens.shape[1] + s.warm_steps + s.steps, plan=plan)
     chunk = longctx.prefill_chunk(kind, 0) or tokens.shape[1]
     for at in range(0, tokens.shape[1], chunk):
@@ -110,10 +110,11 @@ def multihead_runner(model: LlamaModel, kind: str, tokens: torch.Tensor, s: Sett
     state = {"next": logits[:, -1:].argmax(-1)}
 
     @torch.no_grad()
-    def step() -> None:
+    def step() -> torch.Tensor:
         out = model(state["next"], cache=cache)
         cache.advance(1)
         state["next"] = out[:, -1:].argmax(-1)
+        return state["next"]
 
     return step, lambda: cache.bytes
 
@@ -126,9 +127,10 @@ def transformers_runner(model: Any, tokens: torch.Tensor) -> tuple[Step, Callabl
     state = {"past": getattr(out, name), "next": out.logits[:, -1:].argmax(-1)}
 
     @torch.no_grad()
-    def step() -> None:
+    def step() -> torch.Tensor:
         o = model(state["next"], use_cache=True, **{name: state["past"]})
         state["past"], state["next"] = getattr(o, name), o.logits[:, -1:].argmax(-1)
+        return state["next"]
 
     return step, lambda: longctx.transformers_cache_bytes(state["past"])
 
