@@ -428,3 +428,24 @@ def test_an_odd_group_decodes_the_dequantising_way_in_4_bits_and_in_the_kernel_i
     with cpu.disabled():
         want = run()
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_each_thread_keeps_its_own_scratch_and_a_call_past_the_cap_gets_a_fresh_one(monkeypatch: pytest.MonkeyPatch
+                                                                                     ) -> None:
+    """ctypes releases the GIL, so two threads' kernels may run at once: their working memory must not be shared."""
+    import threading
+
+    monkeypatch.setattr(native, "_local", threading.local())
+    monkeypatch.setattr(native, "SCRATCH_KEPT", 1000)
+    first = native.scratch(100)
+    assert first.numel() >= 100 and native.scratch(50).data_ptr() == first.data_ptr()  # kept
+    grown = native.scratch(400)
+    assert grown.numel() >= 400 and native.scratch(10).data_ptr() == grown.data_ptr()  # grown, then kept
+    past = native.scratch(1001)
+    assert past.numel() >= 1001 and past.data_ptr() != grown.data_ptr()
+    assert native.scratch(10).data_ptr() == grown.data_ptr()  # the kept one stays
+    other: list[int] = []
+    thread = threading.Thread(target=lambda: other.append(native.scratch(10).data_ptr()))
+    thread.start()
+    thread.join()
+    assert other and other[0] != grown.data_ptr()
