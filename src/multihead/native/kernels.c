@@ -230,6 +230,21 @@ static inline void chunk_softmax(int64_t HPG, int64_t D, int64_t n, float *restr
     }
 }
 
+/* a key group's scales and minimums (float16 rows of D at sg, mg) into s and mn, and each query head's sum of q_c mn_c
+   times the softmax scale into qm (the score every key of the group shares) */
+static inline void key_group(int64_t HPG, int64_t D, const uint16_t *sg, const uint16_t *mg, const float *q,
+                             float scale, float *s, float *mn, float *qm) {
+    for (int64_t c = 0; c < D; c++) {
+        s[c] = f16_to_f32(sg[c]);
+        mn[c] = f16_to_f32(mg[c]);
+    }
+    for (int64_t h = 0; h < HPG; h++) {
+        float m0 = 0.0f;
+        for (int64_t c = 0; c < D; c++) m0 += q[h * D + c] * mn[c];
+        qm[h] = m0 * scale;
+    }
+}
+
 /* the partial softmaxes of `per` work items for each of BG (batch, KV head) pairs, laid out [pair][item][head]
    (max, sum, D weighted values), merged into out (BG, HPG, D): each partial rescaled by exp(its max - the max) */
 static void merge_parts(int64_t BG, int64_t HPG, int64_t D, int64_t per, const float *parts, float *out) {
@@ -273,20 +288,13 @@ static inline __attribute__((always_inline)) void q4_chunk(
     float *qe = work, *qo = qe + HPG * half, *qm = qo + HPG * half, *sc = qm + HPG;  /* sc: HPG x n */
     float *lo = sc + HPG * n, *hi = lo + half, *s = hi + half, *mn = s + D, *w = mn + D, *wm = w + HPG * vg;
     for (int64_t t = t0; t < t1; t += group) {
-        const uint16_t *sg = sk + (t / group) * D, *mg = mk + (t / group) * D;
-        for (int64_t c = 0; c < D; c++) {
-            s[c] = f16_to_f32(sg[c]);
-            mn[c] = f16_to_f32(mg[c]);
-        }
+        key_group(HPG, D, sk + (t / group) * D, mk + (t / group) * D, q, scale, s, mn, qm);
         for (int64_t h = 0; h < HPG; h++) {
             const float *qh = q + h * D;
-            float m0 = 0.0f;
             for (int64_t j = 0; j < half; j++) {
                 qe[h * half + j] = qh[2 * j] * s[2 * j] * scale;
                 qo[h * half + j] = qh[2 * j + 1] * s[2 * j + 1] * scale;
             }
-            for (int64_t c = 0; c < D; c++) m0 += qh[c] * mn[c];
-            qm[h] = m0 * scale;
         }
         int64_t end = t + group < t1 ? t + group : t1;
         for (int64_t tt = t; tt < end; tt++) {
@@ -647,20 +655,9 @@ static inline __attribute__((always_inline)) void q8_chunk(
     float *qs = work, *qm = qs + HPG * D, *sc = qm + HPG; /* sc: HPG x n */
     float *s = sc + HPG * n, *mn = s + D, *cf = mn + D, *w = cf + D, *wm = w + HPG * vg, *acc = wm + HPG * vg;
     for (int64_t t = t0; t < t1; t += group) {
-        const uint16_t *sg = sk + (t / group) * D, *mg = mk + (t / group) * D;
-        for (int64_t c = 0; c < D; c++) {
-            s[c] = f16_to_f32(sg[c]);
-            mn[c] = f16_to_f32(mg[c]);
-        }
-        for (int64_t h = 0; h < HPG; h++) {
-            const float *qh = q + h * D;
-            float m0 = 0.0f;
-            for (int64_t c = 0; c < D; c++) {
-                qs[h * D + c] = qh[c] * s[c] * scale;
-                m0 += qh[c] * mn[c];
-            }
-            qm[h] = m0 * scale;
-        }
+        key_group(HPG, D, sk + (t / group) * D, mk + (t / group) * D, q, scale, s, mn, qm);
+        for (int64_t h = 0; h < HPG; h++)
+            for (int64_t c = 0; c < D; c++) qs[h * D + c] = q[h * D + c] * s[c] * scale;
         int64_t end = t + group < t1 ? t + group : t1;
         for (int64_t tt = t; tt < end; tt++) {
             const uint8_t *code = ck + tt * D;
