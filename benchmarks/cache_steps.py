@@ -2,18 +2,18 @@
 step by step in one process.
 
     .venv/bin/python benchmarks/cache_steps.py [--length 8192] [--dtypes float32 bfloat16]
-        [--caches full sink int4 int8 headwise] [--steps 40] [--warm-steps 4] [--plan PLAN] [--no-transformers]
+        [--caches full sink int4 int8 headwise] [--decode-tokens 40] [--warm-steps 4] [--plan PLAN] [--no-transformers]
         [--record] [--json PATH | --json -]
 
 ``benchmarks/longctx.py`` alternates whole runs (a prefill and its decode steps), so on a host whose speed drifts
 (other machines' work on the same hardware) a run that falls in a slow spell moves its runner's median, and with two
 or three rounds one such run is a third or half of the figure. Here every runner prefills the same prompt once (the
 first ``--length`` tokens of the held-out Jargon File text; the full and quantized caches and transformers in one
-call, the sink and head-wise caches in chunks of longctx.WINDOW_CHUNK, as longctx.py does), then each of ``--steps``
-rounds takes one greedy decode step of every runner, the order rotated every round, so a slow spell falls on every
-runner alike. The first ``--warm-steps`` rounds are not timed (multihead measures its kernel choices for a new range
-of key counts on its first calls there). A figure is a runner's median step; the ratios are ratios of medians;
-``spread`` is the middle half of its steps (25th to 75th percentile).
+call, the sink and head-wise caches in chunks of longctx.WINDOW_CHUNK, as longctx.py does), then each of
+``--decode-tokens`` rounds takes one greedy decode step of every runner, the order rotated every round, so a slow
+spell falls on every runner alike. The first ``--warm-steps`` rounds are not timed (multihead measures its kernel
+choices for a new range of key counts on its first calls there). A figure is a runner's median step; the ratios are
+ratios of medians; ``spread`` is the middle half of its steps (25th to 75th percentile).
 
 Each runner continues its own sequence, so the caches grow by one token a round, from ``--length`` on, the same for
 all. The models of one dtype are loaded, warmed up (:func:`longctx.warm_up`), measured and freed before the next.
@@ -40,13 +40,16 @@ import torch
 from multihead.cache import HeadPlan
 from multihead.models import LlamaModel
 
+WINDOW, SINKS, GROUP, RESIDUAL = 256, 4, 32, 128  # the sink cache's window and sinks, the quantized caches' group
+# and residual: longctx.py's defaults
+
 
 @dataclass(frozen=True)
 class Settings:
     length: int
     dtypes: tuple[str, ...]
     caches: tuple[str, ...]
-    steps: int
+    decode_tokens: int  # timed rounds (longctx.py's --decode-tokens: greedy steps after the prompt)
     warm_steps: int
     plan: str
     transformers: bool
@@ -73,7 +76,8 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     p.add_argument("--length", type=int, default=8192, help="prompt tokens before the decode steps (default 8192)")
     p.add_argument("--dtypes", nargs="+", default=list(longctx.DTYPES), help="float32, bfloat16 (default both)")
     p.add_argument("--caches", nargs="+", default=list(ctxbench.CACHE_KINDS), help="multihead's cache kinds")
-    p.add_argument("--steps", type=int, default=40, help="timed rounds, one step of every runner each (default 40)")
+    p.add_argument("--decode-tokens", type=int, default=40,
+                   help="timed rounds, one greedy step of every runner each (default 40)")
     p.add_argument("--warm-steps", type=int, default=4, help="untimed rounds before them (default 4)")
     p.add_argument("--plan", default=str(longctx.PLAN), help="the head-wise cache's plan (a HeadPlan JSON file)")
     p.add_argument("--no-transformers", action="store_true", help="multihead's caches only")
@@ -82,15 +86,15 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
     a = p.parse_args(argv)
     if not 1 <= a.length <= ctxbench.SMOLLM2["max_context"]:
         p.error(f"--length ({a.length}) must lie between 1 and SmolLM2's context ({ctxbench.SMOLLM2['max_context']})")
-    if a.steps < 1 or a.warm_steps < 0:
-        p.error(f"--steps ({a.steps}) must be at least 1 and --warm-steps ({a.warm_steps}) at least 0")
+    if a.decode_tokens < 1 or a.warm_steps < 0:
+        p.error(f"--decode-tokens ({a.decode_tokens}) must be at least 1 and --warm-steps ({a.warm_steps}) at least 0")
     unknown = [d for d in a.dtypes if d not in longctx.DTYPES] + [c for c in a.caches if c not in ctxbench.CACHE_KINDS]
     if unknown:
         p.error(f"unknown {unknown}: dtypes {', '.join(longctx.DTYPES)}; caches {', '.join(ctxbench.CACHE_KINDS)}")
     if "headwise" in a.caches and not Path(a.plan).is_file():
         p.error(f"--plan {a.plan} is not a file (a HeadPlan JSON)")
-    return Settings(a.length, tuple(dict.fromkeys(a.dtypes)), tuple(dict.fromkeys(a.caches)), a.steps, a.warm_steps,
-                    a.plan, not a.no_transformers, a.record, a.json)
+    return Settings(a.length, tuple(dict.fromkeys(a.dtypes)), tuple(dict.fromkeys(a.caches)), a.decode_tokens,
+                    a.warm_steps, a.plan, not a.no_transformers, a.record, a.json)
 
 
 Step = Callable[[], torch.Tensor]  # one greedy decode step; returns the token it chose (1, 1)
@@ -101,7 +105,8 @@ def multihead_runner(model: LlamaModel, kind: str, tokens: torch.Tensor, s: Sett
                      ) -> tuple[Step, Callable[[], int]]:
     """Prefill ``tokens`` into a new cache of ``kind``; a function that takes one greedy decode step (and returns the
     token it chose), and one that gives the cache's bytes."""
-    cache = ctxbench.make_cache(model, kind, tokens.shape[1] + s.warm_steps + s.steps, plan=plan)
+    cache = ctxbench.make_cache(model, kind, tokens.shape[1] + s.warm_steps + s.decode_tokens, plan=plan,
+                                window=WINDOW, sinks=SINKS, group=GROUP, residual=RESIDUAL)
     chunk = longctx.prefill_chunk(kind, 0) or tokens.shape[1]
     for at in range(0, tokens.shape[1], chunk):
         part = tokens[:, at:at + chunk]
@@ -157,7 +162,8 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
 def load(dtype: str, s: Settings) -> tuple[dict[str, tuple[LlamaModel, Any]], Any]:
     """multihead's SmolLM2 (and transformers' on the same weights) in one dtype, and the tokenizer."""
     models, tokenizer, _ = longctx.load_models(longctx.Settings(
-        (s.length,), (dtype,), s.caches, 1, 1, 0, 256, 4, s.plan, False, s.transformers))
+        lengths=(s.length,), dtypes=(dtype,), caches=s.caches, rounds=1, decode_tokens=1, chunk=0, window=WINDOW,
+        sinks=SINKS, plan=s.plan, random=False, transformers=s.transformers))
     return models, tokenizer
 
 
@@ -172,7 +178,7 @@ def measure_dtype(dtype: str, models: dict[str, tuple[LlamaModel, Any]], tokens:
         runners[kind], sizes[kind] = multihead_runner(ours, kind, prompt, s, plan)
     if hf is not None:
         runners[longctx.TRANSFORMERS], sizes[longctx.TRANSFORMERS] = transformers_runner(hf, prompt)
-    times = interleave(runners, s.steps, s.warm_steps)
+    times = interleave(runners, s.decode_tokens, s.warm_steps)
     med = {name: statistics.median(t) for name, t in times.items()}
     rows = []
     for name, t in times.items():
@@ -190,9 +196,10 @@ def table(rows: Sequence[Row], s: Settings, notes: Sequence[str]) -> str:
     lines = [f"### SmolLM2-135M decode steps after {s.length} tokens, every cache and transformers interleaved step "
              f"by step ({datetime.date.today()})",
              *notes,
-             f"each runner prefilled the prompt once, then {s.warm_steps} untimed and {s.steps} timed rounds of one "
-             "greedy step of every runner, the order rotated every round; median step, the spread its 25th-75th "
-             f"percentile; vs full / vs transformers: their median step over this one's (above 1: faster); "
+             f"each runner prefilled the prompt once, then {s.warm_steps} untimed and {s.decode_tokens} timed rounds "
+             "of one greedy step of every runner, the order rotated every round; median step, the spread its 25th-75th "
+             f"percentile; vs full / vs transformers: their median step over this one's (above 1: faster); sink = "
+             f"{SINKS} sinks + window {WINDOW}; int4/int8 group {GROUP} residual {RESIDUAL}; "
              f"headwise = {Path(s.plan).name}",
              "",
              "| dtype | runner | step ms | spread ms | tok/s | vs full | vs transformers | cache MiB |",

@@ -17,7 +17,7 @@ import cache_steps
 
 @pytest.mark.parametrize(("argv", "says"), [
     (["--length", "0"], "--length (0) must lie between 1 and SmolLM2's context (8192)"),
-    (["--steps", "0"], "--steps (0) must be at least 1"),
+    (["--decode-tokens", "0"], "--decode-tokens (0) must be at least 1"),
     (["--warm-steps", "-1"], "--warm-steps (-1) at least 0"),
     (["--caches", "int3"], "unknown ['int3']"),
     (["--dtypes", "float16"], "unknown ['float16']"),
@@ -50,15 +50,15 @@ def test_interleaved_runners_each_continue_their_own_greedy_sequence() -> None:
     hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=128, hidden_size=h * d, intermediate_size=64, num_hidden_layers=L, num_attention_heads=h,
         num_key_value_heads=g, max_position_embeddings=128, attn_implementation="sdpa")).eval()
-    s = cache_steps.Settings(length=n, dtypes=("float32",), caches=("full", "sink", "int8"), steps=steps - 1,
-                             warm_steps=1, plan="-", transformers=True)
+    s = cache_steps.Settings(length=n, dtypes=("float32",), caches=("full", "sink", "int8"),
+                             decode_tokens=steps - 1, warm_steps=1, plan="-", transformers=True)
     tokens = torch.randint(0, 128, (1, n))
     runners = {kind: cache_steps.multihead_runner(ours, kind, tokens, s, None)[0] for kind in s.caches}
     runners["transformers"] = cache_steps.transformers_runner(hf, tokens)[0]
     seen: dict[str, list[int]] = {name: [] for name in runners}
     times = cache_steps.interleave(
         {name: (lambda name=name, step=step: seen[name].append(int(step())) or torch.zeros(1, 1))
-         for name, step in runners.items()}, s.steps, s.warm_steps)
+         for name, step in runners.items()}, s.decode_tokens, s.warm_steps)
     assert all(len(t) == steps - 1 for t in times.values()) and all(len(x) == steps for x in seen.values())
     with torch.no_grad():
         want = hf.generate(tokens, max_new_tokens=steps + 1, do_sample=False)[0, n + 1:]  # after the prefill's token
