@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import os
+import tempfile
+
+# The CPU decisions read a per-host tuning table (multihead.cpu.table_path) from the user's cache folder: the suite
+# reads its own, empty unless a test writes one, so it decides by the default rules whatever this host has tuned.
+os.environ["MULTIHEAD_TUNING_DIR"] = tempfile.mkdtemp(prefix="multihead-tuning-")
 
 import numpy as np
 import pytest
@@ -28,18 +33,24 @@ def to_np(t: torch.Tensor) -> np.ndarray:
 
 @pytest.fixture
 def two_threads():  # type: ignore[no-untyped-def]
-    """Two intra-op threads for the test, whatever the machine and its load: the CPU paths that split work by thread
-    count (multihead.cpu decides as if other processes left two cores free)."""
+    """Two intra-op threads for the test, whatever the machine: the CPU paths that split work by thread count."""
     from multihead import cpu
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
-    cpu.pin_spare_cores(2)
-    cpu.force_product("split")  # the split path runs wherever it is allowed (not measured against F.linear)
+    cpu.force_product("split")  # the split path runs wherever it is allowed
     yield
     cpu.force_product(None)
-    cpu.pin_spare_cores(None)
     torch.set_num_threads(before)
+
+
+@pytest.fixture
+def tuning_table():  # type: ignore[no-untyped-def]
+    """Write decisions into the suite's tuning table for one test (multihead.tuning.write_table), cleared after."""
+    from multihead import tuning
+
+    yield lambda entries: tuning.write_table(entries, replace=True)
+    tuning.clear_table()
 
 
 @pytest.fixture(scope="session")

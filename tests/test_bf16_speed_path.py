@@ -1,5 +1,6 @@
-"""multihead.cpu's bfloat16 speed path (the split product with the weight as the left operand) and the load-adaptive
-split: the same tokens and logits within bfloat16 rounding as plain PyTorch, and no split where cores are busy."""
+"""multihead.cpu's bfloat16 speed path (the split product with the weight as the left operand, the native kernel) and
+the opt-in load-following threads: the same tokens and logits within bfloat16 rounding as plain PyTorch, and under
+load fewer threads but the same kernels and the same numbers."""
 
 from __future__ import annotations
 
@@ -17,7 +18,17 @@ from multihead.linear import Linear
 from multihead.models.generate import generate_ids
 from tests_support import aten_ops, teacher_forced_logits
 
-pytestmark = pytest.mark.usefixtures("two_threads")  # two threads, as if two cores were free
+pytestmark = pytest.mark.usefixtures("two_threads")  # two threads, whatever the machine
+
+
+@pytest.fixture
+def following():  # type: ignore[no-untyped-def]
+    """The load-following thread count on for the test (as if two cores were free until a test pins fewer)."""
+    cpu.follow_load(True)
+    cpu.pin_spare_cores(2)
+    yield
+    cpu.pin_spare_cores(None)
+    cpu.follow_load(None)
 
 
 
@@ -113,20 +124,22 @@ def test_low_precision_splits_in_two_with_one_thread_and_falls_back_where_it_can
         assert cpu.split_product(1, w, x) == 1
 
 
-def test_float32_splits_only_over_the_cores_other_processes_leave_free() -> None:
+@pytest.mark.usefixtures("following")
+def test_the_split_never_follows_the_load_only_the_thread_count_does() -> None:
     w = torch.randn(192, 384)
     x = torch.randn(1, 384)
-    assert cpu.free_threads() == 2 and cpu.split_product(1, w, x) == 2  # the fixture: two cores free
+    assert cpu.free_threads() == 2 and cpu.split_product(1, w, x) == 2
     for spare, threads in [(1.4, 1), (1.6, 2), (0.0, 1), (-3.0, 1), (64.0, 2)]:
         cpu.pin_spare_cores(spare)
         assert cpu.free_threads() == threads
-        assert cpu.split_product(1, w, x) == (2 if threads == 2 else 1)
-        assert cpu.split_product(1, w.bfloat16(), x.bfloat16()) == 2  # bfloat16 splits in two whatever the load
-    layer = Linear(384, 192)
+        assert cpu.split_product(1, w, x) == 2  # the blocks are the configured threads', whatever the load
+        assert cpu.split_product(1, w.bfloat16(), x.bfloat16()) == 2
+    cpu.follow_load(False)  # the default: the load is never read
     cpu.pin_spare_cores(0.0)
-    assert torch.equal(layer(x), F.linear(x, layer.weight, layer.bias))  # loaded: exactly the plain product
+    assert cpu.free_threads() == 2
 
 
+@pytest.mark.usefixtures("following")
 def test_busy_processes_show_in_the_reading() -> None:
     """The unpinned reading: as many busy processes as the machine has cores leave no core free."""
     cpu.pin_spare_cores(None)
@@ -137,7 +150,7 @@ def test_busy_processes_show_in_the_reading() -> None:
         while cpu.free_threads() != 1 and time.monotonic() < deadline:
             time.sleep(cpu.LOAD_EVERY)
         assert cpu.free_threads() == 1
-        assert cpu.split_product(1, torch.randn(192, 384), torch.randn(1, 384)) == 1
+        assert cpu.split_product(1, torch.randn(192, 384), torch.randn(1, 384)) == 2
     finally:
         for proc in procs:
             proc.kill()
@@ -145,7 +158,7 @@ def test_busy_processes_show_in_the_reading() -> None:
             proc.wait()
 
 
-
+@pytest.mark.usefixtures("following")
 @pytest.mark.parametrize(("readings", "threads"), [
     ([1.0, 0.0, 0.0, 0.0], 2),  # a transient in one reading: every core still free
     ([0.0, 0.0, 1.0, 0.0], 2),
@@ -171,6 +184,22 @@ def test_a_stale_load_reading_is_taken_afresh_from_several(monkeypatch: pytest.M
         assert cpu.free_threads() == 2 and load.others == pytest.approx(cpu.LOAD_SMOOTHING, rel=0.05)
         assert len(taken) == len(readings) + 1
 
+
+def test_without_following_the_load_nothing_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    cpu.follow_load(None)
+    monkeypatch.delenv("MULTIHEAD_FOLLOW_LOAD", raising=False)
+    monkeypatch.setattr(cpu._Load, "read", staticmethod(lambda: pytest.fail("the load was read")))
+    cpu.pin_spare_cores(None)
+    try:
+        assert not cpu.following_load() and cpu.free_threads() == 2
+        with cpu.step_threads() as inside:
+            assert inside == 2
+        assert not cpu.product_in_one_thread(2, torch.zeros(192, 384, dtype=torch.bfloat16))
+    finally:
+        cpu.follow_load(None)
+
+
+@pytest.mark.usefixtures("following")
 def test_a_low_precision_split_runs_in_one_thread_where_cores_are_busy_and_the_count_comes_back() -> None:
     layer = Linear(384, 192, dtype=torch.bfloat16)
     x = torch.randn(1, 384, dtype=torch.bfloat16)
@@ -210,7 +239,10 @@ def test_a_low_precision_rms_norm_is_f_rms_norm_within_a_step_and_plain_is_trans
     assert torch.equal(plain, want)  # transformers' LlamaRMSNorm, bit for bit
 
 
-def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_gives_the_count_back() -> None:
+@pytest.mark.usefixtures("following")
+def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_computes_the_same() -> None:
+    """Following the load changes how many threads a step runs with, never which kernels it runs: the decisions key
+    by the configured count, so the logits are the same bit for bit, float32 and bfloat16, prefill and decode."""
     from multihead.models import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
@@ -226,7 +258,23 @@ def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_gives_the_coun
         with cpu.disabled():
             model(ids)
     assert seen == [2, 1, 2] and torch.get_num_threads() == 2
-    torch.testing.assert_close(loaded, idle, rtol=1e-5, atol=1e-5)  # the same model, in one thread
+    assert torch.equal(loaded, idle)  # the same kernels, in one thread
+    for dtype in (torch.float32, torch.bfloat16):
+        big = LlamaModel(LlamaConfig(vocab_size=256, d_model=576, n_layers=2, n_heads=9, n_kv_heads=3,
+                                     ffn_dim=1536, max_context=64), dtype=dtype).eval()
+        runs = []
+        for spare in (2.0, 1.0):
+            cpu.pin_spare_cores(spare)
+            cache = big.new_cache(1, 40)
+            with torch.no_grad():
+                steps = [big(torch.arange(20)[None] % 256, cache=cache)]
+                cache.advance(20)
+                for i in range(6):
+                    steps.append(big(torch.tensor([[i + 7]]), cache=cache))
+                    cache.advance(1)
+            runs.append(steps)
+        assert all(torch.equal(a, b) for a, b in zip(*runs, strict=True)), dtype
+    cpu.pin_spare_cores(1.0)
     with cpu.step_threads() as inside:
         assert inside == 1 == torch.get_num_threads()
     assert torch.get_num_threads() == 2

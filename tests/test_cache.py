@@ -99,12 +99,12 @@ def test_next_positions_follow_every_change_of_the_lengths() -> None:
     cache = KVCache(batch=2, n_kv_heads=1, head_dim=4, max_len=16)
     cache.advance(3, lengths=[3, 1])
     assert cache.next_positions(1).tolist() == [[3], [1]]
-    assert cache.plan(1).start is None  # lengths differ: writes go by positions
-    assert cache.plan(1).positions.tolist() == [[3], [1]]  # type: ignore[union-attr]
+    assert cache.reserve(1).start is None  # lengths differ: writes go by positions
+    assert cache.reserve(1).positions.tolist() == [[3], [1]]  # type: ignore[union-attr]
     cache.advance(1)
     assert cache.next_positions(2).tolist() == [[4, 5], [2, 3]]
     cache.reset()
-    assert cache.next_positions(1).tolist() == [[0], [0]] and cache.plan(1).start == 0
+    assert cache.next_positions(1).tolist() == [[0], [0]] and cache.reserve(1).start == 0
 
 
 def test_the_slice_write_of_equal_lengths_equals_the_indexed_write() -> None:
@@ -113,17 +113,17 @@ def test_the_slice_write_of_equal_lengths_equals_the_indexed_write() -> None:
     fast, slow = (KVCache(batch=2, n_kv_heads=2, head_dim=4, max_len=8) for _ in range(2))
     for step in range(3):
         k, v = torch.randn(2, 2, 2, 4), torch.randn(2, 2, 2, 4)
-        slots = fast.plan(2)
+        slots = fast.reserve(2)
         assert slots.start == 2 * step
         fast.update(0, k, v, slots)  # one slice
-        slow.update(0, k, v, slow.plan(2, slow.next_positions(2)))  # by positions
+        slow.update(0, k, v, slow.reserve(2, slow.next_positions(2)))  # by positions
         fast.advance(2)
         slow.advance(2)
         assert torch.equal(fast.k, slow.k) and torch.equal(fast.v, slow.v), step
     stale = fast.next_positions(1)
     fast.advance(1)  # positions taken before the advance still name their own slots
     k = torch.randn(2, 2, 1, 4)
-    fast.update(0, k, k, fast.plan(1, stale))
+    fast.update(0, k, k, fast.reserve(1, stale))
     assert torch.equal(fast.k[0, :, :, 6], k[:, :, 0])
 
 

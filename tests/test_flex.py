@@ -12,6 +12,7 @@ import torch
 
 from conftest import to_np
 from multihead import KVCache, MultiHeadAttention, flex
+from multihead.cache import DenseKV
 from multihead.errors import MultiheadError
 from multihead.kernels import AttentionCall, resolve_backend
 from multihead.masks import MaskSpec, build_mask, causal_keep
@@ -145,7 +146,7 @@ def test_auto_dispatch_explains_its_choice() -> None:
     q = k = torch.zeros(1, 4, 512, 8)
 
     def call(spec: MaskSpec, dropout_p: float = 0.0) -> AttentionCall:
-        return AttentionCall(q, k, k, spec, scale=1.0, dropout_p=dropout_p)
+        return AttentionCall(q, DenseKV(k, k), spec, scale=1.0, dropout_p=dropout_p)
 
     plan = resolve_backend(call(window), device=cuda)
     assert plan.backend == "flex" and "sliding window 64" in plan.reason

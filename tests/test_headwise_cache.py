@@ -167,11 +167,26 @@ def test_explain_names_each_groups_kernel_and_leaves_the_cache_unchanged() -> No
     assert cache.used == 0 and all(not t.any() for t in cache.buffers() if t.is_floating_point())
 
 
-def test_a_caller_of_update_gets_a_clear_error() -> None:
-    cache = HeadwiseCache(_plan(PLANS[2], 2), batch=1, max_len=8)
-    k = torch.zeros(1, 2, 1, 8)
-    with pytest.raises(MultiheadError, match="update_groups"):
-        cache.layer(0).update(k, k, cache.plan(1))
+def test_a_layer_update_returns_each_group_of_kv_heads_with_its_keys_and_the_order_back() -> None:
+    """The one verb: a head-wise layer's update gives a GroupedKV, the full heads' keys and the streaming heads'
+    each with their KV heads and mask part, and the permutation that puts them back in head order; a plain view is
+    refused where keys must be one tensor."""
+    from multihead.cache import GroupedKV
+    from multihead.kernels import dense_view
+
+    plan = HeadPlan(full=[[False, True, True, False]], sinks=1, window=2, model="tiny", shape=(1, 4, 4, 8))
+    cache = HeadwiseCache(plan, batch=1, max_len=8)
+    k = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 3, 8).contiguous()  # KV head j holds the value j
+    view = cache.layer(0).update(k, -k, cache.reserve(3))
+    assert isinstance(view, GroupedKV) and view.n_kv_heads == 4
+    full, stream = view.groups
+    assert full.heads.tolist() == [1, 2] and stream.heads.tolist() == [0, 3]  # type: ignore[union-attr]
+    assert torch.equal(full.kv.keys[0, :, 0, 0], torch.tensor([1.0, 2.0]))
+    assert torch.equal(stream.kv.values[0, :, 0, 0], torch.tensor([-0.0, -3.0]))
+    assert (full.part, stream.part) == (0, 1)
+    assert torch.cat([full.heads, stream.heads])[view.order].tolist() == [0, 1, 2, 3]  # type: ignore[index,list-item]
+    with pytest.raises(MultiheadError, match="no one"):
+        dense_view(view)
 
 
 def test_under_torch_compile_decoding_gives_the_eager_logits_from_one_graph() -> None:

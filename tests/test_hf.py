@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from multihead import MultiheadError, hf
+from multihead.cache import DenseKV
 from multihead.hooks import hook_points, run_with_cache
 from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
@@ -244,16 +245,16 @@ def test_softcap_and_sinks_match_the_oracle(n_kv_heads: int, causal: bool) -> No
     spec = build_mask(batch=2, n_heads=4, s=6, t=6, causal=causal)
     sinks = torch.tensor([-1.0, 0.0, 1.5, 3.0])
     for options in ({"softcap": 1.5}, {"sinks": sinks}, {"softcap": 2.0, "sinks": sinks}):
-        call = AttentionCall(q.double(), k.double(), v.double(), spec, scale=0.5, **options)  # type: ignore[arg-type]
+        call = AttentionCall(q.double(), DenseKV(k.double(), v.double()), spec, scale=0.5, **options)  # type: ignore[arg-type]
         got, _ = attend(call)
         ref_options = {k_: (v_.numpy() if isinstance(v_, torch.Tensor) else v_) for k_, v_ in options.items()}
         want = _oracle(q, k, v, 0.5, causal, **ref_options)
         np.testing.assert_allclose(got.numpy(), want, atol=1e-12)
     with pytest.raises(MultiheadError, match=r"backend 'sdpa' cannot cap scores \(softcap\)"):
-        attend(AttentionCall(q, k, v, spec, scale=0.5, backend="sdpa", softcap=1.0))
+        attend(AttentionCall(q, DenseKV(k, v), spec, scale=0.5, backend="sdpa", softcap=1.0))
     for backend in ("sdpa", "flex"):
         with pytest.raises(MultiheadError, match=rf"backend '{backend}' cannot take sink logits \(s_aux\)"):
-            attend(AttentionCall(q, k, v, spec, scale=0.5, backend=backend, sinks=sinks))
+            attend(AttentionCall(q, DenseKV(k, v), spec, scale=0.5, backend=backend, sinks=sinks))
 
 
 def test_softcap_through_flex_matches_the_oracle() -> None:
@@ -261,7 +262,7 @@ def test_softcap_through_flex_matches_the_oracle() -> None:
     q, k, v = torch.randn(1, 4, 128, 16) * 3, torch.randn(1, 2, 128, 16) * 3, torch.randn(1, 2, 128, 16)
     spec = build_mask(batch=1, n_heads=4, s=128, t=128, causal=True)
     with torch.no_grad():
-        got, _ = attend(AttentionCall(q, k, v, spec, scale=0.25, backend="flex", softcap=1.5))
+        got, _ = attend(AttentionCall(q, DenseKV(k, v), spec, scale=0.25, backend="flex", softcap=1.5))
     np.testing.assert_allclose(got.numpy(), _oracle(q, k, v, 0.25, True, softcap=1.5), atol=2e-5)
 
 

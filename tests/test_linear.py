@@ -10,6 +10,7 @@ from torch import nn
 from multihead import cpu
 from multihead.cpu import SPLIT_MAX_ROWS as MAX_ROWS
 from multihead.cpu import SPLIT_MIN_WEIGHT as MIN_WEIGHT
+from multihead.errors import MultiheadError
 from multihead.linear import Linear, linear
 from tests_support import aten_ops
 
@@ -77,102 +78,80 @@ def test_a_width_mismatch_gets_f_linears_error() -> None:
         layer(torch.randn(1, 500))
 
 
-def _measure(key: tuple[object, ...], kinds: tuple[str, ...], seconds: dict[str, float]) -> list[str]:
-    """Calls of ``key`` as linear() makes them, each kind's product "taking" ``seconds[kind]``, until decided."""
-    ran = []
-    while key not in cpu.measured():
-        kind, timed = cpu.product_kind(key, kinds)
-        assert timed
-        ran.append(kind)
-        cpu.record_time(key, kind, seconds[kind])
-    return ran
-
-
-def test_the_product_kind_is_measured_on_the_real_calls_and_the_fastest_kept() -> None:
+def test_the_product_kind_is_the_tables_else_the_rule_and_a_forced_one_wins(tuning_table) -> None:  # type: ignore[no-untyped-def]
     cpu.force_product(None)
-    keys = [("test", name) for name in ("linear wins", "blas wins", "within the margin")]
+    key = cpu.product_key(1536, 576, torch.float32, 1, 2, 2)
+    kinds = ("linear", "mv", "split")
+    assert cpu.product_kind(key, kinds, native_default=False) == "linear"  # no table: F.linear
+    assert cpu.product_kind(key, (*kinds, "native"), native_default=True) == "native"  # one bfloat16 row: native
+    tuning_table({key: "mv"})
+    assert cpu.product_kind(key, kinds, native_default=False) == "mv"
+    tuning_table({key: "native"})  # a kind this call cannot take: the rule
+    assert cpu.product_kind(key, kinds, native_default=False) == "linear"
+    cpu.force_product("split")
     try:
-        ran = _measure(keys[0], ("linear", "split"), {"linear": 1e-4, "split": 1.4e-4})
-        assert cpu.measured()[keys[0]] == "linear"
-        # each kind in turn: one untimed first call each, then MEASURE_REPEATS timed ones
-        assert ran == ["linear", "split"] * (1 + cpu.MEASURE_REPEATS)
-        # a kind over DROP_OVER times the best after 2 timed calls each leaves the running: F.linear (4x) and the
-        # split (2x) stop after their 2 timed calls, and the one kind left is the choice at once
-        ran = _measure(keys[1], ("linear", "split", "blas"), {"linear": 4e-4, "split": 2e-4, "blas": 1e-4})
-        assert cpu.measured()[keys[1]] == "blas"
-        assert ran == ["linear", "split", "blas"] * 3
-        # a kind under KIND_MARGIN of F.linear's time only: level ones keep F.linear
-        _measure(keys[2], ("linear", "split"), {"linear": 4e-4, "split": 3.8e-4})
-        assert cpu.measured()[keys[2]] == "linear"
-        assert cpu.product_kind(keys[1], ("linear", "split", "blas")) == ("blas", False)  # kept, not timed again
-        cpu.force_product("split")
-        assert cpu.product_kind(keys[0], ("linear", "split")) == ("split", False)
-        with pytest.raises(ValueError, match=r"unknown product kind .fast.*linear, mv, split, blas, native"):
+        assert cpu.product_kind(key, kinds, native_default=False) == "split"
+        with pytest.raises(MultiheadError, match=r"unknown product kind .fast.*linear, mv, split, blas, native"):
             cpu.force_product("fast")
     finally:
         cpu.force_product(None)
-        for key in keys:
-            cpu.forget_measured(key)
 
 
-def test_several_rows_are_measured_up_front_so_every_call_computes_the_same_way() -> None:
-    from collections import Counter
+def test_tuning_keeps_the_fastest_median_only_under_the_margin_and_skips_each_first_pass(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """measure() runs the kinds in turn, the order rotated, one untimed first pass each (a first pass that takes a
+    second does not decide), and fastest() keeps a kind only under KIND_MARGIN of the plain one's median."""
+    from multihead import tuning
 
-    ran: Counter[str] = Counter()
+    clock = [0.0]
+    order: list[str] = []
 
-    def trial(kind: str):  # type: ignore[no-untyped-def]
-        def run() -> None:
-            ran[kind] += 1
-            if kind == "linear":
-                import time as _time
-                _time.sleep(0.001)
-        return run
+    def run(name: str, cost: float, first: float):  # type: ignore[no-untyped-def]
+        calls = [0]
+
+        def go() -> None:
+            order.append(name)
+            clock[0] += first if calls[0] == 0 else cost
+            calls[0] += 1
+        return go
+
+    monkeypatch.setattr(tuning.time, "perf_counter", lambda: clock[0])
+    medians = tuning.measure({"linear": run("linear", 4e-4, 4e-4), "split": run("split", 1e-4, 1.0)}, repeats=3)
+    assert medians == pytest.approx({"linear": 4e-4, "split": 1e-4})
+    assert order == ["linear", "split", "linear", "split", "split", "linear", "linear", "split"]
+    assert tuning.fastest(medians, "linear") == "split"
+    assert tuning.fastest({"linear": 4e-4, "split": 3.9e-4}, "linear") == "linear"  # within the margin: plain
+    assert tuning.fastest({"linear": 4e-4, "blas": 1e-4, "mv": 2e-4}, "linear") == "blas"
+
+
+def test_tuning_a_shape_writes_the_hosts_table_and_the_product_then_runs_that_kind(tuning_table) -> None:  # type: ignore[no-untyped-def]
+    from multihead import tuning
 
     cpu.force_product(None)
-    key = ("test", "up front")
-    try:
-        assert cpu.product_kind(key, ("linear", "split"), trial) == ("split", False)  # decided before the call
-        assert ran == {"linear": 1 + cpu.MEASURE_REPEATS, "split": 1 + cpu.MEASURE_REPEATS}
-        assert cpu.measured()[key] == "split"
-    finally:
-        cpu.forget_measured(key)
-    # a real layer: the first call already runs the kind every later call runs (bitwise the same output)
-    cpu.forget_measured()
-    layer = Linear(576, 1536, bias=False)
-    x = torch.randn(1, 5, 576)
-    first = layer(x)
-    assert all(torch.equal(layer(x), first) for _ in range(3))
-    cpu.forget_measured()
+    weights = [torch.randn(1536, 576) for _ in range(3)]
+    entries, measured = tuning.tune_products(weights, rows=1, repeats=2, flush=False)
+    key = cpu.product_key(1536, 576, torch.float32, 1, 2, 2)
+    assert set(entries) == {key} and entries[key] in ("linear", "mv", "split")  # float32's kinds at one row
+    assert set(measured[key]) == {"linear", "mv", "split"} and all(t > 0 for t in measured[key].values())
+    tuning_table({key: "mv"})  # (what the table holds decides, whatever was measured)
+    seen: list[str] = []
+    real = torch.mv
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(torch, "mv", lambda *a: seen.append("mv") or real(*a))
+        y = linear(torch.randn(1, 576), weights[0])
+    assert seen == ["mv"] and y.shape == (1, 1536)
 
 
-def test_the_first_call_of_each_kind_is_not_counted() -> None:
-    """A slow first call (allocation, kernel set-up) does not decide: only the timed rounds after it."""
+def test_a_real_layer_computes_the_same_from_its_first_call() -> None:
+    """No call is a trial: the first call of a shape already runs the kind every later one runs (bitwise the same
+    output), one row or several, float32 or bfloat16."""
     cpu.force_product(None)
-    key = ("test", "slow first call")
-    try:
-        for kind, seconds in (("linear", 1e-4), ("split", 1.0)):  # the split's first call: a second
-            assert cpu.product_kind(key, ("linear", "split")) == (kind, True)
-            cpu.record_time(key, kind, seconds)
-        _measure(key, ("linear", "split"), {"linear": 2e-4, "split": 1e-4})
-        assert cpu.measured()[key] == "split"
-    finally:
-        cpu.forget_measured(key)
-
-
-def test_a_real_layer_decides_within_its_first_calls_and_keeps_the_product() -> None:
-    torch.manual_seed(0)
-    cpu.force_product(None)
-    cpu.forget_measured()
-    cpu.pin_spare_cores(64.0)  # every core free: the key's one-thread flag stays False
-    layer = Linear(576, 1536, bias=False, dtype=torch.bfloat16)
-    x = torch.randn(1, 576, dtype=torch.bfloat16)
-    want = F.linear(x.double(), layer.weight.double())
-    key = (1536, 576, torch.bfloat16, 1, cpu.split_product(1, layer.weight, x), torch.get_num_threads())
-    for _ in range(5 * (1 + cpu.MEASURE_REPEATS)):  # five kinds at one row in bfloat16 (with multihead.native)
-        assert ((layer(x).double() - want).abs() <= 1.5 * 2.0**-8 * want.abs().clamp_min(1.0)).all()
-    assert cpu.measured()[key] in cpu.PRODUCT_KINDS
-    cpu.pin_spare_cores(None)
-    cpu.forget_measured()
+    for dtype in (torch.float32, torch.bfloat16):
+        layer = Linear(576, 1536, bias=False, dtype=dtype)
+        for rows in (1, 5):
+            x = torch.randn(1, rows, 576, dtype=dtype)
+            first = layer(x)
+            assert all(torch.equal(layer(x), first) for _ in range(20))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
@@ -196,51 +175,40 @@ def test_linear_gives_f_linear_whichever_kind_runs(dtype: torch.dtype) -> None:
 
 
 def test_the_blas_kind_puts_onednn_and_the_thread_count_back_when_the_product_raises() -> None:
-    from multihead.linear import _run
+    from multihead.linear import run
 
     threads = torch.get_num_threads()
     w = torch.randn(256, 512, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="cannot be multiplied"):
-        _run("blas", torch.randn(1, 500, dtype=torch.bfloat16), w, None, 2, 1, 500, True)
+        run("blas", torch.randn(1, 500, dtype=torch.bfloat16), w, None, 2, True)
     assert torch._C._get_mkldnn_enabled() and torch.get_num_threads() == threads
 
 
-def test_a_flop_counter_sees_one_product_not_the_measurement() -> None:
+def test_a_flop_counter_sees_one_product() -> None:
     from torch.utils.flop_counter import FlopCounterMode
 
     cpu.force_product(None)
-    cpu.forget_measured()
     w, x = torch.randn(1536, 576), torch.randn(1, 576)
     with FlopCounterMode(display=False) as counter:
         linear(x, w)
     assert counter.get_total_flops() == 2 * 1536 * 576
 
 
-def test_under_compile_an_undecided_product_is_f_linear_and_a_decided_one_kept(monkeypatch: pytest.MonkeyPatch
-                                                                                 ) -> None:
-    """A graph traced before any eager call of a shape gets F.linear (the compiler's own product), one traced after
-    the eager calls decided gets the measured kind; "blas" (oneDNN off, a process setting, not an op) becomes the
-    fastest other kind measured for the key, F.linear where no other was under KIND_MARGIN of it."""
+def test_under_compile_blas_becomes_the_tables_compiled_choice_and_the_rest_is_kept(tuning_table,  # type: ignore[no-untyped-def]
+                                                                                     monkeypatch: pytest.MonkeyPatch
+                                                                                     ) -> None:
+    """"blas" (oneDNN off, a process setting, not an op) cannot run in a graph: there the table's compiled choice
+    for the key runs (the fastest other kind tuning measured), F.linear without one; every other kind is kept."""
     cpu.force_product(None)
     kinds = ("linear", "mv", "split", "blas", "native")
-    decided = {("test", "mv"): "mv", ("test", "split"): "split", ("test", "blas"): "blas"}
-    try:
-        for key, kind in decided.items():
-            _measure(key, kinds, {name: 1e-4 if name == kind else 4e-4 for name in kinds})
-            assert cpu.measured()[key] == kind
-        # "blas" fastest, "native" next (what a graph can run), F.linear slowest: native in a graph
-        _measure(("test", "blas, native next"), kinds,
-                 {"linear": 4e-4, "mv": 3.9e-4, "split": 3.9e-4, "blas": 1e-4, "native": 1.4e-4})
-        assert cpu.measured()[("test", "blas, native next")] == "blas"
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-        assert cpu.product_kind(("test", "never called eagerly"), kinds) == ("linear", False)
-        assert cpu.product_kind(("test", "mv"), kinds) == ("mv", False)
-        assert cpu.product_kind(("test", "split"), kinds) == ("split", False)
-        assert cpu.product_kind(("test", "blas"), kinds) == ("linear", False)  # the others all 4x: none under it
-        assert cpu.product_kind(("test", "blas, native next"), kinds) == ("native", False)
-        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-        assert cpu.product_kind(("test", "blas, native next"), kinds) == ("blas", False)  # eager: still blas
-        assert ("test", "never called eagerly") not in cpu.measured()
-    finally:
-        monkeypatch.undo()
-        cpu.forget_measured()
+    keys = {name: cpu.product_key(100 + i, 576, torch.bfloat16, 1, 2, 2) for i, name in
+            enumerate(("mv", "blas", "blas, native next", "never tuned"))}
+    tuning_table({keys["mv"]: "mv", keys["blas"]: "blas", keys["blas, native next"]: "blas",
+                  keys["blas, native next"] + " compiled": "native"})
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    assert cpu.product_kind(keys["never tuned"], kinds, native_default=False) == "linear"
+    assert cpu.product_kind(keys["mv"], kinds, native_default=False) == "mv"
+    assert cpu.product_kind(keys["blas"], kinds, native_default=False) == "linear"
+    assert cpu.product_kind(keys["blas, native next"], kinds, native_default=False) == "native"
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
+    assert cpu.product_kind(keys["blas, native next"], kinds, native_default=False) == "blas"  # eager: blas

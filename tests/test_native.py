@@ -1,5 +1,6 @@
-"""multihead.native: the C kernels built on first use, their one-row bfloat16 product against float64, and what
-happens without them (no compiler, a failed build, turned off)."""
+"""multihead.native: the C kernels built on first use (one build per instruction-set variant, the CPU's best chosen at
+run time), registered as torch operators, each against float64 or SDPA, and what happens without them (no compiler,
+a failed build, turned off)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from multihead import cpu, native
+from multihead import cpu, native, quant
 from multihead.linear import Linear, linear
 
 
@@ -21,13 +22,37 @@ def _ulps(got: torch.Tensor, exact: torch.Tensor) -> float:
     return ((got.double() - exact).abs() / spacing).max().item()
 
 
-def test_the_kernels_build_here() -> None:
-    """This machine (and CI's, the same kind) has a C compiler: the kernels must build, vectorised where the CPU has
-    AVX512-BF16, so the speed path is really tested here and not only its fallback."""
+def test_the_kernels_build_here_as_the_best_variant_this_cpu_runs() -> None:
+    """This machine (and CI's, the same kind) has a C compiler: the kernels must build, as the best variant this CPU's
+    flags allow (never -march=native), so the speed path is really tested here and not only its fallback."""
     assert native.unavailable() is None
     assert native.library() is not None
     flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    assert native.vectorised() == (" avx512_bf16" in flags)
+    want = ("avx512bf16" if " avx512_bf16" in flags else "avx512" if " avx512bw" in flags else "generic")
+    assert native.loaded_variant() == want
+    assert native.vectorised() == (want == "avx512bf16") and native.avx512() == (want != "generic")
+    assert all("-march" not in " ".join(flags_) for flags_, _ in native.VARIANTS.values())
+
+
+@pytest.mark.parametrize("variant", ["generic", "avx512"])
+def test_a_lower_variant_builds_loads_and_computes_the_same(variant: str, tmp_path: Path) -> None:
+    """MULTIHEAD_NATIVE_VARIANT picks a lower variant (the portable loops): it builds apart, loads, and its bfloat16
+    product is the same function (within a step of float64); a variant the CPU lacks, or no such name, is refused
+    with the reason."""
+    if not native.supported(variant):
+        pytest.skip(f"this CPU does not run the {variant} variant")  # (every x86-64 CPU runs generic)
+    code = ("import torch; from multihead import native; w = torch.randn(33, 70).bfloat16(); "
+            "x = torch.randn(1, 70).bfloat16(); e = (w.double() @ x.double().t()).t(); "
+            "y = native.gemv_bf16(x, w); "
+            "print(native.loaded_variant(), native.vectorised(), float(((y.double() - e).abs() / "
+            "e.abs().clamp_min(1)).max()) < 2 ** -7)")
+    out = _probe({"MULTIHEAD_NATIVE_VARIANT": variant, "MULTIHEAD_NATIVE_DIR": str(tmp_path)}, code)
+    assert out == f"{variant} False True"
+    assert any(f.name.startswith(f"kernels-{variant}-") for f in tmp_path.iterdir())
+    assert "is not a variant: choose one of avx512bf16, avx512, generic" in _probe(
+        {"MULTIHEAD_NATIVE_VARIANT": "sse9"})
+    if not native.supported("avx512bf16"):
+        assert "needs CPU flags this CPU lacks" in _probe({"MULTIHEAD_NATIVE_VARIANT": "avx512bf16"})
 
 
 @pytest.mark.parametrize(("out", "inp"), [(1536, 576), (576, 1536), (7, 33), (5, 31), (4, 32), (1, 1), (3, 100)])
@@ -99,26 +124,45 @@ def test_linear_takes_the_native_kind_only_where_it_computes_the_same_thing() ->
         cpu.force_product(None)
 
 
-def test_measured_bfloat16_rows_try_the_native_kind(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Left to measure, a bfloat16 row times the native kernel beside PyTorch's kinds; every call agrees."""
+def test_an_untuned_bfloat16_row_runs_the_native_kind_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a tuning entry, one bfloat16 row is the native kernel's where it has AVX512-BF16 (the default rule),
+    every call; the result within a step of float64."""
     calls = []
     kernel = native.gemv_bf16
     monkeypatch.setattr(native, "gemv_bf16", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     cpu.force_product(None)
-    cpu.forget_measured()
-    cpu.pin_spare_cores(64.0)
-    try:
-        layer = Linear(576, 1536, bias=False, dtype=torch.bfloat16)
-        x = torch.randn(1, 576).bfloat16()
-        exact = F.linear(x.double(), layer.weight.double())
-        key = (1536, 576, torch.bfloat16, 1, cpu.split_product(1, layer.weight, x), torch.get_num_threads())
-        with torch.no_grad():
-            for _ in range(5 * (1 + cpu.MEASURE_REPEATS)):  # five kinds at most, each one untimed call first
-                assert _ulps(layer(x), exact) <= 1.0
-        assert key in cpu.measured() and calls
-    finally:
-        cpu.pin_spare_cores(None)
-        cpu.forget_measured()
+    layer = Linear(576, 1536, bias=False, dtype=torch.bfloat16)
+    x = torch.randn(1, 576).bfloat16()
+    exact = F.linear(x.double(), layer.weight.double())
+    with torch.no_grad():
+        for _ in range(5):
+            assert _ulps(layer(x), exact) <= 1.0
+    assert len(calls) == (5 if native.vectorised() else 0)
+
+
+def test_the_kernels_are_torch_operators_with_schemas_and_fake_kernels() -> None:
+    """torch.ops.multihead.*: each equals its function, checks what it is given (a clear error, never a bad read),
+    and has a fake kernel, so a compiled graph sees an operator of the right shape and dtype."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    w, x = torch.randn(48, 64).bfloat16(), torch.randn(1, 64).bfloat16()
+    assert torch.equal(torch.ops.multihead.gemv_bf16(x, w, None), native.gemv_bf16(x, w))
+    q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
+    if native.avx512():
+        assert torch.equal(torch.ops.multihead.attend_dense(q, k, v, 0.125), native.attend_dense(q, k, v, 0.125))
+    with pytest.raises(ValueError, match=r"gemv_bf16: dtypes torch\.float32"):
+        torch.ops.multihead.gemv_bf16(x.float(), w, None)
+    with pytest.raises(ValueError, match=r"attend_dense: .* do not fit"):
+        torch.ops.multihead.attend_dense(q, k[..., :32], v, 0.125)
+    with pytest.raises(ValueError, match="attend_quantized: bits 3"):
+        torch.ops.multihead.attend_quantized(3, q, k, k, k, k, k, k, 0, 32, k, v, 0.125)
+    with FakeTensorMode() as mode:
+        fq, fk = mode.from_tensor(q), mode.from_tensor(k)
+        assert torch.ops.multihead.attend_dense(fq, fk, fk, 0.125).shape == (1, 6, 1, 64)
+        assert torch.ops.multihead.gemv_bf16(mode.from_tensor(x), mode.from_tensor(w), None).shape == (1, 48)
+    for name, schema in (("gemv_bf16", "Tensor x, Tensor weight, Tensor? bias"),
+                         ("attend_dense", "Tensor q, Tensor k, Tensor v, float scale")):
+        assert schema in str(getattr(torch.ops.multihead, name).default._schema)
 
 
 def _probe(env: dict[str, str], code: str = "from multihead import native; print(native.unavailable())") -> str:
@@ -130,10 +174,20 @@ def _probe(env: dict[str, str], code: str = "from multihead import native; print
     return done.stdout.strip()
 
 
-def test_without_the_kernels_everything_says_why_and_keeps_pytorchs_products(tmp_path: Path) -> None:
+def test_without_the_kernels_everything_says_why_once_and_keeps_pytorchs_products(tmp_path: Path) -> None:
     assert _probe({"MULTIHEAD_NATIVE": "0"}) == "turned off by MULTIHEAD_NATIVE=0"
     assert _probe({"PATH": str(tmp_path), "CC": "no-such-cc"}) == (
         "no C compiler found (cc, gcc or clang on PATH, or $CC)")
+    # said once a process (a warning), however often the kernels are asked for; not when turned off on purpose
+    code = ("import warnings; warnings.simplefilter('always'); from multihead import native; "
+            "[native.library() for _ in range(3)]; native.unavailable(); print('asked')")
+    import os
+
+    for env, said in (({"PATH": str(tmp_path), "CC": "no-such-cc"}, 1), ({"MULTIHEAD_NATIVE": "0"}, 0)):
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                              env={**os.environ, **env})
+        assert done.returncode == 0 and done.stdout.strip() == "asked", done.stderr
+        assert done.stderr.count("native CPU kernels are not available") == said, done.stderr
     # the speed paths without the kernels: bfloat16 one-row products still agree, the native kind is not offered
     code = ("import torch, torch.nn.functional as F; from multihead import native; from multihead.linear import "
             "linear; w = torch.randn(1536, 576).bfloat16(); x = torch.randn(1, 576).bfloat16(); "
@@ -149,7 +203,8 @@ def test_a_failed_build_says_what_the_compiler_said_and_a_good_one_is_kept(tmp_p
     monkeypatch.setattr(native, "SOURCE", broken)
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("MULTIHEAD_NATIVE_DIR", str(tmp_path / "built"))
-    assert native.library() is None
+    with pytest.warns(RuntimeWarning, match="native CPU kernels are not available .*kernels.c exited with 1"):
+        assert native.library() is None
     why = native.unavailable()
     assert why is not None and "kernels.c exited with 1" in why and "error" in why
     assert list((tmp_path / "built").iterdir()) == []  # no half-written library left behind
@@ -157,7 +212,7 @@ def test_a_failed_build_says_what_the_compiler_said_and_a_good_one_is_kept(tmp_p
     monkeypatch.setattr(native, "_state", {})
     assert native.library() is not None
     built = list((tmp_path / "built").iterdir())
-    assert len(built) == 1 and built[0].name.startswith("kernels-") and built[0].suffix == ".so"
+    assert len(built) == 1 and built[0].name.startswith(f"kernels-{native.variant()}-") and built[0].suffix == ".so"
     stamp = built[0].stat().st_mtime_ns
     monkeypatch.setattr(native, "_state", {})
     assert native.library() is not None and built[0].stat().st_mtime_ns == stamp  # found, not built again
@@ -172,7 +227,7 @@ def _filled_cache(b: int, g: int, d: int, t: int, group: int, dtype: torch.dtype
                              dtype=dtype)
     if t:
         cache.update(0, torch.randn(b, g, t, d, dtype=dtype), torch.randn(b, g, t, d, dtype=dtype) * 3,
-                     cache.plan(t, None, need_positions=False, window=None, validate=True))
+                     cache.reserve(t, None, need_positions=False, window=None, validate=True))
         cache.advance(t)
     return cache
 
@@ -192,14 +247,15 @@ def test_attend_quantized_is_softmax_attention_over_the_dequantised_cache(bits: 
     token): float32 sums, so within 1e-5 (the quantized part is there: n > 0 wherever t > residual)."""
     cache = _filled_cache(b, g, d, t, group, bits=bits)
     q, k1, v1 = torch.randn(b, h, 1, d), torch.randn(b, g, 1, d), torch.randn(b, g, 1, d)
-    slots = cache.plan(1, None, need_positions=False, window=None, validate=True)
-    keys, values = cache.update(0, k1, v1, slots, read_only=True)
-    want = F.scaled_dot_product_attention(q.double(), keys.double().repeat_interleave(h // g, 1),
-                                          values.double().repeat_interleave(h // g, 1))
     n, r = cache.quantized, cache.lengths[0].item() - cache.quantized
     assert (n > 0) == (t >= 40 + group)
     tk = torch.cat([cache.res_k[0, :, :, :r], k1], 2)
     tv = torch.cat([cache.res_v[0, :, :, :r], v1], 2)
+    read = {"bits": bits, "group": group, "dtype": torch.float32}
+    keys = torch.cat([quant.read_keys(cache.codes_k[0], cache.scale_k[0], cache.min_k[0], n, **read), tk], 2)
+    values = torch.cat([quant.read_values(cache.codes_v[0], cache.scale_v[0], cache.min_v[0], n, **read), tv], 2)
+    want = F.scaled_dot_product_attention(q.double(), keys.double().repeat_interleave(h // g, 1),
+                                          values.double().repeat_interleave(h // g, 1))
     kernel = getattr(native, KERNELS[bits])
     for threads in (1, 2):
         got = kernel(q, cache.codes_k[0], cache.scale_k[0], cache.min_k[0], cache.codes_v[0], cache.scale_v[0],
@@ -319,10 +375,13 @@ def test_explain_says_when_the_quantized_cache_attends_itself(bits: int) -> None
         h = torch.randn(1, 1, layer.config.d_model)
         step = layer.step(h, causal=True, cache=cache.layer(0))
         choice = layer.explain(h, step=step, cache=cache.layer(0))
-        if bits == 2:  # no kernel reads 2-bit codes: dequantised, then SDPA
-            assert choice.backend == "sdpa"
+        if bits == 2:  # no kernel reads 2-bit codes: read back, then dispatched as dense keys (the dense kernel)
+            assert "2-bit codes are read back" in choice.reason
+            assert "no native kernel reads 2-bit codes" in choice.reason
+            assert choice.kernel in ("multihead.native.attend_dense", "flash"), choice
         else:
-            assert choice.backend == "cache" and KERNELS[bits] in choice.reason
+            assert choice.backend == "native" and choice.kernel == f"multihead.native.{KERNELS[bits]}", choice
+            assert "never dequantised" in choice.reason
         assert cache.lengths.tolist() == [100]
         with cpu.disabled():
             assert layer.explain(h, step=layer.step(h, causal=True, cache=cache.layer(0)),
@@ -362,12 +421,11 @@ def test_attend_dense_names_what_does_not_fit() -> None:
         native.attend_dense(torch.randn(1, 4, 2, 64), k, k, 0.125)
 
 
-def test_a_decode_step_measures_the_native_attention_and_agrees_either_way(monkeypatch: pytest.MonkeyPatch
-                                                                            ) -> None:
-    """A full cache's decode steps: the native kernel is timed against SDPA on the real calls and one of them kept
-    for the shape and length range; the logits equal the plain path's (multihead.cpu off) within float32 rounding;
-    explain names the kernel the measurement kept."""
-    cpu.forget_measured()
+def test_a_decode_step_attends_natively_unless_the_table_says_sdpa_and_agrees_either_way(
+        monkeypatch: pytest.MonkeyPatch, tuning_table) -> None:  # type: ignore[no-untyped-def]
+    """A full cache's decode steps: the native dense kernel by default, every step (no call timed); SDPA for the
+    shape and power-of-two range of lengths where the host's table says so; the logits equal the plain path's
+    (multihead.cpu off) within float32 rounding either way, and explain names the kernel that runs."""
     calls = []
     kernel = native.attend_dense
     monkeypatch.setattr(native, "attend_dense", lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -379,24 +437,26 @@ def test_a_decode_step_measures_the_native_attention_and_agrees_either_way(monke
 
         return teacher_forced_logits(model, tokens, 100)  # type: ignore[no-any-return]
 
-    try:
-        got = decode()
-        keys = [key for key in cpu.measured() if key[0] == "native attention"]
-        assert keys and calls  # decided within 20 steps of 2 layers, the native kernel among the timed calls
-        with cpu.disabled():
-            want = decode()
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    def explained() -> str:
         cache = model.new_cache(1, 120)
         with torch.no_grad():
             model(tokens[:, :100], cache=cache)
             cache.advance(100)
             layer = model.layers[1].attn
             h = torch.randn(1, 1, layer.config.d_model)
-            choice = layer.explain(h, step=layer.step(h, causal=True, cache=cache.layer(1)), cache=cache.layer(1))
-        kept = cpu.measured()[keys[0]]
-        assert (choice.kernel == "multihead.native.attend_dense") == (kept == "native"), (choice, kept)
-    finally:
-        cpu.forget_measured()
+            return layer.explain(h, step=layer.step(h, causal=True, cache=cache.layer(1)), cache=cache.layer(1)).kernel
+
+    got = decode()
+    assert len(calls) == 2 * 20  # two layers, twenty decode steps: every one
+    with cpu.disabled():
+        want = decode()
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert explained() == "multihead.native.attend_dense"
+    tuning_table({cpu.attention_key("native-attention", 1, 3, 1, torch.float32, t, torch.get_num_threads()): "sdpa"
+                  for t in (64, 128)})  # the ranges 64-127 and 128-255: keys 100 .. 120
+    calls.clear()
+    torch.testing.assert_close(decode(), want, atol=1e-4, rtol=1e-4)
+    assert calls == [] and explained() != "multihead.native.attend_dense"
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -1,6 +1,6 @@
-"""The quantized cache's read in few passes (QuantizedKVCache.update without autograd): the same keys and values as
-the reference read (unpack, dequantize, concatenate), bit for bit, with no concatenation; the same greedy tokens and
-logits as the autograd path, which still reads the reference way; the same bytes."""
+"""A quantized cache's view read back in few passes (multihead.kernels.dense_view without autograd): the same keys and
+values as the reference read (multihead.quant.read_keys / read_values, then the tail), bit for bit, with no
+concatenation; the same greedy tokens and logits as the autograd path (concatenated) and the same bytes."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from multihead import cost
-from multihead.cache import QuantizedKVCache, Slots, unpack
-from multihead.cache.quantized import unpack_fast
+from multihead import cost, quant
+from multihead.cache import QuantizedKV, QuantizedKVCache, Slots, unpack
+from multihead.kernels import dense_view
 from multihead.models import LlamaConfig, LlamaModel
+from multihead.quant import unpack_fast
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])
@@ -39,22 +40,28 @@ def _filled(bits: int, dtype: torch.dtype) -> QuantizedKVCache:
 def test_the_read_equals_the_reference_read_bit_for_bit(bits: int, dtype: torch.dtype) -> None:
     cache = _filled(bits, dtype)
     k, v = (torch.randn(2, 3, 1, 16).to(dtype) for _ in range(2))
-    r = cache.used - cache.quantized
+    r, n = cache.used - cache.quantized, cache.quantized
     for layer in range(2):
-        old_k, old_v = cache._read(layer)
+        old_k = quant.read_keys(cache.codes_k[layer], cache.scale_k[layer], cache.min_k[layer], n, bits=bits,
+                                group=8, dtype=dtype)
+        old_v = quant.read_values(cache.codes_v[layer], cache.scale_v[layer], cache.min_v[layer], n, bits=bits,
+                                  group=8, dtype=dtype)
         want_k = torch.cat([old_k, cache.res_k[layer, :, :, :r], k], dim=2)
         want_v = torch.cat([old_v, cache.res_v[layer, :, :, :r], v], dim=2)
         with torch.no_grad():
-            got_k, got_v = cache.update(layer, k, v, Slots(s=1, t=61, positions=None, start=None, aligned=True),
-                                        read_only=True)
-        assert got_k.dtype == dtype and torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+            view = cache.update(layer, k, v, Slots(s=1, t=61, positions=None, start=None, aligned=True),
+                                read_only=True)
+            assert isinstance(view, QuantizedKV) and (view.n, view.t) == (48, 61)
+            got = dense_view(view)
+        assert got.keys.dtype == dtype and torch.equal(got.keys, want_k) and torch.equal(got.values, want_v)
 
 
 def test_the_read_makes_no_concatenation() -> None:
     cache = _filled(4, torch.float32)
     k = torch.randn(2, 3, 1, 16)
+    view = cache.update(0, k, k, Slots(s=1, t=61, positions=None, start=None, aligned=True), read_only=True)
     with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        cache.update(0, k, k, Slots(s=1, t=61, positions=None, start=None, aligned=True), read_only=True)
+        dense_view(view)
     ops = {e.key for e in prof.key_averages()}
     assert "aten::addcmul" in ops and not ops & {"aten::cat", "aten::mul", "aten::add"}, sorted(ops)
 
@@ -79,7 +86,7 @@ def test_decoding_gives_the_autograd_paths_tokens_and_logits_and_the_same_bytes(
                 steps.append(logits[0, -1].detach())
         return tokens, torch.stack(steps), cache.bytes
 
-    fast, reference = decode(False), decode(True)  # with autograd the keys need a gradient: the reference read
+    fast, reference = decode(False), decode(True)  # with autograd the keys need a gradient: read back concatenated
     assert fast[0] == reference[0]
     torch.testing.assert_close(fast[1], reference[1], atol=1e-5, rtol=1e-5)
     assert fast[2] == reference[2] == cost.quantized_cache_bytes(config.attention(), context=60, bits=4, group=8,

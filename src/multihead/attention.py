@@ -6,7 +6,13 @@ The forward reads as the formula: project, split into heads, rotate, cache, atte
     z = attend(q, k, v)  -> (b, h, s, d)   # head i uses KV head i // (h / g)
     y = Concat(z_1 .. z_h) W_O  -> (b, s, d_model)
 
-What every layer of a model shares in one step (positions, RoPE tables, the mask, the cache's plan) is a
+The forward visits each room once, in this order: the checks, the step (:mod:`multihead.step`, made once by a
+model and passed down), the projections (:mod:`multihead.linear`), RoPE (:mod:`multihead.rope`), the cache's one
+verb (``view = cache.update(k, v, slots)``: the cache stores and returns a view, :mod:`multihead.cache.view`), the
+dispatcher (:func:`multihead.kernels.attend`: it alone decides which kernel reads the view) and W_O. The layer never
+asks which kind of cache it holds.
+
+What every layer of a model shares in one step (positions, RoPE tables, the mask, the cache's slots) is a
 :class:`multihead.step.Step`, made once by the model (``layer.step(...)``) and passed to each layer; a layer called
 alone makes its own.
 """
@@ -18,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Literal, overload
 import torch
 from torch import Tensor, nn
 
-from multihead.cache import Cache, LatentLayer, LayerCache
+from multihead.cache import Cache, DenseKV, KVView, LatentLayer, LayerCache
 from multihead.config import AttentionConfig, config_or_keywords, register_layer
 from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint, add_hook_points, call_hooks
@@ -36,6 +42,15 @@ def _zero_padding(k: Tensor, v: Tensor, padding: Tensor | None) -> tuple[Tensor,
         return k, v
     dead = ~padding[:, None, :, None]  # (b, 1, t, 1)
     return k.masked_fill(dead, 0.0), v.masked_fill(dead, 0.0)
+
+
+def _update(cache: LayerCache | None, k: Tensor, v: Tensor, step: Step, *, read_only: bool = False) -> KVView:
+    """The keys and values a call attends to: the cache layer's view after placing k and v (b, g, s, d) in the
+    step's slots (``read_only``: from a copy), or k and v themselves without a cache."""
+    if cache is None:
+        return DenseKV(k, v)
+    assert step.slots is not None  # checked: a cache call's step carries the cache's slots
+    return cache.update(k, v, step.slots, read_only=read_only)
 
 
 class MultiHeadAttention(nn.Module):
@@ -133,7 +148,7 @@ class MultiHeadAttention(nn.Module):
             positions: positions of the tokens, (s,) or (b, s), for RoPE and the cache; default 0 .. s - 1, or the
                 next positions of each sequence in the cache.
             cache: one layer of a cache of keys and values (``cache.layer(i)``, any kind of
-                :mod:`multihead.cache`): the new keys and values are placed as the step's plan says and the queries
+                :mod:`multihead.cache`): the new keys and values are placed in the step's slots and the queries
                 attend to what the cache holds up to their own position (needs causal=True). The caller commits
                 them after the step (``cache.advance(s)``).
             step: the model's per-step state from :meth:`step` (instead of mask, key_padding_mask, causal,
@@ -146,23 +161,13 @@ class MultiHeadAttention(nn.Module):
         if step is None:
             step = self._step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
                               documents=documents, positions=positions, cache=cache)
-        b, s, t, d = x.shape[0], x.shape[1], kv_in.shape[1], self.head_dim
-        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)  # (b, h, s, d): q = x W_Q, split into heads
-        k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d): k = c W_K
-        v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d): v = c W_V
+        b, s = x.shape[0], x.shape[1]
+        q, k, v = self._project(x, kv_in, v_in)  # (b, h, s, d), (b, g, t, d), (b, g, t, dv)
         q, k = self._rotate(q, k, step)  # RoPE at the step's positions (unchanged without rope)
         k, v = _zero_padding(k, v, step.mask.padding)  # a padded key has no influence, even if it holds NaN
-        if cache is not None:
-            assert step.slots is not None  # checked: a cache call's step carries the cache's plan
-            if step.slots.parts is not None:  # a head-wise cache: one call per group of KV heads
-                return self._forward_groups(q, k, v, step, cache, backend)
-            z = self._cache_attends(q, k, v, step, cache, return_weights, backend)
-            if z is not None:  # the cache attended over its own store (a 4- or 8-bit cache's codes, read once)
-                out: Tensor = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))
-                return self.hook_out(out) if self.hook_out.active else out
-            k, v = cache.update(k, v, step.slots)  # (b, g, t, d): the cached keys and values, the new ones included
-        z, weights = attend(self._call(q, k, v, step, return_weights, backend))  # (b, h, s, d), hooked
-        del q, k, v  # free the projections before merging: a long sequence's peak is q, k, v and the output
+        kv = _update(cache, k, v, step)  # the cache stores k, v and returns its view of every key the call sees
+        z, weights = attend(self._call(q, kv, step, return_weights, backend))  # (b, h, s, dv), hooked
+        del q, k, v, kv  # free the projections before merging: a long sequence's peak is q, k, v and the output
         y = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
         y = self.hook_out(y) if self.hook_out.active else y
         return (y, weights) if return_weights else y  # type: ignore[return-value]
@@ -174,7 +179,8 @@ class MultiHeadAttention(nn.Module):
                 mask: Tensor | None = None, key_padding_mask: Tensor | None = None, causal: bool = False,
                 documents: Tensor | None = None, positions: Tensor | None = None, cache: LayerCache | None = None,
                 step: Step | None = None, return_weights: bool = False, backend: str | None = None) -> KernelChoice:
-        """Which kernel a call with these arguments runs, and why (the projections run, attention does not).
+        """Which kernel a call with these arguments runs, and why (the projections run, attention does not): the
+        dispatcher's own decision (:func:`multihead.kernels.explain`) on the same view of the keys.
 
         With a cache, the keys the call would attend to are read from a copy: the cache is left unchanged.
         """
@@ -184,106 +190,19 @@ class MultiHeadAttention(nn.Module):
             if step is None:
                 step = self._step(x, context, mask=mask, key_padding_mask=key_padding_mask, causal=causal,
                                   documents=documents, positions=positions, cache=cache)
-            b, s, t, d = x.shape[0], x.shape[1], kv_in.shape[1], self.head_dim
-            q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)  # (b, h, s, d)
-            k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
-            v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
+            q, k, v = self._project(x, kv_in, v_in)
             q, k = self._rotate(q, k, step)
             k, v = _zero_padding(k, v, step.mask.padding)
-            if cache is not None:
-                assert step.slots is not None
-                if step.slots.parts is not None:  # a head-wise cache: one call per group of KV heads
-                    return self._explain_groups(q, k, v, step, cache, return_weights, backend)
-                if self._cache_attends(q, k, v, step, cache, return_weights, backend, read_only=True) is not None:
-                    return KernelChoice("cache", f"{type(cache.cache).__name__}.attend",
-                                        "the cache attends over its own store (4- or 8-bit codes read once inside "
-                                        "the attention, multihead.native.attend_q4 / attend_q8): every key visible, "
-                                        "nothing hooked",
-                                        "none")
-                k, v = cache.update(k, v, step.slots, read_only=True)
-        return explain_call(self._call(q, k, v, step, return_weights, backend))
+            kv = _update(cache, k, v, step, read_only=True)
+        return explain_call(self._call(q, kv, step, return_weights, backend))
 
-    def _cache_attends(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, return_weights: bool,
-                       backend: str | None, read_only: bool = False) -> Tensor | None:
-        """The cache's own attention for this call (:meth:`multihead.cache.Cache.attend`) where nothing between the
-        cache and the output needs the keys: every key visible (no mask, window or padding), no weights, no hook at
-        the core, no dropout, the automatic backend. None otherwise, or where the cache has no such path."""
-        if not cache.cache.attends or torch.compiler.is_compiling():  # most kinds have no such path
-            return None
-        spec = step.mask
-        if (return_weights or not spec.every_key_visible() or spec.padding is not None or call_hooks(self) is not None
-                or (self.training and self.config.dropout > 0)
-                or (self.backend if backend is None else check_backend(backend)) != "auto"):
-            return None
-        assert step.slots is not None
-        return cache.attend(q, k, v, step.slots, scale=self.config.softmax_scale, read_only=read_only)
-
-    # ------------------------------------------------------------------ a head-wise cache: one call per group
-    def _forward_groups(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, backend: str | None
-                        ) -> Tensor:
-        """The rest of forward with a :class:`~multihead.cache.HeadwiseCache`: each group of KV heads (full,
-        streaming) attends with its query heads under its own mask, z goes back in head order, then W_O. hook_q sees
-        q (b, h, s, d) before the groups are taken, hook_z z (b, h, s, d) after; hook_k, hook_v, hook_pattern and
-        return_weights are refused (:meth:`_group_calls`)."""
-        hooks = call_hooks(self)
-        if hooks is not None and hooks.q is not None:
-            q = hooks.q(q)
-        calls, order = self._group_calls(q, k, v, step, cache, False, backend)
-        b, h, s, _ = q.shape
-        outs = [attend(call)[0] for call in calls]  # (b, |group| * h / g, s, dv) each
-        if order is None:
-            z = outs[0]  # (b, h, s, dv): the layer is one group
-        else:
-            r = h // k.shape[1]  # query heads per KV head
-            z = torch.cat([out.reshape(b, -1, r, s, out.shape[-1]) for out in outs], dim=1)  # (b, g, r, s, dv)
-            z = z.index_select(1, order).reshape(b, h, s, -1)  # (b, h, s, dv): back in head order
-        if hooks is not None and hooks.z is not None:
-            z = hooks.z(z)
-        y: Tensor = self.o_proj(z.transpose(1, 2).reshape(b, s, -1))  # (b, s, d_model): Concat(z_1 .. z_h) W_O
-        return self.hook_out(y) if self.hook_out.active else y
-
-    def _group_calls(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, return_weights: bool,
-                     backend: str | None, *, read_only: bool = False) -> tuple[list[AttentionCall], Tensor | None]:
-        """One AttentionCall per group of KV heads of the layer (its query heads: query head i reads KV head
-        i // (h / g)), and the order that puts their z back in head order (None: one group)."""
-        from multihead.cache.headwise import HeadwiseLayer
-
-        if not isinstance(cache, HeadwiseLayer) or step.masks is None or step.slots is None:
-            raise MultiheadError("the step was planned by a head-wise cache: pass that cache's layer "
-                                 "(cache.layer(i)) with it")
-        if return_weights:
-            raise MultiheadError("return_weights cannot be used with a HeadwiseCache: its KV heads attend to "
-                                 "different keys, so there is no (b, h, s, t) matrix; run uncached with the plan's "
-                                 "mask (HeadPlan.mask) to read the weights")
-        hooked = [name for name in ("hook_k", "hook_v", "hook_pattern") if getattr(self, name).active]
-        if hooked:
-            raise MultiheadError(f"{', '.join(hooked)} cannot be hooked with a HeadwiseCache: its KV heads hold "
-                                 "different numbers of keys, so a layer's keys are not one (b, g, t, d) tensor "
-                                 "(hook_q, hook_z and hook_out work; run uncached with the plan's mask, "
-                                 "HeadPlan.mask, to hook the others)")
-        b, h, s, d = q.shape
-        g = k.shape[1]
-        calls = []
-        for group in cache.update_groups(k, v, step.slots, read_only=read_only):
-            qg = q if group.heads is None else (
-                q.view(b, g, h // g, s, d).index_select(1, group.heads).reshape(b, -1, s, d))  # (b, |group| r, s, d)
-            spec = step.masks[group.part]
-            assert spec is not None and spec.t == group.keys.shape[2]
-            calls.append(AttentionCall(qg, group.keys, group.values, spec, scale=self.config.softmax_scale,
-                                       dropout_p=self.config.dropout if self.training else 0.0,
-                                       backend=self.backend if backend is None else check_backend(backend)))
-        return calls, cache.order
-
-    def _explain_groups(self, q: Tensor, k: Tensor, v: Tensor, step: Step, cache: LayerCache, return_weights: bool,
-                        backend: str | None) -> KernelChoice:
-        """explain with a head-wise cache: the first group's kernel, and each group's choice in the reason."""
-        calls, _ = self._group_calls(q, k, v, step, cache, return_weights, backend, read_only=True)
-        choices = [explain_call(call) for call in calls]
-        if len(choices) == 1:
-            return choices[0]
-        reason = "head-wise cache, one call per group of KV heads: " + "; ".join(
-            f"{name} KV heads: {choice}" for name, choice in zip(("full", "streaming"), choices, strict=True))
-        return KernelChoice(choices[0].backend, choices[0].kernel, reason, choices[0].mask)
+    def _project(self, x: Tensor, kv_in: Tensor, v_in: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """q = x W_Q split into heads (b, h, s, d); k = c W_K and v = c W_V, (b, g, t, d) and (b, g, t, dv)."""
+        b, s, t, d = x.shape[0], x.shape[1], kv_in.shape[1], self.head_dim
+        q = self.q_proj(x).view(b, s, -1, d).transpose(1, 2)  # (b, h, s, d)
+        k = self.k_proj(kv_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
+        v = self.v_proj(v_in).view(b, t, -1, d).transpose(1, 2)  # (b, g, t, d)
+        return q, k, v
 
     # ------------------------------------------------------------------ the per-step state
     def step(self, x: Tensor, context: Tensor | None = None, *, mask: Tensor | None = None,
@@ -291,7 +210,7 @@ class MultiHeadAttention(nn.Module):
              positions: Tensor | None = None, cache: Cache | LayerCache | None = None,
              dtype: torch.dtype | None = None) -> Step:
         """The state every layer of a model shares for one call on x (b, s, .): the mask, the positions, the RoPE
-        tables (in ``dtype``, default x's), the cache's plan of the step (``cache.plan``). Made once per model step
+        tables (in ``dtype``, default x's), the cache's slots for the step (``cache.reserve``). Made once per model step
         and passed as ``step=``."""
         self._check_input("x", x, self.config.d_model, "d_model")
         if context is not None:
@@ -317,20 +236,16 @@ class MultiHeadAttention(nn.Module):
         cos, sin = (table.to(q.dtype) for table in step.rope)
         return RotaryEmbedding.rotate(q, cos, sin), RotaryEmbedding.rotate(k, cos, sin)
 
-    def _call(self, q: Tensor, k: Tensor, v: Tensor, step: Step, return_weights: bool, backend: str | None
-              ) -> AttentionCall:
+    def _call(self, q: Tensor, kv: KVView, step: Step, return_weights: bool, backend: str | None) -> AttentionCall:
         spec = step.mask
         if q.shape[1] != spec.n_heads and any(m is not None and m.ndim == 4 and m.shape[1] > 1
                                               for m in (spec.keep, spec.bias)):
             raise MultiheadError(f"this layer holds {q.shape[1]} of {spec.n_heads} heads (sharded): give masks "
                                  "without a per-head dimension (size 1 there)")
-        if spec.t != k.shape[2]:
-            raise MultiheadError(f"the step's mask covers {spec.t} keys but this call has {k.shape[2]}: make the "
-                                 "step for the same inputs and cache")
-        return AttentionCall(q, k, v, spec, scale=self.config.softmax_scale,
+        return AttentionCall(q, kv, spec, scale=self.config.softmax_scale,
                              dropout_p=self.config.dropout if self.training else 0.0,
                              backend=self.backend if backend is None else check_backend(backend),
-                             need_weights=return_weights, hooks=call_hooks(self))
+                             need_weights=return_weights, hooks=call_hooks(self), masks=step.masks)
 
     # ------------------------------------------------------------------ input checks
     def _check(self, x: Tensor, context: Tensor | None, value: Tensor | None, cache: LayerCache | None,

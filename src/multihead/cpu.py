@@ -1,44 +1,57 @@
-"""The speed decisions measured on a small CPU, gathered in one place behind one switch.
+"""The CPU speed decisions, made as data: rules, and a per-host tuning table read once a process, never a clock.
 
 Each function here answers "take the fast path for this call?" for one trick that gives the same result as the plain
-code (within the dtype's rounding) and was measured faster on the 2-core machine of benchmarks/RESULTS.md:
+code (within the dtype's rounding) and was measured faster on the 2-core machines of benchmarks/RESULTS.md:
 
-- :func:`split_product`: which few-row projections (decoding) may choose their kind of product, and the row blocks
-  of the split one (over the intra-op threads that find a free core, :func:`free_threads`: other processes'
-  runnable threads are read from the kernel, so a loaded machine gets plain F.linear for float32);
+- :func:`split_product`: which few-row projections (decoding) may choose their kind of product, and the row blocks of
+  the split one (over the process's intra-op threads);
 - :func:`product_kind`: the kind each such product runs (F.linear, torch.mv, the split, low precision with oneDNN
-  off, or multihead.native's bfloat16 kernel), measured for its shape (:mod:`multihead.linear` runs them);
-- :func:`step_threads`: on a loaded machine a model step runs with as many intra-op threads as cores are free;
-- :func:`product_in_one_thread`: on a loaded machine a split low-precision product runs with one intra-op thread;
+  off, or multihead.native's bfloat16 kernel), by shape (:mod:`multihead.linear` runs them);
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
-  which kernel runs and how; run by :func:`multihead.kernels.sdpa_attention`);
+  which kernel runs and how);
 - :func:`native_decode_attention`: a decode step attends in a native kernel that reads each KV head once;
 - :func:`native_quantized_decode`: a decode step over a 4- or 8-bit cache attends over the codes in a native kernel;
-- :func:`fused_low_precision_norm`: a bfloat16/float16 RMSNorm as PyTorch's ``F.rms_norm``;
-- :func:`plain_decode_mask`: one sequence continuing at its cached length attends with a plain bottom-right causal
-  mask instead of a mask by positions (no per-call position tensor in the kernel);
-- :func:`slice_cache_write`: sequences that all continue at the same length write the cache as one slice copy instead
-  of index arithmetic.
+- :func:`fused_low_precision_norm`: a bfloat16/float16 RMSNorm as PyTorch's ``F.rms_norm``.
 
-``set_enabled(False)`` (or ``with disabled():``) turns every one of them off, so the plain path can be compared with
-the fast one on a whole model (the tests do: same tokens, same logits within float32 rounding). Under torch.compile
-the switch is read when the graph is traced.
+**Decisions are data.** Where the answer depends on the host (which kind of product is fastest for a shape, whether
+the fold or the native attention pays at a length), it is a look-up in the host's tuning table: a JSON file under
+the user's cache folder (:func:`table_path`), keyed by the host (CPU model and flags, cores, torch version) and, in
+it, by decision and shape. :mod:`multihead.tuning` measures and writes it (``multihead tune``); at run time the table
+is read once, when the process first needs it, and never written, so a process computes the same way from its first
+step to its last, and two processes on one host agree. A decision the table does not hold takes the rule written
+beside it (:data:`DEFAULTS` says which). Nothing in a forward pass reads the clock.
+
+**The machine's load** can change how many threads a step runs with, never what it computes: off by default;
+:func:`follow_load` (or ``MULTIHEAD_FOLLOW_LOAD=1``) runs each model step with the threads of the cores other
+processes leave free (:func:`step_threads`), and a split low-precision product in one thread where cores are busy.
+Every decision above keys by the process's configured thread count, not the step's, so the same kernels run and the
+outputs do not change (a test checks it bit for bit).
+
+``set_enabled(False)`` (or ``with disabled():``) turns every fast path of the package off (these, and the cache's
+slice write and plain decode mask, :meth:`multihead.cache.BaseCache.reserve`), so the plain path can be compared
+with the fast one on a whole model (the tests do: same tokens, same logits within float32 rounding). Under
+torch.compile the switch is read when the graph is traced.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
-import statistics
+import platform
+import threading
 import time
-from collections.abc import Callable, Iterator
+import warnings
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
-from multihead.masks import MaskSpec
+from multihead.errors import MultiheadError
 
 _enabled = True
 
@@ -70,11 +83,17 @@ def disabled() -> Iterator[None]:
         set_enabled(before)
 
 
+# ---------------------------------------------------------------------------------------------- threads
+_step = threading.local()  # inside step_threads: the count the process is configured with
+
+
 def _threads() -> int:
-    return torch.get_num_threads()
+    configured: int | None = getattr(_step, "configured", None)
+    return torch.get_num_threads() if configured is None else configured
 
 
-# under torch.compile the thread count is read once, when the graph is traced (set_num_threads before compiling)
+# The process's intra-op thread count, the one its decisions are keyed by: also inside a step that step_threads
+# runs with fewer. Under torch.compile it is read once, when the graph is traced (set_num_threads before compiling).
 intra_op_threads: Callable[[], int] = torch.compiler.assume_constant_result(_threads)
 
 LOAD_EVERY = 0.1  # seconds between two readings of the other processes' runnable threads
@@ -90,18 +109,12 @@ class _Load:
     """The cores other processes leave to this one, from readings at most LOAD_EVERY s apart (a running average).
 
     A reading is the kernel's count of runnable threads at this instant (the 4th field of /proc/loadavg, not the
-    1-minute average) less this process's own (its threads in state R): the threads that compete with this process's
-    intra-op threads for the cores. Where /proc is not there (not Linux), nothing is counted (every core free).
-
-    After STALE_AFTER s without a reading (the first call, or a step that follows other work: a long prefill,
-    another program's turn in a benchmark) the average is replaced by the least of STALE_READINGS readings
-    STALE_SPACING s apart, not by one reading: a process that keeps a core busy is runnable in every reading, while a
-    transient one (a kernel worker, or one of this process's own threads counted runnable by /proc/loadavg and asleep
-    by the time its own state is read) is in few, and one such reading would otherwise run a whole step, seconds of
-    prefill, on one thread (on an idle 2-core machine, right after two-thread work: 3 of 200 such single-reading
-    decisions gave one thread). The burst costs about 2 ms, at most once every STALE_AFTER s.
-    ``pinned`` replaces the result with a fixed count of spare cores (tests, and benchmarks that want one decision
-    throughout).
+    1-minute average) less this process's own (its threads in state R). Where /proc is not there (not Linux),
+    nothing is counted (every core free). After STALE_AFTER s without a reading the average is replaced by the least
+    of STALE_READINGS readings STALE_SPACING s apart, not by one reading: a process that keeps a core busy is
+    runnable in every reading, a transient one in few (on an idle 2-core machine, right after two-thread work, 3 of
+    200 single-reading decisions gave one thread). ``pinned`` replaces the result with a fixed count of spare cores
+    (tests, and benchmarks that want one decision throughout). Read only when :func:`follow_load` is on.
     """
 
     def __init__(self) -> None:
@@ -154,227 +167,285 @@ class _Load:
 
 
 _load = _Load()
+_follow: bool | None = None  # None: read MULTIHEAD_FOLLOW_LOAD once
+
+
+def follow_load(on: bool | None) -> None:
+    """Let the machine's load set how many threads a model step runs with (True), or not (False, the default);
+    None: as ``MULTIHEAD_FOLLOW_LOAD`` says (1 = on)."""
+    global _follow
+    _follow = None if on is None else bool(on)
+
+
+def following_load() -> bool:
+    """Whether a step's thread count follows the machine's load (:func:`follow_load`)."""
+    global _follow
+    if _follow is None:
+        _follow = os.environ.get("MULTIHEAD_FOLLOW_LOAD", "0") == "1"
+    return _follow
 
 
 def free_threads() -> int:
-    """How many of this process's intra-op threads find a core that no other process keeps busy (at least 1).
-
-    ``intra_op_threads()`` capped by the cores less the other processes' runnable threads (:class:`_Load`, a running
-    average refreshed at most every LOAD_EVERY s, so a call costs a clock reading). Under torch.compile it is read
-    once, when the graph is traced (:data:`free_threads_traced`).
-    """
-    return max(1, min(intra_op_threads(), int(_load.spare_cores() + 0.5)))
-
-
-free_threads_traced: Callable[[], int] = torch.compiler.assume_constant_result(free_threads)
+    """How many of this process's intra-op threads find a core that no other process keeps busy (at least 1), when
+    :func:`following_load`; else every intra-op thread. A clock reading a call, a /proc reading at most every
+    LOAD_EVERY s."""
+    threads = intra_op_threads()
+    if not following_load():
+        return threads
+    return max(1, min(threads, int(_load.spare_cores() + 0.5)))
 
 
 def pin_spare_cores(spare: float | None) -> None:
     """Decide as if other processes left ``spare`` cores free (a large number: an idle machine); None: read the load
-    again (the default)."""
+    again (the default). Only read while :func:`following_load`."""
     _load.pinned = None if spare is None else float(spare)
 
 
-# the product kind measured fastest, once a process: (out, in, dtype, rows, blocks, threads it runs with) -> kind
+@contextmanager
+def step_threads() -> Iterator[int]:
+    """Run a model step with only as many intra-op threads as cores are free (:func:`free_threads`) when
+    :func:`following_load`, and give the count back after; yields the count the step runs with. Decisions inside
+    the step key by the configured count (:func:`intra_op_threads`), so the same kernels run either way.
+
+    On a loaded machine an op spread over two threads waits for whichever thread the scheduler left off its core:
+    measured in SmolLM2's bfloat16 decode with two busy processes on the 2 cores (decode.py --load 2 --profile),
+    SDPA's CPU kernel took 70 ms a token and oneDNN's products pushed plain PyTorch and transformers to 0.5 tok/s.
+    Not following the load, under torch.compile (a process setting, not an op), or with the speed paths off,
+    nothing changes."""
+    if not _enabled or not following_load() or torch.compiler.is_compiling():
+        yield intra_op_threads()
+        return
+    threads = torch.get_num_threads()
+    want = free_threads()
+    if want >= threads or getattr(_step, "configured", None) is not None:
+        yield threads
+        return
+    torch.set_num_threads(want)
+    _step.configured = threads
+    try:
+        yield want
+    finally:
+        _step.configured = None
+        torch.set_num_threads(threads)
+
+
+def product_in_one_thread(blocks: int, weight: Tensor) -> bool:
+    """Whether a split low-precision product (``blocks`` > 1 from :func:`split_product`) runs with one intra-op thread
+    because other processes leave fewer cores free than there are threads (only when :func:`following_load`).
+
+    oneDNN's bfloat16 product over 2 threads waits for whichever thread the scheduler left off the core. Measured, the
+    211 matrices of SmolLM2-135M in bfloat16 at one row, one process, alternating, 9 rounds, load average 3.9 on the
+    2 cores (median ms): F.linear 454, split over 2 threads 324, split in one thread 146 (0.32x F.linear); setting the
+    thread count there and back costs 12 us. Not under torch.compile (the count is a process setting, not an op).
+    """
+    return (_enabled and blocks > 1 and weight.dtype != torch.float32 and following_load()
+            and not torch.compiler.is_compiling() and free_threads() < intra_op_threads())
+
+
+# ---------------------------------------------------------------------------------------------- the tuning table
+TABLE_FORMAT = "multihead-tuning"
+TABLE_VERSION = 1
 PRODUCT_KINDS = ("linear", "mv", "split", "blas", "native")
-_measured: dict[tuple[object, ...], str] = {}
-_in_graph: dict[tuple[object, ...], str] = {}  # a key decided "blas": the fastest kind measured that a graph can run
-_trials: dict[tuple[object, ...], _Trial] = {}
+FOLD_KINDS = ("unfolded", "folded")
+NATIVE_ATTENTION_KINDS = ("sdpa", "native")
+# what a key of each decision may hold, by the key's first word
+CHOICES: Mapping[str, tuple[str, ...]] = {"product": PRODUCT_KINDS, "fold": FOLD_KINDS,
+                                          "native-attention": NATIVE_ATTENTION_KINDS}
+DEFAULTS = {
+    "product": ("F.linear (\"linear\"), except one bfloat16 row: multihead.native's kernel (\"native\") where it "
+                "built with AVX512-BF16 (the fastest for every one-row shape of SmolLM2 on both hosts of "
+                "benchmarks/RESULTS.md)"),
+    "fold": ("folded where the rule decides it (a KV head serving >= 4 query heads, or the b * g work items sharing "
+             "evenly among the threads or at least two a thread); otherwise not folded (SDPA's own GQA)"),
+    "native-attention": ("the native kernel wherever it fits (it read a float32 cache 1.4-2.4x and a bfloat16 one "
+                         "1.0-1.8x as fast as SDPA from 2,048 to 8,192 keys on the host of 2026-12-01)"),
+}
+
+_table_lock = threading.Lock()
+_table: dict[str, str] | None = None
 _forced: str | None = None
-MEASURE_REPEATS = 7  # timed real calls of each kind before the choice (after one untimed first call each)
-DROP_OVER = 1.5  # a kind this much slower than the best after 2 timed calls each stops being tried
-KIND_MARGIN = 0.95  # another kind is taken when its median time is under this fraction of F.linear's
 
 
-class _Trial:
-    """The real calls of one key so far: the kinds still in the running (taken in turn), which have had their
-    untimed first call, and each kind's timed calls."""
+def tuning_dir() -> Path:
+    """Where tuning tables are kept: $MULTIHEAD_TUNING_DIR, else $XDG_CACHE_HOME/multihead/tuning, else
+    ~/.cache/multihead/tuning."""
+    if os.environ.get("MULTIHEAD_TUNING_DIR"):
+        return Path(os.environ["MULTIHEAD_TUNING_DIR"])
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "multihead" / "tuning"
 
-    __slots__ = ("active", "calls", "times", "warm")
 
-    def __init__(self, kinds: tuple[str, ...]) -> None:
-        self.active = kinds
-        self.calls = 0
-        self.warm: set[str] = set()
-        self.times: dict[str, list[float]] = {kind: [] for kind in kinds}
+def _cpu_info() -> tuple[str, str]:
+    """The CPU's model name and its flags line, as /proc/cpuinfo gives them ("" where there is none)."""
+    model = flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            name = name.strip()
+            if not model and name in ("model name", "Model", "Hardware"):
+                model = value.strip()
+            elif not flags and name in ("flags", "Features"):
+                flags = " ".join(sorted(value.split()))
+    except OSError:
+        pass
+    return model or platform.processor() or platform.machine(), flags
+
+
+def host() -> dict[str, Any]:
+    """What a tuning table is valid for: the CPU (model, flags, cores), the machine type and torch's version."""
+    model, flags = _cpu_info()
+    return {"cpu": model, "cores": os.cpu_count() or 1, "machine": platform.machine(), "torch": torch.__version__,
+            "flags": hashlib.sha256(flags.encode()).hexdigest()[:16]}
+
+
+def table_path() -> Path:
+    """This host's tuning table: ``tuning-<hash of host()>.json`` in :func:`tuning_dir`."""
+    digest = hashlib.sha256(json.dumps(host(), sort_keys=True).encode()).hexdigest()[:16]
+    return tuning_dir() / f"tuning-{digest}.json"
+
+
+def check_entries(entries: object, where: str) -> dict[str, str]:
+    """A table's entries checked: a JSON object of key -> one of that decision's kinds; a MultiheadError naming
+    ``where`` and the first bad entry otherwise."""
+    if not isinstance(entries, dict):
+        raise MultiheadError(f"{where}: 'entries' must be an object of decision -> kind, got "
+                             f"{type(entries).__name__}")
+    for key, kind in entries.items():
+        word = str(key).split(" ", 1)[0]
+        choices = CHOICES.get(word)
+        if choices is None:
+            raise MultiheadError(f"{where}: entry {key!r} names no decision: keys start with one of "
+                                 f"{', '.join(CHOICES)}")
+        if kind not in choices:
+            raise MultiheadError(f"{where}: entry {key!r} holds {kind!r}: it must be one of {', '.join(choices)}")
+    return dict(entries)
+
+
+def read_table(path: Path) -> dict[str, Any]:
+    """A tuning table file as a dict (format, version, host, entries, measured), checked; a MultiheadError naming
+    the file and what is wrong with it otherwise."""
+    from multihead.hfconfig import read_json_object
+
+    data = read_json_object(path, "tuning table")
+    if data.get("format") != TABLE_FORMAT or data.get("version") != TABLE_VERSION:
+        raise MultiheadError(f"{path}: not a multihead tuning table of version {TABLE_VERSION} (format "
+                             f"{data.get('format')!r}, version {data.get('version')!r}): run `multihead tune` again")
+    data["entries"] = check_entries(data.get("entries"), str(path))
+    return data
+
+
+def _load_table() -> dict[str, str]:
+    path = table_path()
+    if not path.exists():
+        return {}
+    try:
+        return dict(read_table(path)["entries"])
+    except MultiheadError as e:  # a bad cache file must not stop a forward pass: say so once, decide by the rules
+        warnings.warn(f"multihead: the tuning table is not used ({e}); the default rules decide", stacklevel=3)
+        return {}
+
+
+def table() -> dict[str, str]:
+    """The decisions of this host's tuning table, read once a process (a copy; {} where there is none)."""
+    return dict(_entries())
+
+
+def _entries() -> dict[str, str]:
+    global _table
+    if _table is None:
+        with _table_lock:
+            if _table is None:
+                _table = _load_table()
+    return _table
+
+
+def reload_table() -> None:
+    """Read the tuning table again at the next decision (after :mod:`multihead.tuning` wrote it, or the directory
+    changed). A process that decodes keeps one table: call this between runs, not within one."""
+    global _table
+    with _table_lock:
+        _table = None
 
 
 def force_product(kind: str | None) -> None:
-    """Take ``kind`` for every product :func:`split_product` lets choose, without measuring (a kind the call has
-    not, e.g. "blas" for float32, gives F.linear); None: measure (the default). For tests of the kinds themselves,
-    and benchmarks that want one decision throughout."""
+    """Take ``kind`` for every product :func:`split_product` lets choose, whatever the table says (a kind the call
+    has not, e.g. "blas" for float32, gives F.linear); None: the table and the rules (the default). For tests of the
+    kinds themselves, and for measuring them (:mod:`multihead.tuning`)."""
     global _forced
     if kind is not None and kind not in PRODUCT_KINDS:
-        raise ValueError(f"unknown product kind {kind!r}: one of {', '.join(PRODUCT_KINDS)}, or None to measure")
+        raise MultiheadError(f"unknown product kind {kind!r}: one of {', '.join(PRODUCT_KINDS)}, or None")
     _forced = kind
 
 
-def forget_measured(key: tuple[object, ...] | None = None) -> None:
-    """Measure again from the next use: the choice for ``key``, or every choice (None), e.g. after the load
-    changed."""
-    if key is None:
-        _measured.clear()
-        _in_graph.clear()
-        _trials.clear()
-    else:
-        _measured.pop(key, None)
-        _in_graph.pop(key, None)
-        _trials.pop(key, None)
+def forced_product() -> str | None:
+    return _forced
 
 
-def product_kind(key: tuple[object, ...], kinds: tuple[str, ...],
-                 trial: Callable[[str], Callable[[], object]] | None = None) -> tuple[str, bool]:
-    """Which of ``kinds`` (the same product computed differently; "linear" first) to run for this call of ``key``,
-    and whether to time it for :func:`record_time`.
+def product_key(out_features: int, in_features: int, dtype: torch.dtype, rows: int, blocks: int, threads: int
+                ) -> str:
+    """The table's key of a product: its weight's shape and dtype, rows, the split's blocks and the threads."""
+    return (f"product {out_features}x{in_features} {str(dtype).removeprefix('torch.')} rows={rows} blocks={blocks} "
+            f"threads={threads}")
 
-    The kinds (:mod:`multihead.linear` runs them): "linear" is ``F.linear``; "mv" (one row) ``torch.mv``, the
-    matrix-vector kernel; "split" the batched product over row blocks of the weight; "blas" (bfloat16/float16 only)
-    ``F.linear`` with oneDNN switched off for the call, so PyTorch's own vectorised gemv/gemm runs (float32
-    accumulation) instead of oneDNN's AMX matmul, whose fixed cost per call (~40 us here) dominates a one-row
-    product of a small matrix; "native" (one bfloat16 row) :func:`multihead.native.gemv_bf16`, a C kernel reading
-    the weight at the memory's speed (1536 x 576 from memory: 75-88 us against F.linear's 240-278 on the host of
-    2026-12-01).
 
-    How a key is decided. With ``trial`` (several rows: prompts, patching runs), up front: ``trial(kind)`` gives
-    each kind's product on this call's inputs, run MEASURE_REPEATS times each, alternating, before the call's own
-    product, so every call of the key computes the same way. Without it (one row: decoding), on the real calls:
-    until the key is decided its calls take the kinds in turn and are timed (the first call of each kind not
-    counted), nothing computed twice, and the weights are every layer's, as they come from memory, where a trial's
-    weight sits in cache: the first decoding steps of a process (a few, one per 4 x 8 calls of a shape) therefore
-    round differently from the later ones (the kinds agree within the dtype's rounding). Either way the fastest
-    median is kept for the process if it is under KIND_MARGIN of F.linear's, else F.linear.
+def _key_range(t: int) -> str:
+    """The power-of-two range of key counts a decision covers: 2^(n-1) .. 2^n - 1 for t of bit length n."""
+    n = t.bit_length()
+    return f"t={1 << max(n - 1, 0)}-{(1 << n) - 1}"
 
-    Why measured and not fixed: the same 2-core Xeon type gave opposite answers on two hosts, and warm and cold
-    weights rank the kinds differently. The float32 split was written where SmolLM2's 210 matrices at one row took
-    63 ms with F.linear and 33 ms split in 2; on the host of 2026-12-01 (idle, one process, alternating, 15 rounds)
-    they took 21.8 ms with F.linear and 48.6 ms split (2.23x slower). On that host in bfloat16, one row, a weight in
-    cache (the same matrix again and again): 192 x 576 F.linear 53 us, "blas" 18; 1536 x 576 134 / 136, "mv" 74;
-    with the weights from memory (400 MB of copies in turn): 1536 x 576 F.linear 137 us, split 103, "mv" 110,
-    "blas" 147; 576 x 1536 153 / 215 / 129 / 184; float32 1536 x 576 F.linear 161 us, "mv" 155, split 382.
 
-    Under torch.compile nothing is measured: a choice already made is used ("native" is the operator
-    ``torch.ops.multihead.gemv_bf16``; "blas" cannot be, oneDNN's switch being a process setting, not an op, so the
-    graph takes the fastest of the other kinds measured for the key, "linear" where none was under KIND_MARGIN of
-    F.linear: on the AMD host of 2026-12-02, without AMX, F.linear is oneDNN's slow bfloat16 product, and a compiled
-    bfloat16 SmolLM2 step that took it for every "blas" shape ran at transformers' speed), else "linear" (a
-    graph traced before any eager call of the shape: the split was the default there until a compiled SmolLM2 step,
-    all split, ran at 0.5x transformers in both dtypes on the host of 2026-12-01, against 1.15x eager); decode
-    eagerly for a few steps before compiling to trace with the measured kinds. Under a dispatch or function mode
-    (FLOP counters, fake tensors) or torch.jit.trace "linear", not timed.
+def attention_key(decision: str, batch: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, t: int,
+                  threads: int) -> str:
+    """The table's key of an attention decision ("fold" or "native-attention") at ``t`` keys (its power-of-two
+    range)."""
+    return (f"{decision} b={batch} h={n_heads} g={n_kv_heads} {str(dtype).removeprefix('torch.')} {_key_range(t)} "
+            f"threads={threads}")
+
+
+def product_kind(key: str, kinds: tuple[str, ...], *, native_default: bool) -> str:
+    """Which of ``kinds`` (the same product computed differently; "linear" first) runs for the product of ``key``
+    (:func:`product_key`): the forced kind (:func:`force_product`), else the table's, else the rule
+    (``native_default``: one bfloat16 row where the native kernel is built, "native"; else "linear"). A kind the
+    call cannot take falls back to "linear" in :mod:`multihead.linear`.
+
+    The kinds: "linear" is ``F.linear``; "mv" (one row) ``torch.mv``, the matrix-vector kernel; "split" the batched
+    product over row blocks of the weight; "blas" (bfloat16/float16 only) ``F.linear`` with oneDNN switched off for
+    the call (PyTorch's own vectorised gemv/gemm instead of oneDNN's matmul, whose fixed cost per call, ~40 us on the
+    Xeon of 2026-12-01, dominates a one-row product of a small matrix); "native" (one bfloat16 row)
+    :func:`multihead.native.gemv_bf16`, a C kernel reading the weight at the memory's speed (1536 x 576 from memory:
+    75-88 us against F.linear's 240-278 there). Why the table and not one rule: the same 2-core Xeon type gave
+    opposite answers on two hosts for float32 (SmolLM2's 210 one-row products 63 ms F.linear / 33 split on one,
+    21.8 / 48.6 on the other), and a weight in cache and one from memory rank the kinds differently.
+
+    Under torch.compile "blas" cannot run (oneDNN's switch is a process setting, not an op): the table's
+    ``compiled`` choice for the key (the fastest other kind measured) or "linear" runs instead; "native" is the
+    operator ``torch.ops.multihead.gemv_bf16``.
     """
     if _forced is not None:
-        return _forced, False
-    found = _measured.get(key)
-    if found is not None:
+        return _forced
+    found = _entries().get(key)
+    if found is not None and found in kinds:
         if found == "blas" and torch.compiler.is_compiling():
-            return _in_graph.get(key, "linear"), False
-        return found, False
-    if _unmeasurable():
-        return "linear", False
-    if trial is not None:
-        return _decide(key, _measure_up_front(kinds, trial)), False
-    return _next_trial(key, kinds)
-
-
-def _unmeasurable() -> bool:
-    """Whether a call cannot be timed: under torch.compile (a graph, not a run), a dispatch or function mode (FLOP
-    counters, fake tensors would see the trials) or torch.jit.trace. Such calls take the plain way, undecided."""
-    return (torch.compiler.is_compiling() or is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._get_tracing_state() is not None)
-
-
-def _next_trial(key: tuple[object, ...], kinds: tuple[str, ...]) -> tuple[str, bool]:
-    """The kind the next real call of an undecided ``key`` takes (round robin), to be timed."""
-    state = _trials.get(key)
-    if state is None:
-        state = _trials[key] = _Trial(kinds)
-    kind = state.active[state.calls % len(state.active)]
-    state.calls += 1
-    return kind, True
-
-
-def _decide(key: tuple[object, ...], times: dict[str, list[float]]) -> str:
-    """Keep the fastest kind for ``key`` (:func:`_fastest`), and where that is "blas", which a graph cannot run, the
-    fastest of the others for :func:`product_kind` under torch.compile."""
-    kind = _measured[key] = _fastest(times)
-    if kind == "blas":
-        others = {name: t for name, t in times.items() if name != "blas" and t}
-        _in_graph[key] = _fastest(others) if others else "linear"
-    return kind
-
-
-def _measure_up_front(kinds: tuple[str, ...], trial: Callable[[str], Callable[[], object]]
-                      ) -> dict[str, list[float]]:
-    runs = {kind: trial(kind) for kind in kinds}
-    times: dict[str, list[float]] = {kind: [] for kind in kinds}
-    with torch.no_grad():
-        for run in runs.values():  # first calls (allocation, kernel set-up) not counted
-            run()
-        for r in range(MEASURE_REPEATS):
-            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]  # no kind always first
-            for kind in order:
-                began = time.perf_counter()
-                runs[kind]()
-                times[kind].append(time.perf_counter() - began)
-    return times
-
-
-def _fastest(times: dict[str, list[float]]) -> str:
-    """The kind of the fastest median if it is under KIND_MARGIN of F.linear's, else "linear"."""
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    best = min(medians, key=medians.__getitem__)
-    plain = medians.get("linear")
-    return best if plain is None or best == "linear" or medians[best] < KIND_MARGIN * plain else "linear"
-
-
-def record_time(key: tuple[object, ...], kind: str, seconds: float) -> None:
-    """One timed call of ``kind`` for ``key`` (after :func:`product_kind` or :func:`fold_gqa_decode` said to time
-    it). A kind's first call is not counted (allocation, kernel set-up). Once every kind in the running has 2 timed
-    calls, a kind whose median is over DROP_OVER times the best one's leaves the running (a shape called once a
-    step, the lm_head, would otherwise run a 3x slower kind for dozens of steps); the key is decided when every
-    kind left has MEASURE_REPEATS timed calls."""
-    state = _trials.get(key)
-    if state is None or kind not in state.active:
-        return
-    if kind not in state.warm:
-        state.warm.add(kind)
-        return
-    state.times[kind].append(seconds)
-    counts = [len(state.times[name]) for name in state.active]
-    if min(counts) >= 2 and len(state.active) > 1:
-        medians = {name: statistics.median(state.times[name]) for name in state.active}
-        best = min(medians.values())
-        kept = tuple(name for name in state.active if medians[name] <= DROP_OVER * best)
-        if kept != state.active:
-            state.active = kept
-            state.calls = 0
-    if len(state.active) == 1 or min(len(state.times[name]) for name in state.active) >= MEASURE_REPEATS:
-        _decide(key, {name: times for name, times in state.times.items() if times})
-        del _trials[key]
-
-
-def measured() -> dict[tuple[object, ...], str]:
-    """The choices made so far (a copy): products (out, in, dtype, rows, blocks, threads) -> kind, and GQA decode
-    folds ("fold", b, h, g, dtype, bit length of t, threads) -> "folded" or "unfolded"."""
-    return dict(_measured)
+            compiled = _entries().get(key + " compiled")
+            return compiled if compiled is not None and compiled in kinds and compiled != "blas" else "linear"
+        return found
+    return "native" if native_default and "native" in kinds else "linear"
 
 
 def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
     """How many row blocks the split kind of ``x @ weight.T`` takes (1: plain ``F.linear``, no kind to choose).
 
-    float32: measured (the 210 matrices of SmolLM2-135M at one row, idle 2-core Xeon): 63 ms with F.linear, whose
-    gemv kept to one core here, 33 ms split in 2; 1536 x 576 at 1-64 rows 0.4-0.8x the time of F.linear; from about
-    128 rows the two are level. It splits over :func:`free_threads` blocks only: when other processes keep the cores
-    busy, a split waits for its descheduled thread while F.linear's one-core gemv does not (1536 x 576, one row,
-    load average 7 on the 2 cores: split in 2 748 us against F.linear's 49 us; 15x), so it falls back to F.linear.
+    float32: split over the process's intra-op threads (:func:`intra_op_threads`; whether the split runs at all is
+    the table's decision, :func:`product_kind`). Measured (the 210 matrices of SmolLM2-135M at one row, idle 2-core
+    Xeon): 63 ms with F.linear, whose gemv kept to one core there, 33 ms split in 2; 1536 x 576 at 1-64 rows 0.4-0.8x
+    the time of F.linear; from about 128 rows the two are level.
 
-    bfloat16 and float16: split in at least 2 blocks, whatever the load. Their F.linear at one row (oneDNN's AMX
-    matmul, x as the one-row left operand) is slow for the larger matrices; ``W @ x^T`` (the weight as the left
-    operand, as the split runs it) is not. One process, alternating, best of 15 (load average 6.7 on the 2 cores, so
-    the figures are loaded ones), bfloat16 F.linear against split in 2, 2 threads: 1536 x 576 478 / 60 us, 576 x 1536
-    383 / 56 us, 576 x 576 73 / 68 us, 49152 x 576 (the tied lm_head) 17.5 / 17.8 ms; 1 thread: 260 / 220, 463 / 216,
-    61 / 49 us, 28.9 / 14.4 ms. Weights under SPLIT_MIN_WEIGHT elements sit in cache and the split's own dispatch
-    costs more than it saves (float32 72 x 64 at one row: 20 us split, 5 us plain).
+    bfloat16 and float16: split in at least 2 blocks. Their F.linear at one row (oneDNN's AMX matmul, x as the
+    one-row left operand) is slow for the larger matrices; ``W @ x^T`` (the weight as the left operand, as the split
+    runs it) is not. One process, alternating, best of 15 (load average 6.7 on the 2 cores), bfloat16 F.linear
+    against split in 2, 2 threads: 1536 x 576 478 / 60 us, 576 x 1536 383 / 56 us, 576 x 576 73 / 68 us. Weights
+    under SPLIT_MIN_WEIGHT elements sit in cache and the split's own dispatch costs more than it saves (float32
+    72 x 64 at one row: 20 us split, 5 us plain).
     """
     if (  # cheapest tests first: this runs for every projection of every step
         not _enabled
@@ -390,124 +461,62 @@ def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
         or not weight.is_contiguous()
     ):
         return 1
-    n = free_threads_traced()
+    n = intra_op_threads()
     if weight.dtype != torch.float32:
         n = max(n, 2)  # the layout gains with one thread too (see above)
     return n if n > 1 and weight.shape[0] % n == 0 else 1
 
 
-@contextmanager
-def step_threads() -> Iterator[int]:
-    """Run a model step with only as many intra-op threads as cores are free (:func:`free_threads`), and give the
-    count back after; yields the count the step runs with.
-
-    On a loaded machine an op spread over two threads waits for whichever thread the scheduler left off its core:
-    measured in SmolLM2's bfloat16 decode with two busy processes on the 2 cores (decode.py --load 2 --profile),
-    SDPA's CPU kernel took 70 ms a token and oneDNN's products pushed plain PyTorch and transformers to 0.5 tok/s.
-    One thread where one core is free avoids the wait for every op of the step, not only the products. Idle, or
-    under torch.compile (a process setting, not an op), or with the speed paths off, nothing changes."""
-    if not _enabled or torch.compiler.is_compiling():
-        yield intra_op_threads()
-        return
-    threads = torch.get_num_threads()
-    want = free_threads()
-    if want >= threads:
-        yield threads
-        return
-    torch.set_num_threads(want)
-    try:
-        yield want
-    finally:
-        torch.set_num_threads(threads)
-
-
-def product_in_one_thread(blocks: int, weight: Tensor) -> bool:
-    """Whether a split low-precision product (``blocks`` > 1 from :func:`split_product`) runs with one intra-op thread
-    because other processes leave fewer cores free than there are threads (:func:`free_threads`).
-
-    oneDNN's bfloat16 product over 2 threads waits for whichever thread the scheduler left off the core. Measured, the
-    211 matrices of SmolLM2-135M in bfloat16 at one row, one process, alternating, 9 rounds, load average 3.9 on the
-    2 cores (median ms): F.linear 454, split over 2 threads 324, split in one thread 146 (0.32x F.linear); setting the
-    thread count there and back costs 12 us. Not under torch.compile (the count is a process setting, not an op).
-    """
-    return (_enabled and blocks > 1 and weight.dtype != torch.float32 and not torch.compiler.is_compiling()
-            and free_threads() < intra_op_threads())
-
-
-FOLD_KINDS = ("unfolded", "folded")
-
-
 def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: torch.device,
-                    plain_causal: bool, t: int = 0, dtype: torch.dtype | None = None
-                    ) -> tuple[bool, tuple[object, ...] | None]:
-    """Whether SDPA runs a GQA decode step with each group's query heads folded into rows, and the key to time the
-    call under (:func:`record_time`) while that is being measured (None: decided).
+                    plain_causal: bool, t: int = 0, dtype: torch.dtype | None = None) -> bool:
+    """Whether SDPA runs a GQA decode step with each group's query heads folded into rows (so its CPU kernel reads
+    each KV head once instead of once per query head).
 
     On the CPU, folded when the folded work items (b * g) share evenly among the threads, or are at least two per
     thread, or each KV head serves at least 4 query heads. Measured with SDPA's CPU flash kernel (float32,
     head_dim 64, time folded / not folded): 32/8 heads, 4096 keys 0.73; 8/1, 2048 keys 0.71; 16/2 0.40, 12/4 0.91,
     9/3 at batch 2 0.88, 15/5 1.00 (1024 keys). Otherwise (SmolLM2's 9/3 at batch 1: 3 items for 2 threads) it
-    depends on the host and the length, so it is measured on the real calls, per (b, h, g, dtype) and power-of-two
-    range of the key count t (a new range, a new measurement: 2 x 8 calls, a fraction of a step of a 30-layer
-    model): on one host folding was 1.07-1.24x slower for 4096-64 keys, on the host of 2026-12-01 (30 layers' caches
-    in turn, medians of 5) float32 1k keys 2.5 ms folded / 3.8 unfolded, 4k 17.4 / 19.3, 8k 30.9 / 48.4 (the
-    unfolded kernel reads each KV head once per query head); bfloat16 2.0 / 2.1, 13.3 / 12.0, 25.0 / 24.7. Under
-    torch.compile or a dispatch mode an undecided case stays unfolded.
+    depends on the host and the length: on one host folding was 1.07-1.24x slower for 4096-64 keys, on the host of
+    2026-12-01 (30 layers' caches in turn) float32 1k keys 2.5 ms folded / 3.8 unfolded, 8k 30.9 / 48.4; bfloat16
+    level. There the table decides, per (b, h, g, dtype, power-of-two range of t, threads); without an entry, not
+    folded.
     """
     if not _enabled or n_kv_heads == n_heads or s != 1 or device.type != "cpu" or plain_causal:
-        return False, None
-    items, threads = batch * n_kv_heads, intra_op_threads()
+        return False
+    threads = intra_op_threads()
+    items = batch * n_kv_heads
     if n_heads // n_kv_heads >= 4 or items % threads == 0 or items >= 2 * threads:
-        return True, None
-    key = ("fold", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads)
-    found = _measured.get(key)
-    if found is not None:
-        return found == "folded", None
-    if _unmeasurable():
-        return False, None
-    kind, _ = _next_trial(key, FOLD_KINDS)
-    return kind == "folded", key
+        return True
+    assert dtype is not None
+    return _entries().get(attention_key("fold", batch, n_heads, n_kv_heads, dtype, t, threads)) == "folded"
 
 
-NATIVE_ATTENTION_KINDS = ("sdpa", "native")
-
-
-def native_decode_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, needs_grad: bool, dropout_p: float
-                            ) -> tuple[bool, tuple[object, ...] | None]:
-    """Whether a decode step (one query a head, every key visible) runs in :func:`multihead.native.attend_dense`
-    instead of SDPA's CPU kernel, and the key to time the call under (:func:`record_time`) while that is measured.
+def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, t: int) -> str | None:
+    """Whether a decode step that :func:`multihead.native.attend_dense` takes (one query a head, every key visible,
+    no gradient: the dispatcher checks) runs there instead of SDPA's CPU kernel: the reason it does, or None.
 
     The native kernel reads each KV head once for all the query heads it serves, float32 sums, with software
     prefetch. Measured (SmolLM2's 9/3 heads, head_dim 64, 30 layers' caches in turn, one process, alternating,
     medians of 7, the host of 2026-12-01): 8,192 keys float32 25.8 ms against SDPA's 62.9, bfloat16 15.3 against
-    27.1; 2,048 keys float32 8.8 / 12.4, bfloat16 7.4 / 7.7. Measured per (b, h, g, dtype) and power-of-two range
-    of the key count on the real calls, as the GQA fold is (after it: the SDPA side runs the fold decided), since
-    short contexts are level. Not under torch.compile, a dispatch mode or with gradients, dropout or padded keys."""
-    if (not _enabled or not q.is_cpu or q.shape[2] != 1 or needs_grad or dropout_p > 0.0 or spec.padding is not None
-            or _unmeasurable() or not spec.every_key_visible()):  # (the mask's values are read last: not in a graph)
-        return False, None
-    from multihead import native
-
-    if native.library() is None or not native.dense_fits(q, k, v):
-        return False, None
-    key = ("native attention", q.shape[0], q.shape[1], k.shape[1], k.dtype, k.shape[2].bit_length(),
-           intra_op_threads())
-    found = _measured.get(key)
-    if found is not None:
-        return found == "native", None
-    kind, _ = _next_trial(key, NATIVE_ATTENTION_KINDS)
-    return kind == "native", key
+    27.1; 2,048 keys float32 8.8 / 12.4, bfloat16 7.4 / 7.7. The table decides per (b, h, g, dtype, power-of-two
+    range of t, threads); without an entry, native."""
+    if not _enabled:
+        return None
+    found = _entries().get(attention_key("native-attention", batch, n_heads, n_kv_heads, dtype, t,
+                                         intra_op_threads()))
+    if found == "sdpa":
+        return None
+    return "the host's tuning table" if found == "native" else "the default where no tuning says otherwise"
 
 
-def native_quantized_decode(q: Tensor, bits: int, needs_grad: bool) -> bool:
-    """Whether a decode step (one query a head) over a 4- or 8-bit :class:`~multihead.cache.QuantizedKVCache` attends
-    in :func:`multihead.native.attend_q4` / :func:`~multihead.native.attend_q8`, reading the codes once inside the
-    attention, instead of dequantising the whole prefix into a tensor for SDPA. Measured (SmolLM2's 9/3 heads,
-    head_dim 64, 8,192 cached tokens, 30 layers' caches in turn, one process, alternating, medians of 7, the host of
-    2026-12-01): 4 bits, float32 38 ms against 176 ms dequantised + SDPA and 68 ms for SDPA over the full float32
-    cache; bfloat16 35 / 168 / 38. Not under torch.compile or a dispatch mode (the kernel is opaque to both), nor
-    with gradients; 2 bits always dequantise."""
-    if not _enabled or bits not in (4, 8) or not q.is_cpu or q.shape[2] != 1 or needs_grad or _unmeasurable():
+def native_quantized_decode(bits: int) -> bool:
+    """Whether a decode step over a 4- or 8-bit :class:`~multihead.cache.QuantizedKVCache` (one query a head, every
+    key visible: the dispatcher checks) attends in :func:`multihead.native.attend_q4` / ``attend_q8``, reading the
+    codes once inside the attention, instead of dequantising the whole prefix into a tensor for SDPA: wherever the
+    kernels are built. Measured (SmolLM2's 9/3 heads, head_dim 64, 8,192 cached tokens, 30 layers' caches in turn,
+    the hosts of 2026-12-01 and 12-02): 4 bits float32 38 ms against 176 ms dequantised + SDPA, 8 bits 9.3 against
+    103; 2 bits always dequantise."""
+    if not _enabled or bits not in (4, 8):
         return False
     from multihead import native
 
@@ -520,15 +529,3 @@ def fused_low_precision_norm(x: Tensor) -> bool:
     bfloat16 (1, 1, 576), one process, alternating: 17-18 us against 22-37 us; over 1,000 rows of size ~3 the
     largest relative error to the float64 formula 0.0039 against 0.0076."""
     return _enabled and x.is_cpu
-
-
-def plain_decode_mask(batch: int, at_cache_end: bool) -> bool:
-    """Whether a cached step may use plain bottom-right causal alignment instead of a mask by positions: one
-    sequence, continuing at its cached length (its queries are the last s of the t cached keys). Not under
-    torch.compile, where the cache keeps its full length and positions decide."""
-    return _enabled and batch == 1 and at_cache_end and not torch.compiler.is_compiling()
-
-
-def slice_cache_write(uniform: bool) -> bool:
-    """Whether a cache write of sequences that all continue at the same host-known length is one slice copy."""
-    return _enabled and uniform and not torch.compiler.is_compiling()

@@ -40,6 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError, require
 from multihead.hooks import HookPoint, add_hook_points, add_resid_points, call_hooks
 from multihead.kernels import AttentionCall, attend
@@ -116,7 +117,7 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
             position_bias = None if position_bias is None else position_bias[..., :s]
     spec = _mask(attention_mask, position_bias, b, h, s, t, causal)
     hooked = call_hooks(module) if isinstance(getattr(module, "hook_z", None), HookPoint) else None  # type: ignore[arg-type]
-    call = AttentionCall(query, key, value, spec, scale=d**-0.5 if scaling is None else float(scaling),
+    call = AttentionCall(query, DenseKV(key, value), spec, scale=d**-0.5 if scaling is None else float(scaling),
                          dropout_p=float(dropout), backend=getattr(module, "multihead_backend", "auto"),
                          need_weights=bool(output_attentions), softcap=softcap, sinks=s_aux, hooks=hooked)
     z, weights = attend(call)  # (b, h, s, dv)

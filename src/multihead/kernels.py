@@ -1,9 +1,14 @@
-"""The attention core, ``softmax(q k^T * scale + mask) v``, and the backends that compute it.
+"""The attention core, ``softmax(q k^T * scale + mask) v``, and the one dispatcher that decides how to compute it.
 
-Shapes follow the package legend: q (b, h, s, d); k and v (b, g, t, d) with g = n_kv_heads dividing h. Keys and
-values stay g heads wide: query head i reads KV head i // (h / g). No backend repeats K/V in memory.
+Shapes follow the package legend: q (b, h, s, d); keys and values (b, g, t, d) with g = n_kv_heads dividing h.
+Keys and values stay g heads wide: query head i reads KV head i // (h / g). No kernel repeats K/V in memory.
 
-Backends:
+A call (:class:`AttentionCall`) is q, a view of the keys and values as the cache holds them
+(:mod:`multihead.cache.view`: dense rows, low-bit codes with a full-precision tail, or a head-wise layer's groups),
+the mask and the options. :func:`attend` computes it and :func:`explain` says how, from the same decision
+(:func:`resolve_backend`): this module alone picks what runs.
+
+Kernels:
 
 - ``"sdpa"``: PyTorch's fused ``scaled_dot_product_attention`` with GQA passed natively (``enable_gqa``); it picks
   flash / memory-efficient / cuDNN / math kernels underneath. The default.
@@ -11,24 +16,26 @@ Backends:
 - ``"flex"``: PyTorch's flex attention with a block mask made from the mask's structure (causal with s != t,
   sliding windows, key padding, packed documents, a cache's positions): masked blocks are skipped and no dense mask
   is made (:mod:`multihead.flex`). Compiled on first use for each shape.
-- ``"auto"``: chosen per call from the inputs: ``"math"`` when weights are requested (only it materialises them);
-  ``"flex"`` on a GPU when the mask has structure that SDPA could only take as a dense tensor (long enough for blocks
-  to be skipped, no dropout); ``"sdpa"`` otherwise. On the CPU ``"auto"`` keeps SDPA, whose CPU flash kernel takes
-  the mask without materialising scores, because flex attention must be compiled for each new shape there.
+- ``"native"``: a CPU decode step in :mod:`multihead.native`'s kernels: over dense keys each KV head read once for
+  its query heads (``attend_dense``), or over a 4- or 8-bit store's codes as they are, never dequantised
+  (``attend_q4`` / ``attend_q8``). Taken by ``"auto"`` where every key is visible and nothing needs the keys as
+  tensors (no weights, no k, v or pattern hook, no gradient, no dropout).
 
-  MLA's absorbed decode step (its query heads folded into the rows of one latent head) runs ``"math"``.
+``backend="auto"`` (the default) is chosen per call from the inputs: ``"math"`` when weights are requested (only it
+materialises them); ``"flex"`` on a GPU when the mask has structure that SDPA could only take as a dense tensor
+(long enough for blocks to be skipped, no dropout); ``"native"`` for the CPU decode steps above where
+:mod:`multihead.cpu` says so (a rule, or the host's tuning table: never the clock); ``"sdpa"`` otherwise. On the CPU
+``"auto"`` keeps SDPA for a structured mask, whose CPU flash kernel takes the mask without materialising scores,
+because flex attention must be compiled for each new shape there. A quantized view that no native kernel takes is
+read back dense first (:mod:`multihead.quant`), then dispatched as dense keys. A head-wise layer's groups attend
+one call each, with their query heads and their own mask, and z goes back in head order.
 
-One policy: :func:`resolve_backend` holds every rule of which kernel runs (what the call requires, what was asked,
-the fastest for ``"auto"``, the CPU decisions it consults in :mod:`multihead.cpu`, what a hooked pattern needs) and
-returns a :class:`Plan`; :func:`attend` runs that plan with the call's hooks (:class:`CallHooks`: they see and
-replace tensors, nothing more), and :func:`explain` says which backend (and which SDPA kernel) the plan runs and why
-not a faster one. Both take the same :class:`AttentionCall`.
+MLA's absorbed decode step (its query heads folded into the rows of one latent head) runs ``"math"``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -38,8 +45,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead import cpu, flex, native
+from multihead.cache.view import DenseKV, GroupedKV, KVView, QuantizedKV
 from multihead.errors import MultiheadError
 from multihead.masks import MaskSpec
+from multihead.quant import dequantize_keys_into, dequantize_values_into
 
 BACKENDS = ("auto", "sdpa", "math", "flex")
 
@@ -92,13 +101,20 @@ class CallHooks:
     z: TensorFn | None = None
     names: tuple[str, ...] = ()
 
+    @property
+    def at_core(self) -> bool:
+        """Whether a hook needs the core's tensors as tensors: q, k, v or the pattern (z comes after any kernel)."""
+        return self.q is not None or self.k is not None or self.v is not None or self.pattern is not None
+
 
 @dataclass(frozen=True)
 class AttentionCall:
     """One call of the attention core, as :func:`attend` runs it and :func:`explain` describes it.
 
-    q (b, h, s, d); k (b, g, t, d) and v (b, g, t, dv) with g dividing h (query head i reads KV head i // (h / g));
-    ``mask`` the call's :class:`~multihead.masks.MaskSpec`; ``dropout_p`` the dropout on the weights (0 outside
+    q (b, h, s, d); ``kv`` the keys and values as a view (:mod:`multihead.cache.view`; a :class:`DenseKV` of k
+    (b, g, t, d) and v (b, g, t, dv) without a cache) with g dividing h (query head i reads KV head i // (h / g));
+    ``mask`` the call's :class:`~multihead.masks.MaskSpec`; ``masks`` a head-wise view's mask for each part
+    (:attr:`multihead.step.Step.masks`), None otherwise; ``dropout_p`` the dropout on the weights (0 outside
     training); ``backend`` one of BACKENDS; ``need_weights`` whether the (b, h, s, t) weights are returned;
     ``softcap`` caps the scaled scores as ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); ``sinks``
     (h,) are learned sink logits, one per query head, that take part in each row's softmax denominator and add
@@ -108,8 +124,7 @@ class AttentionCall:
     """
 
     q: Tensor
-    k: Tensor
-    v: Tensor
+    kv: KVView
     mask: MaskSpec
     scale: float
     dropout_p: float = 0.0
@@ -119,59 +134,142 @@ class AttentionCall:
     sinks: Tensor | None = None
     hooks: CallHooks | None = None
     rows_are_heads: bool = False
+    masks: tuple[MaskSpec | None, ...] | None = None
+
+    @property
+    def k(self) -> Tensor:
+        """The keys (b, g, t, d) of a dense view."""
+        return _dense(self.kv).keys
+
+    @property
+    def v(self) -> Tensor:
+        """The values (b, g, t, dv) of a dense view."""
+        return _dense(self.kv).values
 
     @property
     def needs_grad(self) -> bool:
-        return torch.is_grad_enabled() and (self.q.requires_grad or self.k.requires_grad or self.v.requires_grad)
+        if not torch.is_grad_enabled():
+            return False
+        kv = self.kv
+        if isinstance(kv, DenseKV):
+            tensors = [kv.keys, kv.values]
+        elif isinstance(kv, QuantizedKV):
+            tensors = [kv.tail_k, kv.tail_v]
+        else:
+            tensors = [t for group in kv.groups for t in (group.kv.keys, group.kv.values)]
+        return self.q.requires_grad or any(t.requires_grad for t in tensors)
 
 
-class Plan(NamedTuple):
-    """What :func:`attend` runs for a call, as :func:`resolve_backend` decides it.
+def _dense(kv: KVView) -> DenseKV:
+    if not isinstance(kv, DenseKV):
+        raise MultiheadError(f"this needs the keys and values as tensors, and the view is a {type(kv).__name__}: "
+                             "read it back with multihead.kernels.dense_view")
+    return kv
 
-    ``backend`` is the kernel that computes the output ("math", "sdpa" or "flex"); ``reason`` why this one and what
-    keeps a faster one out; ``fold`` that SDPA runs a GQA decode step with each KV head's query heads as its rows
-    (:func:`multihead.cpu.fold_gqa_decode`); ``pattern_beside`` that a hooked pattern is made by the math path beside
-    the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's);
-    ``native`` that the SDPA backend's CPU decode step runs in :func:`multihead.native.attend_dense` (each KV head
-    read once for its query heads; :func:`multihead.cpu.native_decode_attention`).
+
+class Dispatch(NamedTuple):
+    """How :func:`attend` computes a call, as :func:`resolve_backend` decides it.
+
+    ``backend`` is the kernel that computes the output ("math", "sdpa", "flex" or "native"); ``reason`` why this one
+    and what keeps a faster one out; ``fold`` that SDPA runs a GQA decode step with each KV head's query heads as its
+    rows (:func:`multihead.cpu.fold_gqa_decode`); ``pattern_beside`` that a hooked pattern is made by the math path
+    beside the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's);
+    ``dequantize`` that a quantized view is read back into dense keys and values first (then dispatched again as
+    dense); ``native`` which native kernel runs: "dense" (:func:`multihead.native.attend_dense`) or "quantized"
+    (:func:`multihead.native.attend_q4` / :func:`~multihead.native.attend_q8`), else None.
     """
 
     backend: str
     reason: str
     fold: bool = False
     pattern_beside: bool = False
-    fold_timing: tuple[object, ...] | None = None  # time the SDPA call under this key (multihead.cpu.record_time)
-    native: bool = False  # the "sdpa" backend's decode step runs in multihead.native.attend_dense
-    native_timing: tuple[object, ...] | None = None  # time the call under this key, as "native" or "sdpa"
+    dequantize: bool = False
+    native: str | None = None
 
 
 PATTERN_BESIDE = ("; the pattern (b, h, s, t) is made from the same q, k and mask for the pattern hook, and a hook "
                   "that returns a replacement makes this call's output pattern @ v (the math path)")
 
 
-NATIVE_DECODE = ("; this CPU decode step runs in multihead.native.attend_dense (each KV head read once for its query "
-                 "heads; measured faster than SDPA's CPU kernel for this shape and length)")
+NATIVE_DECODE = ("this CPU decode step runs in multihead.native.attend_dense (each KV head read once for its query "
+                 "heads, every key visible; {why})")
 
 
-def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) -> Plan:
+def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) -> Dispatch:
     """The one backend policy: what runs for ``call`` (on ``device``, default q's: a what-if for another device).
 
-    Every rule of which kernel runs is here: what the inputs require or forbid (weights, sink logits, softcap,
+    Every rule of which kernel runs is here: what the view holds (dense keys, codes that a native kernel reads as
+    they are or that are read back first), what the inputs require or forbid (weights, sink logits, softcap,
     dropout, gradients, an explicit backend), what is fastest for them ('auto': the mask's structure, the device,
     MLA's folded decode), what the hooks need (a hooked pattern beside a fused kernel) and the CPU decisions it
-    consults in :mod:`multihead.cpu`. :func:`attend` runs the plan and :func:`explain` describes it.
+    looks up in :mod:`multihead.cpu` (rules and the host's tuning table, never a timing). :func:`attend` runs the
+    decision and :func:`explain` describes it. A head-wise view is decided group by group (:func:`group_calls`).
     """
     device = call.q.device if device is None else device
+    kv = call.kv
+    if isinstance(kv, GroupedKV):
+        raise MultiheadError("a head-wise view is decided group by group: multihead.kernels.group_calls(call)")
+    if isinstance(kv, QuantizedKV):
+        why_not = _native_quantized_refused(call, kv, device)
+        if why_not is None:
+            return Dispatch("native", f"a {kv.bits}-bit decode step over the codes as they are stored "
+                            f"(multihead.native.attend_q{kv.bits}: read once inside the attention, never "
+                            "dequantised; every key visible, nothing hooked at the core)", native="quantized")
+        return Dispatch("dequantize", f"the {kv.bits}-bit codes are read back into keys and values first "
+                        f"({why_not})", dequantize=True)
     backend, reason = _backend(call, device)
-    fold, timing = _folds(call, device) if backend == "sdpa" else (False, None)
-    native, native_timing = False, None
-    if backend == "sdpa" and timing is None and device.type == "cpu":  # after the fold is decided
-        native, native_timing = cpu.native_decode_attention(call.q, call.k, call.v, call.mask, call.needs_grad,
-                                                            call.dropout_p)
-        if native:
-            fold, reason = False, reason + NATIVE_DECODE
+    fold = backend == "sdpa" and _folds(call, device)
+    native_kind: str | None = None
+    if backend == "sdpa" and device.type == "cpu":
+        why = _native_dense(call)
+        if why is not None:
+            backend, reason, fold, native_kind = "native", NATIVE_DECODE.format(why=why), False, "dense"
     beside = call.hooks is not None and call.hooks.pattern is not None and backend != "math"
-    return Plan(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside, timing, native, native_timing)
+    return Dispatch(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside, False, native_kind)
+
+
+def _native_quantized_refused(call: AttentionCall, kv: QuantizedKV, device: torch.device) -> str | None:
+    """None where a native kernel attends over the call's codes as they are; else why not."""
+    spec = call.mask
+    if kv.bits not in (4, 8):
+        return f"no native kernel reads {kv.bits}-bit codes"
+    if kv.bits == 4 and kv.group % 2:
+        return f"the 4-bit kernel reads a value group as whole bytes: group {kv.group} is odd"
+    if call.q.shape[2] != 1:
+        return f"{call.q.shape[2]} queries: the native kernels take one decode step"
+    if device.type != "cpu":
+        return f"on {device.type}: the native kernels are the CPU's"
+    if call.need_weights:
+        return "weights requested"
+    if call.hooks is not None and call.hooks.at_core:
+        return "a hook at the core needs q, k, v or the pattern as tensors"
+    if call.backend != "auto":
+        return f"backend {call.backend!r} asked for"
+    if call.dropout_p > 0.0 or call.needs_grad or call.softcap is not None or call.sinks is not None:
+        return "dropout, gradients, softcap or sink logits"
+    if spec.padding is not None or not _visible(spec):
+        return "not every key is visible to every query"
+    if not cpu.native_quantized_decode(kv.bits):
+        return "the native kernels are off or not built here" + (f" ({native.unavailable()})"
+                                                                  if native.unavailable() else "")
+    return None
+
+
+def _visible(spec: MaskSpec) -> bool:
+    """Every key visible to every query, read without a device sync under torch.compile (the structure alone)."""
+    return spec.is_empty if torch.compiler.is_compiling() else spec.every_key_visible()
+
+
+def _native_dense(call: AttentionCall) -> str | None:
+    """Why a CPU SDPA decode step runs in the native dense kernel (the decision's source), or None."""
+    spec, q = call.mask, call.q
+    if (q.shape[2] != 1 or call.needs_grad or call.dropout_p > 0.0 or spec.padding is not None
+            or call.softcap is not None or call.sinks is not None or call.backend != "auto"):
+        return None
+    k, v = call.k, call.v
+    if not native.dense_fits(q, k, v) or not _visible(spec):  # (the mask's values are read last)
+        return None
+    return cpu.native_decode_attention(q.shape[0], q.shape[1], k.shape[1], k.dtype, k.shape[2])
 
 
 def _backend(call: AttentionCall, device: torch.device) -> tuple[str, str]:
@@ -242,12 +340,11 @@ def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
     return "flex", f"the mask has structure ({found}): flex attention skips the masked blocks, no dense mask"
 
 
-def _folds(call: AttentionCall, device: torch.device) -> tuple[bool, tuple[object, ...] | None]:
-    """SDPA's GQA decode fold, as :mod:`multihead.cpu` decides it for this device (and the key to time the call
-    under while it is measured)."""
+def _folds(call: AttentionCall, device: torch.device) -> bool:
+    """SDPA's GQA decode fold, as :mod:`multihead.cpu` decides it for this device."""
     q, k = call.q, call.k
     return cpu.fold_gqa_decode(q.shape[0], q.shape[1], k.shape[1], q.shape[2], device, call.mask.is_plain_causal,
-                               k.shape[2], q.dtype)
+                               k.shape[2], k.dtype)
 
 
 def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float, softcap: float | None = None,
@@ -358,40 +455,57 @@ def _fold_mask(mask: Tensor, h: int, g: int) -> Tensor:
 
 
 def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
-    """softmax(q k^T * scale + mask) v for q (b, h, s, d) and k, v (b, g, t, d), with the call's hooks.
+    """softmax(q k^T * scale + mask) v for q (b, h, s, d) over the call's view of the keys and values, with the
+    call's hooks.
 
-    Returns (out (b, h, s, d), weights (b, h, s, t) or None). Weights are those multiplied into v, after dropout.
-    q, k and v pass their hooks first, the kernel :func:`resolve_backend` plans runs (a hooked pattern inside the
+    Returns (out (b, h, s, dv), weights (b, h, s, t) or None). Weights are those multiplied into v, after dropout.
+    q, k and v pass their hooks first, the kernel :func:`resolve_backend` decides runs (a hooked pattern inside the
     math path, or made beside a fused kernel), and the output passes the z hook.
     """
+    if isinstance(call.kv, GroupedKV):
+        return _attend_groups(call), None
+    _check_keys(call)
     hooks = call.hooks
-    if hooks is not None:
-        call = _hooked_inputs(call, hooks)
-    plan = resolve_backend(call)
-    q, k, v, spec = call.q, call.k, call.v, call.mask
+    if hooks is not None and hooks.q is not None:
+        call = dataclasses.replace(call, q=hooks.q(call.q))
+    plan: Dispatch | None = resolve_backend(call)
+    if plan is not None and plan.dequantize:  # codes no native kernel takes: read back, then dispatched as keys
+        call = dataclasses.replace(call, kv=dense_view(call.kv))
+        plan = None
+    if hooks is not None and (hooks.k is not None or hooks.v is not None):
+        k = call.k if hooks.k is None else hooks.k(call.k)
+        v = call.v if hooks.v is None else hooks.v(call.v)
+        call = dataclasses.replace(call, kv=DenseKV(k, v))
+        plan = None
+    if plan is None:
+        plan = resolve_backend(call)
+    q, spec = call.q, call.mask
     pattern = None if hooks is None else hooks.pattern
     weights: Tensor | None = None
-    if plan.backend == "math":
-        out, weights = math_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p,
+    if plan.native == "quantized":
+        kv = call.kv
+        assert isinstance(kv, QuantizedKV)
+        if torch.compiler.is_compiling():  # the kernel as an operator the graph calls
+            out = torch.ops.multihead.attend_quantized(kv.bits, q, kv.codes_k, kv.scale_k, kv.min_k, kv.codes_v,
+                                                       kv.scale_v, kv.min_v, kv.n, kv.group, kv.tail_k, kv.tail_v,
+                                                       call.scale)
+        else:
+            kernel = native.attend_q4 if kv.bits == 4 else native.attend_q8
+            out = kernel(q, kv.codes_k, kv.scale_k, kv.min_k, kv.codes_v, kv.scale_v, kv.min_v, kv.n, kv.group,
+                         kv.tail_k, kv.tail_v, call.scale, check=False)  # the store's own buffers, laid out for it
+    elif plan.backend == "math":
+        out, weights = math_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p,
                                       softcap=call.softcap, sinks=call.sinks, pattern=pattern)
         weights = weights if call.need_weights else None
     elif plan.backend == "flex":
-        out = flex.flex_attention(q, k, v, spec, scale=call.scale, softcap=call.softcap)
-    elif plan.native and plan.native_timing is None:  # (dense_fits asked by the plan, of these very tensors)
-        out = native.attend_dense(q, k, v, call.scale, check=False)
-    elif plan.native_timing is not None:  # the native kernel is being measured against SDPA on the real calls
-        began = time.perf_counter()
-        if plan.native:
-            out = native.attend_dense(q, k, v, call.scale, check=False)
+        out = flex.flex_attention(q, call.k, call.v, spec, scale=call.scale, softcap=call.softcap)
+    elif plan.native == "dense":  # (dense_fits asked by the decision, of these very tensors)
+        if torch.compiler.is_compiling():
+            out = torch.ops.multihead.attend_dense(q, call.k, call.v, call.scale)
         else:
-            out = sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
-        cpu.record_time(plan.native_timing, "native" if plan.native else "sdpa", time.perf_counter() - began)
-    elif plan.fold_timing is None:
-        out = sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
-    else:  # the fold is being measured on the real calls
-        began = time.perf_counter()
-        out = sdpa_attention(q, k, v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
-        cpu.record_time(plan.fold_timing, "folded" if plan.fold else "unfolded", time.perf_counter() - began)
+            out = native.attend_dense(q, call.k, call.v, call.scale, check=False)
+    else:
+        out = sdpa_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
     if plan.pattern_beside:
         assert pattern is not None
         out = _pattern_beside(call, out, pattern)
@@ -400,14 +514,102 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     return out, weights
 
 
-def _hooked_inputs(call: AttentionCall, hooks: CallHooks) -> AttentionCall:
-    """The call with q, k and v through their hooks."""
-    q = call.q if hooks.q is None else hooks.q(call.q)
-    k = call.k if hooks.k is None else hooks.k(call.k)
-    v = call.v if hooks.v is None else hooks.v(call.v)
-    if q is call.q and k is call.k and v is call.v:
-        return call
-    return dataclasses.replace(call, q=q, k=k, v=v)
+def _check_keys(call: AttentionCall) -> None:
+    assert not isinstance(call.kv, GroupedKV)
+    t = call.kv.t
+    if call.mask.t != t:
+        raise MultiheadError(f"the step's mask covers {call.mask.t} keys but this call has {t}: make the step for "
+                             "the same inputs and cache")
+    if call.masks is not None:
+        raise MultiheadError("the step's slots were reserved by a head-wise cache but this layer's cache holds one "
+                             "kind of KV head: make the step with the cache the layers are given")
+
+
+def dense_view(kv: KVView) -> DenseKV:
+    """The keys and values of a view as tensors (b, g, t, d): a dense view as it is, a quantized one read back (the
+    codes dequantised into one new tensor each for keys and values, the tail copied after them; under autograd
+    concatenated instead, so the gradient reaches the tail). A head-wise view has no single (b, g, t, d) form."""
+    if isinstance(kv, DenseKV):
+        return kv
+    if isinstance(kv, GroupedKV):
+        raise MultiheadError("a head-wise layer's KV heads hold different numbers of keys: there is no one (b, g, t, "
+                             "d) tensor of them")
+    n, dtype = kv.n, kv.dtype
+    b, g, m, d = kv.tail_k.shape
+    if torch.is_grad_enabled() and (kv.tail_k.requires_grad or kv.tail_v.requires_grad):
+        old_k = torch.empty(b, g, n, d, dtype=dtype, device=kv.tail_k.device)
+        old_v = torch.empty_like(old_k)
+        _dequantize(kv, old_k, old_v)
+        return DenseKV(torch.cat([old_k, kv.tail_k], dim=2), torch.cat([old_v, kv.tail_v], dim=2))  # (b, g, t, d)
+    keys = torch.empty(b, g, n + m, d, dtype=dtype, device=kv.tail_k.device)  # (b, g, t, d): no concatenation
+    values = torch.empty_like(keys)
+    _dequantize(kv, keys[:, :, :n], values[:, :, :n])
+    keys[:, :, n:] = kv.tail_k
+    values[:, :, n:] = kv.tail_v
+    return DenseKV(keys, values)
+
+
+def _dequantize(kv: QuantizedKV, keys: Tensor, values: Tensor) -> None:
+    if kv.n:
+        dequantize_keys_into(keys, kv.codes_k, kv.scale_k, kv.min_k, bits=kv.bits, group=kv.group)
+        dequantize_values_into(values, kv.codes_v, kv.scale_v, kv.min_v, bits=kv.bits, group=kv.group)
+
+
+# ---------------------------------------------------------------------------------------------- head-wise views
+def group_calls(call: AttentionCall) -> tuple[list[AttentionCall], Tensor | None]:
+    """One call per group of a head-wise view's KV heads, with the query heads of those KV heads (query head i reads
+    KV head i // (h / g)) and the group's own mask, and the order that puts their z back in head order (None: one
+    group). hook_q applies before (the caller's), hook_z after; hook_k, hook_v, hook_pattern and weights are
+    refused: the groups' keys are not one (b, g, t, d) tensor."""
+    kv = call.kv
+    assert isinstance(kv, GroupedKV)
+    if call.masks is None:
+        raise MultiheadError("the cache's layer is head-wise but the step was made without its slots: make the step "
+                             "with that cache (layer.step(x, causal=True, cache=cache))")
+    if call.need_weights:
+        raise MultiheadError("return_weights cannot be used with a HeadwiseCache: its KV heads attend to different "
+                             "keys, so there is no (b, h, s, t) matrix; run uncached with the plan's mask "
+                             "(HeadPlan.mask) to read the weights")
+    hooks = call.hooks
+    hooked = [] if hooks is None else [name for name, fn in (("hook_k", hooks.k), ("hook_v", hooks.v),
+                                                             ("hook_pattern", hooks.pattern)) if fn is not None]
+    if hooked:
+        raise MultiheadError(f"{', '.join(hooked)} cannot be hooked with a HeadwiseCache: its KV heads hold "
+                             "different numbers of keys, so a layer's keys are not one (b, g, t, d) tensor "
+                             "(hook_q, hook_z and hook_out work; run uncached with the plan's mask, "
+                             "HeadPlan.mask, to hook the others)")
+    q = call.q
+    b, h, s, d = q.shape
+    g = kv.n_kv_heads
+    calls = []
+    for group in kv.groups:
+        qg = q if group.heads is None else (
+            q.view(b, g, h // g, s, d).index_select(1, group.heads).reshape(b, -1, s, d))  # (b, |group| r, s, d)
+        sinks = call.sinks
+        if sinks is not None and group.heads is not None:
+            sinks = sinks.view(g, h // g).index_select(0, group.heads).reshape(-1)
+        spec = call.masks[group.part]
+        assert spec is not None and spec.t == group.kv.t
+        calls.append(dataclasses.replace(call, q=qg, kv=group.kv, mask=spec, masks=None, hooks=None, sinks=sinks))
+    return calls, kv.order
+
+
+def _attend_groups(call: AttentionCall) -> Tensor:
+    hooks = call.hooks
+    if hooks is not None and hooks.q is not None:
+        call = dataclasses.replace(call, q=hooks.q(call.q))
+    calls, order = group_calls(call)
+    b, h, s, _ = call.q.shape
+    outs = [attend(c)[0] for c in calls]  # (b, |group| * h / g, s, dv) each
+    if order is None:
+        z = outs[0]  # (b, h, s, dv): the layer is one group
+    else:
+        r = h // call.kv.n_kv_heads  # query heads per KV head
+        z = torch.cat([out.reshape(b, -1, r, s, out.shape[-1]) for out in outs], dim=1)  # (b, g, r, s, dv)
+        z = z.index_select(1, order).reshape(b, h, s, -1)  # (b, h, s, dv): back in head order
+    if hooks is not None and hooks.z is not None:
+        z = hooks.z(z)
+    return z
 
 
 def _pattern_beside(call: AttentionCall, out: Tensor, pattern: TensorFn) -> Tensor:
@@ -424,8 +626,8 @@ def _pattern_beside(call: AttentionCall, out: Tensor, pattern: TensorFn) -> Tens
 class KernelChoice:
     """Which attention kernel runs for a call, and why.
 
-    ``backend`` is the multihead backend ("sdpa", "math" or "flex", or "cache" where the cache attends over its own
-    store, :meth:`multihead.cache.Cache.attend`); ``kernel`` the implementation underneath
+    ``backend`` is the kernel family that computes the output ("sdpa", "math", "flex" or "native"); ``kernel`` the
+    implementation underneath
     (for SDPA the one PyTorch selects: "flash", "efficient", "cudnn", "math", ...); ``reason`` says why this one
     and, when it is not the fastest available, what keeps the faster one out.
     """
@@ -457,22 +659,41 @@ def _describe_mask(spec: MaskSpec) -> str:
 
 
 def explain(call: AttentionCall) -> KernelChoice:
-    """Which kernel :func:`attend` runs for this call, and why, without running it (nor its hooks): the plan of
+    """Which kernel :func:`attend` runs for this call, and why, without running it (nor its hooks): the decision of
     :func:`resolve_backend`, the kernel underneath (for SDPA the one PyTorch selects), and the hooked points."""
+    if isinstance(call.kv, GroupedKV):
+        calls, _ = group_calls(call)
+        choices = [explain(dataclasses.replace(c, hooks=call.hooks and CallHooks(names=call.hooks.names)))
+                   for c in calls]
+        if len(choices) == 1:
+            return choices[0]
+        reason = "head-wise cache, one call per group of KV heads: " + "; ".join(
+            f"{name} KV heads: {choice}" for name, choice in zip(("full", "streaming"), choices, strict=True))
+        return KernelChoice(choices[0].backend, choices[0].kernel, reason, choices[0].mask)
+    _check_keys(call)
     plan = resolve_backend(call)
-    if plan.backend == "flex":
+    before = ""
+    if plan.dequantize or (call.hooks is not None and (call.hooks.k is not None or call.hooks.v is not None)
+                           and not isinstance(call.kv, DenseKV)):
+        before = plan.reason + "; "
+        call = dataclasses.replace(call, kv=dense_view(call.kv))
+        plan = resolve_backend(call)
+    if plan.native == "quantized":
+        assert isinstance(call.kv, QuantizedKV)
+        kernel, reason = f"multihead.native.attend_q{call.kv.bits}", plan.reason
+    elif plan.backend == "flex":
         kernel = "flex_attention"
         reason = plan.reason + f"; {flex.sparsity(call.mask, call.q.device):.0%} of the 128 x 128 blocks skipped"
     elif plan.backend == "math":
         kernel, reason = "matmul+softmax", plan.reason
-    elif plan.native:
+    elif plan.native == "dense":
         kernel, reason = "multihead.native.attend_dense", plan.reason
     else:
         kernel = _sdpa_kernel(call)
         reason = plan.reason + _sdpa_details(call, plan, kernel)
     if call.hooks is not None and call.hooks.names:
         reason += f"; hooked: {', '.join(call.hooks.names)}"
-    return KernelChoice(plan.backend, kernel, reason, _describe_mask(call.mask))
+    return KernelChoice(plan.backend, kernel, before + reason, _describe_mask(call.mask))
 
 
 def _sdpa_kernel(call: AttentionCall) -> str:
@@ -495,7 +716,7 @@ def _sdpa_kernel(call: AttentionCall) -> str:
         return "unknown"
 
 
-def _sdpa_details(call: AttentionCall, plan: Plan, kernel: str) -> str:
+def _sdpa_details(call: AttentionCall, plan: Dispatch, kernel: str) -> str:
     """What the SDPA call does with the inputs, and what keeps a faster kernel out."""
     q, k, spec = call.q, call.k, call.mask
     reason = ""

@@ -28,7 +28,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import kernels
-from multihead.cache import LatentCache, LatentLayer, LayerView
+from multihead.cache import DenseKV, LatentCache, LatentLayer, LayerView
 from multihead.config import MLAConfig, config_or_keywords
 from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint, add_hook_points, call_hooks
@@ -202,8 +202,8 @@ class MultiHeadLatentAttention(nn.Module):
     def _latents(self, latent: Tensor, cache: LatentLayer | None, step: Step, *, copy: bool) -> Tensor:
         """The latents the call attends to (b, t, r + rope): the new ones, or the cache's with them placed."""
         if cache is not None:
-            assert step.slots is not None, "a cache call's step carries the cache's plan"
-            latent = cache.update(latent, step.slots, read_only=copy)  # (b, t, r + rope), the new ones included
+            assert step.slots is not None, "a cache call's step carries the cache's slots"
+            latent = cache.update(latent, step.slots, read_only=copy).latents  # (b, t, r + rope), the new included
         if step.mask.t != latent.shape[1]:
             raise MultiheadError(f"the step's mask covers {step.mask.t} keys but this call has {latent.shape[1]}: "
                                  "make the step for the same inputs and cache")
@@ -218,7 +218,8 @@ class MultiHeadLatentAttention(nn.Module):
         kv = self.kv_b_proj(c_t).view(b, t, h, c.qk_nope_head_dim + c.v_head_dim).transpose(1, 2)  # (b, h, t, .)
         k_nope, v = kv.split([c.qk_nope_head_dim, c.v_head_dim], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].expand(b, h, t, c.qk_rope_head_dim)], dim=-1)  # (b, h, t, qk)
-        return AttentionCall(torch.cat([q_nope, q_pe], dim=-1), k, v.contiguous(), step.mask, scale=c.softmax_scale,
+        return AttentionCall(torch.cat([q_nope, q_pe], dim=-1), DenseKV(k, v.contiguous()), step.mask,
+                             scale=c.softmax_scale,
                              dropout_p=dropout, backend=backend, need_weights=return_weights,
                              hooks=call_hooks(self))
 
@@ -242,11 +243,12 @@ class MultiHeadLatentAttention(nn.Module):
             spec = step.mask
             keep, bias, _ = spec.dense(latent.device, latent.dtype) if not spec.is_empty else (None, None, None)
             folded = MaskSpec(batch=b, n_heads=1, s=c.n_heads, t=t, keep=keep, bias=bias)
-            call = AttentionCall(q_abs.transpose(1, 2), keys, values, folded, scale=c.softmax_scale, backend=backend,
+            call = AttentionCall(q_abs.transpose(1, 2), DenseKV(keys, values), folded, scale=c.softmax_scale,
+                                 backend=backend,
                                  hooks=None if hooked is None else CallHooks(names=hooked.names),
                                  rows_are_heads=True)  # (b, 1, h, r + rope) over (b, 1, t, .)
             return _Core("absorbed", call, s, t, w_uv, folded=True)
-        call = AttentionCall(q_abs, keys, values, step.mask, scale=c.softmax_scale, dropout_p=dropout,
+        call = AttentionCall(q_abs, DenseKV(keys, values), step.mask, scale=c.softmax_scale, dropout_p=dropout,
                              backend=backend, need_weights=return_weights, hooks=hooked)
         return _Core("absorbed", call, s, t, w_uv)
 

@@ -2,7 +2,8 @@
 
 Decoding multiplies one token (a few rows) by every weight matrix: a matrix-vector product, bound by reading the
 weights from memory. PyTorch has several kernels for the same product and none is fastest for every shape, dtype
-and machine, so :func:`linear` runs the one :func:`multihead.cpu.product_kind` measured fastest for the shape:
+and machine, so :func:`linear` runs the one :func:`multihead.cpu.product_kind` decides for the shape (the host's
+tuning table, :mod:`multihead.tuning`, or the rule beside it; never a timing):
 
 - "linear": ``F.linear`` (MKL's sgemv for float32, oneDNN's matmul for bfloat16/float16);
 - "mv": ``torch.mv(W, x)`` at one row (the matrix-vector kernel);
@@ -17,16 +18,14 @@ and machine, so :func:`linear` runs the one :func:`multihead.cpu.product_kind` m
   reads the weight at the memory's speed (AVX512-BF16 products, software prefetch); offered only where it built.
 
 Same weights, same parameters and state_dict, no copy of W; the kinds differ at the last bits of the dtype's
-rounding (the same sums in another order). Measured on the 2-core machine of benchmarks/RESULTS.md (SmolLM2-135M
-greedy decoding, decode.py, one process, alternating, 2026-12-01): bfloat16 16.3 tok/s with each shape's fastest
-kind against 11.7 with the speed paths off, level with float32's 16.1; with "native" among the kinds (every shape
-chose it) 25.9 against 15.8 plain and transformers' 15.8. Which calls may choose is decided in
-:func:`multihead.cpu.split_product` (with the other CPU speed paths, behind one switch).
+rounding (the same sums in another order), and a shape always runs the same kind in a process. Measured on the
+2-core machine of benchmarks/RESULTS.md (SmolLM2-135M greedy decoding, decode.py, one process, alternating,
+2026-12-01): bfloat16 16.3 tok/s with each shape's fastest kind against 11.7 with the speed paths off; with
+"native" among the kinds (every shape chose it) 25.9 against 15.8 plain and transformers' 15.8. Which calls may
+choose is decided in :func:`multihead.cpu.split_product` (with the other CPU speed paths, behind one switch).
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 import torch.nn.functional as F
@@ -34,44 +33,42 @@ from torch import Tensor, nn
 
 from multihead import cpu, native
 
-# the kinds of product measured for a call (multihead.cpu.product_kind): by dtype, and with "mv" at one row
-_KINDS = {True: ("linear", "split"), False: ("linear", "split", "blas")}
-_ONE_ROW_KINDS = {True: ("linear", "mv", "split"), False: ("linear", "mv", "split", "blas")}
-_NATIVE_KINDS = ("linear", "mv", "split", "blas", "native")  # one bfloat16 row, when multihead.native is built
+# the kinds of product a call may take (multihead.cpu.product_kind): by dtype, and with "mv" at one row
+KINDS = {True: ("linear", "split"), False: ("linear", "split", "blas")}
+ONE_ROW_KINDS = {True: ("linear", "mv", "split"), False: ("linear", "mv", "split", "blas")}
+NATIVE_KINDS = ("linear", "mv", "split", "blas", "native")  # one bfloat16 row, when multihead.native is built
+
+
+def kinds(rows: int, dtype: torch.dtype) -> tuple[str, ...]:
+    """The kinds of product a call of ``rows`` rows in ``dtype`` may take (the first, "linear", is F.linear)."""
+    if rows == 1:
+        return NATIVE_KINDS if dtype == torch.bfloat16 and native.vectorised() else ONE_ROW_KINDS[
+            dtype == torch.float32]
+    return KINDS[dtype == torch.float32]
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``, as the kind of product :func:`multihead.cpu.product_kind` measured fastest for
-    its shape where :func:`multihead.cpu.split_product` lets it choose (few rows on the CPU)."""
+    """``F.linear(x, weight, bias)``, as the kind of product :func:`multihead.cpu.product_kind` decides for its shape
+    where :func:`multihead.cpu.split_product` lets it choose (few rows on the CPU)."""
     in_features = x.shape[-1] if x.ndim else 0
     rows = x.numel() // in_features if in_features else 0
     n = cpu.split_product(rows, weight, x)
     if n == 1:
         return F.linear(x, weight, bias)
-    one = cpu.product_in_one_thread(n, weight)
-    key = (weight.shape[0], in_features, weight.dtype, rows, n, 1 if one else cpu.intra_op_threads())
-    f32 = weight.dtype == torch.float32
-    if rows == 1:  # decoding: measured on the real calls (multihead.cpu.product_kind)
-        kinds = (_NATIVE_KINDS if weight.dtype == torch.bfloat16 and native.library() is not None
-                 else _ONE_ROW_KINDS[f32])
-        kind, timed = cpu.product_kind(key, kinds)
-    else:  # measured up front on this call's inputs: every call of the shape computes the same way
-        kind, timed = cpu.product_kind(key, _KINDS[f32], lambda k: lambda: _run(k, x, weight, bias, n, rows,
-                                                                                  in_features, one))
-    if not timed:
-        return _run(kind, x, weight, bias, n, rows, in_features, one)
-    began = time.perf_counter()
-    y = _run(kind, x, weight, bias, n, rows, in_features, one)
-    cpu.record_time(key, kind, time.perf_counter() - began)
-    return y
+    key = cpu.product_key(weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads())
+    allowed = kinds(rows, weight.dtype)
+    kind = cpu.product_kind(key, allowed, native_default=rows == 1 and "native" in allowed)
+    return run(kind, x, weight, bias, n, cpu.product_in_one_thread(n, weight))
 
 
-def _run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, rows: int, in_features: int,
-         one: bool) -> Tensor:
-    """The product as ``kind`` (:func:`multihead.cpu.product_kind`); "split", "blas", "mv" and "native" in one
-    intra-op thread when ``one``. "blas" on float32 is F.linear (MKL, no oneDNN there to switch off); "mv" with more
-    than one row is F.linear; "native" is F.linear unless it is one contiguous bfloat16 row without autograd and the
-    kernel built (the kernel reads raw memory: every layout it relies on is checked here)."""
+def run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, one: bool = False) -> Tensor:
+    """The product ``F.linear(x, weight, bias)`` as ``kind`` (:func:`multihead.cpu.product_kind`) with ``n`` row
+    blocks for the split; "split", "blas", "mv" and "native" in one intra-op thread when ``one``. "blas" on float32
+    is F.linear (MKL, no oneDNN there to switch off); "mv" with more than one row is F.linear; "native" is F.linear
+    unless it is one contiguous bfloat16 row without autograd and the kernel built (the kernel reads raw memory:
+    every layout it relies on is checked here)."""
+    in_features = x.shape[-1]
+    rows = x.numel() // in_features if in_features else 0
     if kind == "linear" or (kind == "blas" and weight.dtype == torch.float32) or (kind == "mv" and rows != 1):
         return F.linear(x, weight, bias)
     if kind == "native":
@@ -81,7 +78,7 @@ def _run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, rows
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                       or (bias is not None and bias.requires_grad)))):
             if torch.compiler.is_compiling():  # the kernel as an operator the graph calls
-                return native.gemv_bf16_op(x, weight, bias)  # type: ignore[no-any-return]
+                return torch.ops.multihead.gemv_bf16(x, weight, bias)  # type: ignore[no-any-return]
             return native.gemv_bf16(x, weight, bias, 1 if one else None, check=False)
         return F.linear(x, weight, bias)  # another dtype, autograd or a strided row: PyTorch's product
     threads = torch.get_num_threads() if one else 0

@@ -6,8 +6,8 @@
         mask       MaskSpec over (b, h, s, t)               t counts the cached keys when there is a cache
         positions  (b|1, s)                                 for RoPE (None when nothing reads them)
         rope       cos, signed sin (b|1, 1, s, d)           or None
-        slots      the cache's plan of the step              (:meth:`multihead.cache.BaseCache.plan`) or None
-    for each layer:  layer(h, step=step, cache=cache.layer(i))   -> cache.layer(i).update(k, v, step.slots)
+        slots      the cache's slots for the step             (:meth:`multihead.cache.BaseCache.reserve`) or None
+    for each layer:  layer(h, step=step, cache=cache.layer(i))   -> view = cache.layer(i).update(k, v, step.slots)
     cache.advance(s)
 
 A model makes the step from its first layer (``layer.step``); a layer called alone makes its own.
@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from multihead import cpu
 from multihead.cache import BaseCache, LayerView, Slots
 from multihead.errors import MultiheadError
 from multihead.masks import MaskSpec, build_mask
@@ -32,7 +33,7 @@ class Step:
 
     ``mask`` covers (b, h, s, t), t counting the cached keys when there is a cache; ``positions`` (b|1, s) are the
     tokens' positions for RoPE (None when nothing reads them); ``rope`` the cos and signed sin tables (b|1, 1, s, d)
-    or None; ``slots`` the cache's plan of this step (where the new tokens go, what each layer reads), or None
+    or None; ``slots`` the cache's slots for this step (where the new tokens go, what each layer reads), or None
     without a cache; ``masks`` a head-wise cache's mask for each of its ``slots.parts`` (None where a part is
     None), ``mask`` then being the first one's. A step made by one layer serves every layer with the same window,
     rope and head counts (a model's layers).
@@ -51,7 +52,7 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
                cache: BaseCache | LayerView | None = None, dtype: torch.dtype | None = None,
                validate: bool = True) -> Step:
     """The :class:`Step` of one call on x (b, s, .) for a layer of ``n_heads`` query heads with this window and
-    RoPE: the mask, the positions, the RoPE tables, the cache's plan (inputs already checked). ``validate`` checks
+    RoPE: the mask, the positions, the RoPE tables, the cache's slots (inputs already checked). ``validate`` checks
     a float mask's values (:func:`multihead.masks.build_mask`) and positions given into a cache."""
     b, s = x.shape[0], x.shape[1]
     t = s if context is None else context.shape[1]
@@ -61,7 +62,8 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
         check_cache_call(cache, context, mask, key_padding_mask, causal)
         kv = cache.cache if isinstance(cache, LayerView) else cache
         given = None if positions is None else check_positions(positions, b, s, x.device).expand(b, s)
-        slots = kv.plan(s, given, need_positions=rotary is not None, window=window, validate=validate)
+        slots = kv.reserve(s, given, need_positions=rotary is not None, window=window, validate=validate,
+                           shortcuts=cpu.enabled())
         pos, t = slots.positions, slots.t
     elif rotary is not None:
         pos = check_positions(positions, b, s, x.device)  # (b|1, s)
@@ -88,7 +90,7 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
 
 def _cache_mask(slots: Slots, b: int, n_heads: int, window: int | None, device: torch.device, validate: bool
                 ) -> MaskSpec:
-    """The mask of one part of a head-wise cache's plan: its keep (a kind that evicts), or causal by position."""
+    """The mask of one part of a head-wise cache's slots: its keep (a kind that evicts), or causal by position."""
     if not slots.positional:
         return MaskSpec(batch=b, n_heads=n_heads, s=slots.s, t=slots.t, keep=slots.keep)
     return build_mask(batch=b, n_heads=n_heads, s=slots.s, t=slots.t, causal=True, window=window,

@@ -1,38 +1,42 @@
-"""Caches of past tokens: one protocol (:mod:`multihead.cache.base`), one module per kind.
+"""Caches of past tokens: one protocol (:mod:`multihead.cache.base`), one module per kind. Caches only store.
 
 ::
 
-    slots = cache.plan(s)                        once per model step: where the new tokens go, what each layer reads
-    k, v  = cache.layer(i).update(k, v, slots)   in every layer, the one verb (a LatentCache's: update(latents, slots))
-    cache.advance(s)                             the commit, after the step
+    slots = cache.reserve(s)                      once per model step: where the new tokens go, what each layer reads
+    view  = cache.layer(i).update(k, v, slots)    in every layer, the one verb (a LatentCache's: update(latents, slots))
+    cache.advance(s)                              the commit, after the step
+
+``update`` returns a view (:mod:`multihead.cache.view`) of what the layer attends to, in the form the kind stores it;
+:func:`multihead.kernels.attend` alone decides how to compute over it.
 
 Kinds: :class:`KVCache` (every token, at its positions), :class:`SinkCache` (attention sinks + a window),
 :class:`QuantizedKVCache` (low-bit codes, KIVI), :class:`LayeredCache` (one cache per layer of its own width),
 :class:`LatentCache` (MLA's latents), :class:`HeadwiseCache` (each KV head full or sinks + window, as a
-:class:`HeadPlan` says; its layers' verb is ``update_groups``, one (keys, values) per group of KV heads).
+:class:`HeadPlan` says: its view has one group of keys per kind of KV head).
 """
 
 from multihead.cache.base import BaseCache, Cache, LayerCache, LayerView, Slots, check_count, write_slots
 from multihead.cache.full import KVCache
-from multihead.cache.headwise import HeadGroup, HeadwiseCache, HeadwiseLayer
+from multihead.cache.headwise import HeadwiseCache
 from multihead.cache.latent import LatentCache, LatentLayer
 from multihead.cache.layered import LayeredCache
 from multihead.cache.plan import HeadPlan
-from multihead.cache.quantized import (
+from multihead.cache.quantized import QuantizedKVCache, quantized_tokens
+from multihead.cache.sink import SinkCache, sink_keep
+from multihead.cache.view import DenseKV, GroupedKV, KVGroup, KVView, LatentKV, QuantizedKV
+from multihead.quant import (
     QUANT_BITS,
-    QuantizedKVCache,
     check_bits,
     dequantize,
     fake_quantize_keys,
     fake_quantize_values,
     pack,
     quantize,
-    quantized_tokens,
     unpack,
 )
-from multihead.cache.sink import SinkCache, sink_keep
 
-__all__ = ["QUANT_BITS", "BaseCache", "Cache", "HeadGroup", "HeadPlan", "HeadwiseCache", "HeadwiseLayer", "KVCache",
-           "LatentCache", "LatentLayer", "LayerCache", "LayerView", "LayeredCache", "QuantizedKVCache", "SinkCache",
-           "Slots", "check_bits", "check_count", "dequantize", "fake_quantize_keys", "fake_quantize_values", "pack",
-           "quantize", "quantized_tokens", "sink_keep", "unpack", "write_slots"]
+__all__ = ["QUANT_BITS", "BaseCache", "Cache", "DenseKV", "GroupedKV", "HeadPlan", "HeadwiseCache", "KVCache",
+           "KVGroup", "KVView", "LatentCache", "LatentKV", "LatentLayer", "LayerCache", "LayerView", "LayeredCache",
+           "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots", "check_bits", "check_count", "dequantize",
+           "fake_quantize_keys", "fake_quantize_values", "pack", "quantize", "quantized_tokens", "sink_keep",
+           "unpack", "write_slots"]

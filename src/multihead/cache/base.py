@@ -2,11 +2,18 @@
 
 ::
 
-    slots = cache.plan(s)                        once per step (multihead.step.build_step): where the s new tokens
+    slots = cache.reserve(s)                     once per step (multihead.step.build_step): where the s new tokens
                                                  go, how many keys each layer reads, which keys each query sees
-    k, v  = cache.layer(i).update(k, v, slots)   in every layer, one verb: place the layer's new keys and values
-                                                 and get back its keys and values (b, g, t, d), the new ones included
+    view  = cache.layer(i).update(k, v, slots)   in every layer, one verb: place the layer's new keys and values
+                                                 and get back a view of what the layer attends to, the new ones
+                                                 included (:mod:`multihead.cache.view`)
     cache.advance(s)                             once, after the step: the commit (``lengths=`` for a padded prompt)
+
+Caches only store. A kind says how it holds tokens and returns them in that form: :class:`~.view.DenseKV` (every
+key a row: the full and sink caches), :class:`~.view.QuantizedKV` (codes, scales and a full-precision tail),
+:class:`~.view.GroupedKV` (a head-wise layer: each group of KV heads its own keys). Which kernel reads a view is
+:func:`multihead.kernels.attend`'s decision alone; no cache imports a kernel, and the layer never asks which kind
+it holds.
 
 One rule for every kind: ``update`` returns what the step attends to, and the tokens it placed count as held only
 when ``advance`` commits them. Until then the cache holds what it held before the step: :class:`~.full.KVCache`
@@ -14,18 +21,17 @@ places them in room its lengths do not count (each sequence's slots from its len
 caches keep them beside what they store. A step that is never advanced (a later layer raised; ``explain``) leaves the
 held tokens as they were, and the next step's update replaces what it placed. Positions given to a slot-addressed
 kind (:attr:`BaseCache.addressed`) name its slots, held or not, and are written where they point: that is how a
-caller rewrites a sequence's past. ``update(..., read_only=True)`` returns the same keys and values from a copy and
-places nothing (``explain``).
+caller rewrites a sequence's past. ``update(..., read_only=True)`` returns the same view from a copy and places
+nothing (``explain``).
 
 Per-sequence lengths live on the device (``lengths``, read by the kernels' masks) and on the host (``used``, the
 longest, and whether all are equal), so overflow and the slice write are decided without a device sync.
 
 The head-wise kind (:class:`~.headwise.HeadwiseCache`: each KV head of a layer full, or sinks + window): its KV
-heads hold different numbers of keys, so one layer's keys are not one (b, g, t, d) tensor. It plans one
+heads hold different numbers of keys, so one layer's keys are not one (b, g, t, d) tensor. It reserves one
 :class:`Slots` per kind of KV head (``Slots.parts``, each with its own t and keep mask; the step makes a mask for
-each, ``Step.masks``) and its layers' verb is ``update_groups``, one (keys, values, which KV heads) per group; the
-layer then attends once per group, with the query heads of that group's KV heads, and puts z back in head order.
-The other kinds are the one-group case; nothing else in the plan / update / advance cycle assumes one t per layer.
+each, ``Step.masks``) and its layers' update returns a :class:`~.view.GroupedKV`, one group per kind present; the
+kernels attend once per group, with the query heads of that group's KV heads, and put z back in head order.
 """
 
 from __future__ import annotations
@@ -37,13 +43,13 @@ from typing import ClassVar
 import torch
 from torch import Tensor, nn
 
-from multihead import cpu
+from multihead.cache.view import KVView
 from multihead.errors import MultiheadError
 
 
 @dataclass(frozen=True)
 class Slots:
-    """One step's plan of a cache, made once (:meth:`BaseCache.plan`) and used by every layer of the step.
+    """One step's slots in a cache, reserved once (:meth:`BaseCache.reserve`) and used by every layer of the step.
 
     ``s`` new tokens per sequence; ``t`` the keys each layer holds after its update; ``positions`` (b, s) the new
     tokens' text positions, None when nothing reads them (no RoPE, a slice write, a plain causal mask); ``start``
@@ -51,7 +57,7 @@ class Slots:
     queries are the last s of the t keys of every sequence (a plain bottom-right causal mask is exact, no mask by
     positions); ``positional`` True when slot j holds position j (the causal mask by positions is right), False for a
     kind that evicts, whose ``keep`` ((b|1, 1, s, t) bool, None: every key) is then the whole mask. ``parts``: a
-    head-wise kind's plan, one Slots per kind of KV head (:class:`~.headwise.HeadwiseCache`: full, streaming; None
+    head-wise kind's slots, one Slots per kind of KV head (:class:`~.headwise.HeadwiseCache`: full, streaming; None
     for a kind no layer has), each with its own t and mask; None for the one-group kinds.
     """
 
@@ -92,7 +98,7 @@ def write_slots(slots: Slots, dim: int, *pairs: tuple[Tensor, Tensor]) -> None:
 
 class BaseCache(nn.Module):
     """What every cache kind shares: per-sequence lengths, the host-known longest length, overflow checks, the
-    step's plan (:meth:`plan`), the commit (:meth:`advance`) and the views of its layers (:meth:`layer`).
+    step's slots (:meth:`reserve`), the commit (:meth:`advance`) and the views of its layers (:meth:`layer`).
 
     A kind says how it stores tokens through three answers: ``addressed`` (True: slot j holds position j of a
     sequence and positions may be given; False: new tokens always continue every sequence), ``positional`` (the
@@ -138,16 +144,20 @@ class BaseCache(nn.Module):
         self._used = 0
         self._uniform = True
 
-    # ------------------------------------------------------------------ the plan of a step
-    def plan(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
-             window: int | None = None, validate: bool = True) -> Slots:
+    # ------------------------------------------------------------------ the slots of a step
+    def reserve(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
+                window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
         """Where the next s tokens of each sequence go and what each layer reads: made once per step, before any
         layer runs, and raises if the tokens would not fit.
 
         ``positions`` (b, s): the slots to write instead of each sequence's next ones (slot-addressed kinds only;
         integers in [0, max_len), range-checked when ``validate`` and not under torch.compile).
         ``need_positions``: the step reads the positions (RoPE), so they are made even where the write and the mask
-        would not need them. ``window``: the layers' attention window, for a kind that evicts.
+        would not need them. ``window``: the layers' attention window, for a kind that evicts. ``shortcuts``: sequences
+        that all continue at one host-known length are written as one slice copy, and one sequence continuing at its
+        length attends with a plain bottom-right causal mask instead of a mask by positions (the same keys either
+        way; never under torch.compile, where the full length and positions decide); the step passes
+        :func:`multihead.cpu.enabled`.
         """
         if positions is not None:
             if not self.addressed:
@@ -156,8 +166,9 @@ class BaseCache(nn.Module):
             self._check_slots(positions, validate)
             return Slots(s=s, t=self._span(s), positions=positions, start=None, aligned=False)
         self.check_room(s)
-        start = self._used if self.addressed and cpu.slice_cache_write(self._uniform) else None
-        aligned = self.positional and cpu.plain_decode_mask(self.batch, True)
+        shortcuts = shortcuts and not torch.compiler.is_compiling()
+        start = self._used if self.addressed and shortcuts and self._uniform else None
+        aligned = self.positional and shortcuts and self.batch == 1
         pos = None
         if need_positions or start is None or not aligned:  # made only when RoPE, the write or the mask reads them
             pos = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
@@ -284,22 +295,12 @@ class Cache(BaseCache):
         self._check_layer(index)
         return LayerCache(self, index)
 
-    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
-               ) -> tuple[Tensor, Tensor]:
-        """Place one layer's new keys and values (b, g, s, d) as ``slots`` plans; return the layer's keys and
-        values (b, g, t, d), t = ``slots.t``, the new ones included. ``read_only``: the same from a copy, nothing
-        placed. The tokens count as held at :meth:`advance` (the module's rule)."""
+    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> KVView:
+        """Place one layer's new keys and values (b, g, s, d) in the slots reserved; return a view of what the layer
+        attends to, its t = ``slots.t`` keys, the new ones included (:mod:`multihead.cache.view`: the kind's own
+        form). ``read_only``: the same from a copy, nothing placed. The tokens count as held at :meth:`advance`
+        (the module's rule)."""
         raise NotImplementedError
-
-    attends = False  # whether :meth:`attend` may answer (a kind with its own attention path sets it)
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Slots, *, scale: float,
-               read_only: bool = False) -> Tensor | None:
-        """One decode step's attention output (b, h, s, d) computed by the cache from its own store, placing k and v
-        as :meth:`update` does (``read_only``: nothing placed), for a call whose every query sees every held key
-        (no mask, hook, weights or gradient: the layer checks); None when this kind has no such path for the call,
-        and then nothing was placed (call :meth:`update`). The default: None."""
-        return None
 
     def _check_keys(self, layer: int, k: Tensor) -> None:
         b, g, _, d = k.shape
@@ -312,26 +313,16 @@ class Cache(BaseCache):
 
 
 class LayerCache(LayerView):
-    """One layer of a :class:`Cache` of keys and values."""
+    """One layer of a :class:`Cache` of keys and values: ``n_kv_heads`` and ``head_dim`` are its shape (read by the
+    layer's checks without entering the cache)."""
 
     cache: Cache
 
     def __init__(self, cache: Cache, index: int) -> None:
         super().__init__(cache, index)
+        self.n_kv_heads = cache.layer_kv_heads(index)
+        self.head_dim = cache.head_dim
 
-    @property
-    def n_kv_heads(self) -> int:
-        return self.cache.layer_kv_heads(self.index)
-
-    @property
-    def head_dim(self) -> int:
-        return self.cache.head_dim
-
-    def update(self, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> tuple[Tensor, Tensor]:
+    def update(self, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> KVView:
         """:meth:`Cache.update` of this layer."""
         return self.cache.update(self.index, k, v, slots, read_only=read_only)
-
-    def attend(self, q: Tensor, k: Tensor, v: Tensor, slots: Slots, *, scale: float, read_only: bool = False
-               ) -> Tensor | None:
-        """:meth:`Cache.attend` of this layer."""
-        return self.cache.attend(self.index, q, k, v, slots, scale=scale, read_only=read_only)

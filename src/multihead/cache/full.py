@@ -17,13 +17,14 @@ import torch
 from torch import Tensor
 
 from multihead.cache.base import Cache, Slots, write_slots
+from multihead.cache.view import DenseKV
 
 
 class KVCache(Cache):
     """Keys and values of past tokens for ``n_layers`` attention layers, in full, at their positions.
 
     :meth:`update` writes a step's tokens into their slots at once (from each sequence's length on: room the lengths
-    do not count until :meth:`advance`) and returns a view of the layer's first t slots.
+    do not count until :meth:`advance`) and returns the layer's first t slots (a :class:`~.view.DenseKV`).
     """
 
     k: Tensor
@@ -52,16 +53,15 @@ class KVCache(Cache):
         """Bytes of the key and value buffers: 2 * n_layers * b * g * max_len * d * element size."""
         return self.k.nbytes + self.v.nbytes
 
-    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
-               ) -> tuple[Tensor, Tensor]:
-        """Store k and v (b, g, s, d) of one layer in the slots planned; return the layer's first ``slots.t``
+    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> DenseKV:
+        """Store k and v (b, g, s, d) of one layer in the slots reserved; return the layer's first ``slots.t``
         slots (b, g, t, d). ``read_only``: into a copy of the layer's buffers."""
         self._check_keys(layer, k)
         keys, values = self.k.select(0, layer), self.v.select(0, layer)  # (b, g, max_len, d)
         if read_only:
             keys, values = keys.clone(), values.clone()
         write_slots(slots, 2, (keys, k), (values, v))
-        return keys.narrow(2, 0, slots.t), values.narrow(2, 0, slots.t)  # (b, g, t, d)
+        return DenseKV(keys.narrow(2, 0, slots.t), values.narrow(2, 0, slots.t))  # (b, g, t, d)
 
     def extra_repr(self) -> str:
         return (f"n_layers={self.n_layers}, batch={self.batch}, n_kv_heads={self.n_kv_heads}, "

@@ -11,13 +11,13 @@
 ``bytes`` is the sum of those tensors' nbytes (:func:`multihead.cost.headwise_cache_bytes` predicts it): a
 streaming head costs (sinks + window - 1) slots whatever the context.
 
-The protocol's head-wise case (:mod:`multihead.cache.base`): :meth:`plan` makes one :class:`~.base.Slots` per kind
-of KV head (``Slots.parts``: full, streaming), each with its own t and mask, and the layer's
-:meth:`HeadwiseLayer.update_groups` returns one :class:`HeadGroup` (keys, values, which KV heads) per kind present
-in that layer. :class:`~multihead.attention.MultiHeadAttention` attends once per group with the query heads of the
-group's KV heads (query head i reads KV head i // (h / g)) under the group's mask (full: causal by position;
-streaming: :func:`~multihead.cache.sink_keep`) and puts z back in head order. A layer whose KV heads are all full
-or all streaming is one group, without a gather. A chunk's streaming heads attend over their held slots and the
+The protocol's head-wise case (:mod:`multihead.cache.base`): :meth:`reserve` makes one :class:`~.base.Slots` per
+kind of KV head (``Slots.parts``: full, streaming), each with its own t and mask, and a layer's :meth:`update`
+returns a :class:`~.view.GroupedKV`, one :class:`~.view.KVGroup` (keys, values, which KV heads, which mask) per kind
+present in that layer. :func:`multihead.kernels.attend` attends once per group with the query heads of the group's
+KV heads (query head i reads KV head i // (h / g)) under the group's mask (full: causal by position; streaming:
+:func:`~multihead.cache.sink_keep`) and puts z back in head order. A layer whose KV heads are all full or all
+streaming is one group, without a gather. A chunk's streaming heads attend over their held slots and the
 chunk only, so their prefill compute is their window, not the context.
 
 Hook points with this cache: ``hook_q`` (b, h, s, d), ``hook_z`` (b, h, s, d) and ``hook_out`` work as always (q
@@ -32,29 +32,17 @@ tokens at most (overflow raises before any layer writes).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from multihead.cache.base import Cache, LayerCache, Slots, write_slots
+from multihead.cache.base import Cache, Slots, write_slots
 from multihead.cache.plan import HeadPlan
 from multihead.cache.sink import held_keep, keep_sinks_and_window
+from multihead.cache.view import DenseKV, GroupedKV, KVGroup
 from multihead.errors import MultiheadError
 
 FULL, STREAMING = 0, 1  # the index of each kind's Slots in Slots.parts (and of its mask in Step.masks)
-
-
-@dataclass(frozen=True)
-class HeadGroup:
-    """The keys and values (b, n, t, d) one kind of KV heads of a layer attends to: ``heads`` the n KV heads
-    ((n,) long, in order; None when the group is the whole layer), ``part`` FULL or STREAMING (which of the step's
-    plans and masks it follows)."""
-
-    keys: Tensor
-    values: Tensor
-    heads: Tensor | None
-    part: int
 
 
 class HeadwiseCache(Cache):
@@ -134,13 +122,9 @@ class HeadwiseCache(Cache):
         self._pending.clear()
         self._placed.clear()
 
-    def layer(self, index: int) -> HeadwiseLayer:
-        self._check_layer(index)
-        return HeadwiseLayer(self, index)
-
-    # ------------------------------------------------------------------ the plan of a step
-    def plan(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
-             window: int | None = None, validate: bool = True) -> Slots:
+    # ------------------------------------------------------------------ the slots of a step
+    def reserve(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
+                window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
         """One Slots per kind of KV head, in ``parts`` (FULL, STREAMING; None for a kind no layer has): the full
         heads' (t = the tokens held and the new ones, causal by position) and the streaming heads' (t = held slots
         + s, ``keep`` by :func:`sink_keep`). The top-level fields are the first present part's.
@@ -172,22 +156,16 @@ class HeadwiseCache(Cache):
                          sink_tokens=self.sink_tokens)
 
     # ------------------------------------------------------------------ a layer's verb
-    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
-               ) -> tuple[Tensor, Tensor]:
-        raise MultiheadError("a HeadwiseCache's KV heads hold different numbers of keys: a layer gets one (keys, "
-                             "values) per group of KV heads (cache.layer(i).update_groups), as MultiHeadAttention "
-                             "calls it; this caller can use a KVCache or a SinkCache")
-
-    def update_groups(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
-                      ) -> tuple[HeadGroup, ...]:
+    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> GroupedKV:
         """Place one layer's new keys and values (b, g, s, d): the full heads' in their slots (as a KVCache), the
-        streaming heads' beside their held slots until :meth:`advance`. Returns one :class:`HeadGroup` per kind in
-        this layer, full first. ``read_only``: the same, nothing placed."""
+        streaming heads' beside their held slots until :meth:`advance`. Returns one :class:`~.view.KVGroup` per kind
+        in this layer, full first, and the order that puts them back in head order. ``read_only``: the same,
+        nothing placed."""
         self._check_keys(layer, k)
         if slots.parts is None:
-            raise MultiheadError("these slots were not planned by a HeadwiseCache: make the step with this cache")
+            raise MultiheadError("these slots were not reserved by a HeadwiseCache: make the step with this cache")
         index = self.heads(layer)
-        groups: list[HeadGroup] = []
+        groups: list[KVGroup] = []
         if self._full[layer]:
             part = slots.parts[FULL]
             assert part is not None
@@ -196,19 +174,19 @@ class HeadwiseCache(Cache):
             if read_only:
                 keys, values = keys.clone(), values.clone()
             write_slots(part, 2, (keys, kf), (values, vf))
-            groups.append(HeadGroup(keys.narrow(2, 0, part.t), values.narrow(2, 0, part.t),
-                                    None if index is None else index[0], FULL))  # (b, |F_l|, t, d)
+            groups.append(KVGroup(DenseKV(keys.narrow(2, 0, part.t), values.narrow(2, 0, part.t)),
+                                  None if index is None else index[0], FULL))  # (b, |F_l|, t, d)
         if self._stream[layer]:
             ks, vs = (k, v) if index is None else (k.index_select(1, index[1]), v.index_select(1, index[1]))
             held, (keys, values) = self._held, self._tensors(layer, "stream")
-            groups.append(HeadGroup(torch.cat([keys[:, :, :held], ks.to(keys.dtype)], dim=2),
-                                    torch.cat([values[:, :, :held], vs.to(values.dtype)], dim=2),
-                                    None if index is None else index[1], STREAMING))  # (b, |S_l|, held + s, d)
+            groups.append(KVGroup(DenseKV(torch.cat([keys[:, :, :held], ks.to(keys.dtype)], dim=2),
+                                          torch.cat([values[:, :, :held], vs.to(values.dtype)], dim=2)),
+                                  None if index is None else index[1], STREAMING))  # (b, |S_l|, held + s, d)
             if not read_only:
                 self._pending[layer] = (ks, vs)
         if not read_only:
             self._placed.add(layer)
-        return tuple(groups)
+        return GroupedKV(tuple(groups), None if index is None else index[2], self.n_kv_heads)
 
     # ------------------------------------------------------------------ the commit
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
@@ -230,22 +208,3 @@ class HeadwiseCache(Cache):
                 f"full={self.head_plan.full_fraction:.0%} of KV heads, max_len={self.max_len}, "
                 f"sink_tokens={self.sink_tokens}, window={self.window}, head_dim={self.head_dim}, "
                 f"bytes={self.bytes:,}")
-
-
-class HeadwiseLayer(LayerCache):
-    """One layer of a :class:`HeadwiseCache`: :meth:`update_groups` is its verb (``update`` raises: the layer's
-    KV heads are not one (b, g, t, d) tensor)."""
-
-    cache: HeadwiseCache
-
-    def update_groups(self, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
-                      ) -> tuple[HeadGroup, ...]:
-        """:meth:`HeadwiseCache.update_groups` of this layer."""
-        return self.cache.update_groups(self.index, k, v, slots, read_only=read_only)
-
-    @property
-    def order(self) -> Tensor | None:
-        """The order that puts the groups' z ([full heads, streaming heads], by KV head) back in head order, or
-        None when the layer is one group."""
-        index = self.cache.heads(self.index)
-        return None if index is None else index[2]

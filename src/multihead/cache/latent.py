@@ -6,6 +6,7 @@ import torch
 from torch import Tensor
 
 from multihead.cache.base import BaseCache, LayerView, Slots, check_count, write_slots
+from multihead.cache.view import LatentKV
 from multihead.errors import MultiheadError
 
 
@@ -16,7 +17,7 @@ class LatentCache(BaseCache):
         latent   (n_layers, b, max_len, kv_lora_rank + rope_dim)
 
     against ``2 * n_heads * head_dim`` values per token for MHA. It holds latents, not keys and values, so it is not
-    a :class:`~multihead.cache.base.Cache`: the same plan, lengths, overflow, slice and indexed writes and commit as
+    a :class:`~multihead.cache.base.Cache`: the same slots, lengths, overflow, slice and indexed writes and commit as
     :class:`~multihead.cache.full.KVCache`, and its layers' verb is ``update(latents, slots)``
     (:class:`LatentLayer`), read by :class:`multihead.latent.MultiHeadLatentAttention`.
     """
@@ -48,8 +49,8 @@ class LatentCache(BaseCache):
         self._check_layer(index)
         return LatentLayer(self, index)
 
-    def update(self, layer: int, latents: Tensor, slots: Slots, *, read_only: bool = False) -> Tensor:
-        """Store the latents (b, s, kv_lora_rank + rope_dim) of one layer in the slots planned; return that layer's
+    def update(self, layer: int, latents: Tensor, slots: Slots, *, read_only: bool = False) -> LatentKV:
+        """Store the latents (b, s, kv_lora_rank + rope_dim) of one layer in the slots reserved; return that layer's
         first ``slots.t`` latents (b, t, kv_lora_rank + rope_dim). ``read_only``: into a copy (``explain``)."""
         b, _, width = latents.shape
         if (b, width) != (self.batch, self.width):
@@ -60,7 +61,7 @@ class LatentCache(BaseCache):
         if read_only:
             store = store.clone()
         write_slots(slots, 1, (store, latents))
-        return store.narrow(1, 0, slots.t)  # (b, t, r + rope)
+        return LatentKV(store.narrow(1, 0, slots.t))  # (b, t, r + rope)
 
     def extra_repr(self) -> str:
         return (f"n_layers={self.n_layers}, batch={self.batch}, max_len={self.max_len}, "
@@ -76,6 +77,6 @@ class LatentLayer(LayerView):
     def __init__(self, cache: LatentCache, index: int) -> None:
         super().__init__(cache, index)
 
-    def update(self, latents: Tensor, slots: Slots, *, read_only: bool = False) -> Tensor:
+    def update(self, latents: Tensor, slots: Slots, *, read_only: bool = False) -> LatentKV:
         """:meth:`LatentCache.update` of this layer."""
         return self.cache.update(self.index, latents, slots, read_only=read_only)

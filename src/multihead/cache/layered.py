@@ -8,12 +8,13 @@ from typing import cast
 from torch import Tensor, nn
 
 from multihead.cache.base import Cache, Slots
+from multihead.cache.view import KVView
 from multihead.errors import MultiheadError
 
 
 class LayeredCache(Cache):
     """One single-layer cache per layer, for models whose layers hold different numbers of KV heads (a pruned model):
-    every part is the same kind and advances together, so the plan of a step (positions, masks, spans) is the
+    every part is the same kind and advances together, so the slots of a step (positions, masks, spans) is the
     first part's, and each layer's update goes to its own part."""
 
     def __init__(self, parts: Sequence[Cache]) -> None:
@@ -43,9 +44,10 @@ class LayeredCache(Cache):
         for i in range(self.n_layers):
             self._part(i).reset()
 
-    def plan(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
-             window: int | None = None, validate: bool = True) -> Slots:
-        return self._part(0).plan(s, positions, need_positions=need_positions, window=window, validate=validate)
+    def reserve(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
+                window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
+        return self._part(0).reserve(s, positions, need_positions=need_positions, window=window, validate=validate,
+                                     shortcuts=shortcuts)
 
     def next_positions(self, s: int) -> Tensor:
         return self._part(0).next_positions(s)
@@ -53,17 +55,9 @@ class LayeredCache(Cache):
     def check_room(self, s: int) -> None:
         self._part(0).check_room(s)
 
-    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
-               ) -> tuple[Tensor, Tensor]:
+    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> KVView:
         self._check_layer(layer)
         return self._part(layer).update(0, k, v, slots, read_only=read_only)
-
-    attends = True  # a part may (its own :meth:`attend` says)
-
-    def attend(self, layer: int, q: Tensor, k: Tensor, v: Tensor, slots: Slots, *, scale: float,
-               read_only: bool = False) -> Tensor | None:
-        self._check_layer(layer)
-        return self._part(layer).attend(0, q, k, v, slots, scale=scale, read_only=read_only)
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         for i in range(self.n_layers):

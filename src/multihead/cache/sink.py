@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from multihead.cache.base import Cache, Slots, check_count
+from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError
 
 
@@ -77,8 +78,7 @@ class SinkCache(Cache):
         return held_keep(self.slot_positions, self._held, q_positions, s, window, store_window=self.window,
                          sink_tokens=self.sink_tokens)
 
-    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False
-               ) -> tuple[Tensor, Tensor]:
+    def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> DenseKV:
         """The held slots and the new keys and values (b, g, held + s, d); the new ones wait for :meth:`advance`
         (``read_only``: they are not kept)."""
         self._check_keys(layer, k)
@@ -87,7 +87,7 @@ class SinkCache(Cache):
         values = torch.cat([self.v[layer, :, :, :held], v.to(self.v.dtype)], dim=2)
         if not read_only:
             self._pending[layer] = (k, v)
-        return keys, values
+        return DenseKV(keys, values)
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         """Keep the sinks and the last ``window`` tokens of what the layers wrote this step; evict the rest."""

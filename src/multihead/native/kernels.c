@@ -1,6 +1,9 @@
-/* multihead's native CPU kernels, compiled on first use by multihead.native (cc -O3 -march=native -fopenmp):
-   mh_gemv_bf16 (decoding's one-row bfloat16 product), mh_attend_quantized (a decode step over a 4- or 8-bit cache's
-   codes) and mh_attend_dense (a decode step over a float32/bfloat16 cache), each described where it is defined.
+/* multihead's native CPU kernels, compiled on first use by multihead.native once per instruction-set variant
+   (cc -O3 -fopenmp and the variant's -m flags: "generic", "avx512", "avx512bf16"; the CPU's best one is loaded at
+   run time): mh_gemv_bf16 (decoding's one-row bfloat16 product), mh_attend_quantized (a decode step over a 4- or
+   8-bit cache's codes) and mh_attend_dense (a decode step over a float32/bfloat16 cache), each described where it
+   is defined. The two attention kernels take their arguments as one struct (mh_dense_args, mh_quant_args), which
+   multihead.native mirrors field for field; mh_isa says which instruction sets the variant was compiled with.
 
    mh_gemv_bf16: y = W x (+ bias) for one bfloat16 row x, float32 accumulation, rounded to bfloat16 once
    (round to nearest even), the same product as F.linear(x, W, bias) within bfloat16's rounding. The weight is read
@@ -88,13 +91,17 @@ static inline void dot4(const uint16_t *w, int64_t ld, const uint16_t *x, int64_
 }
 #endif
 
-/* 1 when the AVX512-BF16 products were compiled in, 0 for the portable loop */
-int mh_gemv_bf16_vectorised(void) {
-#if defined(__AVX512BF16__)
-    return 1;
-#else
-    return 0;
+/* the instruction sets this variant was compiled with: bit 0 AVX-512 (F, BW, DQ, VL: the attention kernels' fast
+   chunks), bit 1 AVX512-BF16 (the bfloat16 products); 0 for the portable loops */
+int mh_isa(void) {
+    int isa = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    isa |= 1;
 #endif
+#if defined(__AVX512BF16__)
+    isa |= 2;
+#endif
+    return isa;
 }
 
 /* y[r] = sum_j w[r * ld + j] * x[j] (+ bias[r]) for r < out; bias may be NULL */
@@ -607,21 +614,38 @@ int64_t mh_attend_dense_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, in
     return B * G * per * (HPG * (D + 2) + HPG * MH_CHUNK);
 }
 
-int mh_attend_dense(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t t, const float *q, const void *k,
-                    int64_t k_b, int64_t k_g, int64_t k_t, const void *v, int64_t v_b, int64_t v_g, int64_t v_t,
-                    int bf16, float scale, float *out, float *scratch, int threads) {
+/* the arguments of mh_attend_dense: q and out (B, G, HPG, D) float32 contiguous (query head h = g * HPG + i); k and
+   v (B, G, t, D) float32 or (bf16 = 1) bfloat16 with the given strides in elements (rows contiguous) */
+typedef struct {
+    int64_t B, G, HPG, D, t;
+    const float *q;
+    const void *k;
+    int64_t k_b, k_g, k_t;
+    const void *v;
+    int64_t v_b, v_g, v_t;
+    int64_t bf16;
+    float scale;
+    float *out, *scratch;
+    int64_t threads;
+} mh_dense_args;
+
+int mh_attend_dense(const mh_dense_args *a) {
 #if defined(__AVX512F__)
-    if ((D != 64 && D != 128) || HPG < 1 || HPG > 8 || t < 1 || k_t != v_t) return 1;
+    const int64_t B = a->B, G = a->G, HPG = a->HPG, D = a->D, t = a->t, k_t = a->k_t;
+    const int bf16 = (int)a->bf16;
+    const float scale = a->scale;
+    if ((D != 64 && D != 128) || HPG < 1 || HPG > 8 || t < 1 || k_t != a->v_t) return 1;
     int64_t per = (t + MH_CHUNK - 1) / MH_CHUNK, items = B * G * per, es = bf16 ? 2 : 4;
     int64_t part_size = HPG * (D + 2);
-    float *parts = scratch, *works = scratch + items * part_size;
-    if (threads < 1) threads = 1;
+    float *parts = a->scratch, *works = a->scratch + items * part_size;
+    int threads = a->threads < 1 ? 1 : (int)a->threads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
         int64_t bg = it / per, c = it % per, b = bg / G, g = bg % G;
         int64_t t0 = c * MH_CHUNK, t1 = t0 + MH_CHUNK < t ? t0 + MH_CHUNK : t;
-        const float *qg = q + bg * HPG * D;
-        const char *kp = (const char *)k + (b * k_b + g * k_g) * es, *vp = (const char *)v + (b * v_b + g * v_g) * es;
+        const float *qg = a->q + bg * HPG * D;
+        const char *kp = (const char *)a->k + (b * a->k_b + g * a->k_g) * es;
+        const char *vp = (const char *)a->v + (b * a->v_b + g * a->v_g) * es;
         float *part = parts + it * part_size, *sc = works + it * HPG * MH_CHUNK;
         if (D == 64 && HPG == 3 && bf16)
             dense_chunk(3, 4, 1, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
@@ -632,11 +656,10 @@ int mh_attend_dense(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t t, con
         else
             dense_chunk(HPG, 8, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
     }
-    merge_parts(B * G, HPG, D, per, parts, out);
+    merge_parts(B * G, HPG, D, per, parts, a->out);
     return 0;
 #else
-    (void)B; (void)G; (void)HPG; (void)D; (void)t; (void)q; (void)k; (void)k_b; (void)k_g; (void)k_t; (void)v;
-    (void)v_b; (void)v_g; (void)v_t; (void)bf16; (void)scale; (void)out; (void)scratch; (void)threads;
+    (void)a;
     return 1;
 #endif
 }
@@ -814,36 +837,55 @@ static void quantized_chunk(int bits, int64_t HPG, int64_t D, int64_t group, int
         q8_chunk(HPG, D, group, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
 }
 
+/* the arguments of mh_attend_quantized: q and out (B, G, HPG, D) float32 contiguous; code rows ck, cv of
+   D * bits / 8 bytes, key-scale rows sk, mk of D halves, value-scale rows sv, mv of D / group halves, with the given
+   batch and head strides (in elements); the m tail keys and values tk, tv (B, G, m, D) float32 contiguous */
+typedef struct {
+    int64_t bits, B, G, HPG, D, n, group, m;
+    const float *q;
+    const uint8_t *ck;
+    int64_t ck_b, ck_g;
+    const uint16_t *sk, *mk;
+    int64_t sk_b, sk_g;
+    const uint8_t *cv;
+    int64_t cv_b, cv_g;
+    const uint16_t *sv, *mv;
+    int64_t sv_b, sv_g;
+    const float *tk, *tv;
+    float scale;
+    float *out, *scratch;
+    int64_t threads;
+} mh_quant_args;
+
 /* One decode step's attention over a `bits`-bit (4 or 8) KIVI store and its full-precision tail: work items (batch,
    KV head, chunk) and (batch, KV head, tail), merged per query head. Returns 1 (nothing computed) for a shape the
    kernels do not take. */
-int mh_attend_quantized(int bits, int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group,
-                        const float *q, const uint8_t *ck, int64_t ck_b, int64_t ck_g, const uint16_t *sk,
-                        const uint16_t *mk, int64_t sk_b, int64_t sk_g, const uint8_t *cv, int64_t cv_b, int64_t cv_g,
-                        const uint16_t *sv, const uint16_t *mv, int64_t sv_b, int64_t sv_g, const float *tk,
-                        const float *tv, int64_t m, float scale, float *out, float *scratch, int threads) {
+int mh_attend_quantized(const mh_quant_args *a) {
+    const int bits = (int)a->bits;
+    const int64_t G = a->G, HPG = a->HPG, D = a->D, n = a->n, group = a->group, m = a->m;
     if ((bits != 4 && bits != 8) || group < 1 || D % group || (bits == 4 && (D % 2 || group % 2)) || n % group
         || n + m < 1)
         return 1;
     int64_t chunk = quant_chunk_len(group);
-    int64_t nq = (n + chunk - 1) / chunk, per = nq + (m > 0), items = B * G * per;
+    int64_t nq = (n + chunk - 1) / chunk, per = nq + (m > 0), items = a->B * G * per;
     int64_t part_size = HPG * (D + 2), work_size = quant_work_size(HPG, D, group, m);
-    float *parts = scratch, *works = scratch + items * part_size;
-    if (threads < 1) threads = 1;
+    float *parts = a->scratch, *works = a->scratch + items * part_size;
+    int threads = a->threads < 1 ? 1 : (int)a->threads;
 #pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
     for (int64_t it = 0; it < items; it++) {
         int64_t bg = it / per, c = it % per, b = bg / G, g = bg % G;
-        const float *qg = q + bg * HPG * D;
+        const float *qg = a->q + bg * HPG * D;
         float *part = parts + it * part_size, *work = works + it * work_size;
         if (c < nq) {
             int64_t t0 = c * chunk, t1 = t0 + chunk < n ? t0 + chunk : n;
-            quantized_chunk(bits, HPG, D, group, t0, t1, qg, ck + b * ck_b + g * ck_g, sk + b * sk_b + g * sk_g,
-                            mk + b * sk_b + g * sk_g, cv + b * cv_b + g * cv_g, sv + b * sv_b + g * sv_g,
-                            mv + b * sv_b + g * sv_g, scale, part, work);
+            quantized_chunk(bits, HPG, D, group, t0, t1, qg, a->ck + b * a->ck_b + g * a->ck_g,
+                            a->sk + b * a->sk_b + g * a->sk_g, a->mk + b * a->sk_b + g * a->sk_g,
+                            a->cv + b * a->cv_b + g * a->cv_g, a->sv + b * a->sv_b + g * a->sv_g,
+                            a->mv + b * a->sv_b + g * a->sv_g, a->scale, part, work);
         } else {
-            f32_tail(HPG, D, m, qg, tk + bg * m * D, tv + bg * m * D, scale, part, work);
+            f32_tail(HPG, D, m, qg, a->tk + bg * m * D, a->tv + bg * m * D, a->scale, part, work);
         }
     }
-    merge_parts(B * G, HPG, D, per, parts, out);
+    merge_parts(a->B * G, HPG, D, per, parts, a->out);
     return 0;
 }

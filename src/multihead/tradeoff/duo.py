@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
 from multihead.cache.sink import sink_keep
+from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError
 from multihead.hooks import HookFn, HookHandle, HookPoint
 from multihead.kernels import AttentionCall, attend
@@ -205,7 +206,7 @@ def gated(model: nn.Module, gates: Tensor, *, sinks: int, window: int) -> Iterat
                 raise MultiheadError(f"the gated forward is for uncached calls (queries and keys at the same "
                                      f"positions): this call has {s} queries over {t} keys")
             spec = build_mask(batch=b, n_heads=h, s=s, t=t, mask=stream_mask(s, q.device), device=q.device)
-            stream, _ = attend(AttentionCall(q, k, v, spec, scale=layer.config.softmax_scale))  # (b, h, s, d)
+            stream, _ = attend(AttentionCall(q, DenseKV(k, v), spec, scale=layer.config.softmax_scale))  # (b, h, s, d)
             gate = gates[index].to(z.dtype).repeat_interleave(h // g)[None, :, None, None]  # (1, h, 1, 1)
             return gate * z + (1 - gate) * stream
 

@@ -1,0 +1,111 @@
+"""What a cache layer's ``update`` returns: a view of the keys and values one call attends to, in the form the store
+holds them. A view is data: it says what the kernel needs and nothing about how to compute
+(:func:`multihead.kernels.attend` decides that, and :func:`multihead.kernels.explain` says so).
+
+::
+
+    DenseKV(keys, values)                 (b, g, t, d), (b, g, t, dv): every key a tensor row (full, sink, uncached)
+    QuantizedKV(codes.., tail_k, tail_v)  n quantized tokens as codes + scales + minimums, then m full-precision
+                                          ones (the residual and the step's own): t = n + m
+    GroupedKV(groups, order)              a head-wise layer: each group of KV heads its own DenseKV and mask part;
+                                          ``order`` puts [group 0's heads, group 1's, ..] back in head order
+    LatentKV(latents)                     multi-head latent attention's (b, t, kv_lora_rank + rope_dim)
+
+Query head i reads KV head i // (h / g) of the layer, in every kind.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class DenseKV:
+    """Keys (b, g, t, d) and values (b, g, t, dv), one row a key: what every kernel takes as it is."""
+
+    keys: Tensor
+    values: Tensor
+
+    @property
+    def t(self) -> int:
+        return int(self.keys.shape[2])
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.keys.shape[1])
+
+
+@dataclass(frozen=True)
+class QuantizedKV:
+    """A low-bit store (:mod:`multihead.quant`) and its full-precision tail, as one layer holds them.
+
+    The first ``n`` tokens are codes (a multiple of ``group``): ``codes_k``, ``codes_v`` (b, g, >= n, d * bits / 8)
+    uint8; ``scale_k``, ``min_k`` (b, g, >= n / group, d) float16, keys per channel over groups of ``group``
+    tokens; ``scale_v``, ``min_v`` (b, g, >= n, d / group) float16, values per token over groups of ``group``
+    channels. Then ``tail_k``, ``tail_v`` (b, g, m, d) in the cache's dtype: the residual tokens and the step's
+    own, t = n + m keys in all. The buffers are the store's own (rows contiguous), never copies.
+    """
+
+    bits: int
+    group: int
+    n: int
+    codes_k: Tensor
+    scale_k: Tensor
+    min_k: Tensor
+    codes_v: Tensor
+    scale_v: Tensor
+    min_v: Tensor
+    tail_k: Tensor
+    tail_v: Tensor
+
+    @property
+    def t(self) -> int:
+        return self.n + int(self.tail_k.shape[2])
+
+    @property
+    def n_kv_heads(self) -> int:
+        return int(self.tail_k.shape[1])
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.tail_k.dtype
+
+
+@dataclass(frozen=True)
+class KVGroup:
+    """One group of a head-wise layer's KV heads: its keys and values, which KV heads they are ((n,) long, in
+    order; None when the group is the whole layer) and ``part``, the index of its mask in the step
+    (:attr:`multihead.step.Step.masks`: full heads causal by position, streaming heads by their sinks and window)."""
+
+    kv: DenseKV
+    heads: Tensor | None
+    part: int
+
+
+@dataclass(frozen=True)
+class GroupedKV:
+    """A layer whose KV heads hold different numbers of keys (:class:`~multihead.cache.HeadwiseCache`): one
+    :class:`KVGroup` per kind of KV head present, and ``order``, the permutation that puts the groups' heads
+    ([group 0's, group 1's, ..], by KV head) back in head order (None for one group)."""
+
+    groups: tuple[KVGroup, ...]
+    order: Tensor | None
+    n_kv_heads: int
+
+
+@dataclass(frozen=True)
+class LatentKV:
+    """The latents of multi-head latent attention (b, t, kv_lora_rank + rope_dim): compressed keys and values and
+    the one RoPE key all heads share (:class:`~multihead.cache.LatentCache`)."""
+
+    latents: Tensor
+
+    @property
+    def t(self) -> int:
+        return int(self.latents.shape[1])
+
+
+KVView = DenseKV | QuantizedKV | GroupedKV
