@@ -134,3 +134,151 @@ def test_the_private_name_check_sees_calls_across_modules() -> None:
         "c.py": ast.parse("def g(x):\n    return x._unknown_to_the_package\n"),
     }
     assert _violations(trees) == ["b.py:1 _helper", "b.py:3 _heads", "b.py:3 _heads"]
+
+
+# ---------------------------------------------------------------------------------------------- the core's rooms
+KERNEL_MODULES = {"multihead.kernels", "multihead.native", "multihead.flex", "multihead.cpu", "multihead.linear",
+                  "multihead.tuning"}
+
+
+def test_no_cache_module_imports_a_kernel_module() -> None:
+    """Caches only store: no module of multihead.cache imports the dispatcher, a kernel or a speed decision."""
+    modules = _modules()
+    found = {name: sorted(_imports(name, path, modules) & KERNEL_MODULES) for name, path in modules.items()
+             if name == "multihead.cache" or name.startswith("multihead.cache.")}
+    assert {name: kernels for name, kernels in found.items() if kernels} == {}
+    assert len(found) >= 8  # the protocol, the view and every kind were looked at
+
+
+# the attention kernels and the decisions that choose among them: referenced by the dispatcher alone (and defined
+# where they live); tuning measures them to write the host's table, which the dispatcher then reads
+KERNEL_ENTRY_POINTS = {"scaled_dot_product_attention", "flex_attention", "sdpa_attention", "math_attention",
+                       "attend_dense", "attend_q4", "attend_q8", "attend_quantized", "fold_gqa_decode",
+                       "native_decode_attention", "native_quantized_decode", "resolve_backend", "dense_fits"}
+ENTRY_POINT_HOMES = {"multihead.kernels", "multihead.native", "multihead.flex", "multihead.cpu"}
+ENTRY_POINT_USERS = {"multihead.tuning": "measures SDPA (folded or not) against the native kernel for the table"}
+
+
+def _references(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name) and node.id in names:
+            found.append((node.lineno, node.id))
+        elif isinstance(node, ast.Attribute) and node.attr in names:
+            found.append((node.lineno, node.attr))
+        elif isinstance(node, ast.ImportFrom):
+            found += [(node.lineno, a.name) for a in node.names if a.name in names]
+    return found
+
+
+def test_no_module_outside_kernels_decides_a_backend() -> None:
+    """Which kernel runs is decided in multihead.kernels alone: no other module calls an attention kernel or the
+    decisions that choose one (they may call kernels.attend, which decides)."""
+    outside = {}
+    for name, path in _modules().items():
+        if name in ENTRY_POINT_HOMES or name in ENTRY_POINT_USERS:
+            continue
+        refs = _references(ast.parse(path.read_text(encoding="utf-8")), KERNEL_ENTRY_POINTS)
+        if refs:
+            outside[name] = refs
+    assert outside == {}
+
+
+def test_the_entry_point_check_sees_a_call() -> None:
+    tree = ast.parse("import torch.nn.functional as F\nfrom multihead.native import attend_dense\n"
+                     "def f(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v)\n")
+    assert _references(tree, KERNEL_ENTRY_POINTS) == [(2, "attend_dense"), (4, "scaled_dot_product_attention")]
+
+
+STAGES = ("multihead.step", "multihead.linear", "multihead.rope", "multihead.cache", "multihead.hooks",
+          "multihead.kernels")
+DATA = {"multihead.cache.view", "multihead.masks", "multihead.errors", "multihead.config"}  # types, read anywhere
+
+
+def _room(module: str) -> str:
+    if module in DATA or not module.startswith("multihead"):
+        return module
+    for stage in ("multihead.cache", "multihead.native"):
+        if module.startswith(stage + "."):
+            return stage
+    return module
+
+
+def _walk(run: object) -> tuple[list[str], list[tuple[str, str]]]:
+    """Run ``run()`` under a profiler: the rooms the layer's forward enters from its own frames, in order with
+    repeats collapsed, and every (room, room) a call crossed between the package's stages below it."""
+    import sys
+
+    top: list[str] = []
+    crossings: list[tuple[str, str]] = []
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event != "call":
+            return
+        callee = _room(frame.f_globals.get("__name__", ""))
+        caller_frame = frame.f_back  # the nearest frame of the package's (nn.Module.__call__ and the like between)
+        while caller_frame is not None and not caller_frame.f_globals.get("__name__", "").startswith("multihead"):
+            caller_frame = caller_frame.f_back
+        caller = _room(caller_frame.f_globals.get("__name__", "")) if caller_frame is not None else ""
+        if not callee.startswith("multihead") or callee == caller or callee in DATA:
+            return
+        if caller == "multihead.attention":
+            if not top or top[-1] != callee:
+                top.append(callee)
+        elif caller.startswith("multihead"):
+            crossings.append((caller, callee))
+
+    sys.setprofile(profile)
+    try:
+        run()  # type: ignore[operator]
+    finally:
+        sys.setprofile(None)
+    return top, crossings
+
+
+def _decode_layer(kind: str):  # type: ignore[no-untyped-def]
+    import torch
+
+    from multihead import HeadPlan, HeadwiseCache, KVCache, MultiHeadAttention, QuantizedKVCache, SinkCache
+
+    torch.manual_seed(0)
+    layer = MultiHeadAttention(d_model=384, n_heads=6, n_kv_heads=2, rope=10000.0).eval()
+    caches = {"full": lambda: KVCache(batch=1, n_kv_heads=2, head_dim=64, max_len=80),
+              "sink": lambda: SinkCache(batch=1, n_kv_heads=2, head_dim=64, window=16, sink_tokens=2),
+              "int4": lambda: QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=64, max_len=80, bits=4, residual=8),
+              "head-wise": lambda: HeadwiseCache(HeadPlan(full=[[True, False]], sinks=2, window=16, model="t",
+                                                          shape=(1, 6, 2, 64)), batch=1, max_len=80)}
+    cache = caches[kind]()
+    with torch.no_grad():
+        layer(torch.randn(1, 64, 384), causal=True, cache=cache.layer(0))
+        cache.advance(64)
+    x = torch.randn(1, 1, 384)
+    step = layer.step(x, causal=True, cache=cache.layer(0))
+    return lambda: layer(x, step=step, cache=cache.layer(0))
+
+
+def test_a_walk_of_the_forward_visits_each_room_once_in_order() -> None:
+    """The forward reads project -> rotate -> update -> attend -> merge: from the layer's own frames it enters the
+    step's checks, the projections, RoPE, the cache's one verb, the hook points and the dispatcher, each once and in
+    that order, then W_O; whatever the cache kind (the layer never asks which it holds). Below it, nothing climbs
+    back: a cache calls no kernel or decision, and the dispatcher never enters the layer, the step or a cache (it
+    reads the cache's view, a data type)."""
+    import torch
+
+    for kind in ("full", "sink", "int4", "head-wise"):
+        with torch.no_grad():
+            top, crossings = _walk(_decode_layer(kind))
+        assert top == ["multihead.step", "multihead.linear", "multihead.rope", "multihead.cache", "multihead.hooks",
+                       "multihead.kernels", "multihead.linear"], (kind, top)
+        climbs = [(a, b) for a, b in crossings
+                  if (a == "multihead.cache" and b in KERNEL_MODULES | {"multihead.native"})
+                  or (a in ("multihead.kernels", "multihead.native", "multihead.cpu")
+                      and b in ("multihead.attention", "multihead.step", "multihead.cache"))]
+        assert climbs == [], (kind, sorted(set(climbs)))
+    from multihead import MultiHeadAttention
+
+    layer = MultiHeadAttention(d_model=384, n_heads=6, n_kv_heads=2, rope=10000.0).eval()
+    with torch.no_grad():
+        top, _ = _walk(lambda: layer(torch.randn(2, 10, 384), causal=True))  # uncached: the layer makes its step
+    assert top == ["multihead.step", "multihead.linear", "multihead.rope", "multihead.hooks", "multihead.kernels",
+                   "multihead.linear"], top
