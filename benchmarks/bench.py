@@ -49,7 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
-from multihead.cache import KVCache
+from multihead.cache import DenseKV, KVCache
 from multihead.check import plain_layer
 from multihead.errors import MultiheadError
 from multihead.kernels import AttentionCall, attend
@@ -313,7 +313,7 @@ def p5(repeats: int) -> Result:
     a, m = torch.randn(2048, 2048), torch.randn(2048, 2048)
     spec = build_mask(batch=b, n_heads=h, s=s, t=s)
     with torch.no_grad():
-        t_attn, t_mm = alternate(lambda: attend(AttentionCall(q, k, v, spec, scale=d**-0.5)),
+        t_attn, t_mm = alternate(lambda: attend(AttentionCall(q, DenseKV(k, v), spec, scale=d**-0.5)),
                                  lambda: a @ m, repeats)
     attn_rate = 4 * b * h * s * s * d / t_attn  # QK^T and PV, 2 FLOPs per multiply-add
     mm_rate = 2 * 2048**3 / t_mm
@@ -388,7 +388,7 @@ def _prefill(repeats: int, backward: bool, device: str = "cuda", tiny: int = 1) 
     scale = d**-0.5
 
     def ours() -> object:
-        out, _ = attend(AttentionCall(q, k, v, spec, scale=scale))
+        out, _ = attend(AttentionCall(q, DenseKV(k, v), spec, scale=scale))
         return out.backward(grad) if backward else out
 
     def sdpa() -> object:
@@ -416,7 +416,7 @@ def _decode(repeats: int, device: str = "cuda", tiny: int = 1) -> Result:
     spec = build_mask(batch=b, n_heads=h, s=1, t=cached + 1, causal=True)
     k, v = cache.k[0], cache.v[0]
     with torch.no_grad():
-        t_core = _device_time(lambda: attend(AttentionCall(q, k, v, spec, scale=d**-0.5)), repeats, dev)
+        t_core = _device_time(lambda: attend(AttentionCall(q, DenseKV(k, v), spec, scale=d**-0.5)), repeats, dev)
         t_layer = _device_time(lambda: layer(x, causal=True, cache=cache.layer(0)), repeats, dev)
     kv_bytes = k.nbytes + v.nbytes
     src = torch.empty(kv_bytes // 2, device=dev, dtype=dt)

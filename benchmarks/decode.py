@@ -7,11 +7,16 @@ measured read rate (a large tensor summed). The compiled step is compiled once b
 "multihead plain" is the same model with :mod:`multihead.cpu`'s speed paths off (``cpu.disabled()``).
 
 ``--load N`` runs every round twice, first as the machine is, then with N busy processes this benchmark starts (pure
-Python loops, one core each), and reports both conditions in one table. ``--profile`` adds, for each dtype, the ops
-taking the most self CPU time over ``--profile-tokens`` decoded tokens (torch.profiler, key_averages) for multihead
-(eager, compiled with --compile) and transformers; with --load, under the load too.
+Python loops, one core each), and reports both conditions in one table; ``--follow-load`` turns on
+:func:`multihead.cpu.follow_load` (a step runs with the threads of the free cores: opt-in, the same numbers).
+``--tune`` measures this host's decisions for the model first (:func:`multihead.tuning.tune_model`, written to the
+host's table; without it the table as it is, or the default rules, decide); the header says which.
+``--profile`` adds, for each dtype, the ops taking the most self CPU time over ``--profile-tokens`` decoded tokens
+(torch.profiler, key_averages) for multihead (eager, compiled with --compile) and transformers; with --load, under
+the load too.
 
-    .venv/bin/python benchmarks/decode.py [--new-tokens 128] [--rounds 5] [--compile] [--load N] [--profile] [--record]
+    .venv/bin/python benchmarks/decode.py [--new-tokens 128] [--rounds 5] [--compile] [--load N] [--follow-load]
+        [--tune] [--profile] [--record]
 """
 
 from __future__ import annotations
@@ -118,6 +123,9 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also time multihead's compiled decoding step")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="also run every round with N busy background processes (one core each)")
+    parser.add_argument("--follow-load", action="store_true",
+                        help="a step runs with the threads of the free cores (multihead.cpu.follow_load)")
+    parser.add_argument("--tune", action="store_true", help="tune this host's decisions for SmolLM2 first")
     parser.add_argument("--profile", action="store_true", help="per-op self CPU time for each dtype and model")
     parser.add_argument("--profile-tokens", type=int, default=16)
     parser.add_argument("--profile-rows", type=int, default=10)
@@ -130,6 +138,8 @@ def main() -> None:
 
     from multihead import cpu
     from multihead.models import load_llama
+
+    cpu.follow_load(args.follow_load)
     from multihead.models.generate import generate_ids
     from tests_support import smollm2_gguf
 
@@ -160,10 +170,16 @@ def main() -> None:
             "multihead": lambda m=ours: sum(1 for _ in generate_ids(m, [prompt], max_new_tokens=n)),
             "multihead plain": plain,
         }
-        # warm-up: multihead measures which kind of product runs fastest on its first real calls (the lm_head,
-        # called once a step, takes a few dozen steps): made before anything is timed or compiled, as a server
-        # warms up, so the compiled step is traced with the measured kinds
-        sum(1 for _ in generate_ids(ours, [prompt], max_new_tokens=48))
+        if args.tune:  # the host's table for this model's shapes, written before anything is timed
+            from multihead import tuning
+
+            t = time.perf_counter()
+            found = tuning.tune_model(ours, lengths=(len(prompt) + n,))
+            notes.append(f"{dtype}: tuned {len(found)} decisions in {time.perf_counter() - t:.0f} s "
+                         f"({', '.join(sorted(set(found.values())))})")
+        notes.append(f"{dtype}: {len(cpu.table())} decisions in the host's table {cpu.table_path()}; the rest by "
+                     "the default rules")
+        sum(1 for _ in generate_ids(ours, [prompt], max_new_tokens=8))  # warm-up (allocation, the native build)
         if args.compile:
             runs["multihead compiled"] = lambda m=ours: sum(
                 1 for _ in generate_ids(m, [prompt], max_new_tokens=n, compile=True))
@@ -183,7 +199,7 @@ def main() -> None:
             procs = start_load(args.load) if condition != "as is" else []
             try:
                 notes.append(f"{dtype}, {condition}: load averages before the rounds {uptime()}, "
-                             f"multihead.cpu.free_threads() {cpu.free_threads()}")
+                             f"following the load: {cpu.following_load()}, free threads {cpu.free_threads()}")
                 speeds: dict[str, list[float]] = {name: [] for name in runs}
                 for _ in range(args.rounds):
                     for name, run in runs.items():

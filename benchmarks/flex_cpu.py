@@ -17,6 +17,7 @@ import torch
 from results import publish
 
 from multihead import flex
+from multihead.cache import DenseKV
 from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
 
@@ -36,8 +37,8 @@ def main() -> None:
         spec = build_mask(batch=b, n_heads=h, s=s, t=s, **kw)  # type: ignore[arg-type]
         with torch.no_grad():
             start = time.perf_counter()
-            flex_call = AttentionCall(q, k, v, spec, scale=d**-0.5, backend="flex")
-            sdpa_call = AttentionCall(q, k, v, spec, scale=d**-0.5, backend="sdpa")
+            flex_call = AttentionCall(q, DenseKV(k, v), spec, scale=d**-0.5, backend="flex")
+            sdpa_call = AttentionCall(q, DenseKV(k, v), spec, scale=d**-0.5, backend="sdpa")
             attend(flex_call)
             first = time.perf_counter() - start
             t_flex, t_sdpa = bench.alternate(lambda c=flex_call: attend(c), lambda c=sdpa_call: attend(c),
