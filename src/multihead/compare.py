@@ -52,9 +52,15 @@ def compare_variants(
     The context that fits is `multihead count`'s (multihead.sizing's one fit model, ``fitting``: weights, KV cache,
     prefill activations and reserve per device, capped at the model's own context) where the config describes the
     whole model; the KV cache alone (less the reserve) where it gives only the attention's sizes."""
+    from multihead import sizing
     from multihead.sizing import FitModel, check_tp, kv_bytes, kv_max_context, largest_context
 
     fitting = fitting or FitModel(dtype=dtype, weights_dtype=dtype)
+    if memory_bytes is not None and model.hf is not None and "vocab_size" in model.hf:
+        try:  # a fit answer counts the weights: a family the count does not know gets none (not the KV cache alone)
+            sizing.model_size(model)
+        except sizing.NotCounted as err:
+            raise sizing.cannot_fit(model, memory_bytes, str(err)) from None
     base = model.attention
     counts = sorted(divisors(base.n_heads), reverse=True)
     candidates: list[tuple[str, ModelConfig, bool]] = []

@@ -43,7 +43,19 @@ WEIGHT_BITS: dict[str, float] = {"fp32": 32.0, "float32": 32.0, "fp16": 16.0, "f
 
 class NotCounted(MultiheadError):
     """A model the whole-model count does not know yet (a family, a layout, a missing field): `count` says so and
-    still answers for the attention; a bad value in a config raises a plain MultiheadError instead."""
+    still answers for the attention, but gives no fit answer (:func:`cannot_fit`); a bad value in a config raises a
+    plain MultiheadError instead."""
+
+
+def cannot_fit(model: ModelConfig, memory: int, why: str) -> MultiheadError:
+    """The refusal of a fit answer for a model whose weights are not counted: "does it fit in ``memory``?" counts
+    the weights (the KV cache alone would answer for a model without weights, past its own context too)."""
+    from multihead.units import format_bytes
+
+    where = model.hf.where if model.hf is not None else model.name
+    return MultiheadError(f"{where}: cannot say what fits in {format_bytes(memory)}: the whole model's weights are "
+                          f"not counted ({why}); a fit answer counts them. Without --device-memory and --hardware "
+                          "the attention's own figures are given")
 
 
 @dataclass(frozen=True)
@@ -437,14 +449,17 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
                 shard_embeddings: bool = False) -> dict[str, Any] | None:
     """The whole model's parameters, memory and fit (what `multihead count` reports as ``whole_model``), or None for
     a model described by its attention sizes alone (no vocabulary). A model whose parts cannot be sized gives
-    ``{"unavailable": why}``. With ``memory`` (bytes per device): whether it fits, on how few devices, and the
+    ``{"unavailable": why}``, or with ``memory`` raises (:func:`cannot_fit`: no fit answer without the weights).
+    With ``memory`` (bytes per device): whether it fits, on how few devices, and the
     largest context (capped at the model's own, ``context_limit_binds`` when that is what stops it) and batch that
     do. Every ``*_per_device`` term is one device's; they add up to ``bytes_per_device``."""
     if model.hf is None or "vocab_size" not in model.hf:
         return None
     try:
         size = model_size(model)
-    except NotCounted as err:  # a family or layout the count does not know: said, not refused (bad values raise)
+    except NotCounted as err:  # a family or layout the count does not know: said; a fit answer refused
+        if memory is not None:
+            raise cannot_fit(model, memory, str(err)) from None
         return {"unavailable": str(err)}
     check_tp(model, tp)
     fitting = FitModel(dtype=dtype, weights_dtype=weights_dtype, cache=cache, tp=tp, prefill_chunk=prefill_chunk,

@@ -31,6 +31,11 @@ def run(args: argparse.Namespace) -> int:
     from multihead.sizing import check_tp
 
     check_tp(model, args.tp)
+    if memory is not None and model.hf is not None and "vocab_size" not in model.hf and (
+            args.preset is not None or args.config is not None):
+        from multihead.sizing import cannot_fit
+
+        raise cannot_fit(model, memory, "the config has no vocab_size")  # a fit answer counts the weights
     rows = compare_variants(model, seq=args.seq, batch=args.batch, dtype=args.dtype, memory_bytes=memory,
                             fitting=fitting)
     plot_path = None if args.no_plot else plot_variants(model, rows, args.plot, batch=args.batch, dtype=args.dtype,

@@ -49,9 +49,14 @@ def run(args: argparse.Namespace) -> int:
                                weights_dtype=fitting.weights_dtype, tp=args.tp, cache=args.cache, memory=memory,
                                prefill_chunk=args.prefill_chunk, reserve=fitting.reserve,
                                shard_embeddings=args.shard_embeddings)
+    if whole is None and memory is not None and (args.preset is not None or args.config is not None):
+        raise sizing.cannot_fit(model, memory, "the config has no vocab_size")  # a fit answer counts the weights
+    if device is not None and whole is None:
+        raise CliError("--hardware estimates the whole model's speed: describe the whole model with --preset or "
+                       "--config (--d-model and --heads describe its attention alone; --device-memory sizes that)")
     if whole is not None:
         r["whole_model"] = whole
-    if device is not None and whole is not None and "unavailable" not in whole:
+    if device is not None and whole is not None:  # (no "unavailable" here: with a memory, whole_model refuses)
         from multihead.hardware import estimate
 
         r["estimate"] = estimate(model, sizing.model_size(model), device, seq=args.seq, batch=args.batch,
