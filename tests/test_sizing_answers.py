@@ -82,3 +82,61 @@ def test_hardware_needs_a_whole_model(capsys: pytest.CaptureFixture[str]) -> Non
     # the attention sizes alone keep their KV-cache answer, said as such
     assert main(["count", "--d-model", "4096", "--heads", "32", "--layers", "32", "--device-memory", "24GiB"]) == 0
     assert "tokens (KV cache alone, full cache in bf16)" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- item 2
+@pytest.mark.parametrize("argv", [
+    ["count", "--preset", "llama-3-8b", "--seq", "100000000000000", "--hardware", "h100-80g"],
+    ["count", "--preset", "llama-3-8b", "--seq", "32768", "--device-memory", "24GiB"],
+    ["count", "--preset", "llama-3-8b", "--seq", "8193"],
+    ["compare", "--preset", "llama-3-8b", "--seq", "32768", "--device-memory", "24GiB", "--no-plot"],
+    ["shapes", "--preset", "llama-3-8b", "--seq", "8193"],
+], ids=["count-hardware", "count-memory", "count", "compare", "shapes"])
+def test_a_seq_past_the_models_context_is_refused(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """It printed a 4e21 ms prefill and 0.0 tok/s, or 'up to 8,192 tokens ... or batch 1 at 32768 tokens': the
+    one rule now, for every command that takes --seq: refused, naming the seq and the context."""
+    seq = f"{int(argv[argv.index('--seq') + 1]):,}"
+    _refused(argv, capsys, f"--seq {seq} is past llama-3-8b's own context of 8,192 tokens",
+             "give --seq 8,192 or less")
+
+
+def test_the_library_refuses_it_the_same_way() -> None:
+    from multihead import MultiheadError, compare, sizing
+    from multihead.hardware import HARDWARE, estimate
+    from multihead.presets import preset
+
+    m = preset("llama-3-8b")
+    kw: dict[str, Any] = {"seq": 8193, "batch": 1, "dtype": "bf16"}
+    calls = [lambda: sizing.whole_model(m, weights_dtype="bf16", **kw),
+             lambda: sizing.attention_report(m, causal=True, **kw),
+             lambda: compare.compare_variants(m, **kw),
+             lambda: estimate(m, sizing.model_size(m), HARDWARE["h100-80g"], weights_dtype="bf16", **kw)]
+    for call in calls:
+        with pytest.raises(MultiheadError, match="--seq 8,193 is past llama-3-8b's own context of 8,192 tokens"):
+            call()
+    kw["seq"] = 8192  # the context itself is answered
+    assert sizing.whole_model(m, weights_dtype="bf16", **kw) is not None
+
+
+def test_a_rope_scaling_context_is_the_limit_and_is_named(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = {"model_type": "qwen2", "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 2,
+           "vocab_size": 100, "intermediate_size": 96, "max_position_embeddings": 32768,
+           "rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}
+    path = _write(tmp_path / "yarn", cfg)
+    assert main(["count", "--config", str(path), "--seq", "131072", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["whole_model"]["context_limit"] == 131072
+    _refused(["count", "--config", str(path), "--seq", "131073"], capsys, "own context of 131,072 tokens",
+             "rope_scaling's factor x original_max_position_embeddings")
+
+
+@pytest.mark.parametrize(("argv", "seq"), [
+    (["count", "--preset", "bert-base"], 512), (["count", "--preset", "llama-3-8b"], 4096),
+    (["compare", "--preset", "gpt2", "--no-plot"], 1024), (["compare", "--preset", "llama-3-8b", "--no-plot"], 8192),
+    (["count", "--d-model", "64", "--heads", "4"], 4096),
+])
+def test_the_default_seq_stays_within_the_models_context(argv: list[str], seq: int,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """The defaults (4096 for count, 8192 for compare) would be refused for GPT-2 (1,024) and BERT (512): without
+    --seq, the model's own context where that is shorter."""
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["seq"] == seq

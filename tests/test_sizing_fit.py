@@ -120,7 +120,7 @@ def test_the_models_own_context_caps_the_answer_and_is_said(capsys: pytest.Captu
     ["--tp", "2", "--shard-embeddings", "--reserve", "1GiB"],
 ], ids=["plain", "tp2", "q4-int8", "chunk-reserve", "tp2-shard"])
 def test_count_and_compare_give_the_same_context(flags: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    common = ["--preset", "llama-3-8b", "--seq", "32768", "--device-memory", "24GiB", *flags]
+    common = ["--preset", "llama-3-8b", "--seq", "8192", "--device-memory", "24GiB", *flags]
     w = _json(["count", *common], capsys)["whole_model"]
     c = _json(["compare", *common, "--no-plot"], capsys)
     row = next(v for v in c["variants"] if v["is_model"])

@@ -55,6 +55,7 @@ def compare_variants(
     from multihead import sizing
     from multihead.sizing import FitModel, check_tp, kv_bytes, kv_max_context, largest_context
 
+    sizing.check_seq(model, seq)
     fitting = fitting or FitModel(dtype=dtype, weights_dtype=dtype)
     if memory_bytes is not None and model.hf is not None and "vocab_size" in model.hf:
         try:  # a fit answer counts the weights: a family the count does not know gets none (not the KV cache alone)

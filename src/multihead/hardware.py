@@ -150,6 +150,7 @@ def estimate(model: ModelConfig, size: ModelSize, device: Hardware, *, seq: int,
     ``tp`` devices like ``device``, at a context of ``seq`` tokens (module docstring: the formulas)."""
     from multihead import cost, sizing
 
+    sizing.check_seq(model, seq)
     a, layers = model.attention, model.layers()
     compute = sizing.activation_dtype(dtype)
     peak = device.peak(compute) * compute_efficiency

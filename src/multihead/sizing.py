@@ -434,6 +434,18 @@ def context_limit(model: ModelConfig) -> int | None:
     return model.hf.context_limit if model.hf is not None else model.max_context
 
 
+def check_seq(model: ModelConfig, seq: int) -> None:
+    """The one rule for a context past the model's own (:func:`context_limit`): refused, naming both, by every
+    figure that takes one (whole_model, attention_report, compare, the hardware estimate), never answered as if the
+    model could run it. A model that states no limit (sizes given alone) takes any."""
+    limit = context_limit(model)
+    if limit is not None and seq > limit:
+        why = ("max_position_embeddings" if model.hf is None or model.hf.context_limit == model.hf.max_context
+               else "its rope_scaling's factor x original_max_position_embeddings")
+        raise MultiheadError(f"--seq {seq:,} is past {model.name}'s own context of {limit:,} tokens ({why}): give "
+                             f"--seq {limit:,} or less")
+
+
 def largest_context(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, memory: int,
                     fitting: FitModel) -> tuple[int, int, int | None]:
     """(the context that fits: memory's answer capped at the model's limit, memory's answer, the limit)."""
@@ -452,7 +464,9 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
     ``{"unavailable": why}``, or with ``memory`` raises (:func:`cannot_fit`: no fit answer without the weights).
     With ``memory`` (bytes per device): whether it fits, on how few devices, and the
     largest context (capped at the model's own, ``context_limit_binds`` when that is what stops it) and batch that
-    do. Every ``*_per_device`` term is one device's; they add up to ``bytes_per_device``."""
+    do. Every ``*_per_device`` term is one device's; they add up to ``bytes_per_device``. A ``seq`` past the
+    model's own context is refused (:func:`check_seq`)."""
+    check_seq(model, seq)
     if model.hf is None or "vocab_size" not in model.hf:
         return None
     try:
@@ -476,9 +490,6 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
     out.update({"weight_bytes": f.weights, "kv_bytes": f.kv, "activation_bytes": f.activations,
                 "weight_bytes_per_device": f.weights_per_device, "kv_bytes_per_device": f.kv_per_device,
                 "activation_bytes_per_device": f.activations, "bytes_per_device": f.per_device})
-    limit = out["context_limit"]
-    if limit is not None and seq > limit:
-        out["notes"].append(f"--seq {seq:,} is past the model's own context of {limit:,} tokens")
     if memory is not None:
         common: dict[str, Any] = {"memory": memory, **_fit_kwargs(fitting)}
         out["fits"] = f.fits
@@ -499,6 +510,7 @@ def attention_report(model: ModelConfig, *, seq: int, batch: int, dtype: str, ca
     For an MLA model the top level is its latent attention (parameters, FLOPs of the expanded path, the latent
     cache); the same heads as plain MHA, for comparison, go under ``as_mha``, and ``mla`` keeps mla_report's figures.
     ``max_context_in_device_memory``: the longest context whose cache of kind ``cache`` alone fits in ``memory``."""
+    check_seq(model, seq)
     a, layers = model.attention, model.layers()
     if model.mla is None:
         r = cost.report(a, seq=seq, batch=batch, dtype=dtype, causal=causal, layers=layers)
