@@ -47,8 +47,6 @@ def test_a_family_the_count_does_not_know_gets_no_fit_answer(layout: str, comman
     cfg = GEMMA3_TEXT if layout == "gemma3_text" else {"model_type": "gemma3", "text_config": GEMMA3_TEXT,
                                                        "vision_config": {"hidden_size": 32}}
     path = _write(tmp_path / "g3", cfg)
-    if command == "compare" and memory[0] == "--hardware":
-        pytest.skip("compare --hardware: item 3's test")
     argv = [command, "--config", str(path), *memory] + (["--no-plot"] if command == "compare" else [])
     _refused(argv, capsys, "cannot say what fits in", "model_type 'gemma3_text' is not counted yet",
              "weights are not counted", str(path))
@@ -140,3 +138,88 @@ def test_the_default_seq_stays_within_the_models_context(argv: list[str], seq: i
     --seq, the model's own context where that is shorter."""
     assert main([*argv, "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["seq"] == seq
+
+
+# ---------------------------------------------------------------------------------------------- item 3
+def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main([*argv, "--json"]) == 0
+    return json.loads(capsys.readouterr().out)  # type: ignore[no-any-return]
+
+
+def test_all_devices_hold_what_one_device_holds_times_tp_and_say_what_is_replicated(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """'all 2 devices weights 14.2 GiB' sat beside per-device weights that add to 16.2 GiB: the embeddings, norms and
+    LM head are on every device. The all-devices figure is now what they hold together, and names those parts."""
+    from multihead.sizing import weight_bytes
+
+    argv = ["count", "--preset", "llama-3-8b", "--tp", "2", "--device-memory", "24GiB"]
+    w = _json(argv, capsys)["whole_model"]
+    D, V, L = 4096, 128256, 32  # Llama-3-8B's published config: embeddings and LM head untied, 2 RMSNorms a layer
+    replicated = weight_bytes(2 * V * D + (2 * L + 1) * D, "bf16")
+    assert w["weight_bytes_replicated_per_device"] == replicated
+    assert w["replicated_parts"] == ["embeddings", "norms", "lm_head"]
+    assert w["weight_bytes_all_devices"] == 2 * w["weight_bytes_per_device"]
+    assert w["weight_bytes_all_devices"] - w["weight_bytes"] == pytest.approx(replicated, abs=2)  # held twice
+    assert w["kv_bytes_all_devices"] == 2 * w["kv_bytes_per_device"] == w["kv_bytes"]
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("all 2 devices"))
+    assert "weights 16.9 GiB (the model's 15.0 GiB; embeddings, norms, LM head: 2.0 GiB on each device)" in line
+    sharded = _json([*argv, "--shard-embeddings"], capsys)["whole_model"]
+    assert sharded["replicated_parts"] == ["norms"]
+    assert sharded["weight_bytes_replicated_per_device"] == weight_bytes((2 * L + 1) * D, "bf16")
+
+
+def test_compare_under_tp_shows_and_plots_one_devices_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """The plot drew the whole model's weights against one device's memory, under a title without the TP: it now
+    draws what the table's context counts, one device's, the same figure count gives."""
+    from multihead import compare, sizing
+    from multihead.presets import preset
+
+    common = ["--preset", "llama-2-70b", "--seq", "4096", "--device-memory", "80GiB", "--tp", "2"]
+    figures: list[Any] = []
+    monkeypatch.setattr(compare, "save_figure", lambda fig, out: figures.append(fig) or out)
+    c = _json(["compare", *common, "--plot", str(tmp_path / "c.png")], capsys)
+    model_row = next(r for r in c["variants"] if r["is_model"])
+    w = _json(["count", *common], capsys)["whole_model"]
+    assert model_row["weight_bytes_per_device"] == w["weight_bytes_per_device"] < model_row["weight_bytes"]
+    title, ylabel = figures[0].axes[0].get_title(), figures[0].axes[0].get_ylabel()
+    assert "per device, over 2 devices" in title and ylabel == "memory per device (tp 2) (GiB)"
+    m = preset("llama-2-70b")
+    fitting = sizing.FitModel(tp=2)
+    rows = compare.compare_variants(m, seq=4096, memory_bytes=80 * 2**30, fitting=fitting)
+    series = compare.plot_series(m, rows, batch=1, dtype="bf16", seq=4096, fitting=fitting)
+    assert dict(series["GQA-8"])[4096] == w["bytes_per_device"]  # the plotted point is count's figure
+    for r in rows:  # and each line crosses the device's memory where the table's context (by memory) ends
+        if r.variant in series:
+            assert r.max_context_by_memory is not None
+            for context, nbytes in series[r.variant]:
+                assert (nbytes <= 80 * 2**30) == (context <= r.max_context_by_memory), (r.variant, context)
+    assert "MQA" not in series and next(r for r in rows if r.variant == "MQA").note  # no answer, no line
+    assert main(["compare", *common, "--plot", str(tmp_path / "c.png")]) == 0
+    out = capsys.readouterr().out
+    assert "weights (bf16), per device of 2" in out and "memory per device of 2" in out
+
+
+def test_compare_takes_hardware_as_count_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """`compare --hardware` was refused (unrecognized arguments) though count has it: the same meaning now, the
+    device's memory unless --device-memory, and count's estimate for each variant."""
+    from multihead.hardware import HARDWARE
+
+    common = ["--preset", "mistral-7b", "--seq", "4096", "--hardware", "h100-80g", "--tp", "2"]
+    c = _json(["compare", *common, "--no-plot"], capsys)
+    assert c["device_memory_bytes"] == HARDWARE["h100-80g"].memory and c["hardware"] == "h100-80g"
+    r = _json(["count", *common], capsys)
+    row = next(v for v in c["variants"] if v["is_model"])
+    assert row["decode_tokens_per_second"] == r["estimate"]["decode"]["tokens_per_second_per_sequence"]
+    assert row["prefill_seconds"] == r["estimate"]["prefill"]["seconds"]
+    assert row["max_context"] == r["whole_model"]["largest_context"]
+    mha = next(v for v in c["variants"] if v["variant"] == "MHA")
+    assert mha["decode_tokens_per_second"] < row["decode_tokens_per_second"]  # 4x the KV cache to read a step
+    assert main(["compare", *common, "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "decode (tok/s)" in out and "speed on h100-80g x 2: `count --hardware`'s estimates" in out
+    assert _json(["compare", *common, "--no-plot", "--device-memory", "40GiB"], capsys)["device_memory_bytes"] == \
+        40 * 2**30
+    _refused(["compare", "--d-model", "4096", "--heads", "32", "--hardware", "h100-80g", "--no-plot"], capsys,
+             "--hardware estimates the whole model's speed")

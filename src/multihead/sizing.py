@@ -28,6 +28,7 @@ from multihead.values import MAX_PARAMETERS
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite", "cohere", "phi3",
               "smollm3", "starcoder2", "internlm2"}
 FAMILIES = ("gpt2", "bert", *sorted(LLAMA_LIKE), "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "falcon")
+REPLICATED_PARTS = ("embeddings", "norms", "lm_head", "routers", "pooler")  # on every device under tensor parallelism
 
 # GGML tensor types of a GGUF file (llama.cpp's numbering) and their bits per weight, block scales included
 GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
@@ -66,7 +67,7 @@ class ModelSize:
     family: str
     parts: dict[str, int]
     active: int
-    replicated: int  # not split by tensor parallelism (embeddings, norms, LM head, routers)
+    replicated: int  # not split by tensor parallelism (REPLICATED_PARTS: embeddings, norms, LM head, routers, pooler)
     tied: bool
     notes: list[str] = field(default_factory=list)
 
@@ -169,8 +170,7 @@ def model_size(model: ModelConfig) -> ModelSize:
     if "experts" in parts:
         moe_layers, routed, per_tok, expert = _moe_shape(cfg, family, n_layers, D)
         active = total - moe_layers * (routed - per_tok) * expert
-    replicated = parts.get("embeddings", 0) + parts.get("norms", 0) + parts.get("lm_head", 0) + parts.get(
-        "routers", 0) + parts.get("pooler", 0)
+    replicated = sum(parts.get(k, 0) for k in REPLICATED_PARTS)
     return ModelSize(name=model.name, family=family, parts=parts, active=active, replicated=replicated, tied=tied,
                      notes=notes)
 
@@ -345,10 +345,17 @@ class FitModel:
                 + ("; embeddings and LM head sharded by vocabulary" if self.shard_embeddings and self.tp > 1 else ""))
 
 
+def replicated_parts(size: ModelSize, *, shard_embeddings: bool = False) -> list[str]:
+    """The parts of ``size`` every device holds whole under tensor parallelism (:data:`REPLICATED_PARTS`; the
+    embeddings and LM head are split by vocabulary with ``shard_embeddings``)."""
+    vocab = ("embeddings", "lm_head") if shard_embeddings else ()
+    return [k for k in REPLICATED_PARTS if k in size.parts and k not in vocab]
+
+
 @dataclass(frozen=True)
 class Fit:
-    weights: int  # all devices together
-    kv: int  # all devices together
+    weights: int  # the model's weights, counted once
+    kv: int  # the model's KV cache, counted once
     activations: int  # per device
     per_device: int  # the sum of the four per-device terms
     memory: int
@@ -356,10 +363,20 @@ class Fit:
     weights_per_device: int = 0
     kv_per_device: int = 0
     reserve: int = 0
+    weights_replicated: int = 0  # of weights_per_device: the parts every device holds whole (replicated_parts)
 
     @property
     def fits(self) -> bool:
         return self.per_device <= self.memory
+
+    @property
+    def weights_all_devices(self) -> int:
+        """What the tp devices hold together: tp x weights_per_device (the replicated parts tp times)."""
+        return self.tp * self.weights_per_device
+
+    @property
+    def kv_all_devices(self) -> int:
+        return self.tp * self.kv_per_device
 
 
 def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str, weights_dtype: str, memory: int,
@@ -370,9 +387,11 @@ def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str
     every device, embeddings and the LM head too unless ``shard_embeddings``)."""
     check_tp(model, tp)
     weights = weight_bytes(size.total, weights_dtype)
-    vocab = size.parts.get("embeddings", 0) + size.parts.get("lm_head", 0)
-    replicated = size.replicated - (vocab if shard_embeddings else 0)
-    rep = weight_bytes(replicated, weights_dtype)
+    if tp == 1:
+        rep = weights
+    else:
+        rep = weight_bytes(sum(size.parts[k] for k in replicated_parts(size, shard_embeddings=shard_embeddings)),
+                           weights_dtype)
     weights_dev = rep + -(-(weights - rep) // tp)
     kv = kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)
     kv_dev = kv if model.mla is not None else -(-kv // tp)  # an MLA latent is shared by every head: not split
@@ -381,7 +400,7 @@ def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str
                                    shard_embeddings=shard_embeddings)
     per_device = weights_dev + kv_dev + act + reserve
     return Fit(weights=weights, kv=kv, activations=act, per_device=per_device, memory=memory, tp=tp,
-               weights_per_device=weights_dev, kv_per_device=kv_dev, reserve=reserve)
+               weights_per_device=weights_dev, kv_per_device=kv_dev, reserve=reserve, weights_replicated=rep)
 
 
 def valid_tp(model: ModelConfig) -> list[int]:
@@ -399,7 +418,8 @@ def check_tp(model: ModelConfig, tp: int) -> None:
                              f"{', '.join(map(str, valid_tp(model)))}")
 
 
-def _fit_kwargs(f: FitModel) -> dict[str, Any]:
+def fit_kwargs(f: FitModel) -> dict[str, Any]:
+    """The keywords of :func:`fit` (and largest, devices_needed) that a :class:`FitModel` sets, all but ``tp``."""
     return {"dtype": f.dtype, "weights_dtype": f.weights_dtype, "cache": f.cache, "prefill_chunk": f.prefill_chunk,
             "reserve": f.reserve, "shard_embeddings": f.shard_embeddings}
 
@@ -450,7 +470,7 @@ def largest_context(model: ModelConfig, size: ModelSize, *, seq: int, batch: int
                     fitting: FitModel) -> tuple[int, int, int | None]:
     """(the context that fits: memory's answer capped at the model's limit, memory's answer, the limit)."""
     by_memory = largest(model, size, seq=seq, batch=batch, memory=memory, tp=fitting.tp, what="context",
-                        **_fit_kwargs(fitting))
+                        **fit_kwargs(fitting))
     limit = context_limit(model)
     return (by_memory if limit is None else min(by_memory, limit)), by_memory, limit
 
@@ -464,7 +484,9 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
     ``{"unavailable": why}``, or with ``memory`` raises (:func:`cannot_fit`: no fit answer without the weights).
     With ``memory`` (bytes per device): whether it fits, on how few devices, and the
     largest context (capped at the model's own, ``context_limit_binds`` when that is what stops it) and batch that
-    do. Every ``*_per_device`` term is one device's; they add up to ``bytes_per_device``. A ``seq`` past the
+    do. Every ``*_per_device`` term is one device's; they add up to ``bytes_per_device``; ``*_all_devices`` is tp
+    times one device's (``replicated_parts``, ``weight_bytes_replicated_per_device``: what each device holds whole),
+    where ``weight_bytes`` and ``kv_bytes`` count the model's once. A ``seq`` past the
     model's own context is refused (:func:`check_seq`)."""
     check_seq(model, seq)
     if model.hf is None or "vocab_size" not in model.hf:
@@ -486,12 +508,17 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
         "shard_embeddings": shard_embeddings, "layer_kinds": cost.layers_summary(model.layers()),
         "context_limit": context_limit(model),
     }
-    f = fit(model, size, seq=seq, batch=batch, memory=memory or 0, tp=tp, **_fit_kwargs(fitting))
+    f = fit(model, size, seq=seq, batch=batch, memory=memory or 0, tp=tp, **fit_kwargs(fitting))
     out.update({"weight_bytes": f.weights, "kv_bytes": f.kv, "activation_bytes": f.activations,
                 "weight_bytes_per_device": f.weights_per_device, "kv_bytes_per_device": f.kv_per_device,
-                "activation_bytes_per_device": f.activations, "bytes_per_device": f.per_device})
+                "activation_bytes_per_device": f.activations, "bytes_per_device": f.per_device,
+                "weight_bytes_all_devices": f.weights_all_devices, "kv_bytes_all_devices": f.kv_all_devices,
+                "replicated_parts": replicated_parts(size, shard_embeddings=shard_embeddings) if tp > 1 else [],
+                "weight_bytes_replicated_per_device": f.weights_replicated if tp > 1 else 0})
+    if model.mla is not None and tp > 1:
+        out["kv_note"] = "the latent cache, shared by every head, on each device"
     if memory is not None:
-        common: dict[str, Any] = {"memory": memory, **_fit_kwargs(fitting)}
+        common: dict[str, Any] = {"memory": memory, **fit_kwargs(fitting)}
         out["fits"] = f.fits
         out["devices_needed"] = devices_needed(model, size, seq=seq, batch=batch, **common)
         if f.fits:

@@ -13,15 +13,9 @@ from multihead.cli.model import add_fit_flags, add_model_flags, causal, fit_mode
 
 
 def add(sub: Any) -> None:
-    from multihead.hardware import HARDWARE_NAMES  # (no torch: the cpu preset imports it when measured)
-
     p = sub.add_parser("count", help=COMMANDS["count"])
     add_model_flags(p)
-    add_fit_flags(p)
-    p.add_argument("--hardware", type=flags.OneOf(HARDWARE_NAMES, "hardware {value} is unknown: choose one of "
-                                                               "{names}"), default=None, metavar="NAME",
-                   help=f"estimate prefill and decode speed on this device ({', '.join(HARDWARE_NAMES)}; cpu: this "
-                        "machine, measured); its memory is --device-memory unless that is given")
+    add_fit_flags(p)  # (--hardware among them: compare has it too)
     p.add_argument("--plot", type=flags.PATH, default=None, metavar="PNG",
                    help="with --hardware: write the roofline of the prefill and decode estimates to this PNG")
     p.set_defaults(run=run)
@@ -175,8 +169,12 @@ def _print_whole(w: dict[str, Any], args: argparse.Namespace) -> None:
           f"{format_bytes(w['activation_bytes_per_device'])} (prefill of {w['prefill_chunk']:,}){reserve} = "
           f"{format_bytes(w['bytes_per_device'])}")
     if tp > 1:
-        print(f"{f'all {tp} devices':<28}  weights {format_bytes(w['weight_bytes'])}, KV cache "
-              f"{format_bytes(w['kv_bytes'])}")
+        rep = ", ".join(k.replace("lm_head", "LM head") for k in w["replicated_parts"]) or "nothing"
+        kv_note = (f" (the model's {format_bytes(w['kv_bytes'])}: {w['kv_note']})"
+                   if w["kv_bytes_all_devices"] != w["kv_bytes"] and w.get("kv_note") else "")
+        print(f"{f'all {tp} devices':<28}  weights {format_bytes(w['weight_bytes_all_devices'])} (the model's "
+              f"{format_bytes(w['weight_bytes'])}; {rep}: {format_bytes(w['weight_bytes_replicated_per_device'])} "
+              f"on each device), KV cache {format_bytes(w['kv_bytes_all_devices'])}{kv_note}")
     if memory is not None:
         where = "fits in " + shown_memory(memory)
         if w["fits"]:

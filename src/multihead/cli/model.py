@@ -155,6 +155,12 @@ def add_fit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-embeddings", action="store_true",
                    help="with --tp: split the embedding and LM head by vocabulary, as vLLM does (default: on every "
                         "device, as multihead.parallel keeps them)")
+    from multihead.hardware import HARDWARE_NAMES  # (no torch: the cpu preset imports it when measured)
+
+    p.add_argument("--hardware", type=flags.OneOf(HARDWARE_NAMES, "hardware {value} is unknown: choose one of "
+                                                               "{names}"), default=None, metavar="NAME",
+                   help=f"estimate prefill and decode speed on --tp devices like this one ({', '.join(HARDWARE_NAMES)}"
+                        "; cpu: this machine, measured); its memory is --device-memory unless that is given")
 
 
 def fit_model(args: argparse.Namespace) -> FitModel:
