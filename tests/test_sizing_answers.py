@@ -174,7 +174,7 @@ def test_compare_under_tp_shows_and_plots_one_devices_memory(tmp_path: Path, mon
     """The plot drew the whole model's weights against one device's memory, under a title without the TP: it now
     draws what the table's context counts, one device's, the same figure count gives."""
     from multihead import compare, sizing
-    from multihead.presets import preset
+    from multihead.presets import from_hf_dict, preset
 
     common = ["--preset", "llama-2-70b", "--seq", "4096", "--device-memory", "80GiB", "--tp", "2"]
     figures: list[Any] = []
@@ -195,7 +195,14 @@ def test_compare_under_tp_shows_and_plots_one_devices_memory(tmp_path: Path, mon
             assert r.max_context_by_memory is not None
             for context, nbytes in series[r.variant]:
                 assert (nbytes <= 80 * 2**30) == (context <= r.max_context_by_memory), (r.variant, context)
-    assert "MQA" not in series and next(r for r in rows if r.variant == "MQA").note  # no answer, no line
+    m12 = from_hf_dict({"model_type": "llama", "hidden_size": 768, "num_attention_heads": 12,
+                        "num_hidden_layers": 2, "vocab_size": 100, "intermediate_size": 96,
+                        "max_position_embeddings": 4096})
+    rows12 = compare.compare_variants(m12, seq=4096, memory_bytes=2**30, fitting=sizing.FitModel(tp=4))
+    gqa6 = next(r for r in rows12 if r.variant == "GQA-6")  # 4 devices neither divide 6 KV heads nor are 6k
+    assert gqa6.note == "--tp 4 neither divides nor is a multiple of 6 KV heads" and gqa6.max_context is None
+    assert "GQA-6" not in compare.plot_series(m12, rows12, batch=1, dtype="bf16", seq=4096,
+                                              fitting=sizing.FitModel(tp=4))  # no answer, no line
     assert main(["compare", *common, "--plot", str(tmp_path / "c.png")]) == 0
     out = capsys.readouterr().out
     assert "weights (bf16), per device of 2" in out and "memory per device of 2" in out
@@ -223,3 +230,62 @@ def test_compare_takes_hardware_as_count_does(capsys: pytest.CaptureFixture[str]
         40 * 2**30
     _refused(["compare", "--d-model", "4096", "--heads", "32", "--hardware", "h100-80g", "--no-plot"], capsys,
              "--hardware estimates the whole model's speed")
+
+
+# ---------------------------------------------------------------------------------------------- item 4
+def test_each_all_reduce_pays_its_latency(capsys: pytest.CaptureFixture[str]) -> None:
+    """0.001 ms for the 56 all-reduces of a 7B model's decode step on NVLink: bandwidth alone. Each all-reduce is
+    now latency + 2 (n - 1) hops + 2 (n - 1) / n of its bytes over the link (NCCL's ring model)."""
+    from multihead import MultiheadError
+    from multihead.hardware import HARDWARE, allreduce_seconds, measure_cpu
+
+    h100 = HARDWARE["h100-80g"]
+    assert (h100.allreduce_latency, h100.hop_latency) == (6.6e-6, 0.6e-6)  # NCCL's LL ring over NVLink (tuning.cc)
+    assert all(h.allreduce_latency > 0 and h.hop_latency > 0 for h in HARDWARE.values())
+    argv = ["count", "--preset", "qwen2.5-7b", "--seq", "4096", "--hardware", "h100-80g", "--tp", "2"]
+    e = _json(argv, capsys)["estimate"]
+    d = e["decode"]  # Qwen2.5-7B: 28 layers, d_model 3584, bf16 activations
+    assert e["allreduce"]["calls_per_step"] == 56
+    assert d["allreduce_seconds"] == pytest.approx(56 * (6.6e-6 + 2 * 0.6e-6 + 2 * 1 / 2 * 3584 * 2 / 450e9))
+    assert 0.3e-3 < d["allreduce_seconds"] < 0.6e-3  # the range the issue expects on NVLink
+    assert d["step_seconds"] == pytest.approx(max(d["memory_seconds"], d["compute_seconds"]) + d["allreduce_seconds"])
+    # eight devices: 14 ring steps; a large message is bandwidth-bound
+    assert allreduce_seconds(h100, 8, 2**30) == pytest.approx(6.6e-6 + 14 * 0.6e-6 + 14 / 8 * 2**30 / 450e9)
+    assert allreduce_seconds(h100, 1, 2**30) == 0.0
+    with pytest.raises(MultiheadError, match="cpu has no interconnect figure: --tp 2 over it cannot be estimated"):
+        allreduce_seconds(measure_cpu(nbytes=2**20, n=16), 2, 1024)
+    assert main(argv) == 0
+    assert "all-reduce                    56 a step (2 a layer), each 7.8 us of latency" in capsys.readouterr().out
+
+
+def test_fewer_kv_heads_than_devices_are_replicated_as_vllm_does(capsys: pytest.CaptureFixture[str]) -> None:
+    """--tp 16 over Llama-3-70B's 8 KV heads was refused, and compare's MQA row under --tp 2 was n/a; vLLM holds one
+    KV head on each device (num_kv_heads = max(1, g // tp)). Sized that way and said."""
+    from multihead.sizing import weight_bytes
+
+    base = ["count", "--preset", "llama-3-70b", "--seq", "8192", "--device-memory", "80GiB"]
+    w8, w16 = (_json([*base, "--tp", str(tp)], capsys)["whole_model"] for tp in (8, 16))
+    one_head = 80 * 2 * 1 * 128 * 2 * 8192  # 80 layers, K and V, one head of 128, bf16, 8192 tokens
+    assert w16["kv_bytes_per_device"] == w8["kv_bytes_per_device"] == one_head == w16["kv_bytes"] // 8
+    assert (w16["kv_heads_per_device"], w16["devices_per_kv_head"]) == (1, 2)
+    assert w16["kv_bytes_all_devices"] == 16 * one_head
+    D, V = 8192, 128256
+    kv_proj = weight_bytes(80 * 2 * D * 1024, "bf16")  # W_K and W_V: d_model x (8 heads x 128), 80 layers
+    replicated = weight_bytes(2 * V * D + 161 * D, "bf16")
+    weights = weight_bytes(70_553_706_496, "bf16")
+    assert w16["weight_bytes_per_device"] == replicated + -(-(weights - replicated - kv_proj) // 16) + kv_proj // 8
+    assert any("8 KV heads over 16 devices: each device holds 1, each head on 2 devices, as vLLM replicates" in n
+               for n in w16["notes"])
+    e = _json([*base, "--tp", "16", "--hardware", "h100-80g"], capsys)["estimate"]
+    assert e["decode"]["bytes_per_step"] == w16["weight_bytes_per_device"] + one_head  # what one device reads
+    assert main([*base, "--tp", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "each of the 8 KV heads, its cache and its K and V projections, on 2 devices" in out
+    _refused(["count", "--d-model", "768", "--heads", "12", "--kv-heads", "6", "--tp", "4"], capsys,
+             "--tp 4 must divide the 12 query heads and divide, or be a multiple of, the 6 KV heads",
+             "choose one of 1, 2, 3, 6, 12")
+    assert main(["compare", "--preset", "llama-2-70b", "--seq", "4096", "--device-memory", "80GiB", "--tp", "4",
+                 "--no-plot"]) == 0
+    out = capsys.readouterr().out
+    assert "GQA-2 (2 KV heads, each on 2 devices), MQA (1 KV head, each on 4 devices): fewer KV heads than the 4 " \
+           "devices" in out and "n/a" not in out

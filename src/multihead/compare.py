@@ -37,6 +37,7 @@ class Variant:
     prefill_seconds: float | None = None  # with a hardware: multihead.hardware.estimate's prefill of seq tokens
     decode_tokens_per_second: float | None = None  # ... and its decode, per sequence, at the context seq
     decode_bound: str | None = None
+    devices_per_kv_head: int = 1  # > 1: fewer KV heads than --tp devices, each on this many (multihead.sizing.kv_share)
 
 
 def variant_model(model: ModelConfig, n_kv_heads: int | None = None, mla: MLAConfig | None = None) -> ModelConfig:
@@ -97,7 +98,7 @@ def compare_variants(
         try:
             check_tp(m, fitting.tp)
         except MultiheadError:
-            note = f"--tp {fitting.tp} does not split {m.attention.n_kv_heads} KV heads"
+            note = f"--tp {fitting.tp} neither divides nor is a multiple of {m.attention.n_kv_heads} KV heads"
         fit_m = fitting if m.mla is None or fitting.cache in ("full", "latent") else dataclasses.replace(
             fitting, cache="full")
         if note is None and size is not None:
@@ -108,7 +109,9 @@ def compare_variants(
                 context, by_memory, _ = largest_context(m, size, seq=seq, batch=batch, memory=memory_bytes,
                                                         fitting=fit_m)
             else:
-                room = max(0, memory_bytes - fitting.reserve) * (1 if m.mla is not None else fitting.tp)
+                heads, _ = sizing.kv_share(m, fitting.tp)  # one device holds heads of the g KV heads' cache
+                room = max(0, memory_bytes - fitting.reserve) * (1 if m.mla is not None else
+                                                                 int(m.attention.n_kv_heads or 1) // heads)
                 by_memory = kv_max_context(m, memory=room, batch=batch, dtype=dtype,
                                            cache="full" if m.mla is not None else fitting.cache)
                 limit = model.hf.context_limit if model.hf is not None else model.max_context
@@ -136,6 +139,7 @@ def compare_variants(
             prefill_seconds=None if speed is None else speed["prefill"]["seconds"],
             decode_tokens_per_second=None if speed is None else speed["decode"]["tokens_per_second_per_sequence"],
             decode_bound=None if speed is None else speed["decode"]["bound"],
+            devices_per_kv_head=1 if m.mla is not None or note else sizing.kv_share(m, fitting.tp)[1],
         ))
     return rows
 
@@ -197,10 +201,9 @@ def plot_series(model: ModelConfig, rows: list[Variant], *, batch: int, dtype: s
             ys = [sizing.fit(m, size, seq=c, batch=batch, memory=0, tp=fit_m.tp, **sizing.fit_kwargs(fit_m)).per_device
                   for c in contexts]
         else:
-            shares = 1 if m.mla is not None else fit_m.tp
-            ys = [-(-sizing.kv_bytes(m, context=c, batch=batch, dtype=dtype,
-                                     cache="full" if m.mla is not None else fit_m.cache) // shares) + fit_m.reserve
-                  for c in contexts]
+            ys = [sizing.kv_on_device(m, sizing.kv_bytes(m, context=c, batch=batch, dtype=dtype,
+                                                         cache="full" if m.mla is not None else fit_m.cache),
+                                      fit_m.tp) + fit_m.reserve for c in contexts]
         out[r.variant] = list(zip(contexts, ys, strict=True))
     return out
 

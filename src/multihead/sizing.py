@@ -247,22 +247,24 @@ def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, b
     columns), and the last position's logits in float32 (split by vocabulary with ``shard_embeddings``), in the
     activation dtype (:func:`activation_dtype`)::
 
-        b s bytes (D + max(2 D + 2 g d, 3 I) / tp) + b V 4 / (tp if shard_embeddings else 1)
+        b s bytes (D + max(2 D / tp + 2 g' d, 3 I / tp)) + b V 4 / (tp if shard_embeddings else 1)
+
+    with g' the KV heads on one device (g / tp, or 1 where they are replicated: :func:`kv_share`).
     """
     cfg = _config(model)
     a = model.attention
-    D, g, d = a.d_model, a.n_kv_heads, a.head_dim
+    D, d = a.d_model, a.head_dim
     inner = _width(cfg, "intermediate_size") if cfg.has("intermediate_size") else int(
         cfg.integer("n_inner", default=4 * D))
     if "experts" in size.parts:
         moe_inner = int(cfg.integer("moe_intermediate_size", default=inner))
         per_tok = int(cfg.integer("num_experts_per_tok", default=1))
         inner = max(inner if "mlp" in size.parts else 0, moe_inner * per_tok)
-    attention = 2 * D + 2 * g * d
+    attention = -(-2 * D // tp) + 2 * kv_share(model, tp)[0] * d  # q and the output split; k, v of this device's heads
     if model.mla is not None:
         m = model.mla
-        attention = m.n_heads * (2 * m.qk_head_dim + m.v_head_dim) + m.latent_dim
-    per_token = D + -(-max(attention, 3 * inner) // tp)
+        attention = -(-(m.n_heads * (2 * m.qk_head_dim + m.v_head_dim) + m.latent_dim) // tp)
+    per_token = D + max(attention, -(-3 * inner // tp))
     V = int(cfg.integer("vocab_size", default=0))
     logits = batch * 4 * (-(-V // tp) if shard_embeddings else V)
     return batch * seq * per_token * cost.dtype_bytes(activation_dtype(dtype)) + logits
@@ -379,22 +381,63 @@ class Fit:
         return self.tp * self.kv_per_device
 
 
+def kv_share(model: ModelConfig, tp: int) -> tuple[int, int]:
+    """(KV heads on each device, devices holding each KV head) over ``tp`` devices: (g / tp, 1) when tp divides the
+    g KV heads; (1, tp / g) when there are fewer KV heads than devices, which serving engines replicate (vLLM: "Number
+    of KV heads is less than TP size, so we replicate the KV heads across multiple tensor parallel GPUs", each
+    device at least one; its QKVParallelLinear holds num_kv_heads = max(1, g // tp)). An MLA latent is shared by
+    every head: (1, tp), the whole latent cache on each device."""
+    if model.mla is not None:
+        return 1, tp
+    g = int(model.attention.n_kv_heads or model.attention.n_heads)
+    return max(1, g // tp), max(1, tp // g)
+
+
+def kv_on_device(model: ModelConfig, kv: int, tp: int) -> int:
+    """One device's share of ``kv`` bytes of the model's KV cache (:func:`kv_share`): kv x heads on it / g."""
+    if model.mla is not None:
+        return kv
+    g = int(model.attention.n_kv_heads or model.attention.n_heads)
+    return -(-kv * kv_share(model, tp)[0] // g)
+
+
+def weights_on_device(model: ModelConfig, size: ModelSize, *, params: int, weights_dtype: str, tp: int,
+                      shard_embeddings: bool = False) -> tuple[int, int]:
+    """(bytes on one device, of them the bytes every device holds whole) of ``params`` of the model's weights
+    (``size.total``, or ``size.active`` for what a token reads) over ``tp`` devices: the replicated parts
+    (:func:`replicated_parts`) whole, the K and V projections of the KV heads the device holds (:func:`kv_share`:
+    each head's on every device that holds it), the rest split::
+
+        replicated + ceil((weights - replicated - kv_proj) / tp) + ceil(kv_proj x heads on the device / g)
+    """
+    weights = weight_bytes(params, weights_dtype)
+    if tp == 1:
+        return weights, weights
+    rep = weight_bytes(sum(size.parts[k] for k in replicated_parts(size, shard_embeddings=shard_embeddings)),
+                       weights_dtype)
+    heads, copies = kv_share(model, tp)
+    kv_proj, kv_proj_dev = 0, 0
+    if model.mla is None and copies > 1:
+        p = cost.parameters(model.attention)
+        g = int(model.attention.n_kv_heads or model.attention.n_heads)
+        kv_proj = weight_bytes(model.n_layers * (p.k_proj + p.v_proj), weights_dtype)
+        kv_proj_dev = -(-kv_proj * heads // g)
+    return rep + -(-(weights - rep - kv_proj) // tp) + kv_proj_dev, rep
+
+
 def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str, weights_dtype: str, memory: int,
         tp: int = 1, cache: str = "full", prefill_chunk: int | None = None, reserve: int = 0,
         shard_embeddings: bool = False) -> Fit:
     """Memory per device (:class:`FitModel`): weights_per_device + kv_per_device + activations + reserve, the
     weights split as multihead.parallel splits them (attention and MLP by heads and columns; norms and routers on
-    every device, embeddings and the LM head too unless ``shard_embeddings``)."""
+    every device, embeddings and the LM head too unless ``shard_embeddings``: :func:`weights_on_device`), the KV
+    cache by KV heads, a head on several devices where there are fewer than ``tp`` (:func:`kv_share`)."""
     check_tp(model, tp)
     weights = weight_bytes(size.total, weights_dtype)
-    if tp == 1:
-        rep = weights
-    else:
-        rep = weight_bytes(sum(size.parts[k] for k in replicated_parts(size, shard_embeddings=shard_embeddings)),
-                           weights_dtype)
-    weights_dev = rep + -(-(weights - rep) // tp)
+    weights_dev, rep = weights_on_device(model, size, params=size.total, weights_dtype=weights_dtype, tp=tp,
+                                         shard_embeddings=shard_embeddings)
     kv = kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)
-    kv_dev = kv if model.mla is not None else -(-kv // tp)  # an MLA latent is shared by every head: not split
+    kv_dev = kv_on_device(model, kv, tp)
     chunk = seq if prefill_chunk is None else min(seq, prefill_chunk)
     act = prefill_activation_bytes(model, size, seq=chunk, batch=batch, dtype=dtype, tp=tp,
                                    shard_embeddings=shard_embeddings)
@@ -404,18 +447,24 @@ def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str
 
 
 def valid_tp(model: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes the fit model takes: those that divide the query heads and either divide the KV
+    heads or are a multiple of them (vLLM's rule: fewer KV heads than devices are replicated, :func:`kv_share`)."""
     from multihead.divisors import divisors
 
     a = model.attention
     heads = model.mla.n_heads if model.mla is not None else a.n_heads
-    kv = heads if model.mla is not None else a.n_kv_heads
-    return divisors(math.gcd(heads, kv))
+    kv = heads if model.mla is not None else int(a.n_kv_heads or a.n_heads)
+    return [t for t in divisors(heads) if kv % t == 0 or t % kv == 0]
 
 
 def check_tp(model: ModelConfig, tp: int) -> None:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or tp not in valid_tp(model):
-        raise MultiheadError(f"--tp {tp!r} must divide the query and KV head counts: choose one of "
-                             f"{', '.join(map(str, valid_tp(model)))}")
+        a = model.attention
+        heads = model.mla.n_heads if model.mla is not None else a.n_heads
+        kv = heads if model.mla is not None else a.n_kv_heads
+        raise MultiheadError(f"--tp {tp!r} must divide the {heads} query heads and divide, or be a multiple of, "
+                             f"the {kv} KV heads (fewer KV heads than devices are replicated, as vLLM does): choose "
+                             f"one of {', '.join(map(str, valid_tp(model)))}")
 
 
 def fit_kwargs(f: FitModel) -> dict[str, Any]:
@@ -515,8 +564,16 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
                 "weight_bytes_all_devices": f.weights_all_devices, "kv_bytes_all_devices": f.kv_all_devices,
                 "replicated_parts": replicated_parts(size, shard_embeddings=shard_embeddings) if tp > 1 else [],
                 "weight_bytes_replicated_per_device": f.weights_replicated if tp > 1 else 0})
+    heads, copies = kv_share(model, tp)
+    out["kv_heads_per_device"], out["devices_per_kv_head"] = heads, copies
     if model.mla is not None and tp > 1:
         out["kv_note"] = "the latent cache, shared by every head, on each device"
+    elif copies > 1:
+        g = model.attention.n_kv_heads
+        out["kv_note"] = f"each of the {g} KV heads, its cache and its K and V projections, on {copies} devices"
+        out["notes"].append(f"{g} KV heads over {tp} devices: each device holds 1, each head on {copies} devices, as "
+                            "vLLM replicates KV heads when there are fewer than devices (multihead.parallel itself "
+                            "needs --tp to divide them)")
     if memory is not None:
         common: dict[str, Any] = {"memory": memory, **fit_kwargs(fitting)}
         out["fits"] = f.fits

@@ -112,6 +112,12 @@ def run(args: argparse.Namespace) -> int:
               f"({COMPUTE_EFFICIENCY:.0%} of peak FLOP/s, {BANDWIDTH_EFFICIENCY:.0%} of bandwidth"
               + ("" if device.verified else "; datasheet figures, not checked here")
               + f"); decode per sequence at batch {args.batch} after {args.seq:,} tokens")
+    replicated = [r for r in rows if r.devices_per_kv_head > 1]
+    if replicated:
+        print(", ".join(f"{r.variant} ({r.n_kv_heads} KV head{'s' if r.n_kv_heads > 1 else ''}, each on "
+                        f"{r.devices_per_kv_head} devices)" for r in replicated)
+              + f": fewer KV heads than the {tp} devices: each device holds one, its cache and K/V projections "
+              "counted on every device that holds it, as vLLM replicates them")
     for r in rows:
         if r.note:
             print(f"n/a: {r.variant}: {r.note}")

@@ -37,6 +37,7 @@ def run(args: argparse.Namespace) -> int:
             args.device_memory = device.memory
     memory = args.device_memory
     fitting = fit_model(args)
+    sizing.check_tp(model, args.tp)  # (for sizes given alone too, as compare checks it)
     r = sizing.attention_report(model, seq=args.seq, batch=args.batch, dtype=args.dtype, causal=is_causal,
                                 cache=args.cache, memory=memory)
     whole = sizing.whole_model(model, seq=args.seq, batch=args.batch, dtype=args.dtype,
@@ -55,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
 
         r["estimate"] = estimate(model, sizing.model_size(model), device, seq=args.seq, batch=args.batch,
                                  dtype=args.dtype, weights_dtype=fitting.weights_dtype, tp=args.tp, cache=args.cache,
-                                 largest_batch=whole.get("largest_batch"))
+                                 largest_batch=whole.get("largest_batch"), shard_embeddings=args.shard_embeddings)
         if args.plot is not None:
             from multihead.hardware import plot_roofline
 
@@ -205,6 +206,11 @@ def _print_estimate(e: dict[str, Any], args: argparse.Namespace) -> None:
           f"{a['bandwidth_efficiency']:.0%} of {hw['bandwidth'] / 1e9:,.0f} GB/s; ridge "
           f"{e['effective_ridge_flops_per_byte']:.0f} FLOP/B ({e['ridge_flops_per_byte']:.0f} at peak)"
           + ("" if hw["verified"] else " (datasheet figures, not checked here)"))
+    ar = e["allreduce"]
+    if ar["calls_per_step"]:
+        print(f"{'all-reduce':<28}  {ar['calls_per_step']} a step (2 a layer), each "
+              f"{ar['latency_seconds'] * 1e6:,.1f} us of latency + its bytes over "
+              f"{hw['interconnect'] / 1e9:,.0f} GB/s ({ar['model']})")
     print(f"{'prefill':<28}  {p['tokens']:,} tokens x {p['batch']}: {p['seconds'] * 1e3:,.1f} ms ({p['bound']}-bound: "
           f"{p['arithmetic_intensity']:,.0f} FLOP/B; all-reduce {p['allreduce_seconds'] * 1e3:,.1f} ms)")
     rows = [("decode", d)] + ([("decode, largest batch", e["decode_largest_batch"])]
