@@ -231,3 +231,28 @@ def test_bad_sizes_and_dtypes() -> None:
         cost.flops(a, s=4, batch=0.5)  # type: ignore[arg-type]
     with pytest.raises(MultiheadError, match=r"window \(3\) is a causal sliding window"):
         cost.attended_pairs(4, 4, window=3)
+
+
+@pytest.mark.parametrize("fn", [
+    lambda c: cost.kv_cache_bytes_per_token_per_layer(c), lambda c: cost.parameters(c),
+    lambda c: cost.flops(c, s=8), lambda c: cost.kv_cache_bytes(c, context=8), lambda c: cost.cached_tokens(c, 8),
+    lambda c: cost.max_context(c, memory_bytes=2**30), lambda c: cost.attention_matrix_bytes(c, s=8),
+    lambda c: cost.report(c), lambda c: cost.layers_kv_bytes(c, (cost.LayerAttention(),), context=8),
+], ids=["kv_cache_bytes_per_token_per_layer", "parameters", "flops", "kv_cache_bytes", "cached_tokens",
+        "max_context", "attention_matrix_bytes", "report", "layers_kv_bytes"])
+def test_a_whole_model_config_is_refused_by_name_not_with_an_attribute_error(fn) -> None:  # type: ignore[no-untyped-def]
+    """Issue 42 item 9: cost.kv_cache_bytes_per_token_per_layer(preset("llama-3-8b")) raised a bare AttributeError
+    ('ModelConfig' object has no attribute 'n_kv_heads'). cost's functions size one layer: the error says so and
+    where the layer is."""
+    from multihead.presets import preset
+
+    model = preset("llama-3-8b")
+    with pytest.raises(MultiheadError, match=r"takes an AttentionConfig \(one layer's attention\), got ModelConfig; "
+                                             r"a ModelConfig's is its \.attention"):
+        fn(model)
+    assert fn(model.attention) is not None  # what it names works
+    mla = preset("deepseek-v3").mla
+    with pytest.raises(MultiheadError, match="got MLAConfig; an MLA layer is sized by mla_parameters"):
+        fn(mla)
+    with pytest.raises(MultiheadError, match=r"cost\.mla_parameters takes an MLAConfig, got AttentionConfig"):
+        cost.mla_parameters(model.attention)  # type: ignore[arg-type]

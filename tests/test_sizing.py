@@ -122,7 +122,8 @@ def test_count_fit_of_a_small_model_names_the_largest_context_and_batch(capsys: 
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["--tp", "3"], r"--tp 3 must divide the query and KV head counts: choose one of 1, 2, 4, 8"),
+    (["--tp", "3"], "--tp 3 must divide the 64 query heads and divide, or be a multiple of, the 8 KV heads "
+                    "(fewer KV heads than devices are replicated, as vLLM does): choose one of 1, 2, 4, 8, 16, 32, 64"),
     (["--cache", "latent"], "has no latent attention"),
     (["--weights-dtype", "q9"], "weight dtype 'q9' is unknown"),
     (["--cache", "window:x"], "window:N"),

@@ -15,6 +15,7 @@ from multihead.files import save_figure
 from multihead.presets import ModelConfig
 
 if TYPE_CHECKING:
+    from multihead.hardware import Hardware
     from multihead.sizing import FitModel, ModelSize
 
 
@@ -32,6 +33,11 @@ class Variant:
     weight_bytes: int | None = None  # the whole model's weights with this attention, when its config says enough
     max_context_by_memory: int | None = None  # before the model's own context caps it
     note: str | None = None  # why a row has no answer (a --tp this head count cannot split)
+    weight_bytes_per_device: int | None = None  # one device's share under --tp (replicated parts whole)
+    prefill_seconds: float | None = None  # with a hardware: multihead.hardware.estimate's prefill of seq tokens
+    decode_tokens_per_second: float | None = None  # ... and its decode, per sequence, at the context seq
+    decode_bound: str | None = None
+    devices_per_kv_head: int = 1  # > 1: fewer KV heads than --tp devices, each on this many (multihead.sizing.kv_share)
 
 
 def variant_model(model: ModelConfig, n_kv_heads: int | None = None, mla: MLAConfig | None = None) -> ModelConfig:
@@ -45,16 +51,29 @@ def variant_model(model: ModelConfig, n_kv_heads: int | None = None, mla: MLACon
 
 def compare_variants(
     model: ModelConfig, *, seq: int, batch: int = 1, dtype: str = "bf16", memory_bytes: int | None = None,
-    fitting: FitModel | None = None,
+    fitting: FitModel | None = None, hardware: Hardware | None = None,
 ) -> list[Variant]:
     """The model's attention with every valid KV head count (each divisor of n_heads), MHA first, MQA last, and MLA.
 
     The context that fits is `multihead count`'s (multihead.sizing's one fit model, ``fitting``: weights, KV cache,
     prefill activations and reserve per device, capped at the model's own context) where the config describes the
-    whole model; the KV cache alone (less the reserve) where it gives only the attention's sizes."""
+    whole model; the KV cache alone (less the reserve) where it gives only the attention's sizes. With ``hardware``
+    (a whole model only, as `count --hardware`): each variant's prefill and decode estimate
+    (:func:`multihead.hardware.estimate`) on ``fitting.tp`` such devices."""
+    from multihead import sizing
     from multihead.sizing import FitModel, check_tp, kv_bytes, kv_max_context, largest_context
 
+    sizing.check_seq(model, seq)
     fitting = fitting or FitModel(dtype=dtype, weights_dtype=dtype)
+    whole = model.hf is not None and "vocab_size" in model.hf
+    if (memory_bytes is not None or hardware is not None) and whole:
+        try:  # a fit answer counts the weights: a family the count does not know gets none (not the KV cache alone)
+            sizing.model_size(model)
+        except sizing.NotCounted as err:
+            raise sizing.cannot_fit(model, memory_bytes or (hardware.memory if hardware else 0), str(err)) from None
+    if hardware is not None and not whole:
+        raise MultiheadError("--hardware estimates the whole model's speed: describe the whole model with --preset "
+                             "or --config (--d-model and --heads describe its attention alone)")
     base = model.attention
     counts = sorted(divisors(base.n_heads), reverse=True)
     candidates: list[tuple[str, ModelConfig, bool]] = []
@@ -75,22 +94,33 @@ def compare_variants(
         size = _size(m)
         weights = None if size is None else weight_bytes(size.total, fitting.weights_dtype)
         context, by_memory, note = None, None, None
-        if memory_bytes is not None:
-            try:
-                check_tp(m, fitting.tp)
-            except MultiheadError:
-                note = f"--tp {fitting.tp} does not split {m.attention.n_kv_heads} KV heads"
-            if note is None and size is not None:
-                fit_m = fitting if m.mla is None or fitting.cache in ("full", "latent") else dataclasses.replace(
-                    fitting, cache="full")
+        per_device, speed = None, None
+        try:
+            check_tp(m, fitting.tp)
+        except MultiheadError:
+            note = f"--tp {fitting.tp} neither divides nor is a multiple of {m.attention.n_kv_heads} KV heads"
+        fit_m = fitting if m.mla is None or fitting.cache in ("full", "latent") else dataclasses.replace(
+            fitting, cache="full")
+        if note is None and size is not None:
+            per_device = sizing.fit(m, size, seq=seq, batch=batch, memory=memory_bytes or 0, tp=fit_m.tp,
+                                    **sizing.fit_kwargs(fit_m)).weights_per_device
+        if memory_bytes is not None and note is None:
+            if size is not None:
                 context, by_memory, _ = largest_context(m, size, seq=seq, batch=batch, memory=memory_bytes,
                                                         fitting=fit_m)
-            elif note is None:
-                room = max(0, memory_bytes - fitting.reserve) * (1 if m.mla is not None else fitting.tp)
+            else:
+                heads, _ = sizing.kv_share(m, fitting.tp)  # one device holds heads of the g KV heads' cache
+                room = max(0, memory_bytes - fitting.reserve) * (1 if m.mla is not None else
+                                                                 int(m.attention.n_kv_heads or 1) // heads)
                 by_memory = kv_max_context(m, memory=room, batch=batch, dtype=dtype,
                                            cache="full" if m.mla is not None else fitting.cache)
                 limit = model.hf.context_limit if model.hf is not None else model.max_context
                 context = by_memory if limit is None or by_memory is None else min(by_memory, limit)
+        if hardware is not None and note is None and size is not None:
+            from multihead.hardware import estimate
+
+            speed = estimate(m, size, hardware, seq=seq, batch=batch, dtype=dtype, weights_dtype=fit_m.weights_dtype,
+                             tp=fit_m.tp, cache=fit_m.cache)
         rows.append(Variant(
             variant=name,
             n_kv_heads=1 if m.mla is not None else int(m.attention.n_kv_heads or 0),
@@ -105,6 +135,11 @@ def compare_variants(
             weight_bytes=weights,
             max_context_by_memory=by_memory,
             note=note,
+            weight_bytes_per_device=per_device,
+            prefill_seconds=None if speed is None else speed["prefill"]["seconds"],
+            decode_tokens_per_second=None if speed is None else speed["decode"]["tokens_per_second_per_sequence"],
+            decode_bound=None if speed is None else speed["decode"]["bound"],
+            devices_per_kv_head=1 if m.mla is not None or note else sizing.kv_share(m, fitting.tp)[1],
         ))
     return rows
 
@@ -141,6 +176,38 @@ def model_mla(model: ModelConfig) -> MLAConfig | None:
                      qk_rope_head_dim=rope, v_head_dim=a.head_dim, bias=a.bias)
 
 
+def plot_series(model: ModelConfig, rows: list[Variant], *, batch: int, dtype: str, seq: int,
+                fitting: FitModel | None = None) -> dict[str, list[tuple[int, int]]]:
+    """What :func:`plot_variants` draws: for each row with an answer, (context, bytes on one device) at powers of two
+    from 64 to twice the larger of ``seq`` and the model's context. The bytes are those the table's context counts:
+    multihead.sizing.fit's per-device total (weights, KV cache, activations and reserve, split over ``fitting.tp``)
+    where the config describes the whole model, else one device's KV cache plus the reserve."""
+    from multihead import sizing
+
+    fitting = fitting or sizing.FitModel(dtype=dtype, weights_dtype=dtype)
+    top = max(seq, sizing.context_limit(model) or 0, 1024) * 2
+    contexts = [2**k for k in range(6, top.bit_length() + 1)]
+    mla = model_mla(model)
+    out: dict[str, list[tuple[int, int]]] = {}
+    for r in rows:
+        if r.note is not None:  # no answer for this row (a --tp it cannot split): no line either
+            continue
+        m = variant_model(model, mla=mla) if r.variant.startswith("MLA") and mla is not None else variant_model(
+            model, r.n_kv_heads)
+        fit_m = fitting if m.mla is None or fitting.cache in ("full", "latent") else dataclasses.replace(
+            fitting, cache="full")
+        size = _size(m) if r.weight_bytes is not None else None
+        if size is not None:
+            ys = [sizing.fit(m, size, seq=c, batch=batch, memory=0, tp=fit_m.tp, **sizing.fit_kwargs(fit_m)).per_device
+                  for c in contexts]
+        else:
+            ys = [sizing.kv_on_device(m, sizing.kv_bytes(m, context=c, batch=batch, dtype=dtype,
+                                                         cache="full" if m.mla is not None else fit_m.cache),
+                                      fit_m.tp) + fit_m.reserve for c in contexts]
+        out[r.variant] = list(zip(contexts, ys, strict=True))
+    return out
+
+
 def plot_variants(
     model: ModelConfig,
     rows: list[Variant],
@@ -150,8 +217,11 @@ def plot_variants(
     dtype: str,
     seq: int,
     memory_bytes: int | None = None,
+    fitting: FitModel | None = None,
 ) -> str:
-    """A PNG of KV-cache memory against context length, a line per variant and one for the device memory."""
+    """A PNG of one device's memory against context length (:func:`plot_series`: what the table's context
+    counts), a line per variant, one for the device memory, and the model's own context."""
+    from multihead import sizing
     from multihead.errors import require
 
     matplotlib = require("matplotlib", "plots")
@@ -159,42 +229,42 @@ def plot_variants(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    top = max(seq, model.max_context or 0, 1024) * 2
-    contexts = [2**k for k in range(6, top.bit_length() + 1)]
+    fitting = fitting or sizing.FitModel(dtype=dtype, weights_dtype=dtype)
+    series = plot_series(model, rows, batch=batch, dtype=dtype, seq=seq, fitting=fitting)
     fig, ax = plt.subplots(figsize=(8, 5), dpi=120)
     gib = 2**30
     mla = model_mla(model)
-    model_row = next((r for r in rows if r.is_model), rows[0])
-    if model_row.weight_bytes is not None:
-        ax.axhline(model_row.weight_bytes / gib, color="grey", linestyle="-.",
-                   label=f"the model's weights alone ({dtype})")
-    from multihead.sizing import kv_bytes
-
+    whole = any(r.weight_bytes is not None for r in rows)
     for r in rows:
-        m = variant_model(model, mla=mla) if r.variant.startswith("MLA") and mla is not None else variant_model(
-            model, r.n_kv_heads)
-        ys = [kv_bytes(m, context=c, batch=batch, dtype=dtype) / gib for c in contexts]
+        if r.variant not in series:
+            continue
         if r.variant.startswith("MLA") and mla is not None:
             label = f"{r.variant} (one latent of {mla.latent_dim} per token)"
         else:
             label = f"{r.variant} ({r.n_kv_heads} KV head{'s' if r.n_kv_heads > 1 else ''})"
-        if r.weight_bytes is not None:  # the whole model: its weights plus the cache
-            ys = [y + r.weight_bytes / gib for y in ys]
-        ax.plot(contexts, ys, marker="o", markersize=3, linewidth=2.5 if r.is_model else 1.5,
+        xs, ys = zip(*series[r.variant], strict=True)
+        ax.plot(xs, [y / gib for y in ys], marker="o", markersize=3, linewidth=2.5 if r.is_model else 1.5,
                 linestyle="--" if r.variant.startswith("MLA") else "-",
                 label=label + (" - the model" if r.is_model else ""))
     if memory_bytes is not None:
         ax.axhline(memory_bytes / gib, color="black", linestyle="--",
                    label=f"device memory {memory_bytes / gib:.1f} GiB")
-    ax.axvline(seq, color="grey", linestyle=":", label=f"context {seq}")
+    ax.axvline(seq, color="grey", linestyle=":", label=f"context {seq:,}")
+    limit = sizing.context_limit(model)
+    if limit is not None:
+        ax.axvline(limit, color="grey", linestyle="-.", label=f"the model's own context {limit:,}")
     ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
+    ax.set_ylim(bottom=0)  # linear: the gap to the device's memory is what the table's context reads
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("weights + KV cache (GiB)" if model_row.weight_bytes is not None else "KV cache (GiB)")
-    what = "weights + KV cache" if model_row.weight_bytes is not None else "KV cache"
-    ax.set_title(f"{model.name}: {what}, {model.n_layers} layers, batch {batch}, {dtype}")
+    tp = f" (tp {fitting.tp})" if fitting.tp > 1 else ""
+    ax.set_ylabel(f"memory per device{tp} (GiB)")
+    what = ("weights + KV cache + prefill activations" if whole else "KV cache") + (
+        " + reserve" if fitting.reserve else "")
+    ax.set_title(f"{model.name}: {what} per device{', over ' + str(fitting.tp) + ' devices' if fitting.tp > 1 else ''}"
+                 f"\n{model.n_layers} layers, batch {batch}, {dtype}"
+                 + (f", weights {fitting.weights_dtype}" if whole else ""), fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     out = Path(path)
     save_figure(fig, out)

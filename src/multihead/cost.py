@@ -37,6 +37,24 @@ def dtype_bytes(dtype: str) -> int:
     return DTYPE_BYTES[name]
 
 
+def _attention(config: object, what: str) -> None:
+    """``config`` must be an AttentionConfig (a ModelConfig or an MLAConfig raised a bare AttributeError)."""
+    if isinstance(config, AttentionConfig):
+        return
+    hint = {"ModelConfig": "; a ModelConfig's is its .attention (the whole model: multihead.sizing)",
+            "MLAConfig": "; an MLA layer is sized by mla_parameters, mla_flops, mla_cache_bytes and mla_report"}
+    name = type(config).__name__
+    raise MultiheadError(f"cost.{what} takes an AttentionConfig (one layer's attention), got {name}"
+                         f"{hint.get(name, '')}")
+
+
+def _mla(config: object, what: str) -> None:
+    if not isinstance(config, MLAConfig):
+        raise MultiheadError(f"cost.{what} takes an MLAConfig, got {type(config).__name__}"
+                             + ("; MHA/GQA/MQA layers: parameters, flops, kv_cache_bytes"
+                                if isinstance(config, AttentionConfig) else ""))
+
+
 def _dims(config: AttentionConfig) -> tuple[int, int, int, int, int, int]:
     assert config.n_kv_heads is not None and config.head_dim is not None
     assert config.kv_dim is not None and config.value_dim is not None
@@ -78,6 +96,7 @@ def parameters(config: AttentionConfig) -> ParamCount:
 
     For MHA with d = D / h and no biases this is 4 D^2 (67,108,864 for D = 4096).
     """
+    _attention(config, "parameters")
     h, g, d, D, kv_dim, value_dim = _dims(config)
     qb = h * d if config.bias else 0
     kb = g * d if config.bias else 0
@@ -169,6 +188,7 @@ def flops(
     pair. With ``exact_mask=False``, P = s t: what a dense kernel multiplies (and what torch's FlopCounterMode reports,
     since it does not see masks). Each query head does its own Q K^T, so the core scales with h, not g.
     """
+    _attention(config, "flops")
     t = s if t is None else t
     _check_sizes(s=s, t=t, batch=batch)
     h, g, d, D, kv_dim, value_dim = _dims(config)
@@ -191,6 +211,7 @@ def kv_cache_bytes_per_token_per_layer(config: AttentionConfig, dtype: str = "bf
 
     It depends on n_kv_heads, not n_heads: GQA with g = h / 8 caches 8x less than MHA.
     """
+    _attention(config, "kv_cache_bytes_per_token_per_layer")
     _, g, d, *_ = _dims(config)
     return 2 * g * d * dtype_bytes(dtype)
 
@@ -199,6 +220,7 @@ def cached_tokens(config: AttentionConfig, context: int) -> int:
     """Tokens each sequence keeps in the cache between steps: the context, or with a sliding window of w the last
     min(context, w - 1) (the next token joins them: it sees w keys, itself included), as transformers'
     DynamicSlidingWindowLayer and :class:`multihead.cache.SinkCache` keep them."""
+    _attention(config, "cached_tokens")
     _check_sizes(context=context)
     return LayerAttention.of(config).cached_tokens(context)
 
@@ -207,6 +229,7 @@ def kv_cache_bytes(
     config: AttentionConfig, *, context: int, batch: int = 1, n_layers: int = 1, dtype: str = "bf16"
 ) -> int:
     """The KV cache: per-token bytes * min(context, window) * batch * n_layers."""
+    _attention(config, "kv_cache_bytes")
     _check_sizes(batch=batch, n_layers=n_layers)
     return kv_cache_bytes_per_token_per_layer(config, dtype) * cached_tokens(config, context) * batch * n_layers
 
@@ -215,6 +238,7 @@ def sink_cache_bytes(config: AttentionConfig, *, window: int, sink_tokens: int, 
                      dtype: str = "bf16") -> int:
     """A cache of attention sinks and a sliding window (:class:`multihead.cache.SinkCache`), the same for any
     context: per-token bytes * (sink_tokens + window - 1) * batch * n_layers (the next token joins them)."""
+    _attention(config, "sink_cache_bytes")
     _check_sizes(window=window, sink_tokens=sink_tokens, batch=batch, n_layers=n_layers)
     if window < 1:
         raise MultiheadError(f"window ({window}) must be at least 1")
@@ -231,6 +255,7 @@ def quantized_cache_bytes(config: AttentionConfig, *, context: int, bits: int, g
         value scales   2 * context * (d / group) * 2          (float16 scale and minimum per token per channel group)
         residual       2 * (residual + group) * d * bytes(dtype)   (the newest tokens, in full precision)
     """
+    _attention(config, "quantized_cache_bytes")
     _check_sizes(context=context, bits=bits, group=group, residual=residual, batch=batch, n_layers=n_layers)
     _, g, d, *_ = _dims(config)
     if bits not in (2, 4, 8):
@@ -247,6 +272,7 @@ def max_context(
     config: AttentionConfig, *, memory_bytes: int, batch: int = 1, n_layers: int = 1, dtype: str = "bf16"
 ) -> int | None:
     """The longest context whose KV cache fits in memory_bytes; None when any context fits (a window caps it)."""
+    _attention(config, "max_context")
     _check_sizes(memory_bytes=memory_bytes, batch=batch, n_layers=n_layers)
     per_token = kv_cache_bytes_per_token_per_layer(config, dtype) * batch * n_layers
     if per_token == 0:
@@ -263,6 +289,7 @@ def attention_matrix_bytes(config: AttentionConfig, *, s: int, t: int | None = N
 
     It grows with the square of the context: the reason fused kernels exist.
     """
+    _attention(config, "attention_matrix_bytes")
     t = s if t is None else t
     _check_sizes(s=s, t=t, batch=batch)
     return batch * config.n_heads * s * t * dtype_bytes(dtype)
@@ -270,6 +297,7 @@ def attention_matrix_bytes(config: AttentionConfig, *, s: int, t: int | None = N
 
 def fused_attention_bytes(config: AttentionConfig, *, s: int, batch: int = 1) -> int:
     """What a fused (flash) kernel keeps instead: one float32 log-sum-exp per query and head, b * h * s * 4."""
+    _attention(config, "fused_attention_bytes")
     _check_sizes(s=s, batch=batch)
     return batch * config.n_heads * s * 4
 
@@ -325,6 +353,7 @@ def layer_cache_bytes_per_token(config: AttentionConfig, layer: LayerAttention, 
                                 mla: MLAConfig | None = None) -> int:
     """Bytes one cached token costs in one layer: 2 g d bytes(dtype), or (kv_lora_rank + rope) bytes(dtype) for a
     latent layer."""
+    _attention(config, "layer_cache_bytes_per_token")
     if layer.kind == "latent":
         if mla is None:
             raise MultiheadError("a latent (MLA) layer needs its MLAConfig to be sized")
@@ -336,6 +365,7 @@ def layers_kv_bytes(config: AttentionConfig, layers: Sequence[LayerAttention], *
                     dtype: str = "bf16", mla: MLAConfig | None = None) -> int:
     """The whole cache summed layer by layer: sum over layers of per-token bytes * cached_tokens(context) * batch
     (a full layer holds the context, a sliding one min(context, window - 1), a latent one the context's latents)."""
+    _attention(config, "layers_kv_bytes")
     _check_sizes(context=context, batch=batch)
     return sum(layer_cache_bytes_per_token(config, layer, dtype=dtype, mla=mla) * layer.cached_tokens(context)
                for layer in layers) * batch
@@ -345,6 +375,7 @@ def layers_flops(config: AttentionConfig, layers: Sequence[LayerAttention], *, s
                  causal: bool = True, exact_mask: bool = True) -> dict[str, FlopCount]:
     """Forward FLOPs of one layer of each kind the model has (``{"full": ..., "sliding": ...}``), each kind's window
     counted pair by pair (:func:`flops`); a latent layer is counted by :func:`mla_flops` instead."""
+    _attention(config, "layers_flops")
     out: dict[str, FlopCount] = {}
     for layer in layers:
         if layer.kind != "latent" and layer.describe() not in out:
@@ -370,6 +401,7 @@ def report(
     are summed layer by layer; the ``*_per_layer`` figures and ``attended_pairs`` are those of a full-attention layer
     where the model has one (each kind's under ``by_layer_kind``). Without ``layers``: n_layers layers of ``config``.
     """
+    _attention(config, "report")
     if layers is None:
         _check_sizes(n_layers=n_layers)
         layers = (LayerAttention.of(config),) * n_layers
@@ -448,6 +480,7 @@ def mla_parameters(config: MLAConfig) -> MLAParamCount:
         kv_a_proj D * (r + rope)  (+ bias)            kv_a_norm  r
         kv_b_proj r * h * (qk_nope + v)               o_proj     h * v * D  (+ D bias)
     """
+    _mla(config, "mla_parameters")
     D, h, r, rope = config.d_model, config.n_heads, config.kv_lora_rank, config.qk_rope_head_dim
     qk, nope, v, bias = config.qk_head_dim, config.qk_nope_head_dim, config.v_head_dim, int(config.bias)
     if config.q_lora_rank is None:
@@ -491,6 +524,7 @@ def mla_flops(config: MLAConfig, *, s: int, t: int | None = None, batch: int = 1
     P = attended_pairs(s, t, causal). The absorbed path pays r + rope per pair instead of qk, and never
     up-projects the cached latents: cheaper for a few queries over many keys (decode), dearer for a prefill.
     """
+    _mla(config, "mla_flops")
     t = s if t is None else t
     _check_sizes(s=s, t=t, batch=batch)
     if path not in ("expanded", "absorbed"):
@@ -512,6 +546,7 @@ def mla_cache_bytes(config: MLAConfig, *, context: int, batch: int = 1, n_layers
                     dtype: str = "bf16") -> int:
     """The latent cache: (kv_lora_rank + rope) * bytes(dtype) * context * batch * n_layers; one latent and one
     RoPE key per token, whatever n_heads (:class:`multihead.cache.LatentCache`)."""
+    _mla(config, "mla_cache_bytes")
     _check_sizes(context=context, batch=batch, n_layers=n_layers)
     return config.latent_dim * dtype_bytes(dtype) * context * batch * n_layers
 
@@ -520,6 +555,7 @@ def mla_cache_bytes(config: MLAConfig, *, context: int, batch: int = 1, n_layers
 def mla_as_mha(config: MLAConfig) -> AttentionConfig:
     """The same query heads as plain MHA, each key and value head v_head_dim wide: what an MLA layer's latent cache
     is compared with."""
+    _mla(config, "mla_as_mha")
     return AttentionConfig(d_model=config.d_model, n_heads=config.n_heads, head_dim=config.v_head_dim)
 
 
@@ -528,6 +564,7 @@ def mla_report(config: MLAConfig, *, n_layers: int, seq: int, batch: int = 1, dt
     """An MLA model's attention figures, as :func:`report` gives them for MHA/GQA/MQA: parameters, the latent cache
     (per token and for ``seq`` x ``batch``; ``cache_vs_mha`` against :func:`mla_as_mha`'s KV cache), the expanded
     forward's FLOPs and one decode step's FLOPs after ``seq`` tokens on each path."""
+    _mla(config, "mla_report")
     params = mla_parameters(config).total
     total = mla_cache_bytes(config, context=seq, batch=batch, n_layers=n_layers, dtype=dtype)
     mha = kv_cache_bytes(mla_as_mha(config), context=seq, batch=batch, n_layers=n_layers, dtype=dtype)

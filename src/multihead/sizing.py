@@ -28,6 +28,7 @@ from multihead.values import MAX_PARAMETERS
 LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite", "cohere", "phi3",
               "smollm3", "starcoder2", "internlm2"}
 FAMILIES = ("gpt2", "bert", *sorted(LLAMA_LIKE), "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "falcon")
+REPLICATED_PARTS = ("embeddings", "norms", "lm_head", "routers", "pooler")  # on every device under tensor parallelism
 
 # GGML tensor types of a GGUF file (llama.cpp's numbering) and their bits per weight, block scales included
 GGML_TYPES = {0: "F32", 1: "F16", 2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 10: "Q2_K", 11: "Q3_K",
@@ -43,7 +44,19 @@ WEIGHT_BITS: dict[str, float] = {"fp32": 32.0, "float32": 32.0, "fp16": 16.0, "f
 
 class NotCounted(MultiheadError):
     """A model the whole-model count does not know yet (a family, a layout, a missing field): `count` says so and
-    still answers for the attention; a bad value in a config raises a plain MultiheadError instead."""
+    still answers for the attention, but gives no fit answer (:func:`cannot_fit`); a bad value in a config raises a
+    plain MultiheadError instead."""
+
+
+def cannot_fit(model: ModelConfig, memory: int, why: str) -> MultiheadError:
+    """The refusal of a fit answer for a model whose weights are not counted: "does it fit in ``memory``?" counts
+    the weights (the KV cache alone would answer for a model without weights, past its own context too)."""
+    from multihead.units import format_bytes
+
+    where = model.hf.where if model.hf is not None else model.name
+    return MultiheadError(f"{where}: cannot say what fits in {format_bytes(memory)}: the whole model's weights are "
+                          f"not counted ({why}); a fit answer counts them. Without --device-memory and --hardware "
+                          "the attention's own figures are given")
 
 
 @dataclass(frozen=True)
@@ -54,7 +67,7 @@ class ModelSize:
     family: str
     parts: dict[str, int]
     active: int
-    replicated: int  # not split by tensor parallelism (embeddings, norms, LM head, routers)
+    replicated: int  # not split by tensor parallelism (REPLICATED_PARTS: embeddings, norms, LM head, routers, pooler)
     tied: bool
     notes: list[str] = field(default_factory=list)
 
@@ -157,8 +170,7 @@ def model_size(model: ModelConfig) -> ModelSize:
     if "experts" in parts:
         moe_layers, routed, per_tok, expert = _moe_shape(cfg, family, n_layers, D)
         active = total - moe_layers * (routed - per_tok) * expert
-    replicated = parts.get("embeddings", 0) + parts.get("norms", 0) + parts.get("lm_head", 0) + parts.get(
-        "routers", 0) + parts.get("pooler", 0)
+    replicated = sum(parts.get(k, 0) for k in REPLICATED_PARTS)
     return ModelSize(name=model.name, family=family, parts=parts, active=active, replicated=replicated, tied=tied,
                      notes=notes)
 
@@ -235,22 +247,24 @@ def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, b
     columns), and the last position's logits in float32 (split by vocabulary with ``shard_embeddings``), in the
     activation dtype (:func:`activation_dtype`)::
 
-        b s bytes (D + max(2 D + 2 g d, 3 I) / tp) + b V 4 / (tp if shard_embeddings else 1)
+        b s bytes (D + max(2 D / tp + 2 g' d, 3 I / tp)) + b V 4 / (tp if shard_embeddings else 1)
+
+    with g' the KV heads on one device (g / tp, or 1 where they are replicated: :func:`kv_share`).
     """
     cfg = _config(model)
     a = model.attention
-    D, g, d = a.d_model, a.n_kv_heads, a.head_dim
+    D, d = a.d_model, a.head_dim
     inner = _width(cfg, "intermediate_size") if cfg.has("intermediate_size") else int(
         cfg.integer("n_inner", default=4 * D))
     if "experts" in size.parts:
         moe_inner = int(cfg.integer("moe_intermediate_size", default=inner))
         per_tok = int(cfg.integer("num_experts_per_tok", default=1))
         inner = max(inner if "mlp" in size.parts else 0, moe_inner * per_tok)
-    attention = 2 * D + 2 * g * d
+    attention = -(-2 * D // tp) + 2 * kv_share(model, tp)[0] * d  # q and the output split; k, v of this device's heads
     if model.mla is not None:
         m = model.mla
-        attention = m.n_heads * (2 * m.qk_head_dim + m.v_head_dim) + m.latent_dim
-    per_token = D + -(-max(attention, 3 * inner) // tp)
+        attention = -(-(m.n_heads * (2 * m.qk_head_dim + m.v_head_dim) + m.latent_dim) // tp)
+    per_token = D + max(attention, -(-3 * inner // tp))
     V = int(cfg.integer("vocab_size", default=0))
     logits = batch * 4 * (-(-V // tp) if shard_embeddings else V)
     return batch * seq * per_token * cost.dtype_bytes(activation_dtype(dtype)) + logits
@@ -333,10 +347,17 @@ class FitModel:
                 + ("; embeddings and LM head sharded by vocabulary" if self.shard_embeddings and self.tp > 1 else ""))
 
 
+def replicated_parts(size: ModelSize, *, shard_embeddings: bool = False) -> list[str]:
+    """The parts of ``size`` every device holds whole under tensor parallelism (:data:`REPLICATED_PARTS`; the
+    embeddings and LM head are split by vocabulary with ``shard_embeddings``)."""
+    vocab = ("embeddings", "lm_head") if shard_embeddings else ()
+    return [k for k in REPLICATED_PARTS if k in size.parts and k not in vocab]
+
+
 @dataclass(frozen=True)
 class Fit:
-    weights: int  # all devices together
-    kv: int  # all devices together
+    weights: int  # the model's weights, counted once
+    kv: int  # the model's KV cache, counted once
     activations: int  # per device
     per_device: int  # the sum of the four per-device terms
     memory: int
@@ -344,10 +365,64 @@ class Fit:
     weights_per_device: int = 0
     kv_per_device: int = 0
     reserve: int = 0
+    weights_replicated: int = 0  # of weights_per_device: the parts every device holds whole (replicated_parts)
 
     @property
     def fits(self) -> bool:
         return self.per_device <= self.memory
+
+    @property
+    def weights_all_devices(self) -> int:
+        """What the tp devices hold together: tp x weights_per_device (the replicated parts tp times)."""
+        return self.tp * self.weights_per_device
+
+    @property
+    def kv_all_devices(self) -> int:
+        return self.tp * self.kv_per_device
+
+
+def kv_share(model: ModelConfig, tp: int) -> tuple[int, int]:
+    """(KV heads on each device, devices holding each KV head) over ``tp`` devices: (g / tp, 1) when tp divides the
+    g KV heads; (1, tp / g) when there are fewer KV heads than devices, which serving engines replicate (vLLM: "Number
+    of KV heads is less than TP size, so we replicate the KV heads across multiple tensor parallel GPUs", each
+    device at least one; its QKVParallelLinear holds num_kv_heads = max(1, g // tp)). An MLA latent is shared by
+    every head: (1, tp), the whole latent cache on each device."""
+    if model.mla is not None:
+        return 1, tp
+    g = int(model.attention.n_kv_heads or model.attention.n_heads)
+    return max(1, g // tp), max(1, tp // g)
+
+
+def kv_on_device(model: ModelConfig, kv: int, tp: int) -> int:
+    """One device's share of ``kv`` bytes of the model's KV cache (:func:`kv_share`): kv x heads on it / g."""
+    if model.mla is not None:
+        return kv
+    g = int(model.attention.n_kv_heads or model.attention.n_heads)
+    return -(-kv * kv_share(model, tp)[0] // g)
+
+
+def weights_on_device(model: ModelConfig, size: ModelSize, *, params: int, weights_dtype: str, tp: int,
+                      shard_embeddings: bool = False) -> tuple[int, int]:
+    """(bytes on one device, of them the bytes every device holds whole) of ``params`` of the model's weights
+    (``size.total``, or ``size.active`` for what a token reads) over ``tp`` devices: the replicated parts
+    (:func:`replicated_parts`) whole, the K and V projections of the KV heads the device holds (:func:`kv_share`:
+    each head's on every device that holds it), the rest split::
+
+        replicated + ceil((weights - replicated - kv_proj) / tp) + ceil(kv_proj x heads on the device / g)
+    """
+    weights = weight_bytes(params, weights_dtype)
+    if tp == 1:
+        return weights, weights
+    rep = weight_bytes(sum(size.parts[k] for k in replicated_parts(size, shard_embeddings=shard_embeddings)),
+                       weights_dtype)
+    heads, copies = kv_share(model, tp)
+    kv_proj, kv_proj_dev = 0, 0
+    if model.mla is None and copies > 1:
+        p = cost.parameters(model.attention)
+        g = int(model.attention.n_kv_heads or model.attention.n_heads)
+        kv_proj = weight_bytes(model.n_layers * (p.k_proj + p.v_proj), weights_dtype)
+        kv_proj_dev = -(-kv_proj * heads // g)
+    return rep + -(-(weights - rep - kv_proj) // tp) + kv_proj_dev, rep
 
 
 def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str, weights_dtype: str, memory: int,
@@ -355,39 +430,45 @@ def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str
         shard_embeddings: bool = False) -> Fit:
     """Memory per device (:class:`FitModel`): weights_per_device + kv_per_device + activations + reserve, the
     weights split as multihead.parallel splits them (attention and MLP by heads and columns; norms and routers on
-    every device, embeddings and the LM head too unless ``shard_embeddings``)."""
+    every device, embeddings and the LM head too unless ``shard_embeddings``: :func:`weights_on_device`), the KV
+    cache by KV heads, a head on several devices where there are fewer than ``tp`` (:func:`kv_share`)."""
     check_tp(model, tp)
     weights = weight_bytes(size.total, weights_dtype)
-    vocab = size.parts.get("embeddings", 0) + size.parts.get("lm_head", 0)
-    replicated = size.replicated - (vocab if shard_embeddings else 0)
-    rep = weight_bytes(replicated, weights_dtype)
-    weights_dev = rep + -(-(weights - rep) // tp)
+    weights_dev, rep = weights_on_device(model, size, params=size.total, weights_dtype=weights_dtype, tp=tp,
+                                         shard_embeddings=shard_embeddings)
     kv = kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)
-    kv_dev = kv if model.mla is not None else -(-kv // tp)  # an MLA latent is shared by every head: not split
+    kv_dev = kv_on_device(model, kv, tp)
     chunk = seq if prefill_chunk is None else min(seq, prefill_chunk)
     act = prefill_activation_bytes(model, size, seq=chunk, batch=batch, dtype=dtype, tp=tp,
                                    shard_embeddings=shard_embeddings)
     per_device = weights_dev + kv_dev + act + reserve
     return Fit(weights=weights, kv=kv, activations=act, per_device=per_device, memory=memory, tp=tp,
-               weights_per_device=weights_dev, kv_per_device=kv_dev, reserve=reserve)
+               weights_per_device=weights_dev, kv_per_device=kv_dev, reserve=reserve, weights_replicated=rep)
 
 
 def valid_tp(model: ModelConfig) -> list[int]:
+    """The tensor-parallel sizes the fit model takes: those that divide the query heads and either divide the KV
+    heads or are a multiple of them (vLLM's rule: fewer KV heads than devices are replicated, :func:`kv_share`)."""
     from multihead.divisors import divisors
 
     a = model.attention
     heads = model.mla.n_heads if model.mla is not None else a.n_heads
-    kv = heads if model.mla is not None else a.n_kv_heads
-    return divisors(math.gcd(heads, kv))
+    kv = heads if model.mla is not None else int(a.n_kv_heads or a.n_heads)
+    return [t for t in divisors(heads) if kv % t == 0 or t % kv == 0]
 
 
 def check_tp(model: ModelConfig, tp: int) -> None:
     if isinstance(tp, bool) or not isinstance(tp, int) or tp < 1 or tp not in valid_tp(model):
-        raise MultiheadError(f"--tp {tp!r} must divide the query and KV head counts: choose one of "
-                             f"{', '.join(map(str, valid_tp(model)))}")
+        a = model.attention
+        heads = model.mla.n_heads if model.mla is not None else a.n_heads
+        kv = heads if model.mla is not None else a.n_kv_heads
+        raise MultiheadError(f"--tp {tp!r} must divide the {heads} query heads and divide, or be a multiple of, "
+                             f"the {kv} KV heads (fewer KV heads than devices are replicated, as vLLM does): choose "
+                             f"one of {', '.join(map(str, valid_tp(model)))}")
 
 
-def _fit_kwargs(f: FitModel) -> dict[str, Any]:
+def fit_kwargs(f: FitModel) -> dict[str, Any]:
+    """The keywords of :func:`fit` (and largest, devices_needed) that a :class:`FitModel` sets, all but ``tp``."""
     return {"dtype": f.dtype, "weights_dtype": f.weights_dtype, "cache": f.cache, "prefill_chunk": f.prefill_chunk,
             "reserve": f.reserve, "shard_embeddings": f.shard_embeddings}
 
@@ -422,11 +503,23 @@ def context_limit(model: ModelConfig) -> int | None:
     return model.hf.context_limit if model.hf is not None else model.max_context
 
 
+def check_seq(model: ModelConfig, seq: int) -> None:
+    """The one rule for a context past the model's own (:func:`context_limit`): refused, naming both, by every
+    figure that takes one (whole_model, attention_report, compare, the hardware estimate), never answered as if the
+    model could run it. A model that states no limit (sizes given alone) takes any."""
+    limit = context_limit(model)
+    if limit is not None and seq > limit:
+        why = ("max_position_embeddings" if model.hf is None or model.hf.context_limit == model.hf.max_context
+               else "its rope_scaling's factor x original_max_position_embeddings")
+        raise MultiheadError(f"--seq {seq:,} is past {model.name}'s own context of {limit:,} tokens ({why}): give "
+                             f"--seq {limit:,} or less")
+
+
 def largest_context(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, memory: int,
                     fitting: FitModel) -> tuple[int, int, int | None]:
     """(the context that fits: memory's answer capped at the model's limit, memory's answer, the limit)."""
     by_memory = largest(model, size, seq=seq, batch=batch, memory=memory, tp=fitting.tp, what="context",
-                        **_fit_kwargs(fitting))
+                        **fit_kwargs(fitting))
     limit = context_limit(model)
     return (by_memory if limit is None else min(by_memory, limit)), by_memory, limit
 
@@ -437,14 +530,21 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
                 shard_embeddings: bool = False) -> dict[str, Any] | None:
     """The whole model's parameters, memory and fit (what `multihead count` reports as ``whole_model``), or None for
     a model described by its attention sizes alone (no vocabulary). A model whose parts cannot be sized gives
-    ``{"unavailable": why}``. With ``memory`` (bytes per device): whether it fits, on how few devices, and the
+    ``{"unavailable": why}``, or with ``memory`` raises (:func:`cannot_fit`: no fit answer without the weights).
+    With ``memory`` (bytes per device): whether it fits, on how few devices, and the
     largest context (capped at the model's own, ``context_limit_binds`` when that is what stops it) and batch that
-    do. Every ``*_per_device`` term is one device's; they add up to ``bytes_per_device``."""
+    do. Every ``*_per_device`` term is one device's; they add up to ``bytes_per_device``; ``*_all_devices`` is tp
+    times one device's (``replicated_parts``, ``weight_bytes_replicated_per_device``: what each device holds whole),
+    where ``weight_bytes`` and ``kv_bytes`` count the model's once. A ``seq`` past the
+    model's own context is refused (:func:`check_seq`)."""
+    check_seq(model, seq)
     if model.hf is None or "vocab_size" not in model.hf:
         return None
     try:
         size = model_size(model)
-    except NotCounted as err:  # a family or layout the count does not know: said, not refused (bad values raise)
+    except NotCounted as err:  # a family or layout the count does not know: said; a fit answer refused
+        if memory is not None:
+            raise cannot_fit(model, memory, str(err)) from None
         return {"unavailable": str(err)}
     check_tp(model, tp)
     fitting = FitModel(dtype=dtype, weights_dtype=weights_dtype, cache=cache, tp=tp, prefill_chunk=prefill_chunk,
@@ -457,15 +557,25 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
         "shard_embeddings": shard_embeddings, "layer_kinds": cost.layers_summary(model.layers()),
         "context_limit": context_limit(model),
     }
-    f = fit(model, size, seq=seq, batch=batch, memory=memory or 0, tp=tp, **_fit_kwargs(fitting))
+    f = fit(model, size, seq=seq, batch=batch, memory=memory or 0, tp=tp, **fit_kwargs(fitting))
     out.update({"weight_bytes": f.weights, "kv_bytes": f.kv, "activation_bytes": f.activations,
                 "weight_bytes_per_device": f.weights_per_device, "kv_bytes_per_device": f.kv_per_device,
-                "activation_bytes_per_device": f.activations, "bytes_per_device": f.per_device})
-    limit = out["context_limit"]
-    if limit is not None and seq > limit:
-        out["notes"].append(f"--seq {seq:,} is past the model's own context of {limit:,} tokens")
+                "activation_bytes_per_device": f.activations, "bytes_per_device": f.per_device,
+                "weight_bytes_all_devices": f.weights_all_devices, "kv_bytes_all_devices": f.kv_all_devices,
+                "replicated_parts": replicated_parts(size, shard_embeddings=shard_embeddings) if tp > 1 else [],
+                "weight_bytes_replicated_per_device": f.weights_replicated if tp > 1 else 0})
+    heads, copies = kv_share(model, tp)
+    out["kv_heads_per_device"], out["devices_per_kv_head"] = heads, copies
+    if model.mla is not None and tp > 1:
+        out["kv_note"] = "the latent cache, shared by every head, on each device"
+    elif copies > 1:
+        g = model.attention.n_kv_heads
+        out["kv_note"] = f"each of the {g} KV heads, its cache and its K and V projections, on {copies} devices"
+        out["notes"].append(f"{g} KV heads over {tp} devices: each device holds 1, each head on {copies} devices, as "
+                            "vLLM replicates KV heads when there are fewer than devices (multihead.parallel itself "
+                            "needs --tp to divide them)")
     if memory is not None:
-        common: dict[str, Any] = {"memory": memory, **_fit_kwargs(fitting)}
+        common: dict[str, Any] = {"memory": memory, **fit_kwargs(fitting)}
         out["fits"] = f.fits
         out["devices_needed"] = devices_needed(model, size, seq=seq, batch=batch, **common)
         if f.fits:
@@ -484,6 +594,7 @@ def attention_report(model: ModelConfig, *, seq: int, batch: int, dtype: str, ca
     For an MLA model the top level is its latent attention (parameters, FLOPs of the expanded path, the latent
     cache); the same heads as plain MHA, for comparison, go under ``as_mha``, and ``mla`` keeps mla_report's figures.
     ``max_context_in_device_memory``: the longest context whose cache of kind ``cache`` alone fits in ``memory``."""
+    check_seq(model, seq)
     a, layers = model.attention, model.layers()
     if model.mla is None:
         r = cost.report(a, seq=seq, batch=batch, dtype=dtype, causal=causal, layers=layers)

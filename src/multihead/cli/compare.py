@@ -26,15 +26,27 @@ def run(args: argparse.Namespace) -> int:
     from multihead.units import format_bytes
 
     model = model_from_args(args)
+    device = None
+    if args.hardware is not None:  # as count's: the speed on --tp such devices, and their memory
+        from multihead.hardware import hardware
+
+        device = hardware(args.hardware)
+        if args.device_memory is None:
+            args.device_memory = device.memory
     memory = args.device_memory
     fitting = fit_model(args)
     from multihead.sizing import check_tp
 
     check_tp(model, args.tp)
+    if memory is not None and model.hf is not None and "vocab_size" not in model.hf and (
+            args.preset is not None or args.config is not None):
+        from multihead.sizing import cannot_fit
+
+        raise cannot_fit(model, memory, "the config has no vocab_size")  # a fit answer counts the weights
     rows = compare_variants(model, seq=args.seq, batch=args.batch, dtype=args.dtype, memory_bytes=memory,
-                            fitting=fitting)
+                            fitting=fitting, hardware=device)
     plot_path = None if args.no_plot else plot_variants(model, rows, args.plot, batch=args.batch, dtype=args.dtype,
-                                                         memory_bytes=memory, seq=args.seq)
+                                                         memory_bytes=memory, seq=args.seq, fitting=fitting)
     whole = rows[0].weight_bytes is not None
     counted = fitting.describe(args.seq) if whole else (
         f"the KV cache alone ({fitting.cache}, {args.dtype})" + (f" less a reserve of {fitting.reserve:,} B"
@@ -44,22 +56,27 @@ def run(args: argparse.Namespace) -> int:
                           "device_memory_bytes": memory, "weights_dtype": fitting.weights_dtype, "tp": args.tp,
                           "cache": args.cache, "prefill_chunk": args.prefill_chunk, "reserve_bytes": fitting.reserve,
                           "shard_embeddings": args.shard_embeddings, "counted": counted,
-                          "variants": [dataclasses.asdict(r) for r in rows], "plot": plot_path}, indent=2))
+                          "hardware": args.hardware, "variants": [dataclasses.asdict(r) for r in rows],
+                          "plot": plot_path}, indent=2))
         return 0
+    tp = args.tp
     print(f"{model.name}: {layers(model.n_layers)}, {model.attention.n_heads} query heads, head_dim "
           f"{model.attention.head_dim}; KV cache for {args.seq} tokens x batch {args.batch} in {args.dtype}")
     header = ["variant", "kv heads", "q per kv", "KV / token", "KV cache", "vs MHA", "attn params / layer"]
     if whole:
-        header.append(f"weights ({fitting.weights_dtype})")
+        header.append(f"weights ({fitting.weights_dtype})" + (f", per device of {tp}" if tp > 1 else ""))
     if memory is not None:
-        header.append(f"context in {format_bytes(memory)}" + (f" x {args.tp}" if args.tp > 1 else ""))
+        header.append(f"context in {format_bytes(memory)}" + (f" x {tp}" if tp > 1 else ""))
+    if device is not None:
+        header += [f"prefill {args.seq:,} (ms)", "decode (tok/s)"]
     table = [header]
     for r in rows:
         line = [r.variant + (" *" if r.is_model else ""), str(r.n_kv_heads), str(r.group_size),
                 format_bytes(r.kv_bytes_per_token), format_bytes(r.kv_cache_bytes), f"{r.ratio_to_mha:.3f}",
                 f"{r.params_per_layer:,}"]
         if whole:
-            line.append(format_bytes(r.weight_bytes or 0))
+            shown = r.weight_bytes if tp == 1 else r.weight_bytes_per_device
+            line.append("n/a" if shown is None else format_bytes(shown))
         if memory is not None:
             if r.note:
                 cell = "n/a"
@@ -69,20 +86,41 @@ def run(args: argparse.Namespace) -> int:
                 cell = f"{r.max_context:,}" + (f" (memory: {r.max_context_by_memory:,})"
                                                if r.max_context_by_memory not in (None, r.max_context) else "")
             line.append(cell)
+        if device is not None:
+            line += (["n/a", "n/a"] if r.prefill_seconds is None or r.decode_tokens_per_second is None else
+                     [f"{r.prefill_seconds * 1e3:,.1f}", f"{r.decode_tokens_per_second:,.1f} ({r.decode_bound})"])
         table.append(line)
     widths = [max(len(row[i]) for row in table) for i in range(len(header))]
     for row in table:
         print("  ".join(cell.rjust(w) if i else cell.ljust(w)
                         for i, (cell, w) in enumerate(zip(row, widths, strict=True))))
     print("* the model's own configuration")
+    if whole and tp > 1:
+        whole_parts = ("the norms" if args.shard_embeddings else "the embeddings, norms, LM head") + " (and routers)"
+        print(f"weights per device: attention and MLP split over {tp} devices, {whole_parts} whole on each"
+              + ("; the embeddings and LM head sharded by vocabulary" if args.shard_embeddings else "")
+              + " (`count` gives the same)")
     if memory is not None:
         print(f"context: what fits in {shown_memory(memory)} per device, counting {counted}; capped at the model's "
               "own context (memory's answer in brackets where that cap binds); `count` gives the same")
-        for r in rows:
-            if r.note:
-                print(f"n/a: {r.variant}: {r.note}")
         if any(r.max_context == 0 for r in rows) and whole:
             print("0: not even one token fits beside the weights; try --tp or a narrower --weights-dtype")
+    if device is not None:
+        from multihead.hardware import BANDWIDTH_EFFICIENCY, COMPUTE_EFFICIENCY
+
+        print(f"speed on {device.name}" + (f" x {tp}" if tp > 1 else "") + f": `count --hardware`'s estimates "
+              f"({COMPUTE_EFFICIENCY:.0%} of peak FLOP/s, {BANDWIDTH_EFFICIENCY:.0%} of bandwidth"
+              + ("" if device.verified else "; datasheet figures, not checked here")
+              + f"); decode per sequence at batch {args.batch} after {args.seq:,} tokens")
+    replicated = [r for r in rows if r.devices_per_kv_head > 1]
+    if replicated:
+        print(", ".join(f"{r.variant} ({r.n_kv_heads} KV head{'s' if r.n_kv_heads > 1 else ''}, each on "
+                        f"{r.devices_per_kv_head} devices)" for r in replicated)
+              + f": fewer KV heads than the {tp} devices: each device holds one, its cache and K/V projections "
+              "counted on every device that holds it, as vLLM replicates them")
+    for r in rows:
+        if r.note:
+            print(f"n/a: {r.variant}: {r.note}")
     if plot_path:
-        print(f"plot: {plot_path}")
+        print(f"plot: {plot_path} (memory per device{f' of {tp}' if tp > 1 else ''}, as the table counts it)")
     return 0

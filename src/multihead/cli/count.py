@@ -13,15 +13,9 @@ from multihead.cli.model import add_fit_flags, add_model_flags, causal, fit_mode
 
 
 def add(sub: Any) -> None:
-    from multihead.hardware import HARDWARE_NAMES  # (no torch: the cpu preset imports it when measured)
-
     p = sub.add_parser("count", help=COMMANDS["count"])
     add_model_flags(p)
-    add_fit_flags(p)
-    p.add_argument("--hardware", type=flags.OneOf(HARDWARE_NAMES, "hardware {value} is unknown: choose one of "
-                                                               "{names}"), default=None, metavar="NAME",
-                   help=f"estimate prefill and decode speed on this device ({', '.join(HARDWARE_NAMES)}; cpu: this "
-                        "machine, measured); its memory is --device-memory unless that is given")
+    add_fit_flags(p)  # (--hardware among them: compare has it too)
     p.add_argument("--plot", type=flags.PATH, default=None, metavar="PNG",
                    help="with --hardware: write the roofline of the prefill and decode estimates to this PNG")
     p.set_defaults(run=run)
@@ -43,20 +37,26 @@ def run(args: argparse.Namespace) -> int:
             args.device_memory = device.memory
     memory = args.device_memory
     fitting = fit_model(args)
+    sizing.check_tp(model, args.tp)  # (for sizes given alone too, as compare checks it)
     r = sizing.attention_report(model, seq=args.seq, batch=args.batch, dtype=args.dtype, causal=is_causal,
                                 cache=args.cache, memory=memory)
     whole = sizing.whole_model(model, seq=args.seq, batch=args.batch, dtype=args.dtype,
                                weights_dtype=fitting.weights_dtype, tp=args.tp, cache=args.cache, memory=memory,
                                prefill_chunk=args.prefill_chunk, reserve=fitting.reserve,
                                shard_embeddings=args.shard_embeddings)
+    if whole is None and memory is not None and (args.preset is not None or args.config is not None):
+        raise sizing.cannot_fit(model, memory, "the config has no vocab_size")  # a fit answer counts the weights
+    if device is not None and whole is None:
+        raise CliError("--hardware estimates the whole model's speed: describe the whole model with --preset or "
+                       "--config (--d-model and --heads describe its attention alone; --device-memory sizes that)")
     if whole is not None:
         r["whole_model"] = whole
-    if device is not None and whole is not None and "unavailable" not in whole:
+    if device is not None and whole is not None:  # (no "unavailable" here: with a memory, whole_model refuses)
         from multihead.hardware import estimate
 
         r["estimate"] = estimate(model, sizing.model_size(model), device, seq=args.seq, batch=args.batch,
                                  dtype=args.dtype, weights_dtype=fitting.weights_dtype, tp=args.tp, cache=args.cache,
-                                 largest_batch=whole.get("largest_batch"))
+                                 largest_batch=whole.get("largest_batch"), shard_embeddings=args.shard_embeddings)
         if args.plot is not None:
             from multihead.hardware import plot_roofline
 
@@ -170,8 +170,12 @@ def _print_whole(w: dict[str, Any], args: argparse.Namespace) -> None:
           f"{format_bytes(w['activation_bytes_per_device'])} (prefill of {w['prefill_chunk']:,}){reserve} = "
           f"{format_bytes(w['bytes_per_device'])}")
     if tp > 1:
-        print(f"{f'all {tp} devices':<28}  weights {format_bytes(w['weight_bytes'])}, KV cache "
-              f"{format_bytes(w['kv_bytes'])}")
+        rep = ", ".join(k.replace("lm_head", "LM head") for k in w["replicated_parts"]) or "nothing"
+        kv_note = (f" (the model's {format_bytes(w['kv_bytes'])}: {w['kv_note']})"
+                   if w["kv_bytes_all_devices"] != w["kv_bytes"] and w.get("kv_note") else "")
+        print(f"{f'all {tp} devices':<28}  weights {format_bytes(w['weight_bytes_all_devices'])} (the model's "
+              f"{format_bytes(w['weight_bytes'])}; {rep}: {format_bytes(w['weight_bytes_replicated_per_device'])} "
+              f"on each device), KV cache {format_bytes(w['kv_bytes_all_devices'])}{kv_note}")
     if memory is not None:
         where = "fits in " + shown_memory(memory)
         if w["fits"]:
@@ -202,6 +206,11 @@ def _print_estimate(e: dict[str, Any], args: argparse.Namespace) -> None:
           f"{a['bandwidth_efficiency']:.0%} of {hw['bandwidth'] / 1e9:,.0f} GB/s; ridge "
           f"{e['effective_ridge_flops_per_byte']:.0f} FLOP/B ({e['ridge_flops_per_byte']:.0f} at peak)"
           + ("" if hw["verified"] else " (datasheet figures, not checked here)"))
+    ar = e["allreduce"]
+    if ar["calls_per_step"]:
+        print(f"{'all-reduce':<28}  {ar['calls_per_step']} a step (2 a layer), each "
+              f"{ar['latency_seconds'] * 1e6:,.1f} us of latency + its bytes over "
+              f"{hw['interconnect'] / 1e9:,.0f} GB/s ({ar['model']})")
     print(f"{'prefill':<28}  {p['tokens']:,} tokens x {p['batch']}: {p['seconds'] * 1e3:,.1f} ms ({p['bound']}-bound: "
           f"{p['arithmetic_intensity']:,.0f} FLOP/B; all-reduce {p['allreduce_seconds'] * 1e3:,.1f} ms)")
     rows = [("decode", d)] + ([("decode, largest batch", e["decode_largest_batch"])]

@@ -115,7 +115,10 @@ def add_model_flags(p: argparse.ArgumentParser, *, seq_default: int = 4096) -> N
     src.add_argument("--layers", type=LAYERS, help=f"number of layers (default 1; at most {MAX_LAYERS:,})")
     src.add_argument("--window", type=POSITIVE, metavar="N", help=f"{WINDOW_HELP} (the model's attention)")
     src.add_argument("--bias", action="store_true", help="projections with biases (default: none)")
-    p.add_argument("--seq", type=POSITIVE, default=seq_default, help=f"context length (default {seq_default})")
+    p.add_argument("--seq", type=POSITIVE, default=None,
+                   help=f"context length (default {seq_default}, or the model's own context where that is shorter; "
+                        "past the model's own context is refused)")
+    p.set_defaults(seq_default=seq_default)
     p.add_argument("--batch", type=POSITIVE, default=1, help="batch size (default 1)")
     p.add_argument("--dtype", type=flags.Dtype(), default="bf16",
                    help=f"{DTYPE_HELP}, here the KV cache (and the weights unless --weights-dtype): fp32, fp16, bf16, "
@@ -152,6 +155,12 @@ def add_fit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-embeddings", action="store_true",
                    help="with --tp: split the embedding and LM head by vocabulary, as vLLM does (default: on every "
                         "device, as multihead.parallel keeps them)")
+    from multihead.hardware import HARDWARE_NAMES  # (no torch: the cpu preset imports it when measured)
+
+    p.add_argument("--hardware", type=flags.OneOf(HARDWARE_NAMES, "hardware {value} is unknown: choose one of "
+                                                               "{names}"), default=None, metavar="NAME",
+                   help=f"estimate prefill and decode speed on --tp devices like this one ({', '.join(HARDWARE_NAMES)}"
+                        "; cpu: this machine, measured); its memory is --device-memory unless that is given")
 
 
 def fit_model(args: argparse.Namespace) -> FitModel:
@@ -189,6 +198,11 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
     if args.layers is not None and (args.preset is not None or args.config is not None):
         kinds = None if model.hf is None else model.hf.layer_kinds(args.layers)
         model = dataclasses.replace(model, n_layers=args.layers, layer_kinds=kinds)
+    if getattr(args, "seq", 0) is None:  # the default: within the model's own context (a given one past it is refused)
+        from multihead.sizing import context_limit
+
+        limit = context_limit(model)
+        args.seq = args.seq_default if limit is None else min(args.seq_default, limit)
     return model
 
 

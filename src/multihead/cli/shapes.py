@@ -46,6 +46,9 @@ def run(args: argparse.Namespace) -> int:
         from multihead.presets import preset
 
         model = preset(args.preset)
+        from multihead.sizing import check_seq
+
+        check_seq(model, args.seq)  # as count and compare: a --seq past the model's own context is refused
         config, mla = model.attention, model.mla
     else:
         if args.d_model is None or args.heads is None:
