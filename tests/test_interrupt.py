@@ -120,3 +120,39 @@ def test_ctrl_c_during_a_long_generation_exits_with_one_line(tmp_path: Path) -> 
     assert len(streamed) >= 40, f"nothing streamed: {err[-2000:]}"
     assert proc.returncode == 130, f"streamed {streamed!r}; test process SIGINT {parent}; stderr: {err[-2000:]}"
     assert err.strip().splitlines()[-1] == "multihead: interrupted" and "Traceback" not in err, err[-2000:]
+
+
+def _terminal_signals() -> None:
+    """The child starts as from a terminal: SIGINT at its default and unblocked, whatever the test process set."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _loading_torch(pid: int) -> bool:
+    """The process has mapped torch's C++ library: it is inside `import torch` (which takes seconds here)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps (Linux)")
+@pytest.mark.parametrize("argv", [["generate", "hi", "--max-new-tokens", "1"], ["check", "--backend", "math"]],
+                         ids=["generate", "check"])
+def test_ctrl_c_while_torch_is_imported_exits_with_one_line(argv: list[str]) -> None:
+    """Issue 42: Ctrl-C in the seconds a command spends importing torch at start-up printed a 41-line traceback
+    (torch was imported by `import multihead`, before the CLI's handler). SIGINT lands while torch's library is being
+    loaded: status 130 and one line."""
+    proc = subprocess.Popen([sys.executable, "-m", "multihead", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_terminal_signals)
+    try:
+        deadline = time.monotonic() + 60
+        while not _loading_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert proc.poll() is None, "the command ended before torch was loaded"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines() == ["multihead: interrupted"], err[-2000:]
