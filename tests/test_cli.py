@@ -64,7 +64,7 @@ def test_console_entry_point_runs_as_a_process() -> None:
     done = subprocess.run([sys.executable, "-m", "multihead", "shapes", "--d-model", "4096", "--heads", "32",
                            "--kv-heads", "5"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("multihead: error: n_heads (32) must be divisible by n_kv_heads (5): "
+    assert done.stderr.strip() == ("multihead shapes: error: n_heads (32) must be divisible by n_kv_heads (5): "
                                    "choose n_kv_heads in 1, 2, 4, 8, 16, 32")
 
 

@@ -61,7 +61,7 @@ def test_a_world_size_that_does_not_divide_the_kv_heads_is_refused() -> None:
     assert done.returncode != 0
     assert ("cannot split n_heads (9), n_kv_heads (3), ffn_dim (1536) over 2 processes: valid world sizes are 1, 3"
             in done.stderr)
-    assert "Traceback" not in done.stderr.split("multihead: error")[0][-500:]
+    assert "Traceback" not in done.stderr.split("multihead generate: error")[0][-500:]
 
 
 def test_tp_without_a_launcher_says_how_to_launch(capsys: pytest.CaptureFixture[str]) -> None:

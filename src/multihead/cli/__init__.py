@@ -4,8 +4,10 @@ and ``run(args) -> int``), over library functions.
 A command's module is imported only when that command runs (``COMMANDS`` holds what ``multihead --help`` lists), so
 ``multihead --help`` and ``multihead count`` load no model code; ``import multihead`` is lazy and the commands import
 torch inside their ``run``, so no ``--help`` imports torch (tests/test_cli_help.py) and Ctrl-C during a command's
-start-up is handled like any other (one line, status 130). Each command's help shows ``EXAMPLES``. Exit status: 0 ok, 1 a failure (a check that failed,
-output that could not be written), 2 a user error (one line on stderr), 130 Ctrl-C.
+start-up is handled like any other. Each command's help shows its ``EXAMPLES``.
+
+Exit status: 0 ok, 1 a failure (a check that failed, output that could not be written), 2 a user error (one line on
+stderr, ``multihead <command>: error: <message>``), 130 Ctrl-C (one line).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from multihead.cli.flags import CliError, Parser, show
 from multihead.errors import MultiheadError
 from multihead.names import ENGINES
 
-__all__ = ["COMMANDS", "ENGINES", "EXAMPLES", "CliError", "build_parser", "entry", "main"]
+__all__ = ["COMMANDS", "ENGINES", "EXAMPLES", "CliError", "build_parser", "entry", "error_line", "main"]
 
 # name -> what `multihead --help` says of it; the command's code is in multihead.cli.<name>
 COMMANDS: dict[str, str] = {
@@ -132,7 +134,7 @@ def _check_text(argv: list[str]) -> None:
         except UnicodeEncodeError:
             flag = argv[i - 1] if i and argv[i - 1].startswith("-") else None
             where = f"argument {flag}: " if flag else f"argument {i + 1}: "
-            raise CliError(f"multihead: error: {where}{show(arg)} is not valid UTF-8 text") from None
+            raise CliError(f"{where}{show(arg)} is not valid UTF-8 text") from None
 
 
 def _stdout_gone() -> int:
@@ -147,23 +149,30 @@ def _stdout_gone() -> int:
     return 1
 
 
+def error_line(command: str | None, err: Exception) -> str:
+    """The one line a user error prints, the same for argparse's errors and the library's:
+    ``multihead <command>: error: <message>`` (``multihead: error: ...`` before a command is known)."""
+    message = " ".join(str(err).split("\n"))
+    return f"multihead{f' {command}' if command else ''}: error: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 failure, 2 user error, 130 interrupted)."""
+    name: str | None = None
     try:
         args_list = list(sys.argv[1:] if argv is None else argv)
-        _check_text(args_list)
         name = next((a for a in args_list if not a.startswith("-")), None)
-        parser = build_parser(name if name in COMMANDS else "")
+        if name not in COMMANDS:
+            name = None
+        _check_text(args_list)
+        parser = build_parser(name or "")
         args = parser.parse_args(args_list)
         if args.command is None:
             parser.print_help()
             return 2
         return int(args.run(args))
     except (CliError, MultiheadError) as err:
-        message = str(err)
-        if not message.startswith("multihead"):
-            message = f"multihead: error: {message}"
-        print(message.replace("\n", " "), file=sys.stderr)
+        print(error_line(name, err), file=sys.stderr)
         return 2
     except BrokenPipeError:
         return _stdout_gone()

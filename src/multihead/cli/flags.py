@@ -21,10 +21,11 @@ class CliError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, raising CliError instead of printing usage and exiting."""
+    """argparse's parser, raising CliError instead of printing usage and exiting (``multihead.cli.main`` prints it
+    as every user error: ``multihead <command>: error: <message>``)."""
 
     def error(self, message: str) -> NoReturn:
-        raise CliError(f"{self.prog}: {message}")
+        raise CliError(message)
 
 
 def show(text: str) -> str:
