@@ -77,8 +77,10 @@ def whole_files(out: Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize(("argv", "files", "figures"), [(HEADS, 4, 2), (EXPERIMENT, 2, 1)],
-                         ids=["heads --ablate", "experiment"])
+@pytest.mark.parametrize(("argv", "files", "figures"), [
+    pytest.param(HEADS, 4, 2, id="heads --ablate", marks=pytest.mark.slow),  # the real MiniLM
+    pytest.param(EXPERIMENT, 2, 1, id="experiment"),
+])
 def test_ctrl_c_at_any_file_leaves_only_whole_files(argv: list[str], files: int, figures: int,
                                                     tmp_path: Path) -> None:
     trials = [("rename", 1), ("rename", files), ("write", figures)]  # the first file, the last, a figure half-written
@@ -92,6 +94,7 @@ def test_ctrl_c_at_any_file_leaves_only_whole_files(argv: list[str], files: int,
         assert len(kept) < files, (where, at, kept)  # the interrupted file and those after it are absent
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_long_generation_exits_with_one_line(tmp_path: Path) -> None:
     """A real SIGINT to `multihead generate` once it has streamed its first tokens."""
     # greedy: this prompt's greedy text runs on without an end-of-text token (a sampled one may end early when a
@@ -136,7 +139,6 @@ def _loading_torch(pid: int) -> bool:
         return False
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/<pid>/maps (Linux)")
 @pytest.mark.parametrize("argv", [["generate", "hi", "--max-new-tokens", "1"], ["check", "--backend", "math"]],
                          ids=["generate", "check"])
 def test_ctrl_c_while_torch_is_imported_exits_with_one_line(argv: list[str]) -> None:

@@ -43,6 +43,7 @@ def test_generate_tp3_gives_the_tokens_of_one_process(smollm2) -> None:  # type:
     assert json.loads(lines[0])["tokens"] == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4, 6])
 def test_embed_tp_equals_one_process(world: int) -> None:
     from multihead.models import load_sentence_encoder
@@ -56,6 +57,7 @@ def test_embed_tp_equals_one_process(world: int) -> None:
     assert (got - want).abs().max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_world_size_that_does_not_divide_the_kv_heads_is_refused() -> None:
     done = torchrun(2, "-m", "multihead", "generate", "hi", "--tp", "2")
     assert done.returncode != 0
