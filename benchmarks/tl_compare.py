@@ -199,7 +199,7 @@ def mh_patching(model: nn.Module, clean: Tensor, corrupt: Tensor, answers: Tenso
     (n_layers, n_heads)."""
     from multihead.heads.patching import activation_patching, logit_difference
 
-    return activation_patching(model, clean, corrupt, logit_difference(answers, wrongs)).effects
+    return activation_patching(model, clean, corrupt, logit_difference(answers, wrongs)).effects.numpy()
 
 
 def mh_composition(model: nn.Module, *, layers: int | None = None, samples: int = 1) -> dict[str, np.ndarray]:

@@ -75,3 +75,15 @@ def hf_smollm2():  # type: ignore[no-untyped-def]
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tokenizer
+
+
+REAL_MODEL_FIXTURES = {"smollm2", "hf_smollm2", "smollm2_bf16"}  # fixtures that load the real SmolLM2
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A test that takes a real-model fixture is slow (``pytest -m "not slow"`` leaves it out; `make test` runs it):
+    marked here once, so no such test can be left out of the mark. Tests that load a real model another way, drive
+    a browser or run hundreds of child processes carry ``@pytest.mark.slow`` themselves."""
+    for item in items:
+        if REAL_MODEL_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)

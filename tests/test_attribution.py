@@ -265,11 +265,11 @@ def test_path_patching_along_every_path_the_sender_has_equals_activation_patchin
     every = [[*((1, h) for h in range(H)), "logits"]]
     for head in (1, 2):
         paths = path_patching(model, clean, corrupted, metric, sender=(0, head), receivers=every)
-        assert paths.effects[0] == pytest.approx(full.effects[0, head], abs=1e-5)
+        assert paths.effects[0] == pytest.approx(float(full.effects[0, head]), abs=1e-5)
         np.testing.assert_allclose(paths.per_pair[0], full.per_pair[0, head], rtol=1e-4, atol=1e-5)
         # a last-layer sender has one path, into the final stream
         last = path_patching(model, clean, corrupted, metric, sender=(1, head), receivers=["logits"])
-        assert last.effects[0] == pytest.approx(full.effects[1, head], abs=1e-5)
+        assert last.effects[0] == pytest.approx(float(full.effects[1, head]), abs=1e-5)
     assert abs(full.effects[0]).max() > 1e-2  # layer 0's heads matter, so the test can fail
 
 

@@ -13,6 +13,8 @@ from multihead import MultiheadError
 from multihead.models import load_sentence_encoder
 from tests_support import minilm_dir
 
+pytestmark = pytest.mark.slow  # the real all-MiniLM-L6-v2, and sentence-transformers as the reference
+
 SENTENCES = [
     "A man is eating food.",
     "Multi-head attention runs several attention heads in parallel, each with its own projections, then "

@@ -64,7 +64,7 @@ def test_console_entry_point_runs_as_a_process() -> None:
     done = subprocess.run([sys.executable, "-m", "multihead", "shapes", "--d-model", "4096", "--heads", "32",
                            "--kv-heads", "5"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert done.stderr.strip() == ("multihead: error: n_heads (32) must be divisible by n_kv_heads (5): "
+    assert done.stderr.strip() == ("multihead shapes: error: n_heads (32) must be divisible by n_kv_heads (5): "
                                    "choose n_kv_heads in 1, 2, 4, 8, 16, 32")
 
 
@@ -149,6 +149,7 @@ def test_presets_lists_them_all(capsys: pytest.CaptureFixture[str]) -> None:
     assert data["gemma-7b"]["attention"]["head_dim"] == 256
 
 
+@pytest.mark.slow
 def test_embed_json_equals_the_library(capsys: pytest.CaptureFixture[str]) -> None:
     from multihead.models import load_sentence_encoder
 
@@ -170,6 +171,7 @@ def test_generate_streams_and_json_matches_the_library(smollm2, capsys: pytest.C
     assert capsys.readouterr().out.rstrip("\n") == tok.decode(want)
 
 
+@pytest.mark.slow
 def test_generate_compile_flag_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch,
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """--compile decodes through the compiled step (traced by dynamo here, without inductor's minutes of code
@@ -230,6 +232,7 @@ def test_count_compare_and_shapes_show_deepseek_mla(capsys: pytest.CaptureFixtur
     assert "not both" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_generate_with_a_window_decodes_at_constant_memory(capsys: pytest.CaptureFixture[str]) -> None:
     data = _json(["generate", "The capital of France is", "--max-new-tokens", "6", "--window", "32"], capsys)
     assert data["new_tokens"] >= 1

@@ -143,6 +143,7 @@ def _svg(page: str, cls: str) -> list[ET.Element]:
                                                     page, re.S)]
 
 
+@pytest.mark.slow
 def test_the_report_draws_every_edge_and_renders_in_chromium(run_json: dict[str, Any]) -> None:
     html = Path(run_json["files"]["html"])
     page = html.read_text()

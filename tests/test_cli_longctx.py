@@ -53,6 +53,7 @@ def test_bad_long_context_flags_are_refused_in_one_line(argv: list[str], message
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.slow
 def test_cases_jsonl_writes_the_cases_with_the_real_tokenizer(tmp_path: Path,
                                                                capsys: pytest.CaptureFixture[str]) -> None:
     path = tmp_path / "cases.jsonl"
@@ -66,6 +67,7 @@ def test_cases_jsonl_writes_the_cases_with_the_real_tokenizer(tmp_path: Path,
         assert c["answer"] and c["answer_ids"]
 
 
+@pytest.mark.slow
 def test_a_length_past_the_models_context_is_refused_naming_it(tmp_path: Path,
                                                                 capsys: pytest.CaptureFixture[str]) -> None:
     _refused(["tradeoff", "--long", "--lengths", "9000", "--cases-jsonl", str(tmp_path / "c.jsonl")],

@@ -142,6 +142,7 @@ def test_attention_matrix_grows_with_the_square_of_the_context() -> None:
     assert cost.fused_attention_bytes(a, s=2048) == 2 * cost.fused_attention_bytes(a, s=1024)
 
 
+@pytest.mark.slow
 def test_minilm_safetensors_tensors_have_the_sizes_the_preset_predicts() -> None:
     folder = minilm_dir()
     model = preset("all-minilm-l6-v2")
@@ -161,6 +162,7 @@ def test_minilm_safetensors_tensors_have_the_sizes_the_preset_predicts() -> None
                 assert numel == getattr(predicted, ours), (i, file_name)
 
 
+@pytest.mark.slow
 def test_smollm2_gguf_tensors_have_the_sizes_the_preset_predicts() -> None:
     reader = GGUFReader(smollm2_gguf())
     model = preset("smollm2-135m")

@@ -23,6 +23,7 @@ def test_an_interrupted_write_leaves_nothing_and_a_finished_one_replaces_whole(t
     assert target.read_text() == '{"whole": 1}' and list(tmp_path.iterdir()) == [target]  # the old one stays
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_the_heads_report_is_written_leaves_only_whole_files(tmp_path: Path,
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """The real report writer, interrupted inside matplotlib's savefig of the second PNG after it wrote some bytes."""

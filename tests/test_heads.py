@@ -117,6 +117,7 @@ def test_detectors_find_exactly_the_built_heads() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the report
+@pytest.mark.slow
 def test_html_report_renders_in_a_browser_and_shows_script_as_text(tmp_path: Path) -> None:
     evil = "Heads <script>document.title='pwned';window.pwned=1</script> & <b>bold</b> text."
     report = analyse(load_head_model("minilm"), evil, display_tokens=24)
@@ -195,6 +196,7 @@ def test_pooling_kv_heads_matches_the_oracle_with_averaged_projections() -> None
         pool_kv_heads(layer, 4)
 
 
+@pytest.mark.slow
 def test_minilm_ablation_and_conversion() -> None:
     model = load_head_model("minilm")
     assert isinstance(model, EncoderHeads)
@@ -208,6 +210,7 @@ def test_minilm_ablation_and_conversion() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- CLI and bad input
+@pytest.mark.slow
 def test_heads_command_json_has_a_record_per_head(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["heads", "--model", "minilm", "--text", TEXT, "--out", str(tmp_path), "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -220,6 +223,7 @@ def test_heads_command_json_has_a_record_per_head(tmp_path: Path, capsys: pytest
     assert Path(data["files"]["html"]).exists()
 
 
+@pytest.mark.slow
 def test_heads_command_table(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["heads", "--model", "minilm", "--text", TEXT, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
@@ -251,6 +255,7 @@ HOSTILE_PASSAGE = ("Heads </script><script>window.pwned=1;document.title='pwned'
                    "<img src=x onerror=window.pwned=3> \U0001f600 the end. ")
 
 
+@pytest.mark.slow
 def test_a_5000_token_hostile_passage_renders_safely(tmp_path: Path) -> None:
     """The report of a 5,000-token passage full of markup, entities, right-to-left and zero-width characters: every
     layer's weights are reduced as they are made (scores and the displayed tokens' patterns), the page renders in

@@ -281,6 +281,7 @@ def test_smollm2_from_its_gguf_through_transformers_equals_our_port(smollm2) -> 
     assert len([n for n in hook_points(model) if n.endswith("hook_z")]) == 30
 
 
+@pytest.mark.slow
 def test_minilm_from_its_folder_through_transformers_equals_our_port() -> None:
     from multihead.models import load_sentence_encoder
     from tests_support import minilm_dir
@@ -300,6 +301,7 @@ def test_minilm_from_its_folder_through_transformers_equals_our_port() -> None:
 TEXT = "The cat sat on the mat because the cat was tired, and the mat was warm."
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["smollm2", "minilm"])
 def test_head_scores_through_transformers_equal_those_through_our_ports(name: str) -> None:
     from multihead.heads.adapters import load_head_model
@@ -314,6 +316,7 @@ def test_head_scores_through_transformers_equal_those_through_our_ports(name: st
         np.testing.assert_allclose(theirs.scores.scores[score], values, atol=1e-4, rtol=0, err_msg=score)
 
 
+@pytest.mark.slow
 def test_the_heads_command_runs_any_transformers_folder(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
     """A tiny random Qwen2 saved as a folder, with MiniLM's tokenizer files: auto picks transformers (no port of ours
     for Qwen2); ablation and KV pooling run through the hook points."""

@@ -14,6 +14,8 @@ import math
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from isolation import isolated
 from multihead.cli import CliError, build_parser, flags, main
 
@@ -134,6 +136,7 @@ def test_the_validity_rule_agrees_with_the_parser_on_the_light_commands(tmp_path
             assert parses(argv, parser) == ok, name
 
 
+@pytest.mark.slow
 def test_every_flag_of_every_subcommand_takes_hostile_values(tmp_path: Path) -> None:
     seen: Counter[str] = Counter()
     bad = []

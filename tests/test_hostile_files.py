@@ -156,6 +156,7 @@ def tensor_cases() -> Iterator[tuple[str, list[Field], dict[str, Any], int]]:
             tensors, 32
 
 
+@pytest.mark.slow
 def test_every_hostile_gguf_metadata_value_ends_in_a_clear_error_or_a_working_model(tmp_path: Path) -> None:
     outcomes = {}
     _, tensors = tiny_llama_gguf()
@@ -228,6 +229,7 @@ def mutate_and_run(folder: Path, file: str, cases: Iterator[tuple[str, bytes]],
     return outcomes
 
 
+@pytest.mark.slow
 def test_hostile_hugging_face_llama_config_values(tmp_path: Path) -> None:
     import json
 
@@ -239,6 +241,7 @@ def test_hostile_hugging_face_llama_config_values(tmp_path: Path) -> None:
     assert sum(tally.values()) >= 190 and tally["error"] > tally["ok"], tally
 
 
+@pytest.mark.slow
 def test_hostile_sentence_transformers_files(tmp_path: Path) -> None:
     import json
 
@@ -309,6 +312,7 @@ def fuzz_file(path: Path, use: Callable[[Path], Any], target: Path, *, examples:
         path.write_bytes(original)
 
 
+@pytest.mark.slow
 def test_damaged_gguf_bytes(tmp_path: Path) -> None:
     path = write_tiny_gguf(tmp_path / "tiny.gguf")
     fields, _ = tiny_llama_gguf()
@@ -319,6 +323,7 @@ def test_damaged_gguf_bytes(tmp_path: Path) -> None:
     assert sum(seen.values()) >= 500 and seen["error"] > 0, seen
 
 
+@pytest.mark.slow
 def test_damaged_safetensors_config_and_tokenizer_bytes(tmp_path: Path) -> None:
     folder = write_tiny_hf_llama(tmp_path / "llama")
     seen: Counter[str] = Counter()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -92,6 +93,7 @@ cases = st.fixed_dictionaries({
 })
 
 
+@pytest.mark.slow
 def test_odd_tensors_for_the_layer_end_in_an_output_or_a_clear_error() -> None:
     seen: Counter[str] = Counter()
 

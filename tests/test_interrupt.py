@@ -77,8 +77,10 @@ def whole_files(out: Path) -> list[str]:
     return names
 
 
-@pytest.mark.parametrize(("argv", "files", "figures"), [(HEADS, 4, 2), (EXPERIMENT, 2, 1)],
-                         ids=["heads --ablate", "experiment"])
+@pytest.mark.parametrize(("argv", "files", "figures"), [
+    pytest.param(HEADS, 4, 2, id="heads --ablate", marks=pytest.mark.slow),  # the real MiniLM
+    pytest.param(EXPERIMENT, 2, 1, id="experiment"),
+])
 def test_ctrl_c_at_any_file_leaves_only_whole_files(argv: list[str], files: int, figures: int,
                                                     tmp_path: Path) -> None:
     trials = [("rename", 1), ("rename", files), ("write", figures)]  # the first file, the last, a figure half-written
@@ -92,6 +94,7 @@ def test_ctrl_c_at_any_file_leaves_only_whole_files(argv: list[str], files: int,
         assert len(kept) < files, (where, at, kept)  # the interrupted file and those after it are absent
 
 
+@pytest.mark.slow
 def test_ctrl_c_during_a_long_generation_exits_with_one_line(tmp_path: Path) -> None:
     """A real SIGINT to `multihead generate` once it has streamed its first tokens."""
     # greedy: this prompt's greedy text runs on without an end-of-text token (a sampled one may end early when a
@@ -120,3 +123,38 @@ def test_ctrl_c_during_a_long_generation_exits_with_one_line(tmp_path: Path) -> 
     assert len(streamed) >= 40, f"nothing streamed: {err[-2000:]}"
     assert proc.returncode == 130, f"streamed {streamed!r}; test process SIGINT {parent}; stderr: {err[-2000:]}"
     assert err.strip().splitlines()[-1] == "multihead: interrupted" and "Traceback" not in err, err[-2000:]
+
+
+def _terminal_signals() -> None:
+    """The child starts as from a terminal: SIGINT at its default and unblocked, whatever the test process set."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
+def _loading_torch(pid: int) -> bool:
+    """The process has mapped torch's C++ library: it is inside `import torch` (which takes seconds here)."""
+    try:
+        return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi", "--max-new-tokens", "1"], ["check", "--backend", "math"]],
+                         ids=["generate", "check"])
+def test_ctrl_c_while_torch_is_imported_exits_with_one_line(argv: list[str]) -> None:
+    """Issue 42: Ctrl-C in the seconds a command spends importing torch at start-up printed a 41-line traceback
+    (torch was imported by `import multihead`, before the CLI's handler). SIGINT lands while torch's library is being
+    loaded: status 130 and one line."""
+    proc = subprocess.Popen([sys.executable, "-m", "multihead", *argv], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=_terminal_signals)
+    try:
+        deadline = time.monotonic() + 60
+        while not _loading_torch(proc.pid) and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.002)
+        assert proc.poll() is None, "the command ended before torch was loaded"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err[-2000:]
+    assert err.strip().splitlines() == ["multihead: interrupted"], err[-2000:]

@@ -43,6 +43,7 @@ def test_generate_tp3_gives_the_tokens_of_one_process(smollm2) -> None:  # type:
     assert json.loads(lines[0])["tokens"] == want
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("world", [2, 3, 4, 6])
 def test_embed_tp_equals_one_process(world: int) -> None:
     from multihead.models import load_sentence_encoder
@@ -56,12 +57,13 @@ def test_embed_tp_equals_one_process(world: int) -> None:
     assert (got - want).abs().max() <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_world_size_that_does_not_divide_the_kv_heads_is_refused() -> None:
     done = torchrun(2, "-m", "multihead", "generate", "hi", "--tp", "2")
     assert done.returncode != 0
     assert ("cannot split n_heads (9), n_kv_heads (3), ffn_dim (1536) over 2 processes: valid world sizes are 1, 3"
             in done.stderr)
-    assert "Traceback" not in done.stderr.split("multihead: error")[0][-500:]
+    assert "Traceback" not in done.stderr.split("multihead generate: error")[0][-500:]
 
 
 def test_tp_without_a_launcher_says_how_to_launch(capsys: pytest.CaptureFixture[str]) -> None:

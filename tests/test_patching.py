@@ -71,7 +71,7 @@ def test_patching_from_the_run_itself_changes_nothing_and_all_heads_of_a_layer_r
                                        chunk=8)
     assert per_position.effects.shape == (2, 4, 7)
     # before the changed token (position 2) the clean and corrupted z are the same: patching them is exactly nothing
-    assert np.all(per_position.effects[:, :, :2] == 0)
+    assert bool((per_position.effects[:, :, :2] == 0).all())
     for li, layer in enumerate(layers):
         with torch.no_grad():
             z, out = [], []
@@ -82,6 +82,23 @@ def test_patching_from_the_run_itself_changes_nothing_and_all_heads_of_a_layer_r
                     layer.hook_out.add(keep(patched)):
                 model(corrupted)
         assert torch.equal(patched[0], out[0]), li  # the layer's output is its clean output
+
+
+def test_patching_results_are_torch_tensors_like_the_other_head_tools() -> None:
+    """Issue 42: `.effects` was a NumPy array where every other result of the head tools (DLA, hooks) is torch."""
+    model = _tiny(2)
+    clean, corrupted = _prompts()
+    metric = logit_difference(3, 4)
+    for result in (activation_patching(model, clean, corrupted, metric),
+                   attribution_patching(model, clean, corrupted, metric)):
+        for name in ("effects", "per_pair", "clean_per_pair", "corrupted_per_pair"):
+            value = getattr(result, name)
+            assert isinstance(value, torch.Tensor) and value.dtype == torch.float64, name
+            assert value.device.type == "cpu", name
+        assert result.effects.shape == (2, 4) and result.per_pair is not None
+        assert result.per_pair.shape == (2, 4, 2)
+        layer, head, effect = result.top(1)[0]
+        assert effect == float(result.effects[layer, head]) and abs(effect) == float(result.effects.abs().max())
 
 
 def test_attribution_equals_patching_to_first_order() -> None:
@@ -99,7 +116,7 @@ def test_attribution_equals_patching_to_first_order() -> None:
     patched = activation_patching(model.double(), layers, clean, corrupted, metric, chunk=8)
     attributed = attribution_patching(model, layers, clean, corrupted, metric)
     np.testing.assert_allclose(attributed.effects, patched.effects, atol=5e-3)
-    assert np.abs(patched.effects).max() > 0.05  # the comparison has something in it
+    assert patched.effects.abs().max() > 0.05  # the comparison has something in it
 
 
 def test_importance_is_the_gradient_of_an_explicit_gate() -> None:

@@ -72,6 +72,7 @@ def test_deepseek_v3_is_671b_total_and_about_37b_active() -> None:
     assert 36e9 < size.active < 38e9 and size.notes  # the multi-token-prediction layer is left out, and said so
 
 
+@pytest.mark.slow
 def test_the_shipped_checkpoints_hold_the_counted_parameters() -> None:
     from multihead.models.gguf_file import GGUFFile
     from multihead.models.loaders import default_gguf_path, default_minilm_dir, read_safetensors, safetensors_files

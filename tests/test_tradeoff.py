@@ -138,6 +138,7 @@ def test_uptraining_lowers_the_kl_and_a_resumed_run_equals_an_uninterrupted_one(
                 checkpoint=tmp_path / "a", resume=True, progress=False)
 
 
+@pytest.mark.slow
 def test_the_tradeoff_command_on_smollm2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The real model and the real text at a tiny size: every row present, bytes checked, uptraining resumable."""
     argv = ["tradeoff", "--context", "96", "--stride", "48", "--windows", "2", "--chunk", "32", "--window", "32",
@@ -171,6 +172,7 @@ def test_gzip_text_is_read(tmp_path: Path) -> None:
     assert read_text(path) == "one two\n\nthree"
 
 
+@pytest.mark.slow
 def test_the_encoder_tradeoff_on_minilm() -> None:
     from multihead.tradeoff.encoder import EncoderSettings, run
 

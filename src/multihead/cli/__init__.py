@@ -2,8 +2,12 @@
 and ``run(args) -> int``), over library functions.
 
 A command's module is imported only when that command runs (``COMMANDS`` holds what ``multihead --help`` lists), so
-``multihead --help`` and ``multihead count`` load no model code. Exit status: 0 ok, 1 a failure (a check that failed,
-output that could not be written), 2 a user error (one line on stderr), 130 Ctrl-C.
+``multihead --help`` and ``multihead count`` load no model code; ``import multihead`` is lazy and the commands import
+torch inside their ``run``, so no ``--help`` imports torch (tests/test_cli_help.py) and Ctrl-C during a command's
+start-up is handled like any other. Each command's help shows its ``EXAMPLES``.
+
+Exit status: 0 ok, 1 a failure (a check that failed, output that could not be written), 2 a user error (one line on
+stderr, ``multihead <command>: error: <message>``), 130 Ctrl-C (one line).
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from multihead.cli.flags import CliError, Parser, show
 from multihead.errors import MultiheadError
 from multihead.names import ENGINES
 
-__all__ = ["COMMANDS", "ENGINES", "CliError", "build_parser", "entry", "main"]
+__all__ = ["COMMANDS", "ENGINES", "EXAMPLES", "CliError", "build_parser", "entry", "error_line", "main"]
 
 # name -> what `multihead --help` says of it; the command's code is in multihead.cli.<name>
 COMMANDS: dict[str, str] = {
@@ -40,18 +44,83 @@ COMMANDS: dict[str, str] = {
                 "quantization, fewer KV heads, uptraining)",
 }
 
+# name -> examples that `multihead <name> --help` shows (each a command line, then what it does); a test parses each
+EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
+    "heads": (("multihead heads", "SmolLM2 on the shipped passage; report in multihead-heads/"),
+              ("multihead heads --model minilm --text 'The cat sat on the mat.' --ablate --out my-report",
+               "MiniLM on your text, each head zeroed in turn"),
+              ("multihead heads --retrieval --lengths 2048", "retrieval heads on 2k-token needle cases")),
+    "shapes": (("multihead shapes --d-model 4096 --heads 32 --seq 128", "the shape of every step of MHA"),
+               ("multihead shapes --d-model 4096 --heads 32 --seq 128 --kv-heads 8", "the same as GQA"),
+               ("multihead shapes --preset deepseek-v3 --path absorbed", "MLA's absorbed path")),
+    "count": (("multihead count --preset llama-3-8b --seq 8192 --device-memory 80GB",
+               "does the whole model fit in 80 GB at 8k tokens?"),
+              ("multihead count --d-model 768 --heads 12 --json", "one attention layer's figures as JSON"),
+              ("multihead count --preset llama-3-70b --hardware h100-80g --tp 2 --seq 8192",
+               "memory and estimated speed on two H100s")),
+    "compare": (("multihead compare --preset llama-2-70b --seq 4096 --device-memory 80GiB --plot kv.png",
+                 "MHA vs GQA vs MQA, plotted"),
+                ("multihead compare --preset llama-3-8b --no-plot --json", "the same as JSON, no picture")),
+    "presets": (("multihead presets", "the named models and their shapes"),
+                ("multihead presets --json", "the same as JSON")),
+    "embed": (("multihead embed 'A man is eating food.' 'A man eats.' --json", "two sentence embeddings"),),
+    "generate": (("multihead generate 'The capital of France is' --max-new-tokens 32", "greedy text, streamed"),
+                 ("multihead generate 'What is 2+2?' --chat --temperature 0.7 --top-p 0.9 --seed 1",
+                  "a sampled chat answer"),
+                 ("multihead generate 'Once upon a time' --plan docs/experiments/smollm2-duo-50-plan.json",
+                  "decode with a head-wise cache; prints its bytes and speed")),
+    "experiment": (("multihead experiment heads-vs-width --steps 1500 --heads 1,4,16 --seeds 2",
+                    "many small heads or one wide head, three head counts"),
+                   ("multihead experiment heads-vs-width --task lm", "the same on real text")),
+    "check": (("multihead check --backend sdpa,math", "the correctness harness, without flex's compiles"),
+              ("multihead check --device cuda --dtype bfloat16", "on a GPU, in bfloat16")),
+    "patch": (("multihead patch", "SmolLM2 on the 8 shipped indirect-object prompt pairs"),
+              ("multihead patch --clean 'When Mary and John went to the store, John gave a drink to' "
+               "--corrupt 'When Mary and John went to the store, Mary gave a drink to' --answers ' Mary' ' John' "
+               "--json", "your own prompt pair")),
+    "circuit": (("multihead circuit", "SmolLM2, the shipped pairs: DLA, composition, the EAP circuit, a report"),
+                ("multihead circuit --method eap-ig --steps 5 --edges 40 --check 5 --out runs/ioi --json",
+                 "EAP-IG, a larger circuit, as JSON")),
+    "tradeoff": (("multihead tradeoff --model minilm", "the encoder: 1 - cosine against KV bytes"),
+                 ("multihead tradeoff --long --lengths 2048 --tasks passkey",
+                  "retrieval at 2k tokens for every KV-saving method")),
+}
+
+
+def _wrapped(line: str, width: int = 96) -> str:
+    """A long command line broken before a flag, with a shell continuation (``\\``), each part indented."""
+    lines = [""]
+    for i, part in enumerate(line.split(" --")):
+        piece = part if i == 0 else f"--{part}"
+        if lines[-1].strip() and len(lines[-1]) + 1 + len(piece) > width:
+            lines[-1] += " \\"
+            lines.append("    ")
+        lines[-1] += (" " if lines[-1].strip() else "") + piece
+    return "\n  ".join(lines)
+
+
+def _describe(parser: argparse.ArgumentParser, name: str) -> None:
+    """A command's help: what it does (COMMANDS) above the flags, its EXAMPLES below them, each under a comment
+    that says what it does."""
+    parser.description = COMMANDS[name][:1].upper() + COMMANDS[name][1:] + "."
+    parser.epilog = "examples:\n" + "\n".join(f"  # {what}\n  {_wrapped(line)}" for line, what in EXAMPLES[name])
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
 
 def build_parser(only: str | None = None) -> argparse.ArgumentParser:
     """The whole parser; with ``only``, that command's flags in full and the others as names only (their modules not
     imported; ``only=""``: every command as a name, for `multihead --help`)."""
     from multihead import __version__
 
-    parser = Parser(prog="multihead", description="Multi-head attention: shapes, costs, real models and their heads.")
+    parser = Parser(prog="multihead", description="Multi-head attention: shapes, costs, real models and their heads.",
+                    epilog="`multihead COMMAND --help` shows a command's flags and examples, e.g. "
+                           "`multihead count --help`.")
     parser.add_argument("--version", action="version", version=f"multihead {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=Parser)
     for name, summary in COMMANDS.items():
         if only is None or name == only:
             importlib.import_module(f"multihead.cli.{name}").add(sub)
+            _describe(sub.choices[name], name)
         else:
             sub.add_parser(name, help=summary)
     return parser
@@ -65,7 +134,7 @@ def _check_text(argv: list[str]) -> None:
         except UnicodeEncodeError:
             flag = argv[i - 1] if i and argv[i - 1].startswith("-") else None
             where = f"argument {flag}: " if flag else f"argument {i + 1}: "
-            raise CliError(f"multihead: error: {where}{show(arg)} is not valid UTF-8 text") from None
+            raise CliError(f"{where}{show(arg)} is not valid UTF-8 text") from None
 
 
 def _stdout_gone() -> int:
@@ -80,23 +149,30 @@ def _stdout_gone() -> int:
     return 1
 
 
+def error_line(command: str | None, err: Exception) -> str:
+    """The one line a user error prints, the same for argparse's errors and the library's:
+    ``multihead <command>: error: <message>`` (``multihead: error: ...`` before a command is known)."""
+    message = " ".join(str(err).split("\n"))
+    return f"multihead{f' {command}' if command else ''}: error: {message}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 ok, 1 failure, 2 user error, 130 interrupted)."""
+    name: str | None = None
     try:
         args_list = list(sys.argv[1:] if argv is None else argv)
-        _check_text(args_list)
         name = next((a for a in args_list if not a.startswith("-")), None)
-        parser = build_parser(name if name in COMMANDS else "")
+        if name not in COMMANDS:
+            name = None
+        _check_text(args_list)
+        parser = build_parser(name or "")
         args = parser.parse_args(args_list)
         if args.command is None:
             parser.print_help()
             return 2
         return int(args.run(args))
     except (CliError, MultiheadError) as err:
-        message = str(err)
-        if not message.startswith("multihead"):
-            message = f"multihead: error: {message}"
-        print(message.replace("\n", " "), file=sys.stderr)
+        print(error_line(name, err), file=sys.stderr)
         return 2
     except BrokenPipeError:
         return _stdout_gone()

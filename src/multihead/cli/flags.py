@@ -21,10 +21,11 @@ class CliError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """argparse's parser, raising CliError instead of printing usage and exiting."""
+    """argparse's parser, raising CliError instead of printing usage and exiting (``multihead.cli.main`` prints it
+    as every user error: ``multihead <command>: error: <message>``)."""
 
     def error(self, message: str) -> NoReturn:
-        raise CliError(f"{self.prog}: {message}")
+        raise CliError(message)
 
 
 def show(text: str) -> str:
@@ -155,10 +156,20 @@ class Listed:
 
 
 class OneOf:
-    """One of a fixed set of words, with a message that names them (argparse's ``choices``, in our words)."""
+    """One of a fixed set of words, with a message that names them (argparse's ``choices``, in our words).
 
-    def __init__(self, names: tuple[str, ...], message: str) -> None:
-        self.names, self.message = names, message
+    ``names`` may be a function giving them, called on first use: a set defined in a module that imports torch is
+    then read only when a value is parsed, not when the parser is built (``multihead <command> --help`` stays quick).
+    """
+
+    def __init__(self, names: tuple[str, ...] | Callable[[], tuple[str, ...]], message: str) -> None:
+        self._names, self.message = names, message
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        if callable(self._names):
+            self._names = self._names()
+        return self._names
 
     def __call__(self, text: str) -> str:
         if text not in self.names:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -48,8 +49,9 @@ def add(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    from multihead.cache import Cache
     from multihead.models import load_llama
-    from multihead.models.generate import Sampling, generate_ids
+    from multihead.models.generate import Sampling, full_cache_bytes, generate_ids
 
     sampled = args.temperature is not None or args.top_p is not None or args.seed is not None
     if args.greedy and sampled:
@@ -84,11 +86,12 @@ def run(args: argparse.Namespace) -> int:
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt = tok.encode(text)
     out: list[int] = []
+    caches: list[Cache] = []
 
     def produced() -> Iterator[int]:
         for step in generate_ids(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  stop_ids=tok.stop_ids, compile=args.compile, window=args.window,
-                                 sink_tokens=args.sinks, plan=plan):
+                                 sink_tokens=args.sinks, plan=plan, on_cache=caches.append):
             t = step[0]
             if t is None:
                 return
@@ -108,10 +111,24 @@ def run(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
         print()
     seconds = time.perf_counter() - start
+    per_second = round(len(out) / seconds, 2) if seconds > 0 else None
+    # the cache that ran, read from the cache object; beside it the full cache generate makes without --window or
+    # --plan, for the same positions (prompt + --max-new-tokens)
+    ran = caches[0]
+    full = full_cache_bytes(model, 1, len(prompt) + args.max_new_tokens)
+    cache = {"kind": type(ran).__name__, "bytes": ran.bytes, "full_cache_bytes": full,
+             "of_full": round(ran.bytes / full, 4)}
     if args.json:
         shown = [t for t in out if t not in tok.stop_ids]
         print(json.dumps({"prompt": args.prompt, "chat": args.chat, "prompt_tokens": len(prompt),
                           "text": tok.decode(shown), "tokens": out, "new_tokens": len(out),
                           "stopped": bool(out) and out[-1] in tok.stop_ids, "seconds": round(seconds, 3),
-                          "tokens_per_second": round(len(out) / seconds, 2) if seconds > 0 else None}))
+                          "tokens_per_second": per_second, "cache": cache}))
+    else:
+        from multihead.units import format_bytes
+
+        beside = "" if ran.bytes == full else f"; a full KVCache {format_bytes(full)}, {ran.bytes / full:.2f} of it"
+        sys.stdout.flush()
+        print(f"multihead generate: {cache['kind']} {format_bytes(ran.bytes)} ({ran.bytes:,} bytes{beside}); "
+              f"{len(out)} new tokens in {seconds:.2f} s, {per_second} tok/s (prompt included)", file=sys.stderr)
     return 0

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Callable
 from typing import Any
 
 from multihead.cli import flags
@@ -21,14 +22,25 @@ LONG_ONLY = ("lengths", "tasks", "haystacks", "prompts", "keys", "values", "seed
              "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan")
 
 
-def _names(allowed: tuple[str, ...], what: str) -> flags.Listed:
+def _names(allowed: Callable[[], tuple[str, ...]], what: str) -> flags.Listed:
     return flags.Listed(flags.OneOf(allowed, f"{what} {{value}} is unknown: choose from {{names}}"), f"{what}s")
 
 
-def add_flags(p: argparse.ArgumentParser) -> None:
-    """The flags of --long (the module's TASKS and HAYSTACKS are read lazily: this builds no model)."""
-    from multihead.tradeoff.longctx import HAYSTACKS, TASKS
+def _tasks() -> tuple[str, ...]:
+    from multihead.tradeoff.longctx import TASKS
 
+    return TASKS
+
+
+def _haystacks() -> tuple[str, ...]:
+    from multihead.tradeoff.longctx import HAYSTACKS
+
+    return HAYSTACKS
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    """The flags of --long (the module's TASKS and HAYSTACKS, which import torch, are read when a value is parsed:
+    `multihead tradeoff --help` imports no torch)."""
     g = p.add_argument_group("long context (--long)")
     g.add_argument("--long", action="store_true",
                    help="judge the methods by retrieval at long context (needles, passkeys) instead of perplexity "
@@ -36,9 +48,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--lengths", type=flags.HEAD_COUNTS, default=None, metavar="N,N",
                    help="prompt lengths in tokens (default 2048,4096; 8144 is the longest that leaves SmolLM2's "
                         "8,192-token context room for the answer)")
-    g.add_argument("--tasks", type=_names(TASKS, "task"), default=None,
+    g.add_argument("--tasks", type=_names(_tasks, "task"), default=None,
                    help="tasks (default passkey,single-number,multikey,multivalue; also single-word)")
-    g.add_argument("--haystacks", type=_names(HAYSTACKS, "haystack"), default=None,
+    g.add_argument("--haystacks", type=_names(_haystacks, "haystack"), default=None,
                    help="haystack texts (default jargon,filler: the held-out Jargon File and a repeated filler)")
     g.add_argument("--prompts", type=POSITIVE, default=None, help="prompts per (length, task) (default 1)")
     g.add_argument("--keys", type=flags.Integer(2, flags.MAX_INT, "an integer of at least 2"), default=None,

@@ -88,23 +88,25 @@ class Patching:
     ``effects`` pools the batch: (mean patched - mean corrupted) / (mean clean - mean corrupted). ``per_pair`` keeps
     each row's own recovered fraction (TransformerLens's ``reduce="none"``), the row as a last axis:
     (patched_r - corrupted_r) / (clean_r - corrupted_r), NaN for a row whose clean and corrupted metrics are equal;
-    ``clean_per_pair`` and ``corrupted_per_pair`` (b,) are the rows' metrics."""
+    ``clean_per_pair`` and ``corrupted_per_pair`` (b,) are the rows' metrics. All are float64 CPU tensors, as the
+    other head tools return torch."""
 
     point: str
     clean: float  # the metric on the clean prompt (mean over the batch)
     corrupted: float
-    effects: np.ndarray  # (n_layers, heads) recovered fraction, or (n_layers, heads, s) per position
-    per_pair: np.ndarray | None = None  # (n_layers, heads, b) or (n_layers, heads, s, b)
-    clean_per_pair: np.ndarray | None = None  # (b,)
-    corrupted_per_pair: np.ndarray | None = None  # (b,)
+    effects: Tensor  # (n_layers, heads) recovered fraction, or (n_layers, heads, s) per position
+    per_pair: Tensor | None = None  # (n_layers, heads, b) or (n_layers, heads, s, b)
+    clean_per_pair: Tensor | None = None  # (b,)
+    corrupted_per_pair: Tensor | None = None  # (b,)
 
     def top(self, n: int = 10) -> list[tuple[int, int, float]]:
         """The n heads with the largest |effect| (summed over positions if per position): (layer, head, effect)."""
         return _top(self.effects if self.effects.ndim == 2 else self.effects.sum(-1), n)
 
 
-def _top(effects: np.ndarray, n: int) -> list[tuple[int, int, float]]:
+def _top(effects: np.ndarray | Tensor, n: int) -> list[tuple[int, int, float]]:
     """The n (layer, head, effect) of largest |effect| in a (n_layers, heads) array."""
+    effects = np.asarray(effects)
     order = np.argsort(-np.abs(effects), axis=None)[:n]
     return [(int(o // effects.shape[1]), int(o % effects.shape[1]), float(effects.flat[o])) for o in order]
 
@@ -280,8 +282,8 @@ def activation_patching(forward: Forward | Any, layers: Sequence[HookedAttention
                         effects[li, h], per_pair[li, h] = recovered, fractions[j]
                     else:
                         effects[li, h, p], per_pair[li, h, p] = recovered, fractions[j]
-    return Patching(point, m_clean, m_corrupt, effects, per_pair, clean_rows.double().cpu().numpy(),
-                    corrupt_rows.double().cpu().numpy())
+    return Patching(point, m_clean, m_corrupt, torch.from_numpy(effects), torch.from_numpy(per_pair),
+                    clean_rows.double().cpu(), corrupt_rows.double().cpu())
 
 
 def attribution_patching(forward: Forward | Any, layers: Sequence[HookedAttention] | Tensor | None = None,
@@ -309,11 +311,11 @@ def attribution_patching(forward: Forward | Any, layers: Sequence[HookedAttentio
     b = corrupted.shape[0]
     rows = torch.stack([(g * (c.to(g.dtype) - a.detach())).flatten(2).sum(-1)
                         for g, c, a in zip(grads, clean_acts, acts, strict=True)])  # (n_layers, b, heads)
-    effects = (rows.sum(1) / b / span).double().cpu().numpy()  # (n_layers, heads)
+    effects = (rows.sum(1) / b / span).double().cpu()  # (n_layers, heads)
     corrupt_rows = values.detach()
     per_pair = recovered_fraction(rows.transpose(1, 2), clean_rows - corrupt_rows)  # (n_layers, heads, b)
-    return Patching(point, m_clean, m_corrupt, effects, per_pair, clean_rows.double().cpu().numpy(),
-                    corrupt_rows.double().cpu().numpy())
+    return Patching(point, m_clean, m_corrupt, effects, torch.from_numpy(per_pair), clean_rows.double().cpu(),
+                    corrupt_rows.double().cpu())
 
 
 def head_importance(forward: Forward, layers: Sequence[HookedAttention], ids: Tensor, *,
@@ -427,8 +429,9 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
                 result = attribution_patching(forward, layers, c, k, metric, point=point)
             seconds[name] += time.perf_counter() - start
             span = result.clean - result.corrupted
-            sums[name] = sums.get(name, 0.0) + result.effects * span  # patched - corrupted, per head
-            each.setdefault(name, []).append(result.effects)
+            effects = result.effects.numpy()
+            sums[name] = sums.get(name, 0.0) + effects * span  # patched - corrupted, per head
+            each.setdefault(name, []).append(effects)
         span_total += span
         clean_total += result.clean
         corrupt_total += result.corrupted

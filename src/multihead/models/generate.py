@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import Tensor
 
+from multihead import cost
 from multihead.cache import Cache, HeadPlan, KVCache
 from multihead.errors import MultiheadError
-from multihead.models.llama import LlamaModel
+from multihead.models.llama import LlamaBlock, LlamaModel
 
 
 @dataclass(frozen=True)
@@ -80,6 +83,19 @@ def compiled_step(model: LlamaModel, cache: KVCache) -> StepFn:
     return step
 
 
+def full_cache_bytes(model: LlamaModel, batch: int, max_len: int) -> int:
+    """Bytes of the full :class:`KVCache` of ``max_len`` positions that :func:`generate_ids` makes without window= or
+    plan= (``model.new_cache(batch, max_len)``), counted by :mod:`multihead.cost` instead of made: per layer
+    2 * g * d * bytes(dtype) * max_len * batch for its g KV heads (this rank's when the model is split over
+    processes; a pruned model's layers each their own). Another cache's ``bytes`` is read beside it."""
+    total = 0
+    for block in model.layers:
+        attn = cast(LlamaBlock, block).attn
+        config = dataclasses.replace(attn.config, n_kv_heads=attn.local_kv_heads)
+        total += cost.kv_cache_bytes_per_token_per_layer(config, str(model.dtype)) * max_len * batch
+    return total
+
+
 def generate_ids(
     model: LlamaModel,
     prompts: Sequence[Sequence[int]],
@@ -92,6 +108,7 @@ def generate_ids(
     window: int | None = None,
     sink_tokens: int = 4,
     plan: HeadPlan | None = None,
+    on_cache: Callable[[Cache], None] | None = None,
 ) -> Iterator[list[int | None]]:
     """Yield, at each step, the new token of every prompt (None once a prompt has stopped).
 
@@ -103,7 +120,8 @@ def generate_ids(
     constant memory, any number of new tokens (also past the model's context); prompts of one length.
     ``plan=`` decodes with a :class:`~multihead.cache.HeadwiseCache` of that :class:`~multihead.cache.HeadPlan`
     (each KV head in full or as the plan's sinks + window; checked against the model's shape); prompts of one
-    length, eagerly.
+    length, eagerly. ``on_cache`` is called with the cache once it is made, before the prompt runs (to read its
+    ``bytes``, say).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise MultiheadError(f"max_new_tokens ({max_new_tokens!r}) must be a positive int")
@@ -121,7 +139,7 @@ def generate_ids(
         raise MultiheadError("give either window= (a sink + window cache) or plan= (a head-wise cache), not both")
     if window is not None:
         yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      stop_ids=stop_ids, compile=compile, step=step,
+                                      stop_ids=stop_ids, compile=compile, step=step, on_cache=on_cache,
                                       make=lambda b: model.new_cache(b, window=window, sink_tokens=sink_tokens))
         return
     if total > model.config.max_context:
@@ -131,7 +149,7 @@ def generate_ids(
         )
     if plan is not None:
         yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      stop_ids=stop_ids, compile=compile, step=step,
+                                      stop_ids=stop_ids, compile=compile, step=step, on_cache=on_cache,
                                       make=lambda b: model.new_cache(b, total, plan=plan), kind="head-wise")
         return
     b = len(prompts)
@@ -144,6 +162,8 @@ def generate_ids(
     size = min(-(-total // CACHE_BUCKET) * CACHE_BUCKET, model.config.max_context) if compile else total
     cache = model.new_cache(b, size)
     assert isinstance(cache, KVCache)
+    if on_cache is not None:
+        on_cache(cache)
     if compile:
         step = compiled_step(model, cache)
     gen = sampling.generator()
@@ -175,7 +195,8 @@ def generate_ids(
 
 def _generate_windowed(model: LlamaModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
                        sampling: Sampling, stop_ids: set[int] | frozenset[int], compile: bool, step: StepFn | None,
-                       make: Callable[[int], Cache], kind: str = "windowed") -> Iterator[list[int | None]]:
+                       make: Callable[[int], Cache], kind: str = "windowed",
+                       on_cache: Callable[[Cache], None] | None = None) -> Iterator[list[int | None]]:
     """:func:`generate_ids` over a cache whose sequences hold one length, made by ``make(batch)``: a sink + window
     cache (StreamingLLM, memory bounded whatever the length; ``kind`` "windowed") or a head-wise one."""
     if compile or step is not None:
@@ -188,6 +209,8 @@ def _generate_windowed(model: LlamaModel, prompts: Sequence[Sequence[int]], *, m
         raise MultiheadError(f"the prompt ({len(prompts[0])} tokens) is longer than the model's context of "
                              f"{model.config.max_context}")
     cache = make(len(prompts))
+    if on_cache is not None:
+        on_cache(cache)
     tokens = torch.tensor([list(p) for p in prompts], dtype=torch.long, device=model.device)
     gen = sampling.generator()
     with torch.no_grad():
