@@ -16,6 +16,7 @@ from multihead import MultiheadError
 from multihead.cache import quantized_tokens, sink_keep
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.tradeoff import longctx as lc
+from multihead.tradeoff.longctx import runner
 from test_kv_compression import _quantized_reference
 
 CHARS = "\n" + string.printable[:95]  # newline, then the printable ASCII characters
@@ -143,7 +144,7 @@ def test_cases_round_trip_through_the_jsonl_the_kvpress_side_reads(tmp_path: Pat
 
 
 def test_real_tokenizer_cases_have_exact_lengths_and_answers(smollm2) -> None:  # type: ignore[no-untyped-def]
-    from multihead.tradeoff.text import read_text, token_splits
+    from multihead.evals.text import read_text, token_splits
 
     model, tokenizer = smollm2
     test = token_splits(tokenizer.encode(read_text())).test
@@ -431,7 +432,7 @@ def test_a_tiny_run_writes_table_json_and_png_and_resumes(tmp_path: Path, monkey
         calls.append(args[1].name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lc, "run_prompt", counted)
+    monkeypatch.setattr(runner, "run_prompt", counted)  # the name run() calls
     again = lc.run(_settings(), out=out, progress=False, text_path=str(text), model=model, tokenizer=TOK)
     assert calls == [] and again["rows"] == result["rows"]  # every (method, prompt) was read back, none re-run
     (out / "results" / "int4-g8-r16" / f"{result_case(out, 'passkey', 500)}.json").unlink()

@@ -15,6 +15,7 @@ from torch import Tensor, nn
 
 from multihead import MultiheadError
 from multihead.cache import KVCache
+from multihead.evals.needles import Case
 from multihead.heads.capture import capture_weights
 from multihead.heads.retrieval import (
     RetrievalSettings,
@@ -25,7 +26,6 @@ from multihead.heads.retrieval import (
     retrieval_scores,
 )
 from multihead.models import LlamaConfig, LlamaModel
-from multihead.tradeoff.longctx import Case
 from toys import wire_previous_token_and_induction, zeroed_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -232,7 +232,7 @@ def test_heads_retrieval_json_carries_the_scores_per_query_and_kv_head(tmp_path:
                                                                         capsys: pytest.CaptureFixture[str],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from multihead.cli import main
-    from multihead.tradeoff import text
+    from multihead.evals import text
     from tiny_checkpoints import write_tiny_gguf
 
     real = text.read_text()

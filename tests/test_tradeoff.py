@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from multihead import MultiheadError
 from multihead.cli import main
+from multihead.evals.text import JARGON, read_text, reflow, token_splits
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.tradeoff import lm
-from multihead.tradeoff.text import JARGON, read_text, reflow, token_splits
 from multihead.tradeoff.uptrain import UptrainSettings, distillation_loss, uptrain
 
 

@@ -67,8 +67,8 @@ def run(settings: EncoderSettings, *, text_path: str | None = None, model_dir: s
     import platform
     from datetime import date
 
+    from multihead.evals.text import read_text
     from multihead.models.bert import load_sentence_encoder
-    from multihead.tradeoff.text import read_text
 
     began = time.perf_counter()
     say = print if progress else (lambda *_: None)

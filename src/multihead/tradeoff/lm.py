@@ -218,8 +218,8 @@ def run(settings: Settings, *, model_path: str | None = None, text_path: str | N
     import tempfile
     from datetime import date
 
+    from multihead.evals.text import read_text, token_splits
     from multihead.models.loaders import load_llama
-    from multihead.tradeoff.text import read_text, token_splits
     from multihead.tradeoff.uptrain import uptrain
 
     began = time.perf_counter()

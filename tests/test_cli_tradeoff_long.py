@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from multihead.cli import build_parser, main
-from multihead.cli.longctx import settings
+from multihead.cli.tradeoff_long import settings
 from multihead.tradeoff.longctx import Settings
 
 
