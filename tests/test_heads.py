@@ -16,7 +16,7 @@ from multihead.cli import main
 from multihead.heads.adapters import Batch, DecoderHeads, EncoderHeads, HeadModel, ablate_edit, applied, load_head_model
 from multihead.heads.analysis import analyse
 from multihead.heads.capture import capture_weights
-from multihead.heads.convert import pool_kv_heads
+from multihead.heads.convert import pooled_layer
 from multihead.heads.report import write_all
 from multihead.heads.scores import pattern_scores, repeat_scores
 from multihead.reference import Weights, multihead_attention
@@ -181,7 +181,7 @@ def test_zeroing_a_head_equals_zeroing_its_columns_of_w_o() -> None:
 
 def test_pooling_kv_heads_matches_the_oracle_with_averaged_projections() -> None:
     layer = MultiHeadAttention(d_model=24, n_heads=6, n_kv_heads=6, head_dim=4)
-    pooled = pool_kv_heads(layer, 2)
+    pooled = pooled_layer(layer, 2)
     assert pooled.n_kv_heads == 2 and pooled.k_proj.weight.shape == (8, 24)
     w = Weights.of(layer)
     for name in ("wk", "wv"):
@@ -192,7 +192,7 @@ def test_pooling_kv_heads_matches_the_oracle_with_averaged_projections() -> None
     want, _ = multihead_attention(pooled.config, w, x.double().numpy(), causal=True)
     np.testing.assert_allclose(pooled(x, causal=True).detach().double().numpy(), want, atol=1e-5)
     with pytest.raises(MultiheadError, match=r"n_kv_heads \(4\) must divide the layer's current n_kv_heads \(6\)"):
-        pool_kv_heads(layer, 4)
+        pooled_layer(layer, 4)
 
 
 def test_minilm_ablation_and_conversion() -> None:
