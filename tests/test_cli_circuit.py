@@ -18,14 +18,8 @@ import torch
 
 from multihead import MultiheadError
 from multihead.cli import main
-from multihead.heads.circuit_report import (
-    NEGATIVE_COLOUR,
-    POSITIVE_COLOUR,
-    circuit_svg,
-    from_embed,
-    read_pairs,
-    select_edges,
-)
+from multihead.heads.circuit import from_embed, read_pairs, select_edges
+from multihead.heads.circuit_report import NEGATIVE_COLOUR, POSITIVE_COLOUR, circuit_svg
 from tests_support import browse, console_errors
 
 HOSTILE = "<script>window.pwned=1</script>&amp;"
@@ -245,12 +239,12 @@ def test_progress_on_stderr_and_a_table_on_stdout(tiny: dict[str, Path], capsys:
 
 def test_ctrl_c_exits_130_and_leaves_no_folder(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from multihead.heads import circuit_report
+    from multihead.heads import circuit
 
     def interrupted(*_: Any, **__: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(circuit_report, "analyse_circuit", interrupted)
+    monkeypatch.setattr(circuit, "analyse_circuit", interrupted)
     out = tiny["folder"] / "new" / "folder"
     assert main(["circuit", "--model", str(tiny["gguf"]), "--out", str(out)]) == 130
     assert capsys.readouterr().err.strip() == "multihead: interrupted"
@@ -336,7 +330,8 @@ def test_smollm2_one_pair(smollm2, tmp_path: Path) -> None:  # type: ignore[no-u
     """SmolLM2 on the first shipped pair: the DLA's logit difference is the model's own, the circuit's 5 edges are
     drawn, faithfulness and the exact check of the top edge are reported, and the page renders."""
     from multihead.heads.adapters import DecoderHeads
-    from multihead.heads.circuit_report import analyse_circuit, write_report
+    from multihead.heads.circuit import analyse_circuit
+    from multihead.heads.circuit_report import write_report
     from multihead.heads.patching import shipped_pairs
 
     model, tok = smollm2

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.method != "eap-ig":
         raise CliError("--steps is for --method eap-ig")
-    from multihead.heads.circuit_report import read_pairs
+    from multihead.heads.circuit import read_pairs
     from multihead.heads.patching import shipped_pairs
 
     if args.pairs is None:
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"argument --html: {err}") from None
     with out_folder(args.out) as out:  # fails before the long work if the report cannot be written
         from multihead.heads.adapters import load_head_model
-        from multihead.heads.circuit_report import analyse_circuit, write_report
+        from multihead.heads.circuit import analyse_circuit
+        from multihead.heads.circuit_report import write_report
 
         model = load_head_model(args.model, engine=args.engine)
         report = analyse_circuit(model, pairs, method=args.method, steps=args.steps or STEPS, edges=args.edges,
