@@ -71,3 +71,15 @@ def test_a_length_past_the_models_context_is_refused_naming_it(tmp_path: Path,
     _refused(["tradeoff", "--long", "--lengths", "9000", "--cases-jsonl", str(tmp_path / "c.jsonl")],
              r"length 9,000 exceeds the model's context of 8,192 tokens", capsys)
     assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_a_failed_run_leaves_no_folder_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tradeoff --long --lengths 100000`: refused once the model's context is known, and the --out folder (and the
+    settings.json a run would resume from) is not left behind."""
+    from tiny_checkpoints import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", context=128)
+    out = tmp_path / "new" / "out"
+    _refused(["tradeoff", "--long", "--model", str(gguf), "--lengths", "100000", "--out", str(out)],
+             r"length 100,000 exceeds the model's context of 128 tokens", capsys)
+    assert list(tmp_path.iterdir()) == [gguf]

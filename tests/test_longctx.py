@@ -467,6 +467,43 @@ def test_a_run_refuses_a_length_beyond_the_models_context(tmp_path: Path) -> Non
                tokenizer=TOK)
 
 
+def test_a_failed_run_leaves_what_it_made_only_once_it_has_measured(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before anything is written (a length past the context); stopped before the first result (Ctrl-C):
+    the files and folders it made are gone; stopped after one: they stay, and the run resumes from them."""
+    model, text = _run_inputs(tmp_path)
+    out = tmp_path / "new" / "run"
+    quick = {"lengths": (400,), "tasks": ("passkey",), "uptrain_steps": 0, "prune": (), "windows": (),
+             "mqa": False, "window_keep": (), "bits": ()}
+    with pytest.raises(MultiheadError, match="exceeds the model's context"):
+        lc.run(_settings(**{**quick, "lengths": (1000,)}), out=out, progress=False, text_path=str(text),
+               model=model, tokenizer=TOK)
+    assert not (tmp_path / "new").exists()
+    real = lc.run_prompt
+    calls: list[str] = []
+
+    def stop_at(n: int) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+            calls.append(args[1].name)
+            if len(calls) > n:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(runner, "run_prompt", stop_at(0))
+    with pytest.raises(KeyboardInterrupt):
+        lc.run(_settings(**quick), out=out, progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setattr(runner, "run_prompt", stop_at(1))
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        lc.run(_settings(**quick), out=out, progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    assert (out / "settings.json").is_file() and len(list((out / "results").rglob("*.json"))) == 1
+    monkeypatch.setattr(runner, "run_prompt", real)
+    done = lc.run(_settings(**quick), out=out, progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    assert [r["method"] for r in done["rows"]] == ["full cache", "2 sinks + window 50%"]
+
+
 # ------------------------------------------------------------------------------------------------- head-wise plans
 def _tiny_plan(tmp_path: Path, model: LlamaModel, name: str = "mixed-plan.json", *, window: int = 24) -> str:
     from multihead.cache import HeadPlan

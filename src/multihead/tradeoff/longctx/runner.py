@@ -7,6 +7,7 @@ the other methods' runs and of the comparison.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -67,10 +68,11 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
     bytes at each length, prefill and decode time. Each finished (method, prompt) result is saved under ``out``
     and skipped when the run is repeated with the same settings (a run with other settings is refused there).
     ``model`` and ``tokenizer`` replace the default SmolLM2 (tests). Returns a JSON-ready dict, also written to
-    ``out/result.json``, with the table in ``out/table.txt``."""
-    import platform
-    from datetime import date
+    ``out/result.json``, with the table in ``out/table.txt``.
 
+    Everything that can be refused (a length past the model's context, a text too short, a case that cannot be
+    built) is refused before anything is written; a run that fails before it has measured anything removes the
+    files and the folder it made, and one that fails later keeps them, so that it resumes."""
     from tqdm import tqdm
 
     from multihead.evals.text import read_text, token_splits
@@ -78,7 +80,6 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
     began = time.perf_counter()
     say: Callable[[str], None] = (lambda m: tqdm.write(m)) if progress else (lambda _m: None)
     folder = Path(out)
-    folder.mkdir(parents=True, exist_ok=True)
     stamp: dict[str, Any] = {"settings": dataclasses.asdict(settings), "model": model_path, "text": text_path,
                              "own_model": model is not None}
     if settings.plans:  # a plan's file may change under the same name: its contents are part of the run
@@ -89,7 +90,6 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
     if saved is not None and saved != json.loads(json.dumps(stamp)):
         raise MultiheadError(f"{folder} holds a run with other settings ({folder / 'settings.json'}): resume with "
                              "the same settings or use another folder")
-    _atomic_json(folder / "settings.json", stamp)
     own = model is not None
     if model is None:
         from multihead.models.loaders import load_llama
@@ -103,7 +103,41 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
         check_length(length, max_context)
     splits = token_splits(tokenizer.encode(read_text(text_path)), least=settings.ppl_context + 1)
     cases = make_cases(settings, tokenizer, splits.test, max_context=max_context)
-    write_jsonl(cases, folder / "cases.jsonl")
+    made = [f for f in (folder, *folder.parents) if not f.exists()]  # the folders this run makes, deepest first
+    fresh = [folder / name for name in ("settings.json", "cases.jsonl") if not (folder / name).exists()]
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        _atomic_json(folder / "settings.json", stamp)
+        write_jsonl(cases, folder / "cases.jsonl")
+        result = _measure(settings, folder, model, splits, cases, progress, say)
+    except BaseException:
+        if not any((folder / name).exists() for name in ("results", "perplexity", "uptrain")):  # nothing measured
+            for path in fresh:
+                path.unlink(missing_ok=True)
+            for f in made:
+                with contextlib.suppress(OSError):
+                    f.rmdir()  # only if empty
+        raise
+    result.update(model=model_path or ("a model given to run()" if own else
+                                       "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)"),
+                  text=text_path or "Jargon File 4.4.7 (Debian jargon-text), held-out split",
+                  seconds=round(time.perf_counter() - began, 1))
+    _atomic_json(folder / "result.json", result)
+    from multihead.files import write_text
+
+    write_text(folder / "table.txt", table(result) + "\n")
+    return result
+
+
+def _measure(settings: Settings, folder: Path, model: Any, splits: Any, cases: Sequence[Case], progress: bool,
+             say: Callable[[str], None]) -> dict[str, Any]:
+    """Every method on every prompt (each result saved under ``folder`` as it is made, or read back), then the
+    perplexity of each: the result without its model, text and seconds."""
+    import platform
+    from datetime import date
+
+    from tqdm import tqdm
+
     models = _models(model, splits.train, settings, folder, progress, say)
     methods = settings.methods(model.config.n_kv_heads)
     results: dict[str, list[dict[str, Any]]] = {}
@@ -140,10 +174,8 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
             _atomic_json(path, got)
         ppl[method.name] = got
     rows = [_row(m, models[m.model], results[m.name], ppl[m.name], settings, excluded) for m in methods]
-    result = {
-        "model": model_path or ("a model given to run()" if own else
-                                "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)"),
-        "text": text_path or "Jargon File 4.4.7 (Debian jargon-text), held-out split",
+    return {
+        "model": None, "text": None,
         "settings": dataclasses.asdict(settings),
         "cases": len(cases), "prompts": len(prompts),
         "excluded": excluded,
@@ -152,13 +184,8 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
         "machine": f"{platform.machine()} {platform.processor() or ''}, {torch.get_num_threads()} threads, "
                    f"torch {torch.__version__}".replace("  ", " "),
         "date": date.today().isoformat(),
-        "seconds": round(time.perf_counter() - began, 1),
+        "seconds": None,
     }
-    _atomic_json(folder / "result.json", result)
-    from multihead.files import write_text
-
-    write_text(folder / "table.txt", table(result) + "\n")
-    return result
 
 
 def _excluded(full: Sequence[dict[str, Any]], settings: Settings) -> list[dict[str, Any]]:
