@@ -36,6 +36,20 @@ def test_the_defaults_are_the_librarys_and_each_flag_sets_its_field() -> None:
                                       ppl_scored=512, ppl_windows=2, threshold=0.9, mqa=False)
 
 
+@pytest.mark.parametrize(("argv", "context", "scored"), [
+    ([], 4096, 1024),
+    (["--lengths", "1024"], 1024, 256),
+    (["--lengths", "2048,512"], 2048, 512),
+    (["--lengths", "1024", "--context", "3000"], 3000, 750),
+    (["--lengths", "1024", "--stride", "100"], 1024, 100),
+])
+def test_the_perplexity_windows_follow_the_longest_length(argv: list[str], context: int, scored: int) -> None:
+    """--lengths 1024 measured perplexity on 4,096-token windows (most of the run's time): the windows are now as
+    long as the longest prompt unless --context says otherwise, the last quarter of each scored unless --stride."""
+    s = settings(build_parser().parse_args(["tradeoff", "--long", *argv]))
+    assert (s.ppl_context, s.ppl_scored) == (context, scored)
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--lengths", "2048"], r"--lengths is for `tradeoff --long`: add --long"),
     (["--tasks", "passkey", "--no-mqa"], r"--tasks, --no-mqa are for `tradeoff --long`"),

@@ -21,9 +21,10 @@ def add(sub: Any) -> None:
                    help="another evaluation text (plain or .gz; default: the Jargon File)")
     p.add_argument("--texts", type=POSITIVE, default=256, help="minilm: held-out paragraphs embedded (default 256)")
     p.add_argument("--context", type=POSITIVE, default=None,
-                   help="tokens per perplexity window (default 1024; 4096 with --long)")
+                   help="tokens per perplexity window (default 1024; with --long the longest of --lengths)")
     p.add_argument("--stride", type=POSITIVE, default=None,
-                   help="tokens between windows, each scoring its last stride tokens (default 512; 1024 with --long)")
+                   help="tokens between windows, each scoring its last stride tokens (default 512; with --long a "
+                        "quarter of the window)")
     p.add_argument("--windows", type=POSITIVE, default=None,
                    help="perplexity windows at most (default 10; 1 with --long)")
     p.add_argument("--chunk", type=POSITIVE, default=None,
