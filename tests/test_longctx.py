@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import string
 from collections.abc import Sequence
 from pathlib import Path
@@ -542,6 +543,107 @@ def test_a_plan_method_decodes_as_the_uncached_model_under_the_plans_per_head_ma
     slots = lc.equal_bytes_slots(lc.load_plan(path), 225)
     assert slots == round(0.5 * 225 + 0.5 * 25) and control.window_at(225) == slots - 2 + 1
     assert control.cache(model, 225, 225).bytes == pytest.approx(method.cache(model, 225, 225).bytes, rel=0.01)
+
+
+def _drawn_texts(fig: Any) -> list[tuple[str, Any]]:
+    """Every text the figure really draws (tick labels outside the view are never drawn), with its box in pixels."""
+    import matplotlib.text
+
+    drawn: list[tuple[str, Any]] = []
+    real = matplotlib.text.Text.draw
+
+    def draw(self: Any, renderer: Any) -> None:
+        real(self, renderer)
+        if self.get_visible() and self.get_text().strip():
+            drawn.append((self.get_text(), self.get_window_extent(renderer)))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matplotlib.text.Text, "draw", draw)
+        fig.canvas.draw()
+    return drawn
+
+
+def _layout_faults(fig: Any) -> list[str]:
+    """Texts cut by the figure's edge and pairs of texts that overlap, by their drawn boxes."""
+    texts = _drawn_texts(fig)
+    edge = fig.bbox
+    faults = [f"cut: {t!r}" for t, b in texts
+              if b.x0 < edge.x0 - 1 or b.y0 < edge.y0 - 1 or b.x1 > edge.x1 + 1 or b.y1 > edge.y1 + 1]
+    for (t, a), (u, b) in itertools.combinations(texts, 2):
+        if min(a.x1, b.x1) - max(a.x0, b.x0) > 0.5 and min(a.y1, b.y1) - max(a.y0, b.y0) > 0.5:
+            faults.append(f"overlap: {t!r} and {u!r}")
+    return faults
+
+
+def test_the_picture_keeps_every_text_inside_and_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 42: the long-context PNG's title was clipped with one length and its labels overlapped. A run with a
+    method of every kind, drawn for two lengths and for one: every text the figure draws lies inside it and no two
+    overlap (their drawn boxes); the PNG is the figure that was checked."""
+    import matplotlib.pyplot as plt
+
+    import multihead.files
+
+    model, text = _run_inputs(tmp_path)
+    plan = _tiny_plan(tmp_path, model, "smollm2-retrieval-best-plan.json")
+    result = lc.run(_settings(keep=(0.5, 0.25), bits=(8, 4, 2), plans=(plan,)), out=tmp_path / "run",
+                    progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    one = {**result, "settings": {**result["settings"], "lengths": [400]},
+           "rows": [{**r, "lengths": {"400": r["lengths"]["400"]}} for r in result["rows"]]}
+    saved: list[Any] = []
+    real = multihead.files.save_figure
+
+    def keep(fig: Any, path: Any) -> Any:
+        saved.append(fig)
+        return real(fig, path)
+
+    monkeypatch.setattr(multihead.files, "save_figure", keep)
+    monkeypatch.setattr(plt, "close", lambda *_: None)  # the figures stay open to be measured
+    for case, res in (("two lengths", result), ("one length", one)):
+        png = Path(lc.plot(res, tmp_path / f"{case}.png"))
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        fig = saved[-1]
+        texts = [t for t, _ in _drawn_texts(fig)]
+        assert len(result["rows"]) == 13 and all(any(r["method"] in t for t in texts) for r in res["rows"])
+        assert _layout_faults(fig) == [], case
+    plt.close("all")
+
+
+def test_the_table_shows_whole_names_in_columns_that_say_what_they_hold(tmp_path: Path) -> None:
+    """issue 42: names were cut at 30 characters and two columns were both "MiB". Every method's name starts its row
+    whole; every row's separators stand under the header's; each block is headed by its length or by perplexity and
+    its window, and every MiB column is a "KV MiB"."""
+    model, text = _run_inputs(tmp_path)
+    plan = _tiny_plan(tmp_path, model, "smollm2-retrieval-best-plan.json")
+    result = lc.run(_settings(lengths=(400,), tasks=("passkey",), plans=(plan,), uptrain_steps=0, prune=(),
+                              windows=(), bits=(4,), mqa=False), out=tmp_path / "run", progress=False,
+                    text_path=str(text), model=model, tokenizer=TOK)
+    lines = lc.table(result).splitlines()
+    names = [r["method"] for r in result["rows"]]
+    assert max(len(n) for n in names) > 30  # the control's name: "2 sinks + window = bytes of 50% full, 2 + 24"
+    head, sub, rule = lines[1:4]
+    body = lines[4:4 + len(names)]
+    assert [line[:len(n) + 1] for line, n in zip(body, names, strict=True)] == [n + " " for n in names]
+    bars = [i for i, ch in enumerate(sub) if ch == "|"]
+    assert len(bars) == 2 and all([i for i, ch in enumerate(line) if ch == "|"] == bars for line in [head, *body])
+    assert set(rule) == {"-"}
+    assert "| 400 tokens" in head and "| perplexity, 256 tokens" in head
+    assert re.findall(r"\S+ MiB", sub) == ["KV MiB", "KV MiB"] and sub.split("|")[2].split() == ["ppl", "KV", "MiB"]
+
+
+def test_the_layout_check_sees_a_cut_title_and_overlapping_labels() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    fig.suptitle("a title far too long for a figure three inches wide, cut at both ends")
+    ax.annotate("one label", (0.5, 0.5))
+    ax.annotate("another label", (0.52, 0.5))
+    faults = _layout_faults(fig)
+    plt.close(fig)
+    assert any(f.startswith("cut: 'a title") for f in faults)
+    assert "overlap: 'one label' and 'another label'" in faults
 
 
 def test_a_run_with_plans_measures_each_plan_and_its_equal_bytes_control(tmp_path: Path) -> None:
