@@ -350,3 +350,28 @@ def test_smollm2_one_pair(smollm2, tmp_path: Path) -> None:  # type: ignore[no-u
     dom = browse(Path(files["html"]), "--dump-dom")
     assert 'data-ready="1"' in dom.stdout, dom.stderr[-2000:]
     assert not console_errors(dom.stderr)
+
+
+def test_each_progress_bar_writes_its_finished_line_once(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 42: in a log (stderr not a terminal) `circuit` wrote a bar's last line twice when its last update had
+    been drawn (a step slower than tqdm's 0.1 s redraw interval; the composition here): once per bar now."""
+    import time
+
+    from multihead.heads import circuit
+
+    real = circuit.composition_between
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.15)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(circuit, "composition_between", slow)
+    capsys.readouterr()
+    assert main(["circuit", "--model", str(tiny["gguf"]), "--pairs", str(tiny["pairs"]), "--edges", "4", "--check",
+                 "2", "--out", str(tiny["folder"] / "bars")]) == 0
+    finished = [re.sub(r"\d+", "N", line.split(":")[0])
+                for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "100%" in line]
+    assert finished == ["direct logit attribution over N prompt pair(s)", "edge attribution (eap) over N prompt "
+                        "pair(s)", "faithfulness of the circuit (N edges)", "exact check of the top N edges",
+                        "composition scores"], finished

@@ -143,9 +143,9 @@ def batches(pairs: Sequence[EncodedPair]) -> list[Batch]:
 
 @contextmanager
 def _bar(total: int, desc: str, unit: str, progress: bool) -> Iterator[Any]:
-    from tqdm import tqdm
+    from multihead.heads.progress import progress_bar
 
-    bar = tqdm(total=total, desc=desc, unit=unit, disable=not progress, leave=True)
+    bar = progress_bar(total=total, desc=desc, unit=unit, progress=progress)
     try:
         yield bar
     finally:
