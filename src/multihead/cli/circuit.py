@@ -102,9 +102,12 @@ def _print(report: Any, top: int) -> None:
           "(mean, clean prompts' last token)")
     print(f"direct logit attribution: embed {d.embed:+.3f} + heads {d.heads.sum():+.3f} + MLPs {d.mlps.sum():+.3f} "
           f"+ constant {d.constant:+.3f} + remainder {d.remainder:+.1e}")
-    print("largest parts: " + "  ".join(f"{name} = {value:+.3f}" for name, value in d.top(top)))
+    print("largest parts (+ raises the logit difference: helps the answer; - lowers it: opposes): "
+          + "  ".join(f"{name} = {value:+.3f}" for name, value in d.top(top)))
     c = report.circuit
     if c is not None:
+        print("edge scores: the change of the logit difference when the edge carries the corrupted prompt's write "
+              "(- the edge carries the behaviour, + it works against it)")
         print(f"circuit ({c['method']}{', ' + str(c['steps']) + ' steps' if c['method'] == 'eap-ig' else ''}; "
               f"{len(c['edges'])} of {c['n_scored']} edges, {c['select']}): " + "  ".join(
                   f"{e['sender']} -> {e['receiver']} {e['score']:+.3f}" for e in c["edges"][:min(top, 8)]))
@@ -113,7 +116,7 @@ def _print(report: Any, top: int) -> None:
               f"difference kept (circuit {f['circuit_metric']:.3f}, clean {f['clean_metric']:.3f}, corrupted "
               f"{f['corrupted_metric']:.3f})")
         if c["checks"]:
-            print("exact check (path patching): " + "  ".join(
+            print("exact check (path patching, the same change measured): " + "  ".join(
                 f"{k['sender']} -> {k['receiver']} {k['score']:+.3f} vs {k['exact']:+.3f}" for k in c["checks"]))
     view = report.composition
     if view.reason is not None:
@@ -127,6 +130,6 @@ def _print(report: Any, top: int) -> None:
             if cells:
                 v, w, r = max(cells)
                 strongest.append(f"{kind.upper()} {w} -> {r} {v:+.3f}")
-        print(f"composition between {len(view.heads)} heads (score - random baseline), strongest: "
+        print(f"composition between {len(view.heads)} heads (score - random baseline: + above it), strongest: "
               + "  ".join(strongest))
     print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items()))

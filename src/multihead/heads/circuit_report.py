@@ -4,8 +4,13 @@ the circuit drawn as an SVG graph, the composition heatmaps and the DLA picture.
 - **Graph** (:func:`circuit_svg`): any list of edges (objects with ``sender``, ``receiver``, ``score``) over the
   node names ``embed``, ``L{l}.H{h}``, ``L{l}.KV{g}.k``, ``L{l}.KV{g}.v``, ``L{l}.MLP``, ``logits``, as SVG: one
   row per layer's attention (its query heads with their KV heads' inputs, group by group) and one per layer's MLP,
-  embeddings on top and logits at the bottom, one ``<path>`` per edge, red for a positive score and blue for a
-  negative one, its width proportional to |score|.
+  embeddings on top and logits at the bottom, one ``<path>`` per edge, its width proportional to |score|.
+
+One colour means one thing on the whole page, and its legend says which: :data:`HELPS_COLOUR` a part or an edge that
+raises the logit difference (a positive DLA; an edge whose corruption lowers it, a negative EAP score),
+:data:`OPPOSES_COLOUR` one that lowers it, :data:`ABOVE_COLOUR` and :data:`BELOW_COLOUR` a composition score above
+or below its random baseline (a heatmap says nothing about the answer), :data:`UNDEFINED_COLOUR` a cell that has no
+score.
 
 The page needs no network (script and styles inline, images as data: URIs) and escapes every text it shows (the
 prompts of a --pairs file included): nothing in a prompt can run.
@@ -29,7 +34,33 @@ from multihead.errors import MultiheadError
 from multihead.files import save_figure, write_text
 from multihead.heads.circuit import CircuitReport, CompositionView, Dla, EdgeLike, node_place
 
-POSITIVE_COLOUR, NEGATIVE_COLOUR = "#c62828", "#1565c0"
+HELPS_COLOUR, OPPOSES_COLOUR = "#1b7837", "#762a83"  # raises / lowers logit[answer] - logit[wrong] (green, purple)
+ABOVE_COLOUR, BELOW_COLOUR = "#e66101", "#2166ac"  # composition above / below its random baseline (orange, blue)
+UNDEFINED_COLOUR = "#dddddd"  # a composition cell whose writer is not in an earlier layer
+LEGEND = (("helps", HELPS_COLOUR, "helps the answer: raises logit[answer] - logit[wrong] (DLA > 0; an edge whose "
+                                  "corruption lowers it, EAP score < 0)"),
+          ("opposes", OPPOSES_COLOUR, "opposes the answer: lowers it (DLA < 0; EAP score > 0)"),
+          ("above", ABOVE_COLOUR, "composition above the random baseline"),
+          ("below", BELOW_COLOUR, "composition below the random baseline"),
+          ("undefined", UNDEFINED_COLOUR, "no composition: the writer is not in an earlier layer"))
+
+
+def edge_colour(score: float) -> str:
+    """An EAP edge's colour: the score is the change of the logit difference when the edge is corrupted, so a
+    negative one marks an edge that carries the behaviour (helps), a positive one an edge that works against it."""
+    return HELPS_COLOUR if score < 0 else OPPOSES_COLOUR
+
+
+def part_colour(dla: float) -> str:
+    """A DLA part's colour: a positive direct effect raises logit[answer] - logit[wrong] (helps)."""
+    return HELPS_COLOUR if dla >= 0 else OPPOSES_COLOUR
+
+
+def legend_html() -> str:
+    """What each colour of the page means, one swatch each."""
+    items = "".join(f"<span class='key'><span class='swatch' data-meaning='{name}' style='background:{colour}'>"
+                    f"</span>{html.escape(text)}</span>" for name, colour, text in LEGEND)
+    return f"<div id='legend'><b>colours</b> {items}</div>"
 
 
 def circuit_svg(edges: Sequence[EdgeLike], *, n_heads: int | None = None, n_kv_heads: int | None = None,
@@ -86,10 +117,11 @@ def circuit_svg(edges: Sequence[EdgeLike], *, n_heads: int | None = None, n_kv_h
         y1, y2 = y1 + 11, y2 - 11
         c1, c2 = y1 + (y2 - y1) / 3, y2 - (y2 - y1) / 3
         score = float(e.score)
-        colour = POSITIVE_COLOUR if score >= 0 else NEGATIVE_COLOUR
+        colour = edge_colour(score)
         stroke = 0.8 + 6.2 * abs(score) / scale
         tip = f"{e.sender} \u2192 {e.receiver}: {score:+.4g}"
-        out.append(f'<path class="edge {"pos" if score >= 0 else "neg"}" data-sender={quoteattr(e.sender)} '
+        kind = "helps" if colour == HELPS_COLOUR else "opposes"
+        out.append(f'<path class="edge {kind}" data-sender={quoteattr(e.sender)} '
                    f'data-receiver={quoteattr(e.receiver)} data-score="{score:.6g}" '
                    f'd="M{x1:.1f},{y1:.1f} C{x1 + bulge:.1f},{c1:.1f} {x2 + bulge:.1f},{c2:.1f} {x2:.1f},{y2:.1f}" '
                    f'stroke="{colour}" stroke-width="{stroke:.2f}" stroke-opacity="0.75">'
@@ -99,7 +131,7 @@ def circuit_svg(edges: Sequence[EdgeLike], *, n_heads: int | None = None, n_kv_h
     for name, (nx, ny) in xy.items():
         short = name.split(".", 1)[1] if name.startswith("L") else name
         wide = 60 if name in ("embed", "logits") else 52
-        fill = "#fff3c4" if ".H" in name else "#e3f2e1" if ".KV" in name else "#e8eaf6"
+        fill = "#fff3c4" if ".H" in name else "#e4e4e4" if ".KV" in name else "#f4f4f4"  # head, KV input, other
         out.append(f'<g class="node" data-node={quoteattr(name)}><rect x="{nx - wide / 2:.1f}" y="{ny - 11:.1f}" '
                    f'width="{wide}" height="22" rx="6" fill="{fill}" stroke="#555"/>'
                    f'<text x="{nx:.1f}" y="{ny + 4:.1f}" text-anchor="middle">{html.escape(short)}</text>'
@@ -110,9 +142,10 @@ def circuit_svg(edges: Sequence[EdgeLike], *, n_heads: int | None = None, n_kv_h
 
 def _colour(value: float | None, limit: float) -> str:
     if value is None or not math.isfinite(value):
-        return "#eeeeee"
+        return UNDEFINED_COLOUR
     t = min(1.0, abs(value) / limit) if limit > 0 else 0.0
-    r, g, b = (198, 40, 40) if value >= 0 else (21, 101, 192)
+    full = ABOVE_COLOUR if value >= 0 else BELOW_COLOUR
+    r, g, b = (int(full[i:i + 2], 16) for i in (1, 3, 5))
     mix = [round(255 + (c - 255) * t) for c in (r, g, b)]
     return f"rgb({mix[0]},{mix[1]},{mix[2]})"
 
@@ -162,8 +195,8 @@ def dla_figure(dla: Dla, model: str, top: int = 20) -> Any:
     fig, axes = plt.subplots(1, 3, figsize=(16, max(4.5, 0.16 * n_layers + 2.5)), dpi=90,
                              gridspec_kw={"width_ratios": [max(2.0, h / 4), 3, 3]})
     limit = float(np.abs(dla.heads).max()) or 1.0
-    im = axes[0].imshow(dla.heads, cmap="RdBu_r", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
-    axes[0].set_title("each head (layer x head)", fontsize=9)
+    im = axes[0].imshow(dla.heads, cmap="PRGn", vmin=-limit, vmax=limit, aspect="auto", interpolation="nearest")
+    axes[0].set_title("each head (layer x head): green helps, purple opposes", fontsize=9)
     axes[0].set_xlabel("head")
     axes[0].set_ylabel("layer")
     step = max(1, n_layers // 15)
@@ -171,8 +204,8 @@ def dla_figure(dla: Dla, model: str, top: int = 20) -> Any:
     axes[0].set_xticks(range(0, h, max(1, h // 12)))
     fig.colorbar(im, ax=axes[0], shrink=0.8)
     layers = np.arange(n_layers)
-    axes[1].barh(layers - 0.2, dla.heads.sum(1), height=0.4, color="#d08c00", label="attention (sum of heads)")
-    axes[1].barh(layers + 0.2, dla.mlps, height=0.4, color="#5c6bc0", label="MLP")
+    axes[1].barh(layers - 0.2, dla.heads.sum(1), height=0.4, color="#555555", label="attention (sum of heads)")
+    axes[1].barh(layers + 0.2, dla.mlps, height=0.4, color="#aaaaaa", label="MLP")
     axes[1].set_yticks(range(0, n_layers, step))
     axes[1].invert_yaxis()
     axes[1].axvline(0, color="#888", lw=0.8)
@@ -182,11 +215,11 @@ def dla_figure(dla: Dla, model: str, top: int = 20) -> Any:
     parts = dla.top(top)
     names = [n for n, _ in parts]
     values = [v for _, v in parts]
-    axes[2].barh(range(len(parts)), values, color=[POSITIVE_COLOUR if v >= 0 else NEGATIVE_COLOUR for v in values])
+    axes[2].barh(range(len(parts)), values, color=[part_colour(v) for v in values])
     axes[2].set_yticks(range(len(parts)), names, fontsize=7)
     axes[2].invert_yaxis()
     axes[2].axvline(0, color="#888", lw=0.8)
-    axes[2].set_title(f"the {len(parts)} largest parts", fontsize=9)
+    axes[2].set_title(f"the {len(parts)} largest parts: green helps, purple opposes", fontsize=9)
     for ax in axes[1:]:
         ax.set_xlabel("logit difference")
     fig.suptitle(f"{model}: direct logit attribution of logit[answer] - logit[wrong] = {dla.logit_diff:.3f} "
@@ -212,14 +245,17 @@ def report_html(report: CircuitReport, dla_png: bytes) -> str:
     """The whole page (see the module)."""
     e = html.escape
     d = report.dla
-    parts = "".join(f"<tr><td class='l'>{e(n)}</td><td>{v:+.4f}</td></tr>" for n, v in d.top(15))
+    parts = "".join(f"<tr><td class='l'>{e(n)}</td><td style='color:{part_colour(v)}'>{v:+.4f}</td></tr>"
+                    for n, v in d.top(15))
     sections = [
         f"<h1>multihead circuit: {e(report.model)}</h1>",
         f"<div class='note'>{report.n_layers} layers, {report.n_heads} query heads, {report.n_kv_heads} KV heads; "
         f"{len(report.pairs)} prompt pair(s); engine: {e(report.engine)}</div>",
+        legend_html(),
         "<h2>direct logit attribution</h2>",
         f"<div class='note'>Each part's direct effect on logit[answer] - logit[wrong] at the clean prompt's last "
-        f"token, mean over the pairs: embed {d.embed:+.4f} + heads {d.heads.sum():+.4f} + MLPs {d.mlps.sum():+.4f} + "
+        f"token, mean over the pairs (+ helps the answer, - opposes it): embed {d.embed:+.4f} + heads "
+        f"{d.heads.sum():+.4f} + MLPs {d.mlps.sum():+.4f} + "
         f"constant {d.constant:+.4f} + remainder {d.remainder:+.2e} = {d.logit_diff:.4f}, the model's own logit "
         f"difference. Notes: {e('; '.join(d.notes))}.</div>",
         f"<img id='dla' alt='direct logit attribution' src='data:image/png;base64,"
@@ -248,8 +284,9 @@ def _circuit_section(report: CircuitReport) -> list[str]:
     if c is None or not report.edges:
         return ["<h2>the circuit</h2>", "<div class='note'>No edge attribution in this report.</div>"]
     f = c["faithfulness"]
-    checks = "".join(f"<tr><td class='l'>{e(k['sender'])} \u2192 {e(k['receiver'])}</td><td>{k['score']:+.4f}</td>"
-                     f"<td>{k['exact']:+.4f}</td></tr>" for k in c["checks"])
+    checks = "".join(f"<tr><td class='l'>{e(k['sender'])} \u2192 {e(k['receiver'])}</td>"
+                     f"<td style='color:{edge_colour(k['score'])}'>{k['score']:+.4f}</td>"
+                     f"<td style='color:{edge_colour(k['exact'])}'>{k['exact']:+.4f}</td></tr>" for k in c["checks"])
     svg = circuit_svg(report.edges, n_heads=report.n_heads, n_kv_heads=report.n_kv_heads,
                       title=f"{len(report.edges)} edges by |{c['method']} score| ({c['select']})")
     side = [
@@ -261,14 +298,16 @@ def _circuit_section(report: CircuitReport) -> list[str]:
         + ("chosen greedily from the logits back, the strongest edge into the circuit so far each time, and only "
            "the edges on a path from the embeddings kept (Hanna et al. 2024)" if c["select"] == "greedy" else
            "the edges of largest |score|") + ". A score is the change of the logit "
-        "difference when the edge carries the corrupted prompt's write instead of the clean one: blue (negative) "
-        "edges carry the behaviour, red (positive) ones work against it; width: |score|. Hover a node to see its "
+        "difference when the edge carries the corrupted prompt's write instead of the clean one: a negative score "
+        "(green) marks an edge that carries the behaviour, a positive one (purple) an edge that works against it; "
+        "width: |score|. Hover a node to see its "
         "edges.</p>",
         f"<p><b>exact check</b> of the top {len(c['checks'])} edges (path patching, a second forward):</p>",
         f"<table id='checks'><tr><th>edge</th><th>{e(c['method'])}</th><th>exact</th></tr>{checks}</table>",
     ]
     edges = "".join(f"<tr><td>{i + 1}</td><td class='l'>{e(x['sender'])}</td><td class='l'>{e(x['receiver'])}</td>"
-                    f"<td>{x['score']:+.4f}</td></tr>" for i, x in enumerate(c["edges"]))
+                    f"<td style='color:{edge_colour(x['score'])}'>{x['score']:+.4f}</td></tr>"
+                    for i, x in enumerate(c["edges"]))
     return ["<h2>the circuit</h2>",
             f"<div class='row'><div id='graph'>{svg}</div><div class='side'>{''.join(side)}</div></div>",
             f"<details><summary>the {len(c['edges'])} edges</summary><table id='edges'><tr><th>#</th>"
@@ -283,7 +322,7 @@ def _composition_section(view: CompositionView, grouped: bool) -> list[str]:
     base = view.baseline["per_query_head"]
     out.append(f"<div class='note'>Composition scores ||A B||_F / (||A||_F ||B||_F) of each writer head (columns) "
                f"into each reader (rows) of a later layer, minus the random baseline of their shape (per query head "
-               f"{base['mean']:.4f} \u00b1 {base['std']:.4f}); red: above the baseline, blue: below, each map "
+               f"{base['mean']:.4f} \u00b1 {base['std']:.4f}); orange: above the baseline, blue: below, each map "
                "scaled to its largest |value| (hover a cell for it); grey: the writer is not in an earlier layer. "
                f"Notes: {e('; '.join(view.notes))}.</div>")
     names = {"q": "Q-composition", "k": "K-composition", "v": "V-composition", "k_kv": "K-composition per KV head",
@@ -310,6 +349,9 @@ table{border-collapse:collapse;font-size:12px;background:#fff}
 th,td{border:1px solid #ddd;padding:2px 6px;text-align:right} th{background:#eee} td.l{text-align:left}
 .note{color:#666;font-size:12px;max-width:1100px} img{max-width:100%;background:#fff;border:1px solid #ccc}
 svg{background:#fff;border:1px solid #ccc} .dim{opacity:0.12}
+#legend{margin:10px 0;font-size:12px;display:flex;flex-wrap:wrap;gap:4px 16px;align-items:center;max-width:1200px}
+#legend .key{display:inline-flex;align-items:center;gap:5px}
+#legend .swatch{display:inline-block;width:14px;height:14px;border:1px solid #888;flex:none}
 </style></head><body>
 /*BODY*/
 <script type="application/json" id="data">/*DATA*/</script>
