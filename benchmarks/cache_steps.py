@@ -5,18 +5,18 @@ step by step in one process.
         [--caches full sink int4 int8 headwise] [--decode-tokens 40] [--warm-steps 4] [--plan PLAN] [--no-transformers]
         [--record] [--json PATH | --json -]
 
-``benchmarks/longctx.py`` alternates whole runs (a prefill and its decode steps), so on a host whose speed drifts
+``benchmarks/longctx_speed.py`` alternates whole runs (a prefill and its decode steps), so on a host whose speed drifts
 (other machines' work on the same hardware) a run that falls in a slow spell moves its runner's median, and with two
 or three rounds one such run is a third or half of the figure. Here every runner prefills the same prompt once (the
 first ``--length`` tokens of the held-out Jargon File text; the full and quantized caches and transformers in one
-call, the sink and head-wise caches in chunks of longctx.WINDOW_CHUNK, as longctx.py does), then each of
+call, the sink and head-wise caches in chunks of longctx_speed.WINDOW_CHUNK, as longctx_speed.py does), then each of
 ``--decode-tokens`` rounds takes one greedy decode step of every runner, the order rotated every round, so a slow
 spell falls on every runner alike. The first ``--warm-steps`` rounds are not timed (multihead measures its kernel
 choices for a new range of key counts on its first calls there). A figure is a runner's median step; the ratios are
 ratios of medians; ``spread`` is the middle half of its steps (25th to 75th percentile).
 
 Each runner continues its own sequence, so the caches grow by one token a round, from ``--length`` on, the same for
-all. The models of one dtype are loaded, warmed up (:func:`longctx.warm_up`), measured and freed before the next.
+all. The models of one dtype are loaded, warmed up (:func:`longctx_speed.warm_up`), measured and freed before the next.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from pathlib import Path
 from typing import Any
 
 import ctxbench
-import longctx
+import longctx_speed
 import torch
 
 from multihead.cache import HeadPlan
 from multihead.models import LlamaModel
 
 WINDOW, SINKS, GROUP, RESIDUAL = 256, 4, 32, 128  # the sink cache's window and sinks, the quantized caches' group
-# and residual: longctx.py's defaults
+# and residual: longctx_speed.py's defaults
 
 
 @dataclass(frozen=True)
@@ -49,7 +49,7 @@ class Settings:
     length: int
     dtypes: tuple[str, ...]
     caches: tuple[str, ...]
-    decode_tokens: int  # timed rounds (longctx.py's --decode-tokens: greedy steps after the prompt)
+    decode_tokens: int  # timed rounds (longctx_speed.py's --decode-tokens: greedy steps after the prompt)
     warm_steps: int
     plan: str
     transformers: bool
@@ -74,12 +74,12 @@ class Row:
 def parse(argv: Sequence[str] | None = None) -> Settings:
     p = argparse.ArgumentParser(prog="cache_steps.py", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--length", type=int, default=8192, help="prompt tokens before the decode steps (default 8192)")
-    p.add_argument("--dtypes", nargs="+", default=list(longctx.DTYPES), help="float32, bfloat16 (default both)")
+    p.add_argument("--dtypes", nargs="+", default=list(longctx_speed.DTYPES), help="float32, bfloat16 (default both)")
     p.add_argument("--caches", nargs="+", default=list(ctxbench.CACHE_KINDS), help="multihead's cache kinds")
     p.add_argument("--decode-tokens", type=int, default=40,
                    help="timed rounds, one greedy step of every runner each (default 40)")
     p.add_argument("--warm-steps", type=int, default=4, help="untimed rounds before them (default 4)")
-    p.add_argument("--plan", default=str(longctx.PLAN), help="the head-wise cache's plan (a HeadPlan JSON file)")
+    p.add_argument("--plan", default=str(longctx_speed.PLAN), help="the head-wise cache's plan (a HeadPlan JSON file)")
     p.add_argument("--no-transformers", action="store_true", help="multihead's caches only")
     p.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     p.add_argument("--json", default=None, metavar="PATH", help="write the rows as JSON here (- for stdout)")
@@ -88,9 +88,11 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
         p.error(f"--length ({a.length}) must lie between 1 and SmolLM2's context ({ctxbench.SMOLLM2['max_context']})")
     if a.decode_tokens < 1 or a.warm_steps < 0:
         p.error(f"--decode-tokens ({a.decode_tokens}) must be at least 1 and --warm-steps ({a.warm_steps}) at least 0")
-    unknown = [d for d in a.dtypes if d not in longctx.DTYPES] + [c for c in a.caches if c not in ctxbench.CACHE_KINDS]
+    unknown = ([d for d in a.dtypes if d not in longctx_speed.DTYPES]
+               + [c for c in a.caches if c not in ctxbench.CACHE_KINDS])
     if unknown:
-        p.error(f"unknown {unknown}: dtypes {', '.join(longctx.DTYPES)}; caches {', '.join(ctxbench.CACHE_KINDS)}")
+        p.error(f"unknown {unknown}: dtypes {', '.join(longctx_speed.DTYPES)}; "
+                f"caches {', '.join(ctxbench.CACHE_KINDS)}")
     if "headwise" in a.caches and not Path(a.plan).is_file():
         p.error(f"--plan {a.plan} is not a file (a HeadPlan JSON)")
     return Settings(a.length, tuple(dict.fromkeys(a.dtypes)), tuple(dict.fromkeys(a.caches)), a.decode_tokens,
@@ -107,7 +109,7 @@ def multihead_runner(model: LlamaModel, kind: str, tokens: torch.Tensor, s: Sett
     token it chose), and one that gives the cache's bytes."""
     cache = ctxbench.make_cache(model, kind, tokens.shape[1] + s.warm_steps + s.decode_tokens, plan=plan,
                                 window=WINDOW, sinks=SINKS, group=GROUP, residual=RESIDUAL)
-    chunk = longctx.prefill_chunk(kind, 0) or tokens.shape[1]
+    chunk = longctx_speed.prefill_chunk(kind, 0) or tokens.shape[1]
     for at in range(0, tokens.shape[1], chunk):
         part = tokens[:, at:at + chunk]
         logits = model(part, cache=cache, logits_to_keep=1)
@@ -137,7 +139,7 @@ def transformers_runner(model: Any, tokens: torch.Tensor) -> tuple[Step, Callabl
         state["past"], state["next"] = getattr(o, name), o.logits[:, -1:].argmax(-1)
         return state["next"]
 
-    return step, lambda: longctx.transformers_cache_bytes(state["past"])
+    return step, lambda: longctx_speed.transformers_cache_bytes(state["past"])
 
 
 def interleave(runners: dict[str, Step], steps: int, warm: int) -> dict[str, list[float]]:
@@ -161,7 +163,7 @@ def quartiles(xs: list[float]) -> tuple[float, float]:
 
 def load(dtype: str, s: Settings) -> tuple[dict[str, tuple[LlamaModel, Any]], Any]:
     """multihead's SmolLM2 (and transformers' on the same weights) in one dtype, and the tokenizer."""
-    models, tokenizer, _ = longctx.load_models(longctx.Settings(
+    models, tokenizer, _ = longctx_speed.load_models(longctx_speed.Settings(
         lengths=(s.length,), dtypes=(dtype,), caches=s.caches, rounds=1, decode_tokens=1, chunk=0, window=WINDOW,
         sinks=SINKS, plan=s.plan, random=False, transformers=s.transformers))
     return models, tokenizer
@@ -170,21 +172,21 @@ def load(dtype: str, s: Settings) -> tuple[dict[str, tuple[LlamaModel, Any]], An
 def measure_dtype(dtype: str, models: dict[str, tuple[LlamaModel, Any]], tokens: torch.Tensor, s: Settings,
                   plan: HeadPlan | None) -> list[Row]:
     ours, hf = models[dtype]
-    longctx.warm_up(models, tokens)
+    longctx_speed.warm_up(models, tokens)
     runners: dict[str, Step] = {}
     sizes: dict[str, Callable[[], int]] = {}
     prompt = tokens[:, :s.length]
     for kind in s.caches:
         runners[kind], sizes[kind] = multihead_runner(ours, kind, prompt, s, plan)
     if hf is not None:
-        runners[longctx.TRANSFORMERS], sizes[longctx.TRANSFORMERS] = transformers_runner(hf, prompt)
+        runners[longctx_speed.TRANSFORMERS], sizes[longctx_speed.TRANSFORMERS] = transformers_runner(hf, prompt)
     times = interleave(runners, s.decode_tokens, s.warm_steps)
     med = {name: statistics.median(t) for name, t in times.items()}
     rows = []
     for name, t in times.items():
         q1, q3 = quartiles(t)
-        full, hf_m = med.get("full"), med.get(longctx.TRANSFORMERS)
-        ours_row = name != longctx.TRANSFORMERS
+        full, hf_m = med.get("full"), med.get(longctx_speed.TRANSFORMERS)
+        ours_row = name != longctx_speed.TRANSFORMERS
         rows.append(Row(dtype, name, med[name] * 1e3, q1 * 1e3, q3 * 1e3, 1 / med[name],
                         full / med[name] if full and ours_row else None,
                         hf_m / med[name] if hf_m and ours_row else None, sizes[name](),
@@ -206,7 +208,8 @@ def table(rows: Sequence[Row], s: Settings, notes: Sequence[str]) -> str:
              "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(f"| {r.dtype} | {r.runner} | {r.step_ms:.1f} | {r.q1_ms:.1f}-{r.q3_ms:.1f} | {r.tok_s:.1f} | "
-                     f"{longctx._x(r.vs_full)} | {longctx._x(r.vs_transformers)} | {r.cache_bytes / 2**20:.1f} |")
+                     f"{longctx_speed._x(r.vs_full)} | {longctx_speed._x(r.vs_transformers)} | "
+                     f"{r.cache_bytes / 2**20:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -219,12 +222,12 @@ def main(argv: Sequence[str] | None = None) -> list[Row]:
     rows: list[Row] = []
     for dtype in s.dtypes:  # one dtype's models at a time
         models, tokenizer = load(dtype, s)
-        tokens = longctx.text_tokens(tokenizer, s.length)
+        tokens = longctx_speed.text_tokens(tokenizer, s.length)
         rows += measure_dtype(dtype, models, tokens, s, plan)
         del models
         gc.collect()
-    notes = longctx.run_notes("SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", started, load_before)
-    longctx.write_out(table(rows, s, notes), s, notes, rows)
+    notes = longctx_speed.run_notes("SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised)", started, load_before)
+    longctx_speed.write_out(table(rows, s, notes), s, notes, rows)
     return rows
 
 

@@ -1,4 +1,4 @@
-"""What the long-context benchmarks share (``benchmarks/headwise.py``, ``benchmarks/longctx.py``): SmolLM2's
+"""What the long-context benchmarks share (``benchmarks/headwise.py``, ``benchmarks/longctx_speed.py``): SmolLM2's
 shape with random weights, the caches made directly at any length, and one chunked prefill followed by timed
 decode steps through multihead's cache.
 

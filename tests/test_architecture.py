@@ -1,4 +1,5 @@
-"""The package's shape: its import graph has no cycle, and no module reaches into another module's private names.
+"""The package's shape: its import graph has no cycle, the analyses (heads/) never import the experiments above
+them (tradeoff/), and no module reaches into another module's private names.
 
 Both read the source with ast, so every import counts: module level, inside functions, under TYPE_CHECKING.
 """
@@ -81,6 +82,34 @@ def test_the_import_graph_has_no_cycle() -> None:
 def test_the_cycle_finder_finds_one() -> None:
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+def _within(name: str, package: str) -> bool:
+    return name == package or name.startswith(package + ".")
+
+
+def _upward(graph: dict[str, set[str]], low: str, high: str) -> list[str]:
+    """``module -> import`` for each import from a module of the package ``low`` into the package ``high``."""
+    return sorted(f"{name} -> {dep}" for name, deps in graph.items() if _within(name, low)
+                  for dep in deps if _within(dep, high))
+
+
+def test_the_analyses_never_import_the_experiments_that_use_them() -> None:
+    """heads/ (the analyses) sits below tradeoff/ (the experiments that use them: importance, pooling), never both
+    ways; the needle cases and the answer reading both stand on (evals/) import neither."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert "multihead.tradeoff.prune" in graph and "multihead.heads.retrieval" in graph
+    assert "multihead.heads.patching" in graph["multihead.tradeoff.prune"]  # the allowed direction is in use
+    assert _upward(graph, "multihead.heads", "multihead.tradeoff") == []
+    assert _upward(graph, "multihead.evals", "multihead.heads") == []
+    assert _upward(graph, "multihead.evals", "multihead.tradeoff") == []
+
+
+def test_the_direction_check_sees_an_upward_import() -> None:
+    graph = {"multihead.heads.a": {"multihead.tradeoff.b", "multihead.hooks"},
+             "multihead.headsx": {"multihead.tradeoff"}, "multihead.tradeoff.b": {"multihead.heads.a"}}
+    assert _upward(graph, "multihead.heads", "multihead.tradeoff") == ["multihead.heads.a -> multihead.tradeoff.b"]
 
 
 def _private_names(tree: ast.AST) -> set[str]:

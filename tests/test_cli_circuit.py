@@ -5,6 +5,7 @@ SmolLM2 run on a shipped pair."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import xml.etree.ElementTree as ET
@@ -18,14 +19,8 @@ import torch
 
 from multihead import MultiheadError
 from multihead.cli import main
-from multihead.heads.circuit_report import (
-    NEGATIVE_COLOUR,
-    POSITIVE_COLOUR,
-    circuit_svg,
-    from_embed,
-    read_pairs,
-    select_edges,
-)
+from multihead.heads.circuit import from_embed, read_pairs, select_edges
+from multihead.heads.circuit_report import HELPS_COLOUR, LEGEND, OPPOSES_COLOUR, circuit_svg
 from tests_support import browse, console_errors
 
 HOSTILE = "<script>window.pwned=1</script>&amp;"
@@ -155,7 +150,7 @@ def test_the_report_draws_every_edge_and_renders_in_chromium(run_json: dict[str,
     assert set(drawn) == {(e["sender"], e["receiver"]) for e in edges}
     for e in edges:
         p = drawn[(e["sender"], e["receiver"])]
-        assert p.get("stroke") == (POSITIVE_COLOUR if e["score"] >= 0 else NEGATIVE_COLOUR)
+        assert p.get("stroke") == (HELPS_COLOUR if e["score"] < 0 else OPPOSES_COLOUR)  # corrupting it lowers the diff
     nodes = {g.get("data-node") for g in graph.iter(f"{SVG}g") if g.get("data-node")}
     assert nodes == {n for e in edges for n in (e["sender"], e["receiver"])} | {"embed", "logits"}
     assert len(_svg(page, "heatmap")) == 5  # Q, K, V and K, V per KV head (GQA)
@@ -165,6 +160,80 @@ def test_the_report_draws_every_edge_and_renders_in_chromium(run_json: dict[str,
     assert not console_errors(dom.stderr), console_errors(dom.stderr)
     assert "<title>multihead: the circuit</title>" in dom.stdout and "pwned" not in dom.stdout.split("<body")[0]
     assert "&lt;script&gt;window.pwned=1&lt;/script&gt;&amp;amp;" in dom.stdout  # the prompt shown as text
+
+
+_MEASURE = """<script>
+"use strict";
+const faults = [];
+document.querySelectorAll("svg").forEach((svg, k) => {
+  const box = svg.getBoundingClientRect();
+  svg.querySelectorAll("text").forEach((t) => {
+    const r = t.getBoundingClientRect();
+    if (r.width > 0 && (r.left < box.left - 1 || r.right > box.right + 1 || r.top < box.top - 1 ||
+                        r.bottom > box.bottom + 1)) faults.push("svg " + k + " cuts " + t.textContent);
+  });
+});
+document.querySelectorAll("body *:not(svg):not(svg *)").forEach((el) => {
+  const style = getComputedStyle(el);
+  if (style.overflow !== "visible" && (el.scrollWidth > el.clientWidth + 1 || el.scrollHeight > el.clientHeight + 1))
+    faults.push(el.tagName + "#" + el.id + " clips its content");
+});
+const legend = Array.from(document.querySelectorAll("#legend .swatch")).map((s) => {
+  const r = s.getBoundingClientRect();
+  return {meaning: s.dataset.meaning, colour: getComputedStyle(s).backgroundColor, text: s.parentNode.textContent,
+          x: r.left + r.width / 2, y: r.top + r.height / 2};
+});
+document.body.setAttribute("data-measured", JSON.stringify({faults: faults, legend: legend}));
+</script>"""
+
+
+def _measure(page: Path) -> dict[str, Any]:
+    import html as htmllib
+
+    dom = browse(page, "--dump-dom")
+    assert dom.returncode == 0 and not console_errors(dom.stderr), dom.stderr[-2000:]
+    found = re.search(r'data-measured="([^"]*)"', dom.stdout)
+    assert found is not None, "the measuring script did not run"
+    data: dict[str, Any] = json.loads(htmllib.unescape(found.group(1)))
+    return data
+
+
+def test_the_report_says_what_each_colour_means_and_nothing_is_cut(run_json: dict[str, Any]) -> None:
+    """issue 42: red meant three things on circuit.html (a helping DLA part, an opposing edge, composition above its
+    baseline). A copy of the page with a measuring script, in headless Chromium: its legend holds one colour per
+    meaning, all distinct; no SVG text lies outside its picture and no element clips its content. The screenshot of
+    the page itself shows each legend colour where the swatch is, and the graph and the DLA table use the two sign
+    colours by the meaning the legend gives them."""
+    html = Path(run_json["files"]["html"])
+    page = html.read_text()
+    measured = html.with_name("measured.html")
+    measured.write_text(page.replace("</body>", _MEASURE + "</body>"))
+    data = _measure(measured)
+    assert data["faults"] == []
+    cut = html.with_name("cut.html")  # the measure sees a text outside its picture
+    cut.write_text(page.replace("</svg>", '<text x="-60" y="12">outside</text></svg>', 1)
+                   .replace("</body>", _MEASURE + "</body>"))
+    assert _measure(cut)["faults"] == ["svg 0 cuts outside"]
+    legend = data["legend"]
+    assert [k["meaning"] for k in legend] == [name for name, _, _ in LEGEND]
+    rgb = [tuple(int(v) for v in re.findall(r"\d+", k["colour"])[:3]) for k in legend]
+    assert rgb == [tuple(int(c[i:i + 2], 16) for i in (1, 3, 5)) for _, c, _ in LEGEND]
+    assert all(sum(abs(a - b) for a, b in zip(p, q, strict=True)) > 90 for p, q in itertools.combinations(rgb, 2))
+    shot = html.with_name("shot.png")
+    taken = browse(html, f"--screenshot={shot}")
+    assert taken.returncode == 0 and shot.exists(), taken.stderr[-2000:]
+    import matplotlib.image
+
+    pixels = (matplotlib.image.imread(str(shot))[..., :3] * 255).round().astype(int)  # (rows, columns, rgb)
+    for k, colour in zip(legend, rgb, strict=True):
+        assert tuple(pixels[round(k["y"]), round(k["x"])]) == colour, k["meaning"]
+    for e in run_json["circuit"]["edges"]:
+        want = HELPS_COLOUR if e["score"] < 0 else OPPOSES_COLOUR
+        assert re.search(rf"data-score=\"{e['score']:.6g}\"[^>]*stroke=\"{want}\"", page), e
+    dla = re.search(r"<table id='dla-top'>(.*?)</table>", page, re.S)
+    assert dla is not None
+    for colour, value in re.findall(r"<td style='color:(#[0-9a-f]{6})'>([+-][0-9.]+)</td>", dla.group(1)):
+        assert colour == (HELPS_COLOUR if float(value) >= 0 else OPPOSES_COLOUR), value
 
 
 @dataclass(frozen=True)
@@ -183,8 +252,8 @@ def test_the_graph_has_a_path_per_edge_coloured_by_sign_and_wide_by_size() -> No
     width = {(p.get("data-sender"), p.get("data-receiver")): float(p.get("stroke-width") or 0) for p in paths}
     by_size = sorted(edges, key=lambda e: abs(e.score))
     assert [width[(e.sender, e.receiver)] for e in by_size] == sorted(width.values())
-    assert {p.get("stroke") for p in paths if float(p.get("data-score") or 0) < 0} == {NEGATIVE_COLOUR}
-    assert {p.get("stroke") for p in paths if float(p.get("data-score") or 0) >= 0} == {POSITIVE_COLOUR}
+    assert {p.get("stroke") for p in paths if float(p.get("data-score") or 0) < 0} == {HELPS_COLOUR}
+    assert {p.get("stroke") for p in paths if float(p.get("data-score") or 0) >= 0} == {OPPOSES_COLOUR}
     rows = {g.get("data-node"): float(g.find(f"{SVG}rect").get("y")) for g in svg.iter(f"{SVG}g")  # type: ignore[union-attr]
             if g.get("data-node")}
     assert rows["embed"] < rows["L0.H1"] < rows["L0.MLP"] < rows["L2.KV0.k"] == rows["L2.H3"] < rows["L2.MLP"]
@@ -239,6 +308,10 @@ def test_progress_on_stderr_and_a_table_on_stdout(tiny: dict[str, Path], capsys:
                   "prompt pair(s)", "faithfulness of the circuit (", "exact check of the top 1 edges"):
         assert stage in err and "2/2" in err, stage
     assert "circuit (eap-ig, 2 steps; " in out and "faithfulness (corrupt-ablation" in out
+    # what a sign means is said where signed figures are printed (issue 42)
+    assert "largest parts (+ raises the logit difference: helps the answer; - lowers it: opposes): " in out
+    assert ("edge scores: the change of the logit difference when the edge carries the corrupted prompt's write "
+            "(- the edge carries the behaviour, + it works against it)") in out
     assert f"report: {tiny['folder'] / 'elsewhere' / 'c.html'}" in out
     assert (tiny["folder"] / "elsewhere" / "c.html").is_file()
     assert not (tiny["folder"] / "table" / "circuit.html").exists()
@@ -246,12 +319,12 @@ def test_progress_on_stderr_and_a_table_on_stdout(tiny: dict[str, Path], capsys:
 
 def test_ctrl_c_exits_130_and_leaves_no_folder(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
                                                capsys: pytest.CaptureFixture[str]) -> None:
-    from multihead.heads import circuit_report
+    from multihead.heads import circuit
 
     def interrupted(*_: Any, **__: Any) -> None:
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(circuit_report, "analyse_circuit", interrupted)
+    monkeypatch.setattr(circuit, "analyse_circuit", interrupted)
     out = tiny["folder"] / "new" / "folder"
     assert main(["circuit", "--model", str(tiny["gguf"]), "--out", str(out)]) == 130
     assert capsys.readouterr().err.strip() == "multihead: interrupted"
@@ -337,7 +410,8 @@ def test_smollm2_one_pair(smollm2, tmp_path: Path) -> None:  # type: ignore[no-u
     """SmolLM2 on the first shipped pair: the DLA's logit difference is the model's own, the circuit's 5 edges are
     drawn, faithfulness and the exact check of the top edge are reported, and the page renders."""
     from multihead.heads.adapters import DecoderHeads
-    from multihead.heads.circuit_report import analyse_circuit, write_report
+    from multihead.heads.circuit import analyse_circuit
+    from multihead.heads.circuit_report import write_report
     from multihead.heads.patching import shipped_pairs
 
     model, tok = smollm2
@@ -356,3 +430,28 @@ def test_smollm2_one_pair(smollm2, tmp_path: Path) -> None:  # type: ignore[no-u
     dom = browse(Path(files["html"]), "--dump-dom")
     assert 'data-ready="1"' in dom.stdout, dom.stderr[-2000:]
     assert not console_errors(dom.stderr)
+
+
+def test_each_progress_bar_writes_its_finished_line_once(tiny: dict[str, Path], monkeypatch: pytest.MonkeyPatch,
+                                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 42: in a log (stderr not a terminal) `circuit` wrote a bar's last line twice when its last update had
+    been drawn (a step slower than tqdm's 0.1 s redraw interval; the composition here): once per bar now."""
+    import time
+
+    from multihead.heads import circuit
+
+    real = circuit.composition_between
+
+    def slow(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(0.15)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(circuit, "composition_between", slow)
+    capsys.readouterr()
+    assert main(["circuit", "--model", str(tiny["gguf"]), "--pairs", str(tiny["pairs"]), "--edges", "4", "--check",
+                 "2", "--out", str(tiny["folder"] / "bars")]) == 0
+    finished = [re.sub(r"\d+", "N", line.split(":")[0])
+                for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if "100%" in line]
+    assert finished == ["direct logit attribution over N prompt pair(s)", "edge attribution (eap) over N prompt "
+                        "pair(s)", "faithfulness of the circuit (N edges)", "exact check of the top N edges",
+                        "composition scores"], finished

@@ -4,6 +4,7 @@ browser, ablation and GQA conversion against independent computations, and bad i
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +17,7 @@ from multihead.cli import main
 from multihead.heads.adapters import Batch, DecoderHeads, EncoderHeads, HeadModel, ablate_edit, applied, load_head_model
 from multihead.heads.analysis import analyse
 from multihead.heads.capture import capture_weights
-from multihead.heads.convert import pool_kv_heads
+from multihead.heads.convert import pooled_layer
 from multihead.heads.report import write_all
 from multihead.heads.scores import pattern_scores, repeat_scores
 from multihead.reference import Weights, multihead_attention
@@ -182,7 +183,7 @@ def test_zeroing_a_head_equals_zeroing_its_columns_of_w_o() -> None:
 
 def test_pooling_kv_heads_matches_the_oracle_with_averaged_projections() -> None:
     layer = MultiHeadAttention(d_model=24, n_heads=6, n_kv_heads=6, head_dim=4)
-    pooled = pool_kv_heads(layer, 2)
+    pooled = pooled_layer(layer, 2)
     assert pooled.n_kv_heads == 2 and pooled.k_proj.weight.shape == (8, 24)
     w = Weights.of(layer)
     for name in ("wk", "wv"):
@@ -193,7 +194,7 @@ def test_pooling_kv_heads_matches_the_oracle_with_averaged_projections() -> None
     want, _ = multihead_attention(pooled.config, w, x.double().numpy(), causal=True)
     np.testing.assert_allclose(pooled(x, causal=True).detach().double().numpy(), want, atol=1e-5)
     with pytest.raises(MultiheadError, match=r"n_kv_heads \(4\) must divide the layer's current n_kv_heads \(6\)"):
-        pool_kv_heads(layer, 4)
+        pooled_layer(layer, 4)
 
 
 @pytest.mark.slow
@@ -228,6 +229,38 @@ def test_heads_command_table(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     assert main(["heads", "--model", "minilm", "--text", TEXT, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "previous_token" in out and "next_token" in out and f"report: {tmp_path}" in out
+    assert ("a head's label is the first rule it meets, else mixed: induction (induction >= 0.30), duplicate-token "
+            "(duplicate_token >= 0.30), previous-token (previous_token >= 0.40)") in out
+    assert f"data: {tmp_path / 'heads.json'}" in out
+
+
+def test_the_report_defines_every_column_and_every_label_rule(tmp_path: Path) -> None:
+    """issue 42: the heads report never said what its score columns were nor where a label's threshold lay. In
+    headless Chromium: every column of the scores table has a row saying what it is (the scores as scores.py defines
+    them), and the label rules are listed with their thresholds, in the order they are tried."""
+    import html
+
+    from multihead.heads.scores import LABEL_RULES, SCORE_DEFINITIONS, SCORE_NAMES
+
+    assert list(SCORE_DEFINITIONS) == sorted(SCORE_NAMES, key=SCORE_NAMES.index)
+    report = analyse(ToyHeads(), "the quick brown fox jumps over the lazy dog " * 2, repeat_len=24, seeds=2)
+    files = write_all(report, tmp_path)
+    dom = browse(Path(files["html"]), "--dump-dom")
+    assert dom.returncode == 0 and 'data-ready="1"' in dom.stdout, dom.stderr[-2000:]
+    page = dom.stdout
+
+    def table(name: str) -> list[list[str]]:
+        body = page.split(f'<table id="{name}">')[1].split("</table>")[0]
+        return [[html.unescape(cell) for cell in re.findall(r"<t[dh][^>]*>([^<]*)</t[dh]>", row)]
+                for row in body.split("</tr>") if "<t" in row]
+
+    columns = table("scores")[0]
+    defined = dict(table("columns")[1:])
+    assert columns == ["layer", "head", "kv_head", "label", *SCORE_NAMES] and list(defined) == columns
+    assert all(defined[name] == SCORE_DEFINITIONS[name] for name in SCORE_NAMES)
+    assert table("label-rules") == [["label", "score", "threshold"]] + [
+        [label, score, f">= {threshold:.2f}"] for score, label, threshold in LABEL_RULES]
+    assert "A head's label is the first rule of this table whose score it reaches" in page
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -12,14 +12,14 @@ import torch
 from torch import Tensor, nn
 
 from multihead import KVCache, MultiHeadAttention, MultiheadError
-from multihead.heads.convert import pool_kv_heads as pool_weights
+from multihead.heads.convert import pooled_layer
 from multihead.hooks import (
     HookPoint,
     hook_points,
     hooks,
     mean_heads,
     patch_heads,
-    pool_kv_heads,
+    pool_kv_hook,
     run_with_cache,
     zero_heads,
 )
@@ -182,10 +182,10 @@ def test_an_edited_pattern_matches_the_oracle_with_the_same_edit(n_kv_heads: int
 def test_pooling_kv_heads_through_hooks_equals_a_layer_with_pooled_weights(g: int, to: int) -> None:
     layer = MultiHeadAttention(d_model=24, n_heads=6, n_kv_heads=g, head_dim=4, rope=10000.0)
     x = torch.randn(2, 7, 24)
-    pool = pool_kv_heads(to)
+    pool = pool_kv_hook(to)
     with layer.hook_k.add(pool), layer.hook_v.add(pool):
         hooked = layer(x, causal=True)
-    torch.testing.assert_close(hooked, pool_weights(layer, to)(x, causal=True), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(hooked, pooled_layer(layer, to)(x, causal=True), atol=1e-6, rtol=1e-5)
 
 
 def test_mean_ablation_and_patching_at_positions() -> None:

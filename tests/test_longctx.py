@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import string
 from collections.abc import Sequence
 from pathlib import Path
@@ -16,6 +17,7 @@ from multihead import MultiheadError
 from multihead.cache import quantized_tokens, sink_keep
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.tradeoff import longctx as lc
+from multihead.tradeoff.longctx import runner
 from test_kv_compression import _quantized_reference
 
 CHARS = "\n" + string.printable[:95]  # newline, then the printable ASCII characters
@@ -143,7 +145,7 @@ def test_cases_round_trip_through_the_jsonl_the_kvpress_side_reads(tmp_path: Pat
 
 
 def test_real_tokenizer_cases_have_exact_lengths_and_answers(smollm2) -> None:  # type: ignore[no-untyped-def]
-    from multihead.tradeoff.text import read_text, token_splits
+    from multihead.evals.text import read_text, token_splits
 
     model, tokenizer = smollm2
     test = token_splits(tokenizer.encode(read_text())).test
@@ -431,7 +433,7 @@ def test_a_tiny_run_writes_table_json_and_png_and_resumes(tmp_path: Path, monkey
         calls.append(args[1].name)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(lc, "run_prompt", counted)
+    monkeypatch.setattr(runner, "run_prompt", counted)  # the name run() calls
     again = lc.run(_settings(), out=out, progress=False, text_path=str(text), model=model, tokenizer=TOK)
     assert calls == [] and again["rows"] == result["rows"]  # every (method, prompt) was read back, none re-run
     (out / "results" / "int4-g8-r16" / f"{result_case(out, 'passkey', 500)}.json").unlink()
@@ -464,6 +466,43 @@ def test_a_run_refuses_a_length_beyond_the_models_context(tmp_path: Path) -> Non
     with pytest.raises(MultiheadError, match=r"length 1,000 exceeds the model's context of 1,024"):
         lc.run(_settings(lengths=(1000,)), out=tmp_path / "r", progress=False, text_path=str(text), model=model,
                tokenizer=TOK)
+
+
+def test_a_failed_run_leaves_what_it_made_only_once_it_has_measured(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Refused before anything is written (a length past the context); stopped before the first result (Ctrl-C):
+    the files and folders it made are gone; stopped after one: they stay, and the run resumes from them."""
+    model, text = _run_inputs(tmp_path)
+    out = tmp_path / "new" / "run"
+    quick = {"lengths": (400,), "tasks": ("passkey",), "uptrain_steps": 0, "prune": (), "windows": (),
+             "mqa": False, "window_keep": (), "bits": ()}
+    with pytest.raises(MultiheadError, match="exceeds the model's context"):
+        lc.run(_settings(**{**quick, "lengths": (1000,)}), out=out, progress=False, text_path=str(text),
+               model=model, tokenizer=TOK)
+    assert not (tmp_path / "new").exists()
+    real = lc.run_prompt
+    calls: list[str] = []
+
+    def stop_at(n: int) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> list[dict[str, Any]]:
+            calls.append(args[1].name)
+            if len(calls) > n:
+                raise KeyboardInterrupt
+            return real(*args, **kwargs)
+        return counted
+
+    monkeypatch.setattr(runner, "run_prompt", stop_at(0))
+    with pytest.raises(KeyboardInterrupt):
+        lc.run(_settings(**quick), out=out, progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    assert not (tmp_path / "new").exists()
+    monkeypatch.setattr(runner, "run_prompt", stop_at(1))
+    calls.clear()
+    with pytest.raises(KeyboardInterrupt):
+        lc.run(_settings(**quick), out=out, progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    assert (out / "settings.json").is_file() and len(list((out / "results").rglob("*.json"))) == 1
+    monkeypatch.setattr(runner, "run_prompt", real)
+    done = lc.run(_settings(**quick), out=out, progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    assert [r["method"] for r in done["rows"]] == ["full cache", "2 sinks + window 50%"]
 
 
 # ------------------------------------------------------------------------------------------------- head-wise plans
@@ -504,6 +543,107 @@ def test_a_plan_method_decodes_as_the_uncached_model_under_the_plans_per_head_ma
     slots = lc.equal_bytes_slots(lc.load_plan(path), 225)
     assert slots == round(0.5 * 225 + 0.5 * 25) and control.window_at(225) == slots - 2 + 1
     assert control.cache(model, 225, 225).bytes == pytest.approx(method.cache(model, 225, 225).bytes, rel=0.01)
+
+
+def _drawn_texts(fig: Any) -> list[tuple[str, Any]]:
+    """Every text the figure really draws (tick labels outside the view are never drawn), with its box in pixels."""
+    import matplotlib.text
+
+    drawn: list[tuple[str, Any]] = []
+    real = matplotlib.text.Text.draw
+
+    def draw(self: Any, renderer: Any) -> None:
+        real(self, renderer)
+        if self.get_visible() and self.get_text().strip():
+            drawn.append((self.get_text(), self.get_window_extent(renderer)))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(matplotlib.text.Text, "draw", draw)
+        fig.canvas.draw()
+    return drawn
+
+
+def _layout_faults(fig: Any) -> list[str]:
+    """Texts cut by the figure's edge and pairs of texts that overlap, by their drawn boxes."""
+    texts = _drawn_texts(fig)
+    edge = fig.bbox
+    faults = [f"cut: {t!r}" for t, b in texts
+              if b.x0 < edge.x0 - 1 or b.y0 < edge.y0 - 1 or b.x1 > edge.x1 + 1 or b.y1 > edge.y1 + 1]
+    for (t, a), (u, b) in itertools.combinations(texts, 2):
+        if min(a.x1, b.x1) - max(a.x0, b.x0) > 0.5 and min(a.y1, b.y1) - max(a.y0, b.y0) > 0.5:
+            faults.append(f"overlap: {t!r} and {u!r}")
+    return faults
+
+
+def test_the_picture_keeps_every_text_inside_and_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 42: the long-context PNG's title was clipped with one length and its labels overlapped. A run with a
+    method of every kind, drawn for two lengths and for one: every text the figure draws lies inside it and no two
+    overlap (their drawn boxes); the PNG is the figure that was checked."""
+    import matplotlib.pyplot as plt
+
+    import multihead.files
+
+    model, text = _run_inputs(tmp_path)
+    plan = _tiny_plan(tmp_path, model, "smollm2-retrieval-best-plan.json")
+    result = lc.run(_settings(keep=(0.5, 0.25), bits=(8, 4, 2), plans=(plan,)), out=tmp_path / "run",
+                    progress=False, text_path=str(text), model=model, tokenizer=TOK)
+    one = {**result, "settings": {**result["settings"], "lengths": [400]},
+           "rows": [{**r, "lengths": {"400": r["lengths"]["400"]}} for r in result["rows"]]}
+    saved: list[Any] = []
+    real = multihead.files.save_figure
+
+    def keep(fig: Any, path: Any) -> Any:
+        saved.append(fig)
+        return real(fig, path)
+
+    monkeypatch.setattr(multihead.files, "save_figure", keep)
+    monkeypatch.setattr(plt, "close", lambda *_: None)  # the figures stay open to be measured
+    for case, res in (("two lengths", result), ("one length", one)):
+        png = Path(lc.plot(res, tmp_path / f"{case}.png"))
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        fig = saved[-1]
+        texts = [t for t, _ in _drawn_texts(fig)]
+        assert len(result["rows"]) == 13 and all(any(r["method"] in t for t in texts) for r in res["rows"])
+        assert _layout_faults(fig) == [], case
+    plt.close("all")
+
+
+def test_the_table_shows_whole_names_in_columns_that_say_what_they_hold(tmp_path: Path) -> None:
+    """issue 42: names were cut at 30 characters and two columns were both "MiB". Every method's name starts its row
+    whole; every row's separators stand under the header's; each block is headed by its length or by perplexity and
+    its window, and every MiB column is a "KV MiB"."""
+    model, text = _run_inputs(tmp_path)
+    plan = _tiny_plan(tmp_path, model, "smollm2-retrieval-best-plan.json")
+    result = lc.run(_settings(lengths=(400,), tasks=("passkey",), plans=(plan,), uptrain_steps=0, prune=(),
+                              windows=(), bits=(4,), mqa=False), out=tmp_path / "run", progress=False,
+                    text_path=str(text), model=model, tokenizer=TOK)
+    lines = lc.table(result).splitlines()
+    names = [r["method"] for r in result["rows"]]
+    assert max(len(n) for n in names) > 30  # the control's name: "2 sinks + window = bytes of 50% full, 2 + 24"
+    head, sub, rule = lines[1:4]
+    body = lines[4:4 + len(names)]
+    assert [line[:len(n) + 1] for line, n in zip(body, names, strict=True)] == [n + " " for n in names]
+    bars = [i for i, ch in enumerate(sub) if ch == "|"]
+    assert len(bars) == 2 and all([i for i, ch in enumerate(line) if ch == "|"] == bars for line in [head, *body])
+    assert set(rule) == {"-"}
+    assert "| 400 tokens" in head and "| perplexity, 256 tokens" in head
+    assert re.findall(r"\S+ MiB", sub) == ["KV MiB", "KV MiB"] and sub.split("|")[2].split() == ["ppl", "KV", "MiB"]
+
+
+def test_the_layout_check_sees_a_cut_title_and_overlapping_labels() -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(3, 2))
+    fig.suptitle("a title far too long for a figure three inches wide, cut at both ends")
+    ax.annotate("one label", (0.5, 0.5))
+    ax.annotate("another label", (0.52, 0.5))
+    faults = _layout_faults(fig)
+    plt.close(fig)
+    assert any(f.startswith("cut: 'a title") for f in faults)
+    assert "overlap: 'one label' and 'another label'" in faults
 
 
 def test_a_run_with_plans_measures_each_plan_and_its_equal_bytes_control(tmp_path: Path) -> None:

@@ -244,3 +244,30 @@ def test_induction_prefix_matching_and_detector_on_hand_built_heads() -> None:
     np.testing.assert_allclose(no_bos[1], float((w[0, 1] * keep * cells).sum() / (w[0, 1] * keep).sum()))
     with pytest.raises(MultiheadError, match="do not hold 4 tokens repeated twice"):
         induction_score(weights, 4)
+
+
+def _finished_lines(err: str) -> list[str]:
+    """The lines of a captured stderr that show a finished bar (tqdm separates its redraws by carriage returns)."""
+    return [line for line in err.replace("\r", "\n").splitlines() if "100%" in line]
+
+
+def test_the_progress_bar_writes_its_finished_line_once(capsys: pytest.CaptureFixture[str]) -> None:
+    """issue 42: in a log (stderr not a terminal) the last line of `patch`'s bar appeared twice, drawn by the last
+    update and again by close. Pairs slow enough for every update to be drawn: the finished bar is written once."""
+    import time
+
+    from multihead.heads.patching import PromptPair, patch_pairs
+
+    model = _tiny(2)
+    layers = [block.attn for block in model.layers]
+
+    def encode(text: str) -> list[int]:
+        time.sleep(0.06)  # four encodes a pair: each pair's update comes after tqdm's 0.1 s redraw interval
+        return [int(t) for t in text.split()]
+
+    pairs = [PromptPair("1 2 3 4 5", "1 2 9 4 5", "3", "5"), PromptPair("6 7 8 1 2", "6 7 8 11 2", "7", "9")]
+    capsys.readouterr()
+    patch_pairs(model, layers, encode, pairs, attribution=False, progress=True)
+    err = capsys.readouterr().err
+    finished = _finished_lines(err)
+    assert len(finished) == 1 and finished[0].startswith("patching over 2 prompt pair(s): 100%"), finished

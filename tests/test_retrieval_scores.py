@@ -5,6 +5,7 @@ aggregation, the ablation against an independent count, bad input, and the peak 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from torch import Tensor, nn
 
 from multihead import MultiheadError
 from multihead.cache import KVCache
+from multihead.evals.needles import Case
 from multihead.heads.capture import capture_weights
 from multihead.heads.retrieval import (
     RetrievalSettings,
@@ -25,7 +27,6 @@ from multihead.heads.retrieval import (
     retrieval_scores,
 )
 from multihead.models import LlamaConfig, LlamaModel
-from multihead.tradeoff.longctx import Case
 from toys import wire_previous_token_and_induction, zeroed_layers
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -232,7 +233,7 @@ def test_heads_retrieval_json_carries_the_scores_per_query_and_kv_head(tmp_path:
                                                                         capsys: pytest.CaptureFixture[str],
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     from multihead.cli import main
-    from multihead.tradeoff import text
+    from multihead.evals import text
     from tiny_checkpoints import write_tiny_gguf
 
     real = text.read_text()
@@ -252,3 +253,44 @@ def test_heads_retrieval_json_carries_the_scores_per_query_and_kv_head(tmp_path:
     assert Path(data["files"]["retrieval_png"]).is_file()
     assert main(["heads", "--model", str(gguf), "--window", "16", "--out", str(tmp_path / "g")]) == 2
     assert "--window is for --retrieval: add --retrieval" in capsys.readouterr().err
+
+
+def test_heads_retrieval_puts_its_scores_in_the_report_and_names_every_file(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str],
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """issue 42: `heads --retrieval` wrote no retrieval score into report.html and its summary left out retrieval.png
+    and heads.json. The summary names all five files; the page, rendered in headless Chromium, shows the top KV
+    heads with the scores heads.json holds for them, what the scores are, and the retrieval picture."""
+    import html
+
+    from multihead.cli import main
+    from multihead.evals import text
+    from tests_support import browse, console_errors
+    from tiny_checkpoints import write_tiny_gguf
+
+    real = text.read_text()
+    monkeypatch.setattr(text, "read_text", lambda path=None: real[:40_000])  # the byte-level toy encodes it slowly
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", context=512)
+    out = tmp_path / "h"
+    assert main(["heads", "--model", str(gguf), "--text", "the cat sat on the mat", "--out", str(out),
+                 "--retrieval", "--lengths", "300", "--tasks", "passkey", "--prompts", "1", "--sinks", "2",
+                 "--window", "16", "--all-cases"]) == 0
+    printed = capsys.readouterr().out
+    assert f"report: {out / 'report.html'}" in printed
+    assert (f"pictures: {out / 'heads-grid.png'}, {out / 'chosen-heads.png'}, {out / 'retrieval.png'}"
+            in printed) and f"data: {out / 'heads.json'}" in printed
+    r = json.loads((out / "heads.json").read_text())["retrieval"]
+    dom = browse(out / "report.html", "--dump-dom")
+    assert dom.returncode == 0 and 'data-ready="1"' in dom.stdout, dom.stderr[-2000:]
+    assert not console_errors(dom.stderr), console_errors(dom.stderr)
+    page = html.unescape(dom.stdout)
+    table = page.split('<table id="retrieval-top">')[1].split("</table>")[0]
+    rows = [re.findall(r"<td[^>]*>([^<]*)</td>", row) for row in table.split("</tr>") if "<td" in row]
+    want = [[f"L{k['layer']}KV{k['kv_head']}", f"{r['kv'][k['layer']][k['kv_head']]:.3f}",
+             f"{r['kv_mean'][k['layer']][k['kv_head']]:.3f}",
+             f"{r['mass_outside_kv'][k['layer']][k['kv_head']]:.3f}",
+             f"{r['razor_kv']['razor'][k['layer']][k['kv_head']]:.3f}"] for k in r["top_kv"]]
+    assert rows == want and len(rows) == 4  # 2 layers x 2 KV heads
+    assert "Retrieval score (Wu et al. 2024): the share of a case's copyable answer steps" in page
+    assert "a cache of 2 sinks + a window of 16 would drop" in page
+    assert 'alt="retrieval scores per layer and head" src="data:image/png;base64,' in page

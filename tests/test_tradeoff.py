@@ -13,9 +13,9 @@ import torch.nn.functional as F
 
 from multihead import MultiheadError
 from multihead.cli import main
+from multihead.evals.text import JARGON, read_text, reflow, token_splits
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.tradeoff import lm
-from multihead.tradeoff.text import JARGON, read_text, reflow, token_splits
 from multihead.tradeoff.uptrain import UptrainSettings, distillation_loss, uptrain
 
 
@@ -95,11 +95,11 @@ def test_every_cache_method_runs_its_real_cache_and_the_full_one_equals_a_plain_
 
 
 def test_pooling_to_one_kv_head_equals_the_pooling_hook() -> None:
-    from multihead.hooks import hooks, pool_kv_heads
+    from multihead.hooks import hooks, pool_kv_hook
 
     model = _tiny()
     x = torch.randint(0, 40, (1, 20))
-    with hooks(model, {"*.hook_k": pool_kv_heads(1), "*.hook_v": pool_kv_heads(1)}), torch.no_grad():
+    with hooks(model, {"*.hook_k": pool_kv_hook(1), "*.hook_v": pool_kv_hook(1)}), torch.no_grad():
         want = model(x)
     pooled = lm.pooled_model(model, 1)
     assert pooled.config.n_kv_heads == 1

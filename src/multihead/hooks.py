@@ -412,7 +412,7 @@ def patch_heads(heads: int | Sequence[int], source: Tensor, *, positions: Sequen
     return patch
 
 
-def pool_kv_heads(n_kv_heads: int) -> HookFn:
+def pool_kv_hook(n_kv_heads: int) -> HookFn:
     """A hook on hook_k or hook_v that mean-pools the g KV heads into n_kv_heads groups (Ainslie et al., 2023) and
     gives each head its group's mean: the model then computes what it would with n_kv_heads KV heads whose
     projections are the group means (projection and RoPE are linear and the same for every head)."""

@@ -31,7 +31,10 @@ _STEPS = {
 
 
 @dataclass(frozen=True)
-class Step:
+class ShapeStep:
+    """One step of the formula as the shape walk saw it: its name in forward, what a person reads, the legend of its
+    dimensions and the shape it had (not :class:`multihead.step.Step`, the state one model step shares)."""
+
     name: str
     label: str
     legend: str
@@ -43,7 +46,7 @@ class ShapeWalk:
     config: AttentionConfig
     batch: int
     seq: int
-    steps: list[Step]
+    steps: list[ShapeStep]
     parameters: dict[str, int]
 
     @property
@@ -71,11 +74,11 @@ def shape_walk(config: AttentionConfig, *, batch: int = 1, seq: int = 128) -> Sh
     """
     _check_size(batch, seq, [config.d_model, config.n_heads * config.head_dim])
     layer = MultiHeadAttention(config, backend="math", device="meta")
-    seen: list[tuple[int, Step]] = []  # (order, step): a forward hook on o_proj sees the merged heads first
+    seen: list[tuple[int, ShapeStep]] = []  # (order, step): a forward hook on o_proj sees the merged heads first
 
     def record(name: str, tensor: torch.Tensor) -> None:
         label, legend = _STEPS[name]
-        seen.append((list(_STEPS).index(name), Step(name, label, legend, tuple(tensor.shape))))
+        seen.append((list(_STEPS).index(name), ShapeStep(name, label, legend, tuple(tensor.shape))))
 
     def on_module(name: str) -> Callable[[nn.Module, tuple[Any, ...], torch.Tensor], None]:
         return lambda _m, _args, out: record(name, out)
@@ -111,7 +114,7 @@ class MLAShapeWalk:
     path: str
     batch: int
     seq: int
-    steps: list[Step]
+    steps: list[ShapeStep]
     parameters: dict[str, int]
 
     @property
@@ -127,7 +130,7 @@ def mla_shape_walk(config: MLAConfig, *, batch: int = 1, seq: int = 128, path: s
         raise MultiheadError(f"path {path!r} must be 'expanded' or 'absorbed'")
     _check_size(batch, seq, [config.d_model, config.n_heads * max(config.qk_head_dim, config.v_head_dim)])
     layer = MultiHeadLatentAttention(config, backend="math", device="meta")
-    steps: list[Step] = []
+    steps: list[ShapeStep] = []
     absorbed = path == "absorbed"
     labels = {
         "q_a_proj": ("c_Q = x W_DQ (query latent)", "(b, s, q_lora_rank)"),
@@ -150,7 +153,7 @@ def mla_shape_walk(config: MLAConfig, *, batch: int = 1, seq: int = 128, path: s
 
     def record(name: str, tensor: torch.Tensor) -> None:
         label, legend = labels[name]
-        steps.append(Step(name, label, legend, tuple(tensor.shape)))
+        steps.append(ShapeStep(name, label, legend, tuple(tensor.shape)))
 
     handles: list[Any] = []
     for name in ("q_a_proj", "q_b_proj", "q_proj", "kv_a_proj", "kv_b_proj"):
@@ -161,7 +164,7 @@ def mla_shape_walk(config: MLAConfig, *, batch: int = 1, seq: int = 128, path: s
     for point in ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z", "hook_out"):
         handles.append(getattr(layer, point).add(lambda tensor, _p, n=point: record(n, tensor)))
     x = torch.empty(batch, seq, config.d_model, device="meta")
-    steps.append(Step("input", "input x", "(b, s, d_model)", tuple(x.shape)))
+    steps.append(ShapeStep("input", "input x", "(b, s, d_model)", tuple(x.shape)))
     try:
         with torch.no_grad():
             layer(x, causal=True, path=path)

@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.steps is not None and args.method != "eap-ig":
         raise CliError("--steps is for --method eap-ig")
-    from multihead.heads.circuit_report import read_pairs
+    from multihead.heads.circuit import read_pairs
     from multihead.heads.patching import shipped_pairs
 
     if args.pairs is None:
@@ -78,7 +78,8 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"argument --html: {err}") from None
     with out_folder(args.out) as out:  # fails before the long work if the report cannot be written
         from multihead.heads.adapters import load_head_model
-        from multihead.heads.circuit_report import analyse_circuit, write_report
+        from multihead.heads.circuit import analyse_circuit
+        from multihead.heads.circuit_report import write_report
 
         model = load_head_model(args.model, engine=args.engine)
         report = analyse_circuit(model, pairs, method=args.method, steps=args.steps or STEPS, edges=args.edges,
@@ -101,9 +102,12 @@ def _print(report: Any, top: int) -> None:
           "(mean, clean prompts' last token)")
     print(f"direct logit attribution: embed {d.embed:+.3f} + heads {d.heads.sum():+.3f} + MLPs {d.mlps.sum():+.3f} "
           f"+ constant {d.constant:+.3f} + remainder {d.remainder:+.1e}")
-    print("largest parts: " + "  ".join(f"{name} = {value:+.3f}" for name, value in d.top(top)))
+    print("largest parts (+ raises the logit difference: helps the answer; - lowers it: opposes): "
+          + "  ".join(f"{name} = {value:+.3f}" for name, value in d.top(top)))
     c = report.circuit
     if c is not None:
+        print("edge scores: the change of the logit difference when the edge carries the corrupted prompt's write "
+              "(- the edge carries the behaviour, + it works against it)")
         print(f"circuit ({c['method']}{', ' + str(c['steps']) + ' steps' if c['method'] == 'eap-ig' else ''}; "
               f"{len(c['edges'])} of {c['n_scored']} edges, {c['select']}): " + "  ".join(
                   f"{e['sender']} -> {e['receiver']} {e['score']:+.3f}" for e in c["edges"][:min(top, 8)]))
@@ -112,7 +116,7 @@ def _print(report: Any, top: int) -> None:
               f"difference kept (circuit {f['circuit_metric']:.3f}, clean {f['clean_metric']:.3f}, corrupted "
               f"{f['corrupted_metric']:.3f})")
         if c["checks"]:
-            print("exact check (path patching): " + "  ".join(
+            print("exact check (path patching, the same change measured): " + "  ".join(
                 f"{k['sender']} -> {k['receiver']} {k['score']:+.3f} vs {k['exact']:+.3f}" for k in c["checks"]))
     view = report.composition
     if view.reason is not None:
@@ -126,6 +130,6 @@ def _print(report: Any, top: int) -> None:
             if cells:
                 v, w, r = max(cells)
                 strongest.append(f"{kind.upper()} {w} -> {r} {v:+.3f}")
-        print(f"composition between {len(view.heads)} heads (score - random baseline), strongest: "
+        print(f"composition between {len(view.heads)} heads (score - random baseline: + above it), strongest: "
               + "  ".join(strongest))
     print("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in report.seconds.items()))

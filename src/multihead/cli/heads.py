@@ -126,6 +126,11 @@ def run(args: argparse.Namespace) -> int:
         for label in row:
             counts[label] = counts.get(label, 0) + 1
     print("labels: " + ", ".join(f"{k} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])))
+    from multihead.heads.scores import LABEL_RULES
+
+    print("a head's label is the first rule it meets, else mixed: " + ", ".join(
+        f"{label} ({score} >= {threshold:.2f})" for score, label, threshold in LABEL_RULES)
+        + "; each score is defined in the report")
     summary = report.ablation_summary()
     if summary:
         top = ", ".join(f"{head_name(r['layer'], r['head'])} ({r['delta']:+.4f})"
@@ -138,7 +143,8 @@ def run(args: argparse.Namespace) -> int:
     if report.retrieval is not None:
         _print_retrieval(report.retrieval, args.top)
     print(f"report: {files['html']}")
-    print(f"pictures: {files['grid_png']}, {files['heads_png']}")
+    print("pictures: " + ", ".join(files[k] for k in ("grid_png", "heads_png", "retrieval_png") if k in files))
+    print(f"data: {files['json']}")
     return 0
 
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from multihead.cli import COMMANDS, flags, longctx
+from multihead.cli import COMMANDS, flags, tradeoff_long
 from multihead.cli.common import out_folder
 from multihead.cli.flags import COUNT, POSITIVE, CliError
 from multihead.cli.model import WINDOW_HELP
@@ -21,9 +21,10 @@ def add(sub: Any) -> None:
                    help="another evaluation text (plain or .gz; default: the Jargon File)")
     p.add_argument("--texts", type=POSITIVE, default=256, help="minilm: held-out paragraphs embedded (default 256)")
     p.add_argument("--context", type=POSITIVE, default=None,
-                   help="tokens per perplexity window (default 1024; 4096 with --long)")
+                   help="tokens per perplexity window (default 1024; with --long the longest of --lengths)")
     p.add_argument("--stride", type=POSITIVE, default=None,
-                   help="tokens between windows, each scoring its last stride tokens (default 512; 1024 with --long)")
+                   help="tokens between windows, each scoring its last stride tokens (default 512; with --long a "
+                        "quarter of the window)")
     p.add_argument("--windows", type=POSITIVE, default=None,
                    help="perplexity windows at most (default 10; 1 with --long)")
     p.add_argument("--chunk", type=POSITIVE, default=None,
@@ -49,7 +50,7 @@ def add(sub: Any) -> None:
     p.add_argument("--out", type=flags.PATH, default="multihead-tradeoff",
                    help="folder for the PNG, the JSON and the checkpoint")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    longctx.add_flags(p)
+    tradeoff_long.add_flags(p)
     p.set_defaults(run=run)
 
 
@@ -57,8 +58,8 @@ def run(args: argparse.Namespace) -> int:
     if args.model not in ("smollm2", "minilm") and not Path(args.model).exists():
         raise CliError(f"--model {args.model!r} is neither smollm2, minilm nor an existing .gguf file or folder")
     if args.long:
-        return longctx.run(args)
-    longctx.refuse_without_long(args)
+        return tradeoff_long.run(args)
+    tradeoff_long.refuse_without_long(args)
     for name, default in (("context", 1024), ("stride", 512), ("windows", 10), ("chunk", 64), ("window", 256),
                           ("sinks", (1, 4)), ("prune", (0.1, 0.25, 0.5))):
         if getattr(args, name) is None:

@@ -8,7 +8,7 @@ head that moves each key into the position of its value (previous-token) and a h
 the position after its earlier occurrence (induction).
 
 With ``--task lm`` the same models are byte-level language models trained on the project's evaluation text (the
-Jargon File, :mod:`multihead.tradeoff.text`): random windows of the first 80% for training, held-out perplexity per
+Jargon File, :mod:`multihead.evals.text`): random windows of the first 80% for training, held-out perplexity per
 byte on fixed windows of the last 20%. That is where Vaswani et al. (2017, Table 3 rows A) measured the claim.
 """
 
@@ -82,7 +82,7 @@ class TaskConfig:
 @functools.lru_cache(maxsize=2)
 def _text_bytes(path: str | None) -> tuple[Tensor, Tensor]:
     """The reflowed text as UTF-8 bytes, split by position: (training bytes, held-out bytes), uint8."""
-    from multihead.tradeoff.text import HELD_OUT, read_text
+    from multihead.evals.text import HELD_OUT, read_text
 
     data = torch.frombuffer(bytearray(read_text(path).encode("utf-8")), dtype=torch.uint8)
     cut = int(len(data) * (1 - HELD_OUT))

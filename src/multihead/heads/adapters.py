@@ -15,7 +15,7 @@ from torch import Tensor
 
 from multihead.attention import MultiHeadAttention
 from multihead.errors import MultiheadError
-from multihead.hooks import HookedAttention, HookFn, HookPoint, pool_kv_heads, zero_heads
+from multihead.hooks import HookedAttention, HookFn, HookPoint, pool_kv_hook, zero_heads
 from multihead.models.bert import SentenceEncoder
 from multihead.models.llama import LlamaModel
 from multihead.models.tokenizer import TextTokenizer
@@ -42,7 +42,7 @@ def ablate_edit(layer: HookedAttention, head: int) -> Edit:
 
 def pool_edits(layers: Sequence[HookedAttention], n_kv_heads: int) -> list[Edit]:
     """Mean-pool every layer's KV heads into n_kv_heads (Ainslie et al. 2023) through the hook points k and v."""
-    pool = pool_kv_heads(n_kv_heads)
+    pool = pool_kv_hook(n_kv_heads)
     return [edit for layer in layers for edit in ((layer.hook_k, pool), (layer.hook_v, pool))]
 
 

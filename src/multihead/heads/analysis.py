@@ -117,13 +117,13 @@ def analyse(
 
 def ablation(model: HeadModel, batch: Any, baseline: float, *, progress: bool = True) -> list[dict[str, Any]]:
     """The metric with each head zeroed in turn (before W_O); each run starts from the cached input of its layer."""
-    from tqdm import tqdm
+    from multihead.heads.progress import progress_bar
 
     states = model.hidden_states(batch)
     layers = model.layers()
     pairs = [(layer, head) for layer in range(model.n_layers) for head in range(model.n_heads)]
     rows = []
-    for layer, head in tqdm(pairs, desc=f"ablating {len(pairs)} heads", disable=not progress, unit="head"):
+    for layer, head in progress_bar(pairs, desc=f"ablating {len(pairs)} heads", unit="head", progress=progress):
         value = model.metric(batch, edits=[ablate_edit(layers[layer], head)], start=layer, states=states)
         delta = value - baseline
         rows.append({"layer": layer, "head": head, "metric": value, "delta": delta,

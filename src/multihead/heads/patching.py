@@ -396,7 +396,7 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
     ``progress``: a bar on stderr, one step per pair."""
     import time
 
-    from tqdm import tqdm
+    from multihead.heads.progress import progress_bar
 
     if not pairs:
         raise MultiheadError("no prompt pairs given")
@@ -407,8 +407,8 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
     span_total = clean_total = corrupt_total = 0.0
     seconds = {"patching": 0.0, "attribution": 0.0}
     what = " and ".join(name for name, on in (("patching", patching), ("attribution", attribution)) if on)
-    for i, pair in enumerate(tqdm(pairs, desc=f"{what} over {len(pairs)} prompt pair(s)", unit="pair",
-                                  disable=not progress)):
+    for i, pair in enumerate(progress_bar(pairs, desc=f"{what} over {len(pairs)} prompt pair(s)", unit="pair",
+                                          progress=progress)):
         clean, corrupt = encode(pair.clean), encode(pair.corrupt)
         answer, wrong = encode(pair.answer), encode(pair.wrong)
         if len(clean) != len(corrupt):

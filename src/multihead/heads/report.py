@@ -17,7 +17,7 @@ import numpy as np
 from multihead.errors import MultiheadError
 from multihead.files import save_figure, write_text
 from multihead.heads.analysis import HeadReport
-from multihead.heads.scores import SCORE_NAMES, HeadScores
+from multihead.heads.scores import LABEL_RULES, SCORE_DEFINITIONS, SCORE_NAMES, HeadScores
 from multihead.names import head_name
 
 
@@ -135,7 +135,17 @@ def _json_for_html(data: Any) -> str:
     return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
-def report_data(report: HeadReport) -> dict[str, Any]:
+COLUMN_DEFINITIONS = {
+    "layer": "the layer (L in LxHy)",
+    "head": "the query head (H in LxHy)",
+    "kv_head": "the KV head it reads: head // (n_heads / n_kv_heads)",
+    "label": "the first rule of the table below whose score the head reaches, else mixed",
+    **SCORE_DEFINITIONS,
+}
+
+
+def report_data(report: HeadReport, retrieval_png: bytes | None = None) -> dict[str, Any]:
+    """What the page shows, as one JSON object (the retrieval scores and their picture when the report has them)."""
     patterns = np.stack(report.patterns)  # (L, H, n, n)
     quantised = np.clip(np.rint(patterns * 255.0), 0, 255).astype(np.uint8)
     return {
@@ -155,27 +165,38 @@ def report_data(report: HeadReport) -> dict[str, Any]:
         "metric": report.metric_name,
         "baseline": report.baseline,
         "patching": report.patching,
+        "columns": [{"name": name, "means": COLUMN_DEFINITIONS[name]}
+                    for name in ("layer", "head", "kv_head", "label", *SCORE_NAMES)],
+        "label_rules": [{"label": label, "score": score, "threshold": threshold}
+                        for score, label, threshold in LABEL_RULES],
+        "retrieval": None if report.retrieval is None else report.retrieval.to_json(),
+        "retrieval_png": None if retrieval_png is None else base64.b64encode(retrieval_png).decode("ascii"),
     }
 
 
-def write_html(report: HeadReport, path: Path) -> Path:
-    html = _TEMPLATE.replace("/*DATA*/", _json_for_html(report_data(report)))
+def write_html(report: HeadReport, path: Path, retrieval_png: bytes | None = None) -> Path:
+    html = _TEMPLATE.replace("/*DATA*/", _json_for_html(report_data(report, retrieval_png)))
     return write_text(path, html)
 
 
 def write_all(report: HeadReport, out: str | Path) -> dict[str, str]:
+    """The page, the pictures and the JSON into ``out``; with retrieval scores their picture too (shown on the
+    page as well)."""
     folder = prepare_out_dir(out)
-    files = {
-        "html": str(write_html(report, folder / "report.html")),
-        "grid_png": str(write_grid_png(report, folder / "heads-grid.png")),
-        "heads_png": str(write_heads_png(report, folder / "chosen-heads.png")),
-        "json": str(_write_json(report, folder / "heads.json")),
-    }
+    files: dict[str, str] = {}
+    png = None
     if report.retrieval is not None:
         from multihead.heads.retrieval import write_png
 
         files["retrieval_png"] = write_png(report.retrieval, folder / "retrieval.png")
-    return files
+        png = Path(files["retrieval_png"]).read_bytes()
+    return {
+        "html": str(write_html(report, folder / "report.html", png)),
+        "grid_png": str(write_grid_png(report, folder / "heads-grid.png")),
+        "heads_png": str(write_heads_png(report, folder / "chosen-heads.png")),
+        "json": str(_write_json(report, folder / "heads.json")),
+        **files,
+    }
 
 
 def _write_json(report: HeadReport, path: Path) -> Path:
@@ -220,7 +241,7 @@ h1{font-size:20px;margin:0 0 4px} h2{font-size:16px;margin:18px 0 6px}
 canvas{background:#fff;border:1px solid #ccc}
 table{border-collapse:collapse;font-size:12px;background:#fff}
 th,td{border:1px solid #ddd;padding:2px 6px;text-align:right} th{cursor:pointer;background:#eee}
-td.l{text-align:left} tr.sel{background:#ffe9a8}
+td.l,th.l{text-align:left} tr.sel{background:#ffe9a8}
 #tokens span{display:inline-block;margin:1px;padding:0 2px;border-radius:3px;white-space:pre}
 .note{color:#666;font-size:12px}
 </style></head><body>
@@ -232,8 +253,14 @@ td.l{text-align:left} tr.sel{background:#ffe9a8}
 <h2>tokens, shaded by the weight the last selected query puts on them</h2><div id="tokens"></div>
 <h2>ablation</h2><div class="note" id="ablnote"></div><canvas id="ablation" width="900" height="220"></canvas>
 <h2>activation patching</h2><div class="note" id="patchnote"></div><canvas id="patching"></canvas>
+<h2>retrieval heads at long context</h2><div id="retrieval"></div>
 <h2>the text</h2><div id="text" style="white-space:pre-wrap;background:#fff;border:1px solid #ddd;padding:6px"></div>
-<h2>scores</h2><div class="note">Click a column to sort; click a row to select the head.</div><table id="scores"></table>
+<h2>scores</h2><div class="note">Click a column to sort; click a row to select the head. Each score is a share of
+the head's attention, averaged over query rows (entropy: of its spread); the columns are defined below.</div>
+<table id="scores"></table>
+<h2>what the columns mean</h2><table id="columns"></table>
+<h2>labels</h2><div class="note">A head's label is the first rule of this table whose score it reaches (score &gt;=
+threshold); a head that reaches none is "mixed".</div><table id="label-rules"></table>
 <script type="application/json" id="data">/*DATA*/</script>
 <script>
 "use strict";
@@ -316,6 +343,46 @@ function drawPatching() {
   g.strokeStyle = "#000"; g.lineWidth = 2; g.strokeRect(30 + head * cell, layer * cell, cell - 1, cell - 1);
   g.fillStyle = "#444"; g.font = "10px sans-serif"; for (let l = 0; l < L; l += Math.max(1, Math.floor(L / 10))) g.fillText("L" + l, 0, l * cell + cell - 2);
 }
+function drawDefinitions() {
+  const c = document.getElementById("columns"), r = document.getElementById("label-rules");
+  let hr = el("tr"); ["column", "what it is"].forEach(k => { const th = el("th", k); th.className = "l";
+    hr.appendChild(th); }); c.appendChild(hr);
+  D.columns.forEach(k => { const tr = el("tr"), a = el("td", k.name), b = el("td", k.means); a.className = "l";
+    b.className = "l"; tr.appendChild(a); tr.appendChild(b); c.appendChild(tr); });
+  hr = el("tr"); ["label", "score", "threshold"].forEach(k => hr.appendChild(el("th", k))); r.appendChild(hr);
+  D.label_rules.forEach(k => { const tr = el("tr"), a = el("td", k.label), b = el("td", k.score);
+    a.className = "l"; b.className = "l"; tr.appendChild(a); tr.appendChild(b);
+    tr.appendChild(el("td", ">= " + k.threshold.toFixed(2))); r.appendChild(tr); });
+}
+function drawRetrieval() {
+  const box = document.getElementById("retrieval"), R = D.retrieval;
+  const note = el("div"); note.className = "note"; box.appendChild(note);
+  if (!R) { note.textContent = "No retrieval scores in this report (run with --retrieval: Llama-style models of ours)."; return; }
+  const S = R.settings, used = R.cases_used;
+  note.textContent = "Retrieval score (Wu et al. 2024): the share of a case's copyable answer steps at which the " +
+    "head's most-attended key is the needle token being copied, averaged over the " + used + " of " + R.cases.length +
+    " needle cases used" + (S.correct_only ? " (those the model answers exactly right)" : "") + "; a KV head's is " +
+    "the max over its query heads (what a head-wise cache plan keeps). Mass outside: the share of a query's " +
+    "attention that a cache of " + S.sinks + " sinks + a window of " + S.window + " would drop, over " + R.mass_rows +
+    " prefill rows. Razor: the max of echo (duplicate-token) and induction scores, per KV head.";
+  const t = el("table"); t.id = "retrieval-top"; const hr = el("tr");
+  ["KV head", "retrieval (max)", "retrieval (mean)", "mass outside (max)", "razor"].forEach(k => hr.appendChild(el("th", k)));
+  t.appendChild(hr);
+  R.top_kv.forEach(k => { const tr = el("tr"), l = k.layer, g = k.kv_head, name = el("td", "L" + l + "KV" + g);
+    name.className = "l"; tr.appendChild(name);
+    [R.kv[l][g], R.kv_mean[l][g], R.mass_outside_kv[l][g], R.razor_kv ? R.razor_kv.razor[l][g] : null].forEach(
+      v => tr.appendChild(el("td", v === null ? "-" : v.toFixed(3))));
+    t.appendChild(tr); });
+  box.appendChild(t);
+  const q = el("div", "top query heads: " + R.top_query.map(k => "L" + k.layer + "H" + k.head + " = " +
+    k.score.toFixed(3)).join("  ")); q.className = "note"; q.id = "retrieval-query"; box.appendChild(q);
+  if (R.ablation) { const A = R.ablation, a = el("div", "ablation: needle accuracy " + (100 * A.baseline).toFixed(0) +
+      "% -> " + (100 * A.top_k).toFixed(0) + "% without the top " + A.k + " retrieval heads; " +
+      (100 * A.random.reduce((x, y) => x + y, 0) / A.random.length).toFixed(0) + "% on average without " + A.k +
+      " random others (" + A.draws + " draws)."); a.className = "note"; box.appendChild(a); }
+  if (D.retrieval_png) { const img = el("img"); img.alt = "retrieval scores per layer and head";
+    img.src = "data:image/png;base64," + D.retrieval_png; img.style.maxWidth = "100%"; box.appendChild(img); }
+}
 let sortKey = "layer", sortDir = 1;
 function drawTable() {
   const t = document.getElementById("scores"); t.textContent = "";
@@ -334,6 +401,7 @@ function select(l, h) {
   drawPattern(); drawGrid(); drawTokens(); drawAblation(); drawPatching(); drawTable();
 }
 let best = 0; D.heads.forEach((r, k) => { if (r.previous_token > D.heads[best].previous_token) best = k; });
+drawDefinitions(); drawRetrieval();
 select(D.heads[best].layer, D.heads[best].head);
 document.body.setAttribute("data-ready", "1");
 </script></body></html>

@@ -6,7 +6,7 @@ heads and the cache is per KV head, so a plan decides per KV head):
 
 ``query`` / ``kv``: the retrieval score of Wu et al. 2024 ("Retrieval Head Mechanistically Explains Long-Context
     Factuality"). The context is prefilled through a full :class:`~multihead.cache.KVCache` in chunks, then the
-    question is one chunk and the answer is teacher-forced one token a step (:func:`multihead.tradeoff.longctx.
+    question is one chunk and the answer is teacher-forced one token a step (:func:`multihead.evals.answers.
     answer_steps`). The query that predicts answer token ``a_j`` (the question's last row for j = 0, the step fed
     ``a_{j-1}`` after) is taken against every cached key (q (b, h, 1, d) against k (b, g, t, d): (b, h, 1, t)). An
     answer step is *copyable* when ``a_j`` occurs in the needle span(s) of the case. A head *hits* at a copyable
@@ -49,10 +49,9 @@ import torch
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
+from multihead.evals.answers import FULL_CACHE, answer_steps, prefill, run_prompt, score
+from multihead.evals.needles import Case
 from multihead.hooks import HookPoint, zero_heads
-from multihead.tradeoff.longctx import Case, Method, answer_steps, prefill, run_prompt, score
-
-FULL = Method("full cache", "full")
 
 
 # ---------------------------------------------------------------------------------------------------------- settings
@@ -329,13 +328,13 @@ def retrieval_scores(model: Any, cases: Sequence[Case], settings: RetrievalSetti
                      name: str = "", progress: bool = False) -> RetrievalScores:
     """Wu et al.'s retrieval score and the dropped-mass score of every head of ``model`` (a causal model that
     takes ``model(ids, cache=)`` and makes its caches with ``new_cache(b, max_len)``, as multihead's Llama port)
-    on ``cases`` (:func:`multihead.tradeoff.longctx.make_cases`). Each prompt is prefilled once through a full
+    on ``cases`` (:func:`multihead.evals.needles.make_cases`). Each prompt is prefilled once through a full
     cache (the mass score is taken then, block by block), each of its questions answered from a copy."""
     from tqdm import tqdm
 
     st = settings or RetrievalSettings()
     if not cases:
-        raise MultiheadError("no cases: give at least one needle case (multihead.tradeoff.longctx.make_cases)")
+        raise MultiheadError("no cases: give at least one needle case (multihead.evals.needles.make_cases)")
     plans = {c.id: copyable_steps(c) for c in cases}
     layers = attention_layers(model)
     for group in _prompt_groups(cases):
@@ -447,7 +446,7 @@ def accuracy(model: Any, cases: Sequence[Case], *, chunk: int = 512,
     (their output never reaches W_O)."""
     layers = attention_layers(model)
     with _zeroed(layers, heads):
-        results = [r for group in _prompt_groups(cases) for r in run_prompt(model, FULL, group, chunk)]
+        results = [r for group in _prompt_groups(cases) for r in run_prompt(model, FULL_CACHE, group, chunk)]
     return sum(bool(r["correct"]) for r in results) / len(results)
 
 
@@ -493,12 +492,13 @@ def ablation(model: Any, cases: Sequence[Case], ranking: np.ndarray, k: int, *, 
 def long_cases(tokenizer: Any, max_context: int, *, lengths: Sequence[int] = (2048,),
                tasks: Sequence[str] = ("passkey", "single-number"), prompts: int = 2, seed: int = 0,
                text_path: str | None = None) -> list[Case]:
-    """Needle cases of :mod:`multihead.tradeoff.longctx` (its generator and seeds, both haystacks taking turns) for
-    the retrieval scores: the same cases the long-context trade-off measures at these lengths and tasks."""
-    from multihead.tradeoff.longctx import Settings, make_cases
-    from multihead.tradeoff.text import read_text, token_splits
+    """Needle cases of :mod:`multihead.evals.needles` (its generator and seeds, both haystacks taking turns) for the
+    retrieval scores: the same cases the long-context trade-off (:mod:`multihead.tradeoff.longctx`) measures at these
+    lengths and tasks."""
+    from multihead.evals.needles import CaseSettings, make_cases
+    from multihead.evals.text import read_text, token_splits
 
-    settings = Settings(lengths=tuple(lengths), tasks=tuple(tasks), prompts=prompts, seed=seed, uptrain_steps=0)
+    settings = CaseSettings(lengths=tuple(lengths), tasks=tuple(tasks), prompts=prompts, seed=seed)
     jargon = token_splits(tokenizer.encode(read_text(text_path))).test
     return make_cases(settings, tokenizer, jargon, max_context=max_context)
 

@@ -25,6 +25,22 @@ from torch import Tensor
 SCORE_NAMES = ("previous_token", "first_token", "self", "next_token", "local", "entropy", "duplicate_token",
                "induction")
 
+# What each score is, in the words a report shows beside its column (the module's formulas).
+SCORE_DEFINITIONS = {
+    "previous_token": "mean over query rows i >= 1 of the weight on key i - 1 (the previous token)",
+    "first_token": "mean over query rows i >= 1 of the weight on key 0 (the first token: an attention sink)",
+    "self": "mean over query rows i of the weight on key i (the token itself)",
+    "next_token": "mean over query rows i < n - 1 of the weight on key i + 1 (bidirectional models; 0 for causal "
+                  "ones)",
+    "local": "mean over query rows i of the weight on the keys within 3 positions of i",
+    "entropy": "mean over rows with k >= 2 allowed keys of the row's entropy divided by log k (1: uniform over "
+               "the keys, 0: all on one key)",
+    "duplicate_token": "on T random tokens repeated once: mean over the second copy's rows i of the weight on "
+                       "key i - T (the earlier copy of the current token)",
+    "induction": "on T random tokens repeated once: mean over the second copy's rows i of the weight on key "
+                 "i - T + 1 (the token that followed the earlier copy)",
+}
+
 # A head's label is the first of these whose score reaches its threshold; otherwise "mixed".
 LABEL_RULES: tuple[tuple[str, str, float], ...] = (
     ("induction", "induction", 0.30),

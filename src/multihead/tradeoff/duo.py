@@ -23,7 +23,7 @@ cores shared with other work): 1,024 tokens, 297 s and 1.6 GiB above the loaded 
 392 s and 4.1 GiB above it (5.4 GiB peak); 512 tokens, a median of 83 s over 28 steps.
 
 Training data: passkey and single-number prompts from the long-context generator
-(:func:`multihead.tradeoff.longctx.make_prompt_cases`) built on the *training* split of the text, with seeds of their
+(:func:`multihead.evals.needles.make_prompt_cases`) built on the *training* split of the text, with seeds of their
 own (prompt indices from :data:`TRAIN_INDEX` on, where the evaluation uses 0, 1, ...): the evaluation's cases are
 never trained on. As in DuoAttention the loss covers the question and the answer (its labels are the question and
 answer tokens): the question's last position is the one that predicts the answer's first token. The answer is
@@ -56,10 +56,10 @@ from multihead.attention import MultiHeadAttention
 from multihead.cache.sink import sink_keep
 from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError
+from multihead.evals.needles import HAYSTACKS, Haystacks, Tokenizer, case_seed, check_length, make_prompt_cases
 from multihead.hooks import HookFn, HookHandle, HookPoint
 from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
-from multihead.tradeoff.longctx import HAYSTACKS, Haystacks, Tokenizer, case_seed, check_length, make_prompt_cases
 
 TRAIN_TASKS = ("passkey", "single-number", "single-word")  # the one-needle tasks of the generator
 TRAIN_INDEX = 1_000_000  # training prompts are indices TRAIN_INDEX + step: the evaluation uses 0 .. prompts - 1
@@ -449,8 +449,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = DuoSettings(steps=args.steps, lr=args.lr, l1=args.l1, length=args.length, sinks=args.sinks,
                                window=args.window, seed=args.seed, warmup=args.warmup, every=args.every,
                                init=args.init, tasks=tuple(t for t in args.tasks.split(",") if t))
+        from multihead.evals.text import read_text, token_splits
         from multihead.models.loaders import load_llama
-        from multihead.tradeoff.text import read_text, token_splits
 
         model, tokenizer = load_llama(args.model)
         train = token_splits(tokenizer.encode(read_text(args.text))).train

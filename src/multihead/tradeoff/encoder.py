@@ -22,7 +22,7 @@ from torch import Tensor
 
 from multihead.cache import check_bits, fake_quantize_keys, fake_quantize_values
 from multihead.errors import MultiheadError
-from multihead.hooks import HookFn, HookPoint, hooks, pool_kv_heads, zero_heads
+from multihead.hooks import HookFn, HookPoint, hooks, pool_kv_hook, zero_heads
 
 
 @dataclass(frozen=True)
@@ -67,8 +67,8 @@ def run(settings: EncoderSettings, *, text_path: str | None = None, model_dir: s
     import platform
     from datetime import date
 
+    from multihead.evals.text import read_text
     from multihead.models.bert import load_sentence_encoder
-    from multihead.tradeoff.text import read_text
 
     began = time.perf_counter()
     say = print if progress else (lambda *_: None)
@@ -109,7 +109,7 @@ def run(settings: EncoderSettings, *, text_path: str | None = None, model_dir: s
         if g >= h or h % g:
             raise MultiheadError(f"KV head count {g} must divide the {h} heads and be fewer")
         add(f"{g} KV head{'s' if g > 1 else ''} (pooled)", "fewer KV heads", 2 * n_layers * g * d * 2.0,
-            {"*.hook_k": pool_kv_heads(g), "*.hook_v": pool_kv_heads(g)})
+            {"*.hook_k": pool_kv_hook(g), "*.hook_v": pool_kv_hook(g)})
     for b in settings.bits:
         if d % settings.group:
             raise MultiheadError(f"group ({settings.group}) must divide head_dim ({d})")

@@ -195,14 +195,14 @@ def evaluate(models: dict[str, LlamaModel], methods: Sequence[Method], test: Seq
 def pooled_model(model: LlamaModel, n_kv_heads: int) -> LlamaModel:
     """A copy of ``model`` whose layers have n_kv_heads KV heads, each the mean of the group it replaces
     (Ainslie et al. 2023's conversion, before any uptraining)."""
-    from multihead.heads.convert import pool_kv_heads
+    from multihead.heads.convert import pooled_layer
 
     config = dataclasses.replace(model.config, n_kv_heads=n_kv_heads)
     pooled = LlamaModel(config, device=model.device, dtype=model.dtype)
     state = {k: v for k, v in model.state_dict().items() if ".attn.k_proj." not in k and ".attn.v_proj." not in k}
     pooled.load_state_dict(state, strict=False)
     for ours, theirs in zip(pooled.layers, model.layers, strict=True):
-        new = pool_kv_heads(theirs.attn, n_kv_heads)  # type: ignore[arg-type]
+        new = pooled_layer(theirs.attn, n_kv_heads)  # type: ignore[arg-type]
         ours.attn.k_proj.load_state_dict(new.k_proj.state_dict())  # type: ignore[union-attr]
         ours.attn.v_proj.load_state_dict(new.v_proj.state_dict())  # type: ignore[union-attr]
     return pooled.eval()
@@ -218,8 +218,8 @@ def run(settings: Settings, *, model_path: str | None = None, text_path: str | N
     import tempfile
     from datetime import date
 
+    from multihead.evals.text import read_text, token_splits
     from multihead.models.loaders import load_llama
-    from multihead.tradeoff.text import read_text, token_splits
     from multihead.tradeoff.uptrain import uptrain
 
     began = time.perf_counter()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from multihead.cli import build_parser, main
-from multihead.cli.longctx import settings
+from multihead.cli.tradeoff_long import settings
 from multihead.tradeoff.longctx import Settings
 
 
@@ -34,6 +34,20 @@ def test_the_defaults_are_the_librarys_and_each_flag_sets_its_field() -> None:
                                       prompts=3, keys=5, seed=7, chunk=256, sinks=2, keep=(0.5,), window_keep=(0.1,),
                                       windows=(300,), bits=(4,), prune=(), uptrain_steps=0, ppl_context=2048,
                                       ppl_scored=512, ppl_windows=2, threshold=0.9, mqa=False)
+
+
+@pytest.mark.parametrize(("argv", "context", "scored"), [
+    ([], 4096, 1024),
+    (["--lengths", "1024"], 1024, 256),
+    (["--lengths", "2048,512"], 2048, 512),
+    (["--lengths", "1024", "--context", "3000"], 3000, 750),
+    (["--lengths", "1024", "--stride", "100"], 1024, 100),
+])
+def test_the_perplexity_windows_follow_the_longest_length(argv: list[str], context: int, scored: int) -> None:
+    """--lengths 1024 measured perplexity on 4,096-token windows (most of the run's time): the windows are now as
+    long as the longest prompt unless --context says otherwise, the last quarter of each scored unless --stride."""
+    s = settings(build_parser().parse_args(["tradeoff", "--long", *argv]))
+    assert (s.ppl_context, s.ppl_scored) == (context, scored)
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -73,3 +87,15 @@ def test_a_length_past_the_models_context_is_refused_naming_it(tmp_path: Path,
     _refused(["tradeoff", "--long", "--lengths", "9000", "--cases-jsonl", str(tmp_path / "c.jsonl")],
              r"length 9,000 exceeds the model's context of 8,192 tokens", capsys)
     assert not (tmp_path / "c.jsonl").exists()
+
+
+def test_a_failed_run_leaves_no_folder_behind(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tradeoff --long --lengths 100000`: refused once the model's context is known, and the --out folder (and the
+    settings.json a run would resume from) is not left behind."""
+    from tiny_checkpoints import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", context=128)
+    out = tmp_path / "new" / "out"
+    _refused(["tradeoff", "--long", "--model", str(gguf), "--lengths", "100000", "--out", str(out)],
+             r"length 100,000 exceeds the model's context of 128 tokens", capsys)
+    assert list(tmp_path.iterdir()) == [gguf]

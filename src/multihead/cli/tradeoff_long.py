@@ -91,6 +91,10 @@ def settings(args: argparse.Namespace) -> Any:
     if args.sinks is not None and len(args.sinks) != 1:
         raise CliError(f"--sinks {','.join(map(str, args.sinks))}: give one sink count with --long (the sink + window "
                        "caches of one run share it)")
+    # the perplexity windows are as long as the longest prompt (4096 by default), the last quarter of each scored:
+    # what a cache sized for these lengths does, at the cost of these lengths
+    context = args.context or max(args.lengths or Settings.lengths)
+    scored = args.stride or max(1, context // 4)
     chosen: dict[str, Any] = {
         "lengths": args.lengths, "tasks": args.tasks, "haystacks": args.haystacks, "prompts": args.prompts,
         "keys": args.keys, "values": args.values, "seed": args.seed, "chunk": args.chunk,
@@ -98,7 +102,7 @@ def settings(args: argparse.Namespace) -> Any:
         "windows": None if args.window is None else (args.window,), "bits": args.bits, "group": args.group,
         "residual": args.residual, "prune": args.prune, "uptrain_steps": args.uptrain_steps,
         "uptrain_lr": args.uptrain_lr, "uptrain_train": args.train, "uptrain_from": args.uptrain_from,
-        "ppl_context": args.context, "ppl_scored": args.stride, "ppl_windows": args.windows,
+        "ppl_context": context, "ppl_scored": scored, "ppl_windows": args.windows,
         "threshold": args.threshold, "bootstrap": args.bootstrap,
         "plans": None if args.plan is None else tuple(args.plan),
     }

@@ -1,18 +1,18 @@
 """SmolLM2-135M at long contexts: prefill time and decode speed of multihead with each cache kind against
 transformers (sdpa) on the same GGUF weights, alternating in one process.
 
-    .venv/bin/python benchmarks/longctx.py [--lengths 2048 4096 8192] [--dtypes float32 bfloat16]
+    .venv/bin/python benchmarks/longctx_speed.py [--lengths 2048 4096 8192] [--dtypes float32 bfloat16]
         [--caches full sink int4 int8 headwise] [--rounds 3] [--decode-tokens 16] [--chunk 0]
         [--window 256] [--sinks 4] [--plan docs/experiments/smollm2-0-best-plan.json] [--quick] [--random]
         [--no-transformers] [--record] [--json out.json | --json -]
 
 For each dtype and length the prompt is the first ``length`` tokens of the held-out Jargon File text
-(:mod:`multihead.tradeoff.text`, Debian's jargon-text). Each round runs every runner once, the order rotated every
+(:mod:`multihead.evals.text`, Debian's jargon-text). Each round runs every runner once, the order rotated every
 round: multihead with each cache of ``--caches`` (by default the full and quantized caches take the whole prompt in
 one call with ``logits_to_keep=1``, as transformers is called, and the sink and head-wise caches chunks of
 WINDOW_CHUNK tokens: in one call their sinks + window need a dense s x t mask, measured 0.40-0.55 of transformers'
 prefill speed at 8k; ``--chunk N``: every cache in chunks of N, as a server's chunked prefill and
-:mod:`multihead.tradeoff.longctx` prefill; then ``--decode-tokens`` greedy steps, each timed) and transformers (its
+:func:`multihead.evals.answers.prefill`; then ``--decode-tokens`` greedy steps, each timed) and transformers (its
 model called on the whole prompt at once with ``logits_to_keep=1``, as ``generate`` prefills, then the same number of
 steps through its DynamicCache). A figure is the median over rounds (decode: of each run's median step); the ratios
 are ratios of those medians. Caches: ``full`` (every token, KVCache), ``sink`` (``--sinks`` + ``--window``,
@@ -114,7 +114,7 @@ class Row:
 
 
 def parse(argv: Sequence[str] | None = None) -> Settings:
-    p = argparse.ArgumentParser(prog="longctx.py", description=(__doc__ or "").splitlines()[0])
+    p = argparse.ArgumentParser(prog="longctx_speed.py", description=(__doc__ or "").splitlines()[0])
     p.add_argument("--lengths", type=int, nargs="+", default=None, help="prompt tokens (default 2048 4096 8192)")
     p.add_argument("--dtypes", nargs="+", default=None, help="float32, bfloat16 (default both)")
     p.add_argument("--caches", nargs="+", default=list(ctxbench.CACHE_KINDS), help="multihead's cache kinds")
@@ -163,7 +163,7 @@ def parse(argv: Sequence[str] | None = None) -> Settings:
 
 def text_tokens(tokenizer: Any, n: int) -> torch.Tensor:
     """The first n tokens of the held-out Jargon File text, (1, n)."""
-    from multihead.tradeoff.text import read_text, token_splits
+    from multihead.evals.text import read_text, token_splits
 
     held_out = token_splits(tokenizer.encode(read_text())).test
     if len(held_out) < n:

@@ -1,4 +1,4 @@
-"""benchmarks/longctx.py (outside the installed package): its arguments are checked, and one tiny run of every
+"""benchmarks/longctx_speed.py (outside the installed package): its arguments are checked, and one tiny run of every
 runner (multihead's five cache kinds, transformers' Llama) gives a row each with the figures and the exact bytes."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from multihead.models import LlamaConfig, LlamaModel
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench
 import ctxbench
-import longctx
+import longctx_speed
 
 
 @pytest.mark.parametrize(("argv", "says"), [
@@ -31,21 +31,21 @@ import longctx
 ])
 def test_bad_arguments_exit_2_with_one_line(argv: list[str], says: str, capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as e:
-        longctx.parse(argv)
+        longctx_speed.parse(argv)
     assert e.value.code == 2
     err = capsys.readouterr().err
-    assert says in err and err.strip().splitlines()[-1].startswith("longctx.py: error:")
+    assert says in err and err.strip().splitlines()[-1].startswith("longctx_speed.py: error:")
 
 
 def test_quick_and_the_defaults() -> None:
-    quick = longctx.parse(["--quick"])
+    quick = longctx_speed.parse(["--quick"])
     assert (quick.lengths, quick.dtypes, quick.rounds, quick.decode_tokens) == ((512,), ("float32",), 1, 4)
-    full = longctx.parse([])
+    full = longctx_speed.parse([])
     assert (full.lengths, full.dtypes, full.caches, full.rounds) == (
         (2048, 4096, 8192), ("float32", "bfloat16"), ctxbench.CACHE_KINDS, 3)
-    assert full.transformers and not longctx.parse(["--random"]).transformers
+    assert full.transformers and not longctx_speed.parse(["--random"]).transformers
     assert Path(full.plan).is_file()  # the shipped plan the head-wise rows use
-    assert longctx.parse(["--quick", "--lengths", "64"]).lengths == (64,)  # --quick fills only what is not given
+    assert longctx_speed.parse(["--quick", "--lengths", "64"]).lengths == (64,)  # --quick fills only what is not given
 
 
 def test_a_tiny_run_gives_every_runner_a_row_with_exact_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -61,11 +61,11 @@ def test_a_tiny_run_gives_every_runner_a_row_with_exact_bytes(monkeypatch: pytes
         num_key_value_heads=g, max_position_embeddings=128, attn_implementation="sdpa")).eval()
     plan = HeadPlan.from_scores(torch.rand(L, g), 0.5, sinks=2, window=8, model="tiny", shape=(L, h, g, d),
                                 method="test")
-    s = longctx.Settings(lengths=(n,), dtypes=("float32",), caches=ctxbench.CACHE_KINDS, rounds=1,
+    s = longctx_speed.Settings(lengths=(n,), dtypes=("float32",), caches=ctxbench.CACHE_KINDS, rounds=1,
                          decode_tokens=steps, chunk=16, window=8, sinks=2, plan="-", random=True, transformers=True,
                          group=8, residual=8)
     tokens = torch.randint(0, 128, (1, n))
-    rows = longctx.measure({"float32": (ours, hf)}, tokens, s, plan)
+    rows = longctx_speed.measure({"float32": (ours, hf)}, tokens, s, plan)
     by = {r.runner: r for r in rows}
     assert list(by) == [*ctxbench.CACHE_KINDS, "transformers"]
     held = n + steps
@@ -81,13 +81,13 @@ def test_a_tiny_run_gives_every_runner_a_row_with_exact_bytes(monkeypatch: pytes
     assert by["int4"].bytes_vs_full == pytest.approx(by["int4"].cache_bytes / full_bytes)
     assert by["int4"].prefill_vs_transformers == pytest.approx(
         by["transformers"].prefill_s / by["int4"].prefill_s)
-    text = longctx.table(rows, s, ["machine: test"])
+    text = longctx_speed.table(rows, s, ["machine: test"])
     assert text.count("\n| float32 | 40 |") == len(rows)
 
 
 def test_the_windowed_caches_prefill_in_chunks_the_others_in_one_call_unless_a_chunk_is_given() -> None:
-    assert [longctx.prefill_chunk(kind, 0) for kind in ctxbench.CACHE_KINDS] == [
-        0 if kind in ("full", "int4", "int8") else longctx.WINDOW_CHUNK for kind in ctxbench.CACHE_KINDS]
-    assert {longctx.prefill_chunk(kind, 64) for kind in ctxbench.CACHE_KINDS} == {64}
+    assert [longctx_speed.prefill_chunk(kind, 0) for kind in ctxbench.CACHE_KINDS] == [
+        0 if kind in ("full", "int4", "int8") else longctx_speed.WINDOW_CHUNK for kind in ctxbench.CACHE_KINDS]
+    assert {longctx_speed.prefill_chunk(kind, 64) for kind in ctxbench.CACHE_KINDS} == {64}
     with pytest.raises(SystemExit):
-        longctx.parse(["--chunk", "-1"])
+        longctx_speed.parse(["--chunk", "-1"])

@@ -1,0 +1,91 @@
+"""The KV-saving methods the long-context trade-off measures: one cache kind on one model each, and the head plans
+a head-wise cache reads."""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Method:
+    """One cache kind on one model. ``keep``: the share of the prompt length a sinks + window cache holds
+    (``sinks + window - 1 = round(keep * length)`` slots, so 0.5 holds the bytes kvpress keeps at 50% compression);
+    ``window``: an absolute window instead; ``bits``: a quantized cache; ``plan``: a head-wise cache made by the
+    :class:`~multihead.cache.HeadPlan` saved in that file (each KV head full or its sinks + window);
+    ``equal_to``: a sinks + window cache holding as many slots per KV head as that plan's cache holds on average
+    at each length (the uniform control at equal bytes); none of them: the full cache."""
+
+    name: str
+    series: str
+    model: str = "original"
+    keep: float | None = None
+    window: int | None = None
+    sinks: int = 0
+    bits: int | None = None
+    group: int = 32
+    residual: int = 128
+    plan: str | None = None
+    equal_to: str | None = None
+
+    def window_at(self, length: int) -> int | None:
+        if self.keep is not None:
+            return max(1, round(self.keep * length) - self.sinks + 1)
+        if self.equal_to is not None:
+            return max(1, equal_bytes_slots(load_plan(self.equal_to), length) - self.sinks + 1)
+        return self.window
+
+    def cache(self, model: Any, length: int, max_len: int) -> Any:
+        """This method's real cache for a prompt of ``length`` tokens (room for ``max_len`` in a full one)."""
+        if self.plan is not None:
+            return model.new_cache(1, max_len, plan=load_plan(self.plan))
+        window = self.window_at(length)
+        if window is not None:
+            return model.new_cache(1, window=window, sink_tokens=self.sinks)
+        if self.bits is not None:
+            return model.new_cache(1, max_len, bits=self.bits, group=self.group, residual=self.residual)
+        return model.new_cache(1, max_len)
+
+    @property
+    def slug(self) -> str:
+        return re.sub(r"[^a-z0-9]+", "-", self.name.lower()).strip("-")
+
+
+def load_plan(path: str) -> Any:
+    """The :class:`~multihead.cache.HeadPlan` saved at ``path`` (read again only when the file changes)."""
+    try:
+        stamp = Path(path).stat().st_mtime_ns
+    except OSError:
+        stamp = -1  # HeadPlan.load says what is wrong with the path
+    return _load_plan(path, stamp)
+
+
+@functools.lru_cache(maxsize=32)
+def _load_plan(path: str, stamp: int) -> Any:
+    from multihead.cache import HeadPlan
+
+    return HeadPlan.load(path)
+
+
+def equal_bytes_slots(plan: Any, length: int) -> int:
+    """Slots per KV head of a sinks + window cache holding the bytes of ``plan``'s head-wise cache at ``length``
+    tokens: a full KV head holds ``length``, a streaming one ``min(length, sinks + window - 1)``."""
+    stream: int = min(length, plan.sinks + plan.window - 1)
+    share: float = plan.full_fraction
+    slots: int = round(share * length + (1 - share) * stream)
+    return max(1, slots)
+
+
+def plan_label(path: str) -> str:
+    """A plan's name in tables: its file name without ``-plan.json`` / ``.json``."""
+    name = Path(path).name
+    for end in ("-plan.json", ".json"):
+        if name.endswith(end):
+            return name[:-len(end)]
+    return name
+
+
+__all__ = ["Method", "equal_bytes_slots", "load_plan", "plan_label"]
