@@ -42,6 +42,8 @@ COMMANDS: dict[str, str] = {
                "edge attribution patching, drawn as a graph in an HTML report",
     "tradeoff": "the KV-cache trade-off: perplexity against KV bytes for each way of saving cache (sinks + window, "
                 "quantization, fewer KV heads, uptraining)",
+    "tune": "measure this host's CPU speed decisions for a model once (which kind of each product, which attention "
+            "kernel) and write them to its tuning table, which every run reads and never measures",
 }
 
 # name -> examples that `multihead <name> --help` shows (each a command line, then what it does); a test parses each
@@ -84,6 +86,9 @@ EXAMPLES: dict[str, tuple[tuple[str, str], ...]] = {
     "tradeoff": (("multihead tradeoff --model minilm", "the encoder: 1 - cosine against KV bytes"),
                  ("multihead tradeoff --long --lengths 2048 --tasks passkey",
                   "retrieval at 2k tokens for every KV-saving method")),
+    "tune": (("multihead tune --dtype bf16 --lengths 1024,4096,8192", "SmolLM2's bfloat16 decoding, up to 8k keys"),
+             ("multihead tune --show", "the table's path, its decisions and the default rules"),
+             ("multihead tune --clear", "forget them: the default rules decide again")),
 }
 
 
