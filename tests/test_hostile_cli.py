@@ -42,6 +42,7 @@ def base_argv(command: str, out: Path) -> list[str]:
         "patch": ["patch", "--point", "z", "--top", "3"],
         "circuit": ["circuit", "--max-pairs", "1", "--edges", "3", "--check", "0", "--out", str(out / "c")],
         "tradeoff": ["tradeoff", "--model", "minilm", "--texts", "4", "--out", str(out / "t")],
+        "tune": ["tune", "--show"],  # shows the table: the tuning flags are parsed, nothing is measured
     }[command]
 
 

@@ -42,7 +42,9 @@ def test_tuning_a_model_writes_every_decision_it_looks_up_and_the_decisions_then
     attention = {k for k in entries if k.startswith("native-attention")}
     assert attention == {cpu.attention_key("native-attention", 1, 9, 3, torch.bfloat16, t, 2) for t in (100, 300)}
     data = json.loads(cpu.table_path().read_text())
-    assert data["entries"] == entries and data["host"] == cpu.host() and set(data["measured"]) == set(entries)
+    assert data["entries"] == entries and data["host"] == cpu.host()
+    assert set(data["measured"]) == {k for k in entries if not k.endswith(" compiled")}  # (a graph's choice for
+    # a "blas" key is the fastest other kind measured for it, no measurement of its own)
     assert cpu.table() == entries  # read back by this process at its next decision
     cpu.force_product(None)
     key = next(iter(sorted(products)))
