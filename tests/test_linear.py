@@ -80,17 +80,18 @@ def test_a_width_mismatch_gets_f_linears_error() -> None:
 
 def test_the_product_kind_is_the_tables_else_the_rule_and_a_forced_one_wins(tuning_table) -> None:  # type: ignore[no-untyped-def]
     cpu.force_product(None)
-    key = cpu.product_key(1536, 576, torch.float32, 1, 2, 2)
+    shape = (1536, 576, torch.float32, 1, 2, 2)
+    key = cpu.product_key(*shape)
     kinds = ("linear", "mv", "split")
-    assert cpu.product_kind(key, kinds, native_default=False) == "linear"  # no table: F.linear
-    assert cpu.product_kind(key, (*kinds, "native"), native_default=True) == "native"  # one bfloat16 row: native
+    assert cpu.product_kind(shape, kinds, native_default=False) == "linear"  # no table: F.linear
+    assert cpu.product_kind(shape, (*kinds, "native"), native_default=True) == "native"  # one bfloat16 row: native
     tuning_table({key: "mv"})
-    assert cpu.product_kind(key, kinds, native_default=False) == "mv"
+    assert cpu.product_kind(shape, kinds, native_default=False) == "mv"
     tuning_table({key: "native"})  # a kind this call cannot take: the rule
-    assert cpu.product_kind(key, kinds, native_default=False) == "linear"
+    assert cpu.product_kind(shape, kinds, native_default=False) == "linear"
     cpu.force_product("split")
     try:
-        assert cpu.product_kind(key, kinds, native_default=False) == "split"
+        assert cpu.product_kind(shape, kinds, native_default=False) == "split"
         with pytest.raises(MultiheadError, match=r"unknown product kind .fast.*linear, mv, split, blas, native"):
             cpu.force_product("fast")
     finally:
@@ -184,14 +185,21 @@ def test_the_blas_kind_puts_onednn_and_the_thread_count_back_when_the_product_ra
     assert torch._C._get_mkldnn_enabled() and torch.get_num_threads() == threads
 
 
-def test_a_flop_counter_sees_one_product() -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_a_flop_counter_or_fake_tensors_see_pytorchs_own_product(dtype: torch.dtype) -> None:
+    """Under a dispatch mode the product is PyTorch's plain one whatever the table or rule would pick (a native
+    kernel is invisible to a FLOP counter and reads memory a fake tensor does not have)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.utils.flop_counter import FlopCounterMode
 
     cpu.force_product(None)
-    w, x = torch.randn(1536, 576), torch.randn(1, 576)
+    w, x = torch.randn(1536, 576, dtype=dtype), torch.randn(1, 576, dtype=dtype)
     with FlopCounterMode(display=False) as counter:
         linear(x, w)
     assert counter.get_total_flops() == 2 * 1536 * 576
+    with FakeTensorMode() as mode:
+        y = linear(mode.from_tensor(x), mode.from_tensor(w))
+    assert y.shape == (1, 1536) and y.dtype == dtype
 
 
 def test_under_compile_blas_becomes_the_tables_compiled_choice_and_the_rest_is_kept(tuning_table,  # type: ignore[no-untyped-def]
@@ -201,14 +209,15 @@ def test_under_compile_blas_becomes_the_tables_compiled_choice_and_the_rest_is_k
     for the key runs (the fastest other kind tuning measured), F.linear without one; every other kind is kept."""
     cpu.force_product(None)
     kinds = ("linear", "mv", "split", "blas", "native")
-    keys = {name: cpu.product_key(100 + i, 576, torch.bfloat16, 1, 2, 2) for i, name in
-            enumerate(("mv", "blas", "blas, native next", "never tuned"))}
+    shapes = {name: (100 + i, 576, torch.bfloat16, 1, 2, 2) for i, name in
+              enumerate(("mv", "blas", "blas, native next", "never tuned"))}
+    keys = {name: cpu.product_key(*shape) for name, shape in shapes.items()}
     tuning_table({keys["mv"]: "mv", keys["blas"]: "blas", keys["blas, native next"]: "blas",
                   keys["blas, native next"] + " compiled": "native"})
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
-    assert cpu.product_kind(keys["never tuned"], kinds, native_default=False) == "linear"
-    assert cpu.product_kind(keys["mv"], kinds, native_default=False) == "mv"
-    assert cpu.product_kind(keys["blas"], kinds, native_default=False) == "linear"
-    assert cpu.product_kind(keys["blas, native next"], kinds, native_default=False) == "native"
+    assert cpu.product_kind(shapes["never tuned"], kinds, native_default=False) == "linear"
+    assert cpu.product_kind(shapes["mv"], kinds, native_default=False) == "mv"
+    assert cpu.product_kind(shapes["blas"], kinds, native_default=False) == "linear"
+    assert cpu.product_kind(shapes["blas, native next"], kinds, native_default=False) == "native"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
-    assert cpu.product_kind(keys["blas, native next"], kinds, native_default=False) == "blas"  # eager: blas
+    assert cpu.product_kind(shapes["blas, native next"], kinds, native_default=False) == "blas"  # eager: blas

@@ -50,6 +50,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from multihead.errors import MultiheadError
 
@@ -64,6 +65,14 @@ SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def enabled() -> bool:
     """Whether the CPU fast paths are on (the default)."""
     return _enabled
+
+
+def in_a_mode() -> bool:
+    """Whether a dispatch or function mode (FLOP counters, fake tensors, op counters) or torch.jit.trace is watching
+    the calls: there every decision takes PyTorch's plain kernel, which such a mode can see and count (the native
+    kernels read raw memory, which a fake tensor does not have, and are invisible to a counter)."""
+    return (is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
+            or torch._C._get_tracing_state() is not None)
 
 
 def set_enabled(on: bool) -> None:
@@ -264,6 +273,7 @@ DEFAULTS = {
 _table_lock = threading.Lock()
 _table: dict[str, str] | None = None
 _forced: str | None = None
+_memo: dict[tuple[object, ...], object] = {}  # decisions already looked up, by their shape (cleared with the table)
 
 
 def tuning_dir() -> Path:
@@ -365,6 +375,7 @@ def reload_table() -> None:
     global _table
     with _table_lock:
         _table = None
+        _memo.clear()
 
 
 def force_product(kind: str | None) -> None:
@@ -402,11 +413,15 @@ def attention_key(decision: str, batch: int, n_heads: int, n_kv_heads: int, dtyp
             f"threads={threads}")
 
 
-def product_kind(key: str, kinds: tuple[str, ...], *, native_default: bool) -> str:
-    """Which of ``kinds`` (the same product computed differently; "linear" first) runs for the product of ``key``
-    (:func:`product_key`): the forced kind (:func:`force_product`), else the table's, else the rule
-    (``native_default``: one bfloat16 row where the native kernel is built, "native"; else "linear"). A kind the
-    call cannot take falls back to "linear" in :mod:`multihead.linear`.
+ProductShape = tuple[int, int, torch.dtype, int, int, int]  # (out, in, dtype, rows, blocks, threads)
+
+
+def product_kind(shape: ProductShape, kinds: tuple[str, ...], *, native_default: bool) -> str:
+    """Which of ``kinds`` (the same product computed differently; "linear" first) runs for the product of ``shape``
+    (out, in, dtype, rows, blocks, threads; the table's key is :func:`product_key` of it): the forced kind
+    (:func:`force_product`), else the table's, else the rule (``native_default``: one bfloat16 row where the native
+    kernel is built, "native"; else "linear"). A kind the call cannot take falls back to "linear" in
+    :mod:`multihead.linear`. Looked up once a shape (a dict look-up a call after that).
 
     The kinds: "linear" is ``F.linear``; "mv" (one row) ``torch.mv``, the matrix-vector kernel; "split" the batched
     product over row blocks of the weight; "blas" (bfloat16/float16 only) ``F.linear`` with oneDNN switched off for
@@ -423,13 +438,25 @@ def product_kind(key: str, kinds: tuple[str, ...], *, native_default: bool) -> s
     """
     if _forced is not None:
         return _forced
+    compiling = torch.compiler.is_compiling()
+    if not compiling and in_a_mode():
+        return "linear"
+    memo = (shape, kinds, native_default, compiling)
+    if not compiling:
+        known = _memo.get(memo)
+        if known is not None:
+            return known  # type: ignore[return-value]
+    key = product_key(*shape)
     found = _entries().get(key)
     if found is not None and found in kinds:
-        if found == "blas" and torch.compiler.is_compiling():
+        if found == "blas" and compiling:
             compiled = _entries().get(key + " compiled")
-            return compiled if compiled is not None and compiled in kinds and compiled != "blas" else "linear"
-        return found
-    return "native" if native_default and "native" in kinds else "linear"
+            found = compiled if compiled is not None and compiled in kinds and compiled != "blas" else "linear"
+    else:
+        found = "native" if native_default and "native" in kinds else "linear"
+    if not compiling:
+        _memo[memo] = found
+    return found
 
 
 def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
@@ -488,7 +515,12 @@ def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: t
     if n_heads // n_kv_heads >= 4 or items % threads == 0 or items >= 2 * threads:
         return True
     assert dtype is not None
-    return _entries().get(attention_key("fold", batch, n_heads, n_kv_heads, dtype, t, threads)) == "folded"
+    memo = ("fold", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads)
+    known = _memo.get(memo)
+    if known is None:
+        known = _memo[memo] = _entries().get(attention_key("fold", batch, n_heads, n_kv_heads, dtype, t,
+                                                           threads)) == "folded"
+    return bool(known)
 
 
 def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, t: int) -> str | None:
@@ -500,13 +532,15 @@ def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: to
     medians of 7, the host of 2026-12-01): 8,192 keys float32 25.8 ms against SDPA's 62.9, bfloat16 15.3 against
     27.1; 2,048 keys float32 8.8 / 12.4, bfloat16 7.4 / 7.7. The table decides per (b, h, g, dtype, power-of-two
     range of t, threads); without an entry, native."""
-    if not _enabled:
+    if not _enabled or (not torch.compiler.is_compiling() and in_a_mode()):
         return None
-    found = _entries().get(attention_key("native-attention", batch, n_heads, n_kv_heads, dtype, t,
-                                         intra_op_threads()))
-    if found == "sdpa":
-        return None
-    return "the host's tuning table" if found == "native" else "the default where no tuning says otherwise"
+    threads = intra_op_threads()
+    memo = ("native-attention", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads)
+    if memo not in _memo:
+        found = _entries().get(attention_key("native-attention", batch, n_heads, n_kv_heads, dtype, t, threads))
+        _memo[memo] = (None if found == "sdpa" else "the host's tuning table" if found == "native"
+                       else "the default where no tuning says otherwise")
+    return _memo[memo]  # type: ignore[return-value]
 
 
 def native_quantized_decode(bits: int) -> bool:
@@ -516,7 +550,7 @@ def native_quantized_decode(bits: int) -> bool:
     kernels are built. Measured (SmolLM2's 9/3 heads, head_dim 64, 8,192 cached tokens, 30 layers' caches in turn,
     the hosts of 2026-12-01 and 12-02): 4 bits float32 38 ms against 176 ms dequantised + SDPA, 8 bits 9.3 against
     103; 2 bits always dequantise."""
-    if not _enabled or bits not in (4, 8):
+    if not _enabled or bits not in (4, 8) or (not torch.compiler.is_compiling() and in_a_mode()):
         return False
     from multihead import native
 

@@ -55,9 +55,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     n = cpu.split_product(rows, weight, x)
     if n == 1:
         return F.linear(x, weight, bias)
-    key = cpu.product_key(weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads())
     allowed = kinds(rows, weight.dtype)
-    kind = cpu.product_kind(key, allowed, native_default=rows == 1 and "native" in allowed)
+    kind = cpu.product_kind((weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads()), allowed,
+                            native_default=rows == 1 and "native" in allowed)
     return run(kind, x, weight, bias, n, cpu.product_in_one_thread(n, weight))
 
 
