@@ -25,8 +25,8 @@ delta``, the process's resident high-water mark during the run (reset before it,
 resident size before it (the heap trimmed first, glibc's malloc_trim): the cache, the activations and every
 temporary the run touches afresh; memory the allocator still holds and reuses is not counted again.
 
-Before the rounds each model decodes a short prompt (:func:`warm_up`), so multihead's measured choices of kernel
-(:func:`multihead.cpu.product_kind`) are made before anything is timed.
+Before the rounds each model decodes a short prompt (:func:`warm_up`: allocation, the native build, caches warm).
+multihead's kernel choices are the host's tuning table's (``multihead tune``) or the default rules, never timed here.
 
 ``--quick``: one length of 512 tokens, float32, one round, 4 decode tokens (about a minute: a check that it runs,
 its figures are not the benchmark). ``--random``: random weights of SmolLM2's shape, no transformers (no model file
@@ -319,8 +319,8 @@ WARM_UP_TOKENS = 48
 
 def warm_up(models: dict[str, tuple[LlamaModel, Any]], tokens: torch.Tensor) -> None:
     """A short prompt and WARM_UP_TOKENS greedy steps per dtype for each model before anything is timed, as a
-    server warms up: multihead measures which kind of product and of GQA decode runs fastest on its first real
-    calls (:func:`multihead.cpu.product_kind`; a shape called once a step, the lm_head, needs a few dozen steps)."""
+    server warms up (allocation, the native kernels' build, transformers' first calls); multihead's choices of
+    kernel are read from the host's tuning table or the default rules, not measured here."""
     prompt = tokens[:, :16]
     for ours, theirs in models.values():
         cache = ours.new_cache(1, prompt.shape[1] + WARM_UP_TOKENS)
