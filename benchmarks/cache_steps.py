@@ -12,8 +12,9 @@ first ``--length`` tokens of the held-out Jargon File text; the full and quantiz
 call, the sink and head-wise caches in chunks of longctx_speed.WINDOW_CHUNK, as longctx_speed.py does), then each of
 ``--decode-tokens`` rounds takes one greedy decode step of every runner, the order rotated every round, so a slow
 spell falls on every runner alike. The first ``--warm-steps`` rounds are not timed (the first calls at a new length:
-allocation; multihead's kernel choices are the host's tuning table's or the default rules, read, never timed). A figure is a runner's median step; the ratios are
-ratios of medians; ``spread`` is the middle half of its steps (25th to 75th percentile).
+allocation; multihead's kernel choices are the host's tuning table's or the default rules, read, never timed). A
+figure is a runner's median step; the ratios are ratios of medians; ``spread`` is the middle half of its steps (25th
+to 75th percentile).
 
 Each runner continues its own sequence, so the caches grow by one token a round, from ``--length`` on, the same for
 all. The models of one dtype are loaded, warmed up (:func:`longctx_speed.warm_up`), measured and freed before the next.

@@ -107,7 +107,7 @@ class CallHooks:
         return self.q is not None or self.k is not None or self.v is not None or self.pattern is not None
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class AttentionCall:
     """One call of the attention core, as :func:`attend` runs it and :func:`explain` describes it.
 
@@ -191,6 +191,9 @@ PATTERN_BESIDE = ("; the pattern (b, h, s, t) is made from the same q, k and mas
                   "that returns a replacement makes this call's output pattern @ v (the math path)")
 
 
+NATIVE_CODES = ("a decode step over the codes as they are stored (multihead.native.attend_q4 / attend_q8: read once "
+                "inside the attention, never dequantised; every key visible, nothing hooked at the core)")
+
 NATIVE_DECODE = ("this CPU decode step runs in multihead.native.attend_dense (each KV head read once for its query "
                  "heads, every key visible; {why})")
 
@@ -212,9 +215,7 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
     if isinstance(kv, QuantizedKV):
         why_not = _native_quantized_refused(call, kv, device)
         if why_not is None:
-            return Dispatch("native", f"a {kv.bits}-bit decode step over the codes as they are stored "
-                            f"(multihead.native.attend_q{kv.bits}: read once inside the attention, never "
-                            "dequantised; every key visible, nothing hooked at the core)", native="quantized")
+            return Dispatch("native", NATIVE_CODES, native="quantized")
         return Dispatch("dequantize", f"the {kv.bits}-bit codes are read back into keys and values first "
                         f"({why_not})", dequantize=True)
     backend, reason = _backend(call, device)
@@ -229,7 +230,9 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
 
 
 def _native_quantized_refused(call: AttentionCall, kv: QuantizedKV, device: torch.device) -> str | None:
-    """None where a native kernel attends over the call's codes as they are; else why not."""
+    """None where a native kernel attends over the call's codes as they are; else why not. What is the same for
+    every layer of a step (the mask, the kernels being there, no mode watching) is asked once a step (the mask's
+    memo)."""
     spec = call.mask
     if kv.bits not in (4, 8):
         return f"no native kernel reads {kv.bits}-bit codes"
@@ -247,12 +250,18 @@ def _native_quantized_refused(call: AttentionCall, kv: QuantizedKV, device: torc
         return f"backend {call.backend!r} asked for"
     if call.dropout_p > 0.0 or call.needs_grad or call.softcap is not None or call.sinks is not None:
         return "dropout, gradients, softcap or sink logits"
-    if spec.padding is not None or not _visible(spec):
-        return "not every key is visible to every query"
-    if not cpu.native_quantized_decode(kv.bits):
-        return "the native kernels are off or not built here" + (f" ({native.unavailable()})"
-                                                                  if native.unavailable() else "")
-    return None
+    compiling = torch.compiler.is_compiling()
+    step_wide: str | None = None if compiling else spec.memo.get(("native codes", kv.bits))
+    if step_wide is None:
+        step_wide = ""
+        if spec.padding is not None or not _visible(spec):
+            step_wide = "not every key is visible to every query"
+        elif not cpu.native_quantized_decode(kv.bits):
+            why = native.unavailable()
+            step_wide = "the native kernels are off or not built here" + (f" ({why})" if why else "")
+        if not compiling:
+            spec.memo[("native codes", kv.bits)] = step_wide
+    return step_wide or None
 
 
 def _visible(spec: MaskSpec) -> bool:
@@ -540,7 +549,8 @@ def dense_view(kv: KVView) -> DenseKV:
         old_k = torch.empty(b, g, n, d, dtype=dtype, device=kv.tail_k.device)
         old_v = torch.empty_like(old_k)
         _dequantize(kv, old_k, old_v)
-        return DenseKV(torch.cat([old_k, kv.tail_k], dim=2), torch.cat([old_v, kv.tail_v], dim=2))  # (b, g, t, d)
+        return DenseKV(torch.cat([old_k, kv.tail_k.to(dtype)], dim=2),
+                       torch.cat([old_v, kv.tail_v.to(dtype)], dim=2))  # (b, g, t, d)
     keys = torch.empty(b, g, n + m, d, dtype=dtype, device=kv.tail_k.device)  # (b, g, t, d): no concatenation
     values = torch.empty_like(keys)
     _dequantize(kv, keys[:, :, :n], values[:, :, :n])

@@ -100,11 +100,23 @@ class QuantizedKVCache(Cache):
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> QuantizedKV:
         """The layer's codes as they are stored and the full-precision tail: the residual and the new keys and values
         (b, g, s, d), t = used + s keys in all; the tail waits for :meth:`advance` (``read_only``: it is not kept).
-        Under autograd the tail is a concatenation that carries the new keys' gradient."""
+
+        A decode step's tail (one new token) of a low-precision cache is written in float32, the form a kernel that
+        reads the codes takes it (exact: the cache's dtype widened; the new token is rounded to the cache's dtype
+        first, and advance narrows it back unchanged); otherwise the tail is in the cache's dtype (a prompt's
+        tokens, concatenated after the residual). Under autograd the new keys' gradient flows through it."""
         self._check_keys(layer, k)
-        n, r = self._quantized, self._used - self._quantized
+        n, r, s = self._quantized, self._used - self._quantized, k.shape[2]
         dtype = self.res_k.dtype
-        if r == 0 and k.dtype == dtype and v.dtype == dtype:
+        if s == 1 and dtype != torch.float32:
+            b, g, _, d = k.shape
+            tail_k = torch.empty(b, g, r + 1, d, dtype=torch.float32, device=k.device)  # (b, g, r + 1, d)
+            tail_v = torch.empty_like(tail_k)
+            tail_k[:, :, :r] = self.res_k[layer, :, :, :r]
+            tail_v[:, :, :r] = self.res_v[layer, :, :, :r]
+            tail_k[:, :, r:] = k.to(dtype)
+            tail_v[:, :, r:] = v.to(dtype)
+        elif r == 0 and k.dtype == dtype and v.dtype == dtype:
             tail_k, tail_v = k, v  # (b, g, s, d): nothing in the residual, the new tokens are the whole tail
         else:
             tail_k = torch.cat([self.res_k[layer, :, :, :r], k.to(dtype)], dim=2)  # (b, g, r + s, d)
@@ -112,7 +124,7 @@ class QuantizedKVCache(Cache):
         if not read_only:
             self._pending[layer] = (tail_k, tail_v)
         return QuantizedKV(self.bits, self.group, n, self.codes_k[layer], self.scale_k[layer], self.min_k[layer],
-                           self.codes_v[layer], self.scale_v[layer], self.min_v[layer], tail_k, tail_v)
+                           self.codes_v[layer], self.scale_v[layer], self.min_v[layer], tail_k, tail_v, dtype)
 
     def advance(self, s: int, *, lengths: Sequence[int] | Tensor | None = None) -> None:
         """Quantize the whole groups that left the residual window; keep the rest in full precision."""

@@ -11,7 +11,8 @@ holds them. A view is data: it says what the kernel needs and nothing about how 
                                           ``order`` puts [group 0's heads, group 1's, ..] back in head order
     LatentKV(latents)                     multi-head latent attention's (b, t, kv_lora_rank + rope_dim)
 
-Query head i reads KV head i // (h / g) of the layer, in every kind.
+Query head i reads KV head i // (h / g) of the layer, in every kind. Views are made once a layer a step and only
+read (plain slotted dataclasses: a frozen one costs ~1 us more to make, on every layer of every step).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 from torch import Tensor
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class DenseKV:
     """Keys (b, g, t, d) and values (b, g, t, dv), one row a key: what every kernel takes as it is."""
 
@@ -38,15 +39,16 @@ class DenseKV:
         return int(self.keys.shape[1])
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class QuantizedKV:
     """A low-bit store (:mod:`multihead.quant`) and its full-precision tail, as one layer holds them.
 
     The first ``n`` tokens are codes (a multiple of ``group``): ``codes_k``, ``codes_v`` (b, g, >= n, d * bits / 8)
     uint8; ``scale_k``, ``min_k`` (b, g, >= n / group, d) float16, keys per channel over groups of ``group``
     tokens; ``scale_v``, ``min_v`` (b, g, >= n, d / group) float16, values per token over groups of ``group``
-    channels. Then ``tail_k``, ``tail_v`` (b, g, m, d) in the cache's dtype: the residual tokens and the step's
-    own, t = n + m keys in all. The buffers are the store's own (rows contiguous), never copies.
+    channels. Then ``tail_k``, ``tail_v`` (b, g, m, d): the residual tokens and the step's own, t = n + m keys in
+    all, in the cache's ``dtype`` or, for a decode step, in float32 holding values of that dtype (the form a kernel
+    over the codes reads). The buffers are the store's own (rows contiguous), never copies.
     """
 
     bits: int
@@ -60,6 +62,7 @@ class QuantizedKV:
     min_v: Tensor
     tail_k: Tensor
     tail_v: Tensor
+    dtype: torch.dtype
 
     @property
     def t(self) -> int:
@@ -69,12 +72,8 @@ class QuantizedKV:
     def n_kv_heads(self) -> int:
         return int(self.tail_k.shape[1])
 
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.tail_k.dtype
 
-
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class KVGroup:
     """One group of a head-wise layer's KV heads: its keys and values, which KV heads they are ((n,) long, in
     order; None when the group is the whole layer) and ``part``, the index of its mask in the step
@@ -85,7 +84,7 @@ class KVGroup:
     part: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class GroupedKV:
     """A layer whose KV heads hold different numbers of keys (:class:`~multihead.cache.HeadwiseCache`): one
     :class:`KVGroup` per kind of KV head present, and ``order``, the permutation that puts the groups' heads
@@ -96,7 +95,7 @@ class GroupedKV:
     n_kv_heads: int
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class LatentKV:
     """The latents of multi-head latent attention (b, t, kv_lora_rank + rope_dim): compressed keys and values and
     the one RoPE key all heads share (:class:`~multihead.cache.LatentCache`)."""
