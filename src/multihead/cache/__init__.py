@@ -7,7 +7,8 @@
     cache.advance(s)                              the commit, after the step
 
 ``update`` returns a view (:mod:`multihead.cache.view`) of what the layer attends to, in the form the kind stores it;
-:func:`multihead.kernels.attend` alone decides how to compute over it.
+:func:`multihead.kernels.attend` alone decides how to compute over it. :func:`compress` puts a full cache's prefill
+into another kind as that kind keeps it (the shared-prefill protocol: one prefill, then each method's cache).
 
 Kinds: :class:`KVCache` (every token, at its positions), :class:`SinkCache` (attention sinks + a window),
 :class:`QuantizedKVCache` (low-bit codes, KIVI), :class:`LayeredCache` (one cache per layer of its own width),
@@ -16,6 +17,7 @@ Kinds: :class:`KVCache` (every token, at its positions), :class:`SinkCache` (att
 """
 
 from multihead.cache.base import BaseCache, Cache, LayerCache, LayerView, Slots, check_count, write_slots
+from multihead.cache.compress import compress
 from multihead.cache.full import KVCache
 from multihead.cache.headwise import HeadwiseCache
 from multihead.cache.latent import LatentCache, LatentLayer
@@ -37,6 +39,6 @@ from multihead.quant import (
 
 __all__ = ["QUANT_BITS", "BaseCache", "Cache", "DenseKV", "GroupedKV", "HeadPlan", "HeadwiseCache", "KVCache",
            "KVGroup", "KVView", "LatentCache", "LatentKV", "LatentLayer", "LayerCache", "LayerView", "LayeredCache",
-           "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots", "check_bits", "check_count", "dequantize",
+           "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots", "check_bits", "check_count", "compress", "dequantize",
            "fake_quantize_keys", "fake_quantize_values", "pack", "quantize", "quantized_tokens", "sink_keep",
            "unpack", "write_slots"]
