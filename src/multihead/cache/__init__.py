@@ -39,6 +39,6 @@ from multihead.quant import (
 
 __all__ = ["QUANT_BITS", "BaseCache", "Cache", "DenseKV", "GroupedKV", "HeadPlan", "HeadwiseCache", "KVCache",
            "KVGroup", "KVView", "LatentCache", "LatentKV", "LatentLayer", "LayerCache", "LayerView", "LayeredCache",
-           "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots", "check_bits", "check_count", "compress", "dequantize",
-           "fake_quantize_keys", "fake_quantize_values", "pack", "quantize", "quantized_tokens", "sink_keep",
-           "unpack", "write_slots"]
+           "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots", "check_bits", "check_count", "compress",
+           "dequantize", "fake_quantize_keys", "fake_quantize_values", "pack", "quantize", "quantized_tokens",
+           "sink_keep", "unpack", "write_slots"]
