@@ -104,6 +104,10 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
         raise MultiheadError(f"{type(module).__name__} passed {', '.join(map(repr, unknown))} to the attention "
                              f"function, which multihead does not support: use attn_implementation='sdpa' or 'eager' "
                              "for this call")
+    found = getattr(key, CARRIED, None)
+    if found is not None:  # a multihead cache's view (multihead.hfcache): its own masks, its own keys
+        return _over_cache_view(module, query, found, attention_mask, dropout, scaling, softcap, s_aux,
+                                position_bias, output_attentions)
     b, h, s, d = query.shape
     g, t = key.shape[1], key.shape[2]
     if h % g != 0:
@@ -122,6 +126,44 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
                          need_weights=bool(output_attentions), softcap=softcap, sinks=s_aux, hooks=hooked)
     z, weights = attend(call)  # (b, h, s, dv)
     return z.transpose(1, 2).contiguous(), weights
+
+
+CARRIED = "multihead_view"  # the attribute a multihead cache's update sets on the keys it hands over (hfcache.VIEW)
+
+
+def _over_cache_view(module: nn.Module, query: Tensor, found: Any, attention_mask: Tensor | None, dropout: float,
+                     scaling: float | None, softcap: float | None, s_aux: Tensor | None, position_bias: Tensor | None,
+                     output_attentions: bool) -> tuple[Tensor, Tensor | None]:
+    """attention_forward over a multihead cache's view (:mod:`multihead.hfcache`): the step's masks (one per group of
+    KV heads for a head-wise cache), transformers' mask only checked to have no padding."""
+    from multihead.hfcache import check_no_padding
+
+    if position_bias is not None:
+        raise MultiheadError(f"{type(module).__name__} passed a position_bias: a multihead cache takes causal decoders")
+    if found.positions is not None:  # the step's first layer of its kind: transformers' mask, checked once
+        check_no_padding(attention_mask, found.positions, found.window)
+    step = found.step
+    d = query.shape[-1]
+    hooked = call_hooks(module) if isinstance(getattr(module, "hook_z", None), HookPoint) else None  # type: ignore[arg-type]
+    call = AttentionCall(query, found.view, step.mask, scale=d**-0.5 if scaling is None else float(scaling),
+                         dropout_p=float(dropout), backend=getattr(module, "multihead_backend", "auto"),
+                         need_weights=bool(output_attentions), softcap=softcap, sinks=s_aux, hooks=hooked,
+                         masks=step.masks)
+    z, weights = attend(call)  # (b, h, s, dv)
+    return z.transpose(1, 2).contiguous(), weights
+
+
+def new_cache(model: nn.Module, max_len: int | None = None, **kinds: Any) -> Any:
+    """A multihead cache for a transformers model that runs multihead's attention (:func:`enable`), to pass as
+    ``model.generate(..., past_key_values=cache)`` or ``model(..., past_key_values=cache)``: every key
+    (``max_len``), ``window=`` with ``sink_tokens=``, ``bits=`` (``group=``, ``residual=``), or ``plan=`` (a
+    :class:`~multihead.cache.HeadPlan`: each KV head full or sinks + window, the streaming heads' other keys never
+    stored); ``batch=`` sequences of one length. Its ``bytes`` are the real tensors'. See
+    :mod:`multihead.hfcache`."""
+    require("transformers", "hf")
+    from multihead.hfcache import new_cache as make
+
+    return make(model, max_len, **kinds)
 
 
 def _calls_attention_interface(cls: Any) -> bool:

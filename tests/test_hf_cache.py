@@ -1,0 +1,160 @@
+"""multihead's caches in transformers models (multihead.hfcache, hf.new_cache): every kind through ``forward`` and
+``generate`` of tiny random Llama, Qwen2, Qwen3 and Mistral models against the uncached model under the kind's mask
+(made with the hook points: each layer's pattern restricted to the keys the kind keeps), the real bytes, and SmolLM2
+in transformers equal to multihead's own port with the same head plan."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from torch import Tensor
+
+from multihead import cost, hf
+from multihead.cache import HeadPlan, sink_keep
+from multihead.errors import MultiheadError
+from multihead.hooks import hooks
+
+transformers = pytest.importorskip("transformers")
+
+FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
+P, STEPS = 24, 10  # prompt tokens, then decode steps
+
+
+def _model(family: str):  # type: ignore[no-untyped-def]
+    torch.manual_seed(0)
+    common = {"vocab_size": 97, "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
+    config = {"llama": lambda: transformers.LlamaConfig(**common),
+              "qwen2": lambda: transformers.Qwen2Config(**common),
+              "qwen3": lambda: transformers.Qwen3Config(**common, head_dim=32),
+              "mistral": lambda: transformers.MistralConfig(**common, sliding_window=None)}[family]()
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    return hf.enable(model)
+
+
+def _plan() -> HeadPlan:
+    return HeadPlan(full=[[True, False], [False, True]], sinks=2, window=8, model="tiny", shape=(2, 4, 2, 32))
+
+
+def _restricted(model, tokens: Tensor, keep: Tensor) -> Tensor:  # type: ignore[no-untyped-def]
+    """The uncached model whose every layer's pattern is restricted to ``keep`` (L, h, n, n) and renormalised: the
+    softmax over the kept keys only, exactly (the math path after a replaced pattern)."""
+    def restrict(layer: int):  # type: ignore[no-untyped-def]
+        def fn(w: Tensor, point: object) -> Tensor:
+            kept = w * keep[layer][None]
+            return kept / kept.sum(-1, keepdim=True)
+        return fn
+
+    points = {f"model.layers.{i}.self_attn.hook_pattern": restrict(i) for i in range(keep.shape[0])}
+    with torch.no_grad(), hooks(model, points):
+        return model(tokens).logits  # type: ignore[no-any-return]
+
+
+def _cached(model, tokens: Tensor, cache) -> Tensor:  # type: ignore[no-untyped-def]
+    """Logits of a prompt of P tokens through the cache, then one token a step (teacher-forced)."""
+    with torch.no_grad():
+        out = [model(tokens[:, :P], cache=cache).logits]
+        for i in range(P, tokens.shape[1]):
+            out.append(model(tokens[:, i:i + 1], cache=cache).logits)
+    return torch.cat(out, 1)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_kind_decodes_as_the_uncached_model_under_its_mask(family: str) -> None:
+    model = _model(family)
+    tokens = torch.randint(0, 97, (1, P + STEPS))
+    n = tokens.shape[1]
+    with torch.no_grad():
+        plain = model(tokens).logits
+    torch.testing.assert_close(_cached(model, tokens, hf.new_cache(model, n)), plain, atol=2e-5, rtol=2e-5)
+    pos = torch.arange(n)
+    sink = sink_keep(pos, pos, window=8, sink_tokens=2)
+    got = _cached(model, tokens, hf.new_cache(model, window=8, sink_tokens=2))
+    torch.testing.assert_close(got, _restricted(model, tokens, sink[None, None].expand(2, 4, n, n)), atol=2e-5,
+                               rtol=2e-5)
+    plan = _plan()
+    cache = hf.new_cache(model, n, plan=plan)
+    got = _cached(model, tokens, cache)
+    torch.testing.assert_close(got, _restricted(model, tokens, plan.mask(n)), atol=2e-5, rtol=2e-5)
+    assert cache.bytes == cost.headwise_cache_bytes(plan, batch=1, max_len=n, dtype="fp32")
+    assert not torch.allclose(got, plain, atol=1e-3)  # the plan changes what is computed: the check can fail
+    quantized = _cached(model, tokens, hf.new_cache(model, n, bits=8, group=16, residual=8))
+    torch.testing.assert_close(quantized, plain, atol=0.05, rtol=0.05)  # 8-bit keys and values: close, not equal
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_generate_takes_every_kind_and_the_full_one_gives_transformers_own_tokens(family: str) -> None:
+    model = _model(family)
+    ids = torch.randint(0, 97, (1, P))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=STEPS, do_sample=False)  # transformers' own DynamicCache
+        kinds = {"full": {"max_len": P + STEPS}, "sink": {"window": 8, "sink_tokens": 2},
+                 "int4": {"max_len": P + STEPS, "bits": 4, "group": 16, "residual": 8},
+                 "plan": {"max_len": P + STEPS, "plan": _plan()}}
+        for name, kind in kinds.items():
+            cache = hf.new_cache(model, **kind)
+            got = model.generate(ids, cache=cache, max_new_tokens=STEPS, do_sample=False)
+            assert got.shape == want.shape and cache.inner.used == P + STEPS - 1, name
+            if name == "full":
+                assert torch.equal(got, want)
+
+
+def test_the_cache_refuses_what_it_cannot_hold_by_name() -> None:
+    model = _model("llama")
+    with pytest.raises(MultiheadError, match=r"n_kv_heads"):
+        hf.new_cache(model, 32, plan=HeadPlan(full=[[True, False, True]] * 2, sinks=2, window=8, model="x",
+                                              shape=(2, 4, 3, 32)))
+    with pytest.raises(MultiheadError, match="exceeds the model's context"):
+        hf.new_cache(model, 1000)
+    with pytest.raises(MultiheadError, match="needs max_len"):
+        hf.new_cache(model)
+    ids = torch.randint(0, 97, (2, 12))
+    with torch.no_grad():
+        with pytest.raises(MultiheadError, match="padding"):
+            mask = torch.ones(2, 12, dtype=torch.long)
+            mask[1, :4] = 0
+            model(ids, attention_mask=mask, cache=hf.new_cache(model, batch=2, window=8))
+        with pytest.raises(MultiheadError, match="beam search"):
+            model.generate(ids[:1], cache=hf.new_cache(model, 32), num_beams=2, max_new_tokens=2, do_sample=False)
+        with pytest.raises(MultiheadError, match="num_return_sequences"):
+            model.generate(ids[:1], cache=hf.new_cache(model, 32), num_return_sequences=2, max_new_tokens=2,
+                           do_sample=True)
+    plain = transformers.LlamaForCausalLM(model.config).eval()
+    plain.set_attn_implementation("sdpa")
+    with pytest.raises(MultiheadError, match="hf.enable"):
+        hf.new_cache(plain, 32)
+    sliding = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(
+        vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, sliding_window=16))
+    with pytest.raises(MultiheadError, match="sliding-window layers"):
+        hf.new_cache(hf.enable(sliding), 32)
+
+
+@pytest.mark.slow
+def test_smollm2_in_transformers_decodes_with_a_head_plan_as_multiheads_own_port() -> None:
+    """The real model: transformers' LlamaForCausalLM read from the GGUF, on multihead's attention with a head-wise
+    cache of a shipped plan, gives the greedy tokens of multihead's own SmolLM2 port with the same plan's cache,
+    and the same real bytes."""
+    from pathlib import Path
+
+    from multihead.models import load_llama
+    from multihead.models.generate import generate_ids
+    from tests_support import smollm2_gguf
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    path = smollm2_gguf()
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32).eval()
+    hf.enable(theirs)
+    ours, tok = load_llama()
+    plan = HeadPlan.load(Path(__file__).parents[1] / "docs" / "experiments" / "smollm2-duo-50-plan.json")
+    prompt = tok.encode("The passkey is 71432. Remember it. " + "The grass is green. " * 60 + "The passkey is")
+    new = 12
+    cache = hf.new_cache(theirs, len(prompt) + new, plan=plan)
+    with torch.no_grad():
+        got = theirs.generate(torch.tensor([prompt]), cache=cache, max_new_tokens=new, do_sample=False)
+    want = [t[0] for t in generate_ids(ours, [prompt], max_new_tokens=new, plan=plan)]
+    assert got[0, len(prompt):].tolist() == want
+    assert cache.bytes == ours.new_cache(1, len(prompt) + new, plan=plan).bytes
