@@ -123,7 +123,7 @@ def test_the_cache_refuses_what_it_cannot_hold_by_name() -> None:
                            do_sample=True)
     plain = transformers.LlamaForCausalLM(model.config).eval()
     plain.set_attn_implementation("sdpa")
-    with pytest.raises(MultiheadError, match="hf.enable"):
+    with pytest.raises(MultiheadError, match=r"hf\.enable"):
         hf.new_cache(plain, 32)
     sliding = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(
         vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
