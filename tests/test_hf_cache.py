@@ -125,11 +125,57 @@ def test_the_cache_refuses_what_it_cannot_hold_by_name() -> None:
     plain.set_attn_implementation("sdpa")
     with pytest.raises(MultiheadError, match=r"hf\.enable"):
         hf.new_cache(plain, 32)
-    sliding = transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(
-        vocab_size=97, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, sliding_window=16))
-    with pytest.raises(MultiheadError, match="sliding-window layers"):
-        hf.new_cache(hf.enable(sliding), 32)
+
+
+SLIDING = 6  # the sliding layers' own window: shorter than the prompt, so it matters
+
+
+def _sliding_model(family: str):  # type: ignore[no-untyped-def]
+    """Tiny Gemma 2, Gemma 3 (text) and Mistral models whose layer 0 slides (window SLIDING) and layer 1 is global
+    (Mistral: both slide); their windows as multihead.hfcache reads them."""
+    torch.manual_seed(0)
+    common = {"vocab_size": 97, "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "head_dim": 32,
+              "sliding_window": SLIDING}
+    types = ["sliding_attention", "full_attention"]
+    config = {"gemma2": lambda: transformers.Gemma2Config(**common, layer_types=types),
+              "gemma3": lambda: transformers.Gemma3TextConfig(**common, layer_types=types),
+              "mistral": lambda: transformers.MistralConfig(**common)}[family]()
+    model = hf.enable(transformers.AutoModelForCausalLM.from_config(config).eval())
+    windows = [SLIDING, SLIDING] if family == "mistral" else [SLIDING, None]
+    return model, windows
+
+
+@pytest.mark.parametrize("family", ["gemma2", "gemma3", "mistral"])
+def test_sliding_layers_keep_their_window_in_every_kind(family: str) -> None:
+    """In a sliding layer every kind attends within the layer's own window (sinks included: past the window a sink
+    is not seen); the head-wise cache stores a sliding layer's full heads as a ring of its window and its streaming
+    heads as sinks + the smaller window, and its bytes are cost.headwise_cache_bytes with the windows."""
+    from multihead.hfcache import layer_windows
+
+    model, windows = _sliding_model(family)
+    assert layer_windows(model.config, 2) == windows
+    tokens = torch.randint(0, 97, (1, P + STEPS))
+    n = tokens.shape[1]
+    with torch.no_grad():
+        plain = model(tokens).logits
+    torch.testing.assert_close(_cached(model, tokens, hf.new_cache(model, n)), plain, atol=2e-5, rtol=2e-5)
+    pos = torch.arange(n)
+    for sinks, window in ((2, 8), (2, 4)):  # a plan window wider and narrower than the layers' own
+        sink = sink_keep(pos, pos, window=window, sink_tokens=sinks)
+        got = _cached(model, tokens, hf.new_cache(model, window=window, sink_tokens=sinks))
+        torch.testing.assert_close(got, _restricted(model, tokens, sink[None, None].expand(2, 4, n, n)),
+                                   atol=2e-5, rtol=2e-5)
+        plan = HeadPlan(full=[[True, False], [False, True]], sinks=sinks, window=window, model="tiny",
+                        shape=(2, 4, 2, 32))
+        cache = hf.new_cache(model, n, plan=plan)
+        got = _cached(model, tokens, cache)
+        torch.testing.assert_close(got, _restricted(model, tokens, plan.mask(n)), atol=2e-5, rtol=2e-5)
+        assert cache.bytes == cost.headwise_cache_bytes(plan, batch=1, max_len=n, dtype="fp32", windows=windows)
+        stores = {name: tuple(t.shape) for name, t in cache.inner.named_buffers() if name.startswith("k_")}
+        assert stores["k_0_0"] == (1, 1, SLIDING - 1, 32)  # layer 0's full head: a ring of the layer's window
+        assert stores["k_0_1"] == (1, 1, sinks + min(window, SLIDING) - 1, 32)
+    assert not torch.allclose(got, plain, atol=1e-3)
 
 
 @pytest.mark.slow

@@ -602,17 +602,23 @@ class PlanShape(Protocol):
     def n_kv_heads(self) -> int: ...
 
 
-def headwise_cache_bytes(plan: PlanShape, *, batch: int, max_len: int, dtype: str = "bf16") -> int:
+def headwise_cache_bytes(plan: PlanShape, *, batch: int, max_len: int, dtype: str = "bf16",
+                         windows: Sequence[int | None] | None = None) -> int:
     """A head-wise cache (:class:`multihead.cache.HeadwiseCache`) of ``plan``: each full KV head holds max_len
     tokens, each streaming one sinks + window - 1 (the next token joins them), whatever the context::
 
         2 * batch * head_dim * bytes(dtype) * sum over layers l of (|F_l| * max_len + |S_l| * (sinks + window - 1))
 
-    F_l and S_l are layer l's full and streaming KV heads. ``dtype`` a name (bf16, fp32, ...; ``str(torch dtype)``
-    works too)."""
+    F_l and S_l are layer l's full and streaming KV heads. In a sliding layer of window W_l (``windows``: each
+    layer's own, None for a global one) a full head holds W_l - 1 tokens and a streaming one sinks + min(window, W_l)
+    - 1. ``dtype`` a name (bf16, fp32, ...; ``str(torch dtype)`` works too)."""
     _check_sizes(batch=batch, max_len=max_len)
     d = plan.shape[3]
-    full = sum(map(sum, plan.full))
-    streaming = plan.n_layers * plan.n_kv_heads - full
-    tokens = full * max_len + streaming * (plan.sinks + plan.window - 1)
+    layer_windows = [None] * plan.n_layers if windows is None else list(windows)
+    tokens = 0
+    for row, w in zip(plan.full, layer_windows, strict=True):
+        full = sum(row)
+        streaming = len(row) - full
+        tokens += full * (max_len if w is None else w - 1)
+        tokens += streaming * (plan.sinks + (plan.window if w is None else min(plan.window, w)) - 1)
     return 2 * batch * d * dtype_bytes(dtype) * tokens

@@ -17,6 +17,11 @@ streaming heads' other keys never stored) and the view it returns (:mod:`multihe
 when the first layer updates and commits (``advance``) after the last, so a forward pass is one cache step, a prefill
 or a decode step alike.
 
+Sliding-window layers (Gemma 2 and 3, Mistral) keep their window: every kind attends within the layer's own window
+(sinks included: a key past it is not seen), and a head-wise cache stores a sliding layer's full heads as a ring
+of that window and its streaming heads as sinks + the smaller of the two windows (the full and quantized kinds
+store every key of every layer, as written).
+
 The sequences of a batch hold one length (the kinds that evict and quantize hold one; a padded batch is refused, not
 silently mis-masked). Beam search, assisted decoding (``crop``) and ``num_return_sequences > 1`` change a cache in
 ways these kinds do not support: refused by name. The compiled (static-cache) path of transformers cannot take
@@ -224,10 +229,6 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
     d = int(getattr(text, "head_dim", None) or text.hidden_size // h)
     context = int(getattr(text, "max_position_embeddings", 0) or 0)
     windows = layer_windows(text, n_layers)
-    if any(w is not None for w in windows):
-        window_size = next(w for w in windows if w)
-        raise MultiheadError(f"{type(model).__name__} has sliding-window layers (window {window_size}): multihead's "
-                             "caches do not take them yet in transformers models")
     param = next(model.parameters())
     where: dict[str, Any] = {"batch": batch, "dtype": param.dtype, "device": param.device}
     if max_len is not None and context and max_len > context:
@@ -242,7 +243,7 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
         if not isinstance(plan, HeadPlan):
             raise MultiheadError(f"plan must be a HeadPlan (HeadPlan.load(path)), got {type(plan).__name__}")
         plan.check(n_layers=n_layers, n_heads=h, n_kv_heads=g, head_dim=d)
-        inner = HeadwiseCache(plan, max_len=max_len, **where)
+        inner = HeadwiseCache(plan, max_len=max_len, windows=windows, **where)
     elif window is not None:
         if max_len is not None or bits is not None:
             raise MultiheadError("a windowed cache has no max_len and stores keys in full: give window= alone (with "
