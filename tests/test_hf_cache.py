@@ -101,6 +101,31 @@ def test_generate_takes_every_kind_and_the_full_one_gives_transformers_own_token
                 assert torch.equal(got, want)
 
 
+def test_a_chunked_prefill_and_a_compressed_full_prefill_decode_as_the_kind_does() -> None:
+    """A prompt in chunks is one cache step a forward pass; the shared-prefill protocol (multihead.cache.compress of
+    a full cache's prefill into the kind, then the question decoded through it) equals the uncached model whose
+    prompt rows are causal and whose later rows see what the kind keeps."""
+    from multihead.cache import compress
+
+    model = _model("llama")
+    tokens = torch.randint(0, 97, (1, P + STEPS))
+    n = tokens.shape[1]
+    plan = _plan()
+    chunked = hf.new_cache(model, n, plan=plan)
+    with torch.no_grad():
+        out = [model(tokens[:, a:b], cache=chunked).logits for a, b in ((0, 10), (10, 17), (17, n))]
+    torch.testing.assert_close(torch.cat(out, 1), _restricted(model, tokens, plan.mask(n)), atol=2e-5, rtol=2e-5)
+    full = hf.new_cache(model, n)
+    small = hf.new_cache(model, n, plan=plan)
+    with torch.no_grad():
+        model(tokens[:, :P], cache=full)
+        compress(full.inner, small.inner)
+        got = torch.cat([model(tokens[:, i:i + 1], cache=small).logits for i in range(P, n)], 1)
+    keep = plan.mask(n).clone()
+    keep[:, :, :P] = torch.ones(n, n, dtype=torch.bool).tril()[:P]  # the prompt was prefilled with every key
+    torch.testing.assert_close(got, _restricted(model, tokens, keep)[:, P:], atol=2e-5, rtol=2e-5)
+
+
 def test_the_cache_refuses_what_it_cannot_hold_by_name() -> None:
     model = _model("llama")
     with pytest.raises(MultiheadError, match=r"n_kv_heads"):
