@@ -19,7 +19,7 @@ from multihead.cli.common import out_folder
 from multihead.cli.flags import POSITIVE, SEED, CliError
 
 LONG_ONLY = ("lengths", "tasks", "haystacks", "prompts", "keys", "values", "seed", "keep", "window_keep",
-             "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan")
+             "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan", "engine")
 
 
 def _names(allowed: Callable[[], tuple[str, ...]], what: str) -> flags.Listed:
@@ -73,6 +73,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--plan", type=flags.PATH, action="append", default=None, metavar="FILE",
                    help="a head plan (HeadPlan JSON, e.g. docs/experiments/*-plan.json) measured as a head-wise "
                         "cache, beside a sinks + window cache of the same bytes; repeat for several")
+    g.add_argument("--engine", choices=("auto", "ours", "transformers"), default=None,
+                   help="auto (default): multihead's own port for Llama-style GGUF files and folders, transformers "
+                        "(on multihead's attention and caches) for any other causal LM folder; ours or transformers "
+                        "to choose (every cache kind and --plan run on both; MQA and pruning on ours only)")
     g.add_argument("--cases-jsonl", type=flags.PATH, default=None,
                    help="write the run's cases as JSON lines to this file and stop (for benchmarks/kvpress_longctx.py)")
 
@@ -125,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"{len(cases)} cases written to {path}")
         return 0
     with out_folder(args.out) as out:
-        result = longctx.run(s, out=out, progress=not args.json, model_path=model_path, text_path=args.text)
+        result = longctx.run(s, out=out, progress=not args.json, model_path=model_path, text_path=args.text,
+                             engine=args.engine or "auto")
         result["plot"] = longctx.plot(result, out / "long-context.png")
     if args.json:
         print(json.dumps(result))

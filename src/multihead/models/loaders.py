@@ -215,22 +215,48 @@ def read_gguf(path: str | Path) -> tuple[LlamaConfig, dict[str, Tensor], TextTok
     for i in range(config.n_layers):
         for ours in _GGUF_LAYER:
             state[f"layers.{i}.{ours}"] = weight(_gguf_layer_name(f"layers.{i}.{ours}"))
+    tokenizer = _gguf_tokenizer(gguf, v, p, tokens, token_types, config.bos_id, config.eos_id)
+    gguf.close()
+    return config, state, tokenizer
+
+
+def _gguf_tokenizer(gguf: Any, v: Values, p: Path, tokens: list[str], token_types: list[int], bos_id: int | None,
+                    eos_id: int | None) -> TextTokenizer:
     pre = gguf.field("tokenizer.ggml.pre", None)
     template = gguf.field("tokenizer.chat_template", None)
-    tokenizer = from_gguf_metadata(
+    return from_gguf_metadata(
         model=v.text("tokenizer.ggml.model", gguf.field("tokenizer.ggml.model")),
         pre=None if pre is None else v.text("tokenizer.ggml.pre", pre),
         tokens=tokens,
         token_types=token_types,
         merges=v.strings("tokenizer.ggml.merges", gguf.field("tokenizer.ggml.merges")),
-        bos_id=config.bos_id,
-        eos_id=config.eos_id,
+        bos_id=bos_id,
+        eos_id=eos_id,
         add_bos=v.flag("tokenizer.ggml.add_bos_token", gguf.field("tokenizer.ggml.add_bos_token", False)),
         chat_template=None if template is None else v.text("tokenizer.chat_template", template),
         where=str(p),
     )
-    gguf.close()
-    return config, state, tokenizer
+
+
+def read_gguf_tokenizer(path: str | Path) -> TextTokenizer:
+    """The tokenizer a GGUF file's metadata holds (its vocabulary, merges and llama.cpp's pre-tokenizer for the
+    named type), without reading its tensors: what :func:`read_gguf` gives beside the weights."""
+    from multihead.models.gguf_file import GGUFFile
+
+    p = Path(path)
+    gguf = GGUFFile(p)
+    try:
+        v = Values(p)
+        tokens = v.strings("tokenizer.ggml.tokens", gguf.field("tokenizer.ggml.tokens"))
+        token_types = v.integers("tokenizer.ggml.token_type", gguf.field("tokenizer.ggml.token_type"))
+        if len(token_types) != len(tokens):
+            raise v.fail("tokenizer.ggml.token_type", f"{len(token_types)} entries", f"one per token ({len(tokens)})")
+        size = len(tokens)
+        bos = v.token_id("tokenizer.ggml.bos_token_id", gguf.field("tokenizer.ggml.bos_token_id", None), size)
+        eos = v.token_id("tokenizer.ggml.eos_token_id", gguf.field("tokenizer.ggml.eos_token_id", None), size)
+        return _gguf_tokenizer(gguf, v, p, tokens, token_types, bos, eos)
+    finally:
+        gguf.close()
 
 
 # ---------------------------------------------------------------------------------------------- configs

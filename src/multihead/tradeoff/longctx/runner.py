@@ -23,6 +23,7 @@ from multihead.errors import MultiheadError
 from multihead.evals.answers import run_prompt
 from multihead.evals.case_files import write_jsonl
 from multihead.evals.needles import Case, Tokenizer, check_length, make_cases
+from multihead.names import ENGINES
 from multihead.tradeoff.longctx.methods import Method, load_plan
 from multihead.tradeoff.longctx.perplexity import long_perplexity
 from multihead.tradeoff.longctx.report import table
@@ -62,12 +63,60 @@ def _prompts(cases: Sequence[Case]) -> Iterator[list[Case]]:
     yield from by.values()
 
 
+def resolve_engine(model_path: str | None, engine: str = "auto") -> str:
+    """Which engine decodes ``model_path``: multihead's own port ("ours": Llama-style GGUF files and folders, and
+    the default SmolLM2 without a path) or transformers on multihead's attention and caches ("transformers", any
+    causal LM folder or GGUF); "auto" takes our port where one applies. Read from the path, nothing loaded."""
+    if engine not in ENGINES:
+        raise MultiheadError(f"engine {engine!r} is unknown: choose one of {', '.join(ENGINES)}")
+    if model_path is None:
+        return "transformers" if engine == "transformers" else "ours"
+    path = Path(model_path)
+    if not path.exists():
+        raise MultiheadError(f"model {str(path)!r} does not exist: give a .gguf file or a model folder")
+    llama = path.is_file() or _model_type(path) == "llama"
+    if engine == "ours" and not llama:
+        raise MultiheadError(f"{str(path)!r} ({_model_type(path) or 'no config.json'}) has no port of ours "
+                             "(Llama-style decoders): use engine transformers")
+    return "ours" if engine == "ours" or (engine == "auto" and llama) else "transformers"
+
+
+def load_decoder(model_path: str | None, engine: str = "auto") -> tuple[Any, Any, str]:
+    """The model a run decodes, its tokenizer and the engine that runs it (:func:`resolve_engine`):
+    :func:`multihead.models.load_llama`, or :func:`multihead.hfcache.load_decoder`."""
+    from multihead.models.loaders import default_gguf_path, load_llama
+
+    ran = resolve_engine(model_path, engine)
+    path = default_gguf_path() if model_path is None else Path(model_path)
+    if ran == "ours":
+        model, tokenizer = load_llama(path)
+        return model, tokenizer, "ours"
+    from multihead.hfcache import load_decoder as load_transformers
+
+    decoder, text = load_transformers(path)
+    return decoder, text, "transformers"
+
+
+def _model_type(folder: Path) -> str | None:
+    config = folder / "config.json"
+    if not (folder.is_dir() and config.is_file()):
+        return None
+    from multihead.models.loaders import read_json
+
+    found = read_json(config).get("model_type")
+    return None if found is None else str(found)
+
+
 def run(settings: Settings, *, out: str | Path, progress: bool = True, model_path: str | None = None,
-        text_path: str | None = None, model: Any = None, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+        text_path: str | None = None, model: Any = None, tokenizer: Tokenizer | None = None,
+        engine: str = "ours") -> dict[str, Any]:
     """The long-context trade-off: every method's accuracy per (length, task), perplexity on long windows, KV
     bytes at each length, prefill and decode time. Each finished (method, prompt) result is saved under ``out``
     and skipped when the run is repeated with the same settings (a run with other settings is refused there).
-    ``model`` and ``tokenizer`` replace the default SmolLM2 (tests). Returns a JSON-ready dict, also written to
+    ``model`` and ``tokenizer`` replace the default SmolLM2 (tests); ``engine`` runs ``model_path`` on multihead's
+    own port ("ours"), on transformers ("transformers", every cache kind and head plan; the methods that change the
+    model, MQA and pruning, are left out and the result says so) or as "auto" picks (:func:`load_decoder`).
+    Returns a JSON-ready dict, also written to
     ``out/result.json``, with the table in ``out/table.txt``.
 
     Everything that can be refused (a length past the model's context, a text too short, a case that cannot be
@@ -82,6 +131,9 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
     folder = Path(out)
     stamp: dict[str, Any] = {"settings": dataclasses.asdict(settings), "model": model_path, "text": text_path,
                              "own_model": model is not None}
+    ran = "ours" if model is not None else resolve_engine(model_path, engine)
+    if ran != "ours":  # (a run on our port keeps the settings file it always had, so it resumes)
+        stamp["engine"] = ran
     if settings.plans:  # a plan's file may change under the same name: its contents are part of the run
         stamp["plans"] = {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in settings.plans}
     else:
@@ -92,10 +144,10 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
                              "the same settings or use another folder")
     own = model is not None
     if model is None:
-        from multihead.models.loaders import load_llama
-
-        model, loaded = load_llama(model_path)
+        model, loaded, ran = load_decoder(model_path, engine)
         tokenizer = tokenizer or loaded
+    if ran == "transformers" or not hasattr(model, "layers"):
+        settings = dataclasses.replace(settings, mqa=False, prune=(), uptrain_steps=0)
     if tokenizer is None:
         raise MultiheadError("a model passed to run() needs its tokenizer")
     max_context = model.config.max_context
@@ -118,8 +170,12 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
                 with contextlib.suppress(OSError):
                     f.rmdir()  # only if empty
         raise
+    if ran == "transformers":
+        result["not_run"] = ("pooled and uptrained MQA and pruning change the model: they exist for multihead's own "
+                             "port (engine ours)")
     result.update(model=model_path or ("a model given to run()" if own else
                                        "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)"),
+                  engine="multihead's own port" if ran == "ours" else "transformers on multihead's attention",
                   text=text_path or "Jargon File 4.4.7 (Debian jargon-text), held-out split",
                   seconds=round(time.perf_counter() - began, 1))
     _atomic_json(folder / "result.json", result)

@@ -1,0 +1,134 @@
+"""The long-context evaluation on the transformers engine (multihead.hfcache.TransformersDecoder): every cache kind
+and head plan gives the answers multihead's own port gives on the same weights and cases; the methods that change
+the model are left out and said; `tradeoff --long --engine` picks and refuses by name."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from multihead.errors import MultiheadError
+from multihead.models.llama import LlamaConfig, LlamaModel
+from multihead.tradeoff import longctx as lc
+from test_longctx import CHARS, TOK, _prose
+
+transformers = pytest.importorskip("transformers")
+
+
+def _pair() -> tuple[Any, LlamaModel]:
+    """A tiny random transformers Llama on multihead's attention, and multihead's port with its weights."""
+    from multihead import hf
+    from multihead.hfcache import TransformersDecoder
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=len(CHARS), hidden_size=64, intermediate_size=64,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=1024, rms_norm_eps=1e-5)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            torch.nn.init.normal_(p, std=0.3)  # large weights: attention far from uniform, so evictions show
+    ours = LlamaModel(LlamaConfig(vocab_size=len(CHARS), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                  rms_eps=1e-5, max_context=1024, tie_embeddings=False)).eval()
+    state = {}
+    for name, tensor in theirs.state_dict().items():
+        mine = (name.removeprefix("model.").replace("embed_tokens.", "embed.").replace("self_attn.", "attn.")
+                .replace("input_layernorm.", "attn_norm.").replace("post_attention_layernorm.", "ffn_norm.")
+                .replace("mlp.", ""))
+        state[mine] = tensor
+    ours.load_state_dict(state)
+    return TransformersDecoder(hf.enable(theirs)), ours
+
+
+def _settings(plan: str) -> lc.Settings:
+    return lc.Settings(lengths=(400,), tasks=("passkey", "multikey"), keys=2, prompts=2, chunk=96, sinks=2,
+                       keep=(0.5,), window_keep=(), windows=(), bits=(4,), group=8, residual=16, mqa=False,
+                       uptrain_steps=0, prune=(), plans=(plan,), ppl_context=256, ppl_scored=64, threshold=0.0,
+                       bootstrap=50)
+
+
+def _answers(folder: Path) -> dict[str, dict[str, Any]]:
+    return {f"{path.parent.name}/{r['id']}": r for path in sorted((folder / "results").glob("*/*.json"))
+            for r in json.loads(path.read_text())}
+
+
+def test_the_transformers_engine_answers_as_the_port_for_every_cache_kind_and_plan(tmp_path: Path) -> None:
+    from multihead.cache import HeadPlan
+
+    theirs, ours = _pair()
+    text = tmp_path / "text.txt"
+    text.write_text(_prose(1400, seed=4))
+    plan = str(HeadPlan(full=((True, False), (False, True)), sinks=2, window=24, model="tiny", shape=(2, 4, 2, 16),
+                        method="test", budget=0.5).save(tmp_path / "mixed-plan.json"))
+    settings = _settings(plan)
+    port = lc.run(settings, out=tmp_path / "ours", progress=False, text_path=str(text), model=ours, tokenizer=TOK)
+    other = lc.run(settings, out=tmp_path / "theirs", progress=False, text_path=str(text), model=theirs,
+                   tokenizer=TOK)
+    names = [r["method"] for r in port["rows"]]
+    assert names == [r["method"] for r in other["rows"]]
+    assert {"full cache", "2 sinks + window 50%", "int4 (g8, r16)"} <= set(names) and any("mixed" in n for n in names)
+    mine, yours = _answers(tmp_path / "ours"), _answers(tmp_path / "theirs")
+    assert mine.keys() == yours.keys() and len(mine) == len(names) * 2 * 3
+    for key, a in mine.items():
+        b = yours[key]
+        assert (a["correct"], a["greedy_ids"]) == (b["correct"], b["greedy_ids"]), key
+        assert a["answer_logprob"] == pytest.approx(b["answer_logprob"], abs=1e-3), key
+        assert a["cache_bytes"] == b["cache_bytes"], key
+    for a, b in zip(port["rows"], other["rows"], strict=True):
+        assert a["perplexity"]["perplexity"] == pytest.approx(b["perplexity"]["perplexity"], rel=1e-4)
+        assert a["lengths"]["400"]["kv_bytes"] == b["lengths"]["400"]["kv_bytes"]
+
+
+def test_the_engine_is_resolved_from_the_path_and_refused_by_name(tmp_path: Path) -> None:
+    from multihead.tradeoff.longctx.runner import resolve_engine
+
+    folder = tmp_path / "qwen"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert resolve_engine(None) == "ours" and resolve_engine(None, "transformers") == "transformers"
+    assert resolve_engine(str(gguf)) == "ours" and resolve_engine(str(gguf), "transformers") == "transformers"
+    assert resolve_engine(str(folder)) == "transformers"
+    with pytest.raises(MultiheadError, match=r"\(qwen2\) has no port of ours"):
+        resolve_engine(str(folder), "ours")
+    with pytest.raises(MultiheadError, match="engine 'vllm' is unknown"):
+        resolve_engine(None, "vllm")
+    with pytest.raises(MultiheadError, match="does not exist"):
+        resolve_engine(str(tmp_path / "nothing"))
+    done = subprocess.run([sys.executable, "-m", "multihead", "tradeoff", "--engine", "transformers"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--engine is for `tradeoff --long`: add --long" in done.stderr
+
+
+@pytest.mark.slow
+def test_smollm2_on_transformers_answers_as_the_port_on_the_same_cases(tmp_path: Path) -> None:
+    """The real model through `multihead tradeoff --long`: the GGUF on transformers (every cache kind and the
+    shipped DuoAttention plan, on multihead's attention and caches) and on multihead's own port give the same
+    answers to the same cases; the transformers run says which methods it left out."""
+    from multihead.models import default_gguf_path
+
+    plan = Path(__file__).parents[1] / "docs" / "experiments" / "smollm2-duo-50-plan.json"
+    runs = {}
+    for engine in ("ours", "transformers"):
+        out = tmp_path / engine
+        done = subprocess.run([sys.executable, "-m", "multihead", "tradeoff", "--long", "--model",
+                               str(default_gguf_path()), "--engine", engine, "--lengths", "512", "--tasks",
+                               "passkey,single-number", "--prompts", "1", "--keep", "0.5", "--window-keep", "none",
+                               "--bits", "4", "--plan", str(plan), "--no-mqa", "--prune", "none",
+                               "--uptrain-steps", "0", "--threshold", "0", "--bootstrap", "50", "--out", str(out),
+                               "--json"], capture_output=True, text=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        runs[engine] = json.loads(done.stdout)
+    mine, yours = _answers(tmp_path / "ours"), _answers(tmp_path / "transformers")
+    assert mine.keys() == yours.keys() and mine
+    for key, a in mine.items():
+        assert (a["correct"], a["greedy_ids"]) == (yours[key]["correct"], yours[key]["greedy_ids"]), key
+    assert runs["transformers"]["engine"] == "transformers on multihead's attention" and runs["transformers"]["not_run"]
+    assert runs["ours"]["engine"] == "multihead's own port"
