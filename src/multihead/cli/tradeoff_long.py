@@ -19,7 +19,7 @@ from multihead.cli.common import out_folder
 from multihead.cli.flags import POSITIVE, SEED, CliError
 
 LONG_ONLY = ("lengths", "tasks", "haystacks", "prompts", "keys", "values", "seed", "keep", "window_keep",
-             "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan", "engine")
+             "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan", "engine", "protocol", "dtype")
 
 
 def _names(allowed: Callable[[], tuple[str, ...]], what: str) -> flags.Listed:
@@ -77,6 +77,13 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                    help="auto (default): multihead's own port for Llama-style GGUF files and folders, transformers "
                         "(on multihead's attention and caches) for any other causal LM folder; ours or transformers "
                         "to choose (every cache kind and --plan run on both; MQA and pruning on ours only)")
+    g.add_argument("--protocol", choices=("streaming", "shared"), default=None,
+                   help="streaming (default): each method prefills through its own cache (its real peak memory); "
+                        "shared: each case prefilled once with the full cache and every method's cache compressed "
+                        "from it (kvpress's protocol: N methods for one prefill; one JSON line a case, resumable; "
+                        "accuracy with Wilson intervals, McNemar against the full cache and each plan's control)")
+    g.add_argument("--dtype", type=flags.Dtype(("fp32", "bf16")), default=None,
+                   help="the model's element type with --protocol shared: fp32 (default) or bf16")
     g.add_argument("--cases-jsonl", type=flags.PATH, default=None,
                    help="write the run's cases as JSON lines to this file and stop (for benchmarks/kvpress_longctx.py)")
 
@@ -127,6 +134,16 @@ def run(args: argparse.Namespace) -> int:
         cases = longctx.build_cases(s, model_path=model_path, text_path=args.text)
         path = longctx.write_jsonl(cases, args.cases_jsonl)
         print(f"{len(cases)} cases written to {path}")
+        return 0
+    if args.dtype is not None and args.protocol != "shared":
+        raise CliError("--dtype is for --protocol shared (the streaming run is float32)")
+    if args.protocol == "shared":
+        from multihead.tradeoff.longctx import shared
+
+        with out_folder(args.out) as out:
+            result = shared.run(s, out=out, model_path=model_path, text_path=args.text, engine=args.engine or "auto",
+                                dtype=flags.TORCH_NAMES[args.dtype or "fp32"], progress=not args.json)
+        print(json.dumps(result) if args.json else shared.table(result))
         return 0
     with out_folder(args.out) as out:
         result = longctx.run(s, out=out, progress=not args.json, model_path=model_path, text_path=args.text,

@@ -81,19 +81,20 @@ def resolve_engine(model_path: str | None, engine: str = "auto") -> str:
     return "ours" if engine == "ours" or (engine == "auto" and llama) else "transformers"
 
 
-def load_decoder(model_path: str | None, engine: str = "auto") -> tuple[Any, Any, str]:
-    """The model a run decodes, its tokenizer and the engine that runs it (:func:`resolve_engine`):
+def load_decoder(model_path: str | None, engine: str = "auto", *, dtype: torch.dtype = torch.float32
+                 ) -> tuple[Any, Any, str]:
+    """The model a run decodes (in ``dtype``), its tokenizer and the engine that runs it (:func:`resolve_engine`):
     :func:`multihead.models.load_llama`, or :func:`multihead.hfcache.load_decoder`."""
     from multihead.models.loaders import default_gguf_path, load_llama
 
     ran = resolve_engine(model_path, engine)
     path = default_gguf_path() if model_path is None else Path(model_path)
     if ran == "ours":
-        model, tokenizer = load_llama(path)
+        model, tokenizer = load_llama(path, dtype=dtype)
         return model, tokenizer, "ours"
     from multihead.hfcache import load_decoder as load_transformers
 
-    decoder, text = load_transformers(path)
+    decoder, text = load_transformers(path, dtype=dtype)
     return decoder, text, "transformers"
 
 

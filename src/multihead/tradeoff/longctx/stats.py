@@ -38,6 +38,19 @@ def wilson(k: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     return (max(0.0, centre - half), min(1.0, centre + half))
 
 
+def mcnemar(reference: Sequence[bool], other: Sequence[bool]) -> dict[str, Any]:
+    """McNemar's exact test of two methods' answers to the same cases: ``b`` cases the reference gets right and the
+    other wrong, ``c`` the reverse, and the two-sided p-value of b against c under the null that a discordant case
+    falls either way with probability 1/2 (the binomial tail, doubled, at most 1)."""
+    if len(reference) != len(other):
+        raise ValueError(f"mcnemar: {len(reference)} and {len(other)} answers: the same cases are needed")
+    b = sum(1 for x, y in zip(reference, other, strict=True) if x and not y)
+    c = sum(1 for x, y in zip(reference, other, strict=True) if y and not x)
+    n, low = b + c, min(b, c)
+    tail = sum(math.comb(n, i) for i in range(low + 1)) / 2**n if n else 1.0
+    return {"reference_only": b, "other_only": c, "p_value": min(1.0, 2 * tail)}
+
+
 def summarise(results: Sequence[dict[str, Any]], *, draws: int, seed: int = 0) -> dict[str, Any]:
     correct = [bool(r["correct"]) for r in results]
     k, n = sum(correct), len(correct)
@@ -49,4 +62,4 @@ def summarise(results: Sequence[dict[str, Any]], *, draws: int, seed: int = 0) -
             "answer_logprob": statistics.fmean(r["answer_logprob"] for r in results) if n else math.nan}
 
 
-__all__ = ["bootstrap_ci", "summarise", "wilson"]
+__all__ = ["bootstrap_ci", "mcnemar", "summarise", "wilson"]

@@ -1,0 +1,157 @@
+"""The shared-prefill protocol (multihead.tradeoff.longctx.shared) on the tiny model: it equals the streaming path
+where a method keeps every key, compresses after the prefill (the question unseen), resumes by skipping finished
+cases, and its statistics (Wilson, McNemar's exact test) are the textbook ones."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from multihead.cache import sink_keep
+from multihead.errors import MultiheadError
+from multihead.evals.answers import run_prompt
+from multihead.linear import linear
+from multihead.tradeoff import longctx as lc
+from multihead.tradeoff.longctx import shared
+from multihead.tradeoff.longctx.stats import mcnemar
+from test_longctx import CHARS, TOK, _prose, _tiny
+
+
+def _cases(tmp_path: Path, prompts: int = 3) -> list[lc.Case]:
+    text = tmp_path / "text.txt"
+    text.write_text(_prose(1400, seed=4))
+    from multihead.evals.text import read_text, token_splits
+
+    settings = lc.Settings(lengths=(300,), tasks=("passkey", "single-number"), prompts=prompts, sinks=2)
+    return lc.make_cases(settings, TOK, token_splits(TOK.encode(read_text(str(text)))).test, max_context=1024)
+
+
+METHODS = [lc.Method("full cache", "full"), lc.Method("2 sinks + window 400", "sinks + window", window=400, sinks=2),
+           lc.Method("2 sinks + window 40", "sinks + window", window=40, sinks=2),
+           lc.Method("int4 (g8, r16)", "quantized", bits=4, group=8, residual=16)]
+
+
+def test_where_a_method_keeps_every_key_the_shared_prefill_answers_as_the_streaming_one(tmp_path: Path) -> None:
+    model = _tiny(max_context=1024, vocab=len(CHARS))
+    cases = _cases(tmp_path)
+    records = shared.run_shared(model, cases, METHODS, out=tmp_path / "run", chunk=96, progress=False)
+    assert [r["id"] for r in records] == [c.id for c in cases]
+    for case, record in zip(cases, records, strict=True):
+        for method in METHODS[:2]:  # the full cache, and a window longer than the prompt: every key kept
+            (streamed,) = run_prompt(model, method, [case], chunk=96)
+            got = record["methods"][method.name]
+            assert (got["correct"], got["greedy_ids"]) == (streamed["correct"], streamed["greedy_ids"])
+            assert got["answer_logprob"] == pytest.approx(streamed["answer_logprob"], abs=1e-4)
+        assert record["methods"]["2 sinks + window 40"]["cache_bytes"] < record["methods"]["full cache"]["cache_bytes"]
+
+
+def test_the_compression_comes_after_a_prefill_that_saw_every_key(tmp_path: Path) -> None:
+    """A sinks + window method's answer equals the uncached model whose context rows saw every earlier key and
+    whose question and answer rows see the sinks and the window only; the streaming prefill (keys computed through
+    the small cache) gives another answer."""
+    model = _tiny(max_context=1024, vocab=len(CHARS))
+    case = _cases(tmp_path, prompts=1)[0]
+    method = METHODS[2]
+    record = shared.answer_case(model, case, [method], chunk=96)
+    ids = [*case.context_ids, *case.question_ids, *case.answer_ids]
+    n, c = len(ids), len(case.context_ids)
+    pos = torch.arange(n)
+    mask = pos[None] <= pos[:, None]
+    mask[c:] = sink_keep(pos[c:], pos, window=40, sink_tokens=2)
+    h = model.embed(torch.tensor([ids]))
+    with torch.no_grad():
+        for block in model.layers:
+            h = block(h, step=block.attn.step(h, mask=mask[None, None]))
+        logits = linear(model.norm(h), model.embed.weight)[0]
+    start = n - len(case.answer_ids) - 1  # the position whose logits predict the first answer token
+    logp = torch.log_softmax(logits[start:n - 1].float(), -1)
+    want = float(logp.gather(-1, torch.tensor(case.answer_ids)[:, None]).sum())
+    assert record["methods"][method.name]["answer_logprob"] == pytest.approx(want, abs=1e-3)
+    (streamed,) = run_prompt(model, method, [case], chunk=96)
+    assert streamed["answer_logprob"] != pytest.approx(want, abs=1e-3)
+
+
+def test_a_stopped_run_resumes_skipping_the_cases_it_finished(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    model = _tiny(max_context=1024, vocab=len(CHARS))
+    cases = _cases(tmp_path)
+    out = tmp_path / "run"
+    first = shared.run_shared(model, cases[:3], METHODS, out=out, chunk=96, progress=False)
+    lines = (out / shared.FILE).read_text().splitlines()
+    assert len(lines) == 3 and [json.loads(x)["id"] for x in lines] == [c.id for c in cases[:3]]
+    (out / shared.FILE).write_text("\n".join(lines) + "\n" + lines[-1][:20])  # a stop in the middle of a line
+    calls: list[str] = []
+    real = shared.answer_case
+
+    def counted(model: Any, case: lc.Case, *args: Any) -> dict[str, Any]:
+        calls.append(case.id)
+        return real(model, case, *args)
+
+    monkeypatch.setattr(shared, "answer_case", counted)
+    again = shared.run_shared(model, cases, METHODS, out=out, chunk=96, progress=False)
+    assert calls == [c.id for c in cases[3:]]  # the finished ones skipped; the cut line's case was whole before
+    assert again[:3] == first and len(again) == len(cases)
+    with pytest.raises(MultiheadError, match="other methods"):
+        shared.run_shared(model, cases, METHODS[:2], out=out, chunk=96, progress=False)
+    (out / shared.FILE).write_text("{not json\n" + "\n".join(lines) + "\n")
+    with pytest.raises(MultiheadError, match="line 1 is not JSON"):
+        shared.run_shared(model, cases, METHODS, out=out, chunk=96, progress=False)
+
+
+def test_mcnemar_is_the_exact_binomial_test_on_the_discordant_cases() -> None:
+    # 1 case only the reference gets, 6 only the other: p = 2 * (C(7,0) + C(7,1)) / 2^7 = 0.125
+    ref = [True] + [False] * 6 + [True] * 5
+    other = [False] + [True] * 6 + [True] * 5
+    assert mcnemar(ref, other) == {"reference_only": 1, "other_only": 6, "p_value": 0.125}
+    assert mcnemar([True] * 4, [True] * 4)["p_value"] == 1.0
+    assert mcnemar([True] * 10, [False] * 10)["p_value"] == pytest.approx(2 / 1024)
+    with pytest.raises(ValueError, match="the same cases"):
+        mcnemar([True], [True, False])
+
+
+def test_the_summary_gives_each_cell_wilson_intervals_mcnemar_and_the_throughput(tmp_path: Path) -> None:
+    model = _tiny(max_context=1024, vocab=len(CHARS))
+    records = shared.run_shared(model, _cases(tmp_path), METHODS, out=tmp_path / "run", chunk=96, progress=False)
+    out = shared.summary(records, METHODS, controls={"2 sinks + window 40": "2 sinks + window 400"})
+    assert out["cases"] == 6 and set(out["cells"]) == {"300|passkey", "300|single-number"}
+    cell = out["cells"]["300|passkey"]
+    full = cell["methods"]["full cache"]
+    assert "vs_full" not in full and full["wilson95"][0] <= full["accuracy"] <= full["wilson95"][1]
+    small = cell["methods"]["2 sinks + window 40"]
+    assert set(small["vs_full"]) == {"reference_only", "other_only", "p_value"}
+    assert small["vs_control"]["control"] == "2 sinks + window 400"
+    assert out["throughput"]["cases_per_hour"] > 0 and set(out["throughput"]["method_seconds_per_case"]) == {
+        m.name for m in METHODS}
+    assert "shared prefill" in out["protocol"]
+
+
+def test_the_cli_runs_the_shared_protocol_resumes_it_and_refuses_other_settings(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`tradeoff --long --protocol shared` on a tiny GGUF: one JSON line a case, the result and table written, each
+    method's bytes and accuracy per cell; a second call with the same settings answers nothing again, one with other
+    settings is refused naming the settings file; --dtype without the shared protocol is refused."""
+    from multihead.cli import main
+    from tiny_checkpoints import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", context=512)
+    text = tmp_path / "text.txt"
+    text.write_text(_prose(3000, seed=4))
+    argv = ["tradeoff", "--long", "--protocol", "shared", "--model", str(gguf), "--text", str(text), "--lengths",
+            "300", "--tasks", "passkey,single-number", "--prompts", "2", "--keep", "0.5", "--bits", "4", "--group",
+            "4", "--out", str(tmp_path / "out"), "--json"]
+    assert main(argv) == 0
+    result = json.loads(capsys.readouterr().out)
+    lines = (tmp_path / "out" / shared.FILE).read_text().splitlines()
+    assert len(lines) == result["cases"] == 4 and (tmp_path / "out" / "shared-table.txt").exists()
+    cell = result["cells"]["300|passkey"]["methods"]
+    assert cell["full cache"]["bytes_of_full"] == 1.0 and 0 < cell["int4 (g4, r128)"]["bytes_of_full"] < 1
+    assert main(argv) == 0 and json.loads(capsys.readouterr().out)["cells"] == result["cells"]
+    assert (tmp_path / "out" / shared.FILE).read_text().splitlines() == lines
+    assert main([*argv, "--prompts", "3"]) == 2
+    assert "holds a shared-prefill run with other settings" in capsys.readouterr().err
+    assert main(["tradeoff", "--long", "--dtype", "bf16", "--out", str(tmp_path / "o2")]) == 2
+    assert "--dtype is for --protocol shared" in capsys.readouterr().err
