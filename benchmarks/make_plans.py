@@ -27,7 +27,7 @@ from multihead.cache import HeadPlan
 
 MODEL = "SmolLM2-135M-Instruct"
 SHAPE = (30, 9, 3, 64)  # n_layers, n_heads, n_kv_heads, head_dim
-BUDGETS = {"retrieval": (0.25, 0.5, 0.75), "mass": (0.5,), "razor": (0.5,), "duo": (0.25, 0.5, 0.75)}
+BUDGETS = {"retrieval": (0.25, 0.5, 0.75), "mass": (0.25, 0.5), "razor": (0.25, 0.5), "duo": (0.25, 0.5, 0.75)}
 
 
 def scores_of(kind: str, retrieval: dict, gates: dict | None) -> np.ndarray:

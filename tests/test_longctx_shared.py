@@ -94,6 +94,7 @@ def test_a_stopped_run_resumes_skipping_the_cases_it_finished(tmp_path: Path, mo
     monkeypatch.setattr(shared, "answer_case", counted)
     again = shared.run_shared(model, cases, METHODS, out=out, chunk=96, progress=False)
     assert calls == [c.id for c in cases[3:]]  # the finished ones skipped; the cut line's case was whole before
+    assert [c.task for c in shared.interleaved(cases)] == ["passkey", "single-number"] * 3  # cells take turns
     assert again[:3] == first and len(again) == len(cases)
     with pytest.raises(MultiheadError, match="other methods"):
         shared.run_shared(model, cases, METHODS[:2], out=out, chunk=96, progress=False)

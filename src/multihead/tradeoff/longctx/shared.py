@@ -106,11 +106,21 @@ def answer_case(model: Any, case: Case, methods: Sequence[Method], chunk: int) -
     return record
 
 
+def interleaved(cases: Sequence[Case]) -> list[Case]:
+    """The cases in turns over their (length, task) cells, each cell's in its own order: a run stopped early has
+    about as many cases in every cell."""
+    cells: dict[tuple[int, str], list[Case]] = {}
+    for c in cases:
+        cells.setdefault((c.length, c.task), []).append(c)
+    rank = {id(c): (i, n) for n, cell in enumerate(cells.values()) for i, c in enumerate(cell)}
+    return sorted(cases, key=lambda c: rank[id(c)])
+
+
 def run_shared(model: Any, cases: Sequence[Case], methods: Sequence[Method], *, out: str | Path, chunk: int,
                progress: bool = True, say: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
     """Every case under every cache method by the shared-prefill protocol, each finished case appended to
-    ``out/shared-prefill.jsonl`` as it ends (flushed and synced); cases already there are skipped. Returns every
-    case's record, in the order of ``cases``."""
+    ``out/shared-prefill.jsonl`` as it ends (flushed and synced), in turns over the (length, task) cells
+    (:func:`interleaved`); cases already there are skipped. Returns every case's record, in the order of ``cases``."""
     from tqdm import tqdm
 
     folder = Path(out)
@@ -123,7 +133,7 @@ def run_shared(model: Any, cases: Sequence[Case], methods: Sequence[Method], *, 
         if sorted(record["methods"]) != sorted(names):
             raise MultiheadError(f"{path} holds a case answered by other methods ({sorted(record['methods'])}): "
                                  "resume with the same methods or use another folder")
-    todo = [c for c in cases if c.id not in done]
+    todo = interleaved([c for c in cases if c.id not in done])
     if say is not None and done:
         say(f"{len(done)} of {len(cases)} cases already answered in {path}: {len(todo)} to go")
     began = time.perf_counter()
@@ -281,5 +291,5 @@ def table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["FILE", "PROTOCOLS", "PROTOCOL_TEXT", "answer_case", "cache_methods", "controls_of", "finished", "run",
-           "run_shared", "summary", "table"]
+__all__ = ["FILE", "PROTOCOLS", "PROTOCOL_TEXT", "answer_case", "cache_methods", "controls_of", "finished",
+           "interleaved", "run", "run_shared", "summary", "table"]
