@@ -96,9 +96,10 @@ def smollm2_gguf() -> Path:
     return Path(next(iter(spec.submodule_search_locations))) / SMOLLM2_FILE
 
 
-def load_transformers_smollm2() -> tuple[Any, Any]:
-    """transformers' LlamaForCausalLM (float32, SDPA attention: kvpress's head-wise presses refuse eager) and its
-    tokenizer, both read from the GGUF by transformers itself (``gguf_file=``, dequantised by the gguf package)."""
+def load_transformers_smollm2(dtype: str = "float32") -> tuple[Any, Any]:
+    """transformers' LlamaForCausalLM (in ``dtype``, float32 or bfloat16; SDPA attention: kvpress's head-wise presses
+    refuse eager) and its tokenizer, both read from the GGUF by transformers itself (``gguf_file=``, dequantised by
+    the gguf package)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     import torch
@@ -108,7 +109,7 @@ def load_transformers_smollm2() -> tuple[Any, Any]:
     logging.set_verbosity_error()
     logging.disable_progress_bar()
     path = smollm2_gguf()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32,
+    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=getattr(torch, dtype),
                                                  attn_implementation="sdpa")
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tokenizer
@@ -385,7 +386,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         return 0
     import kvpress  # noqa: F401  (patches transformers' attention functions for the head-wise presses)
 
-    model, tokenizer = load_transformers_smollm2()
+    if data.get("meta", {}).get("dtype", args.dtype) != args.dtype:
+        raise CaseError(f"{str(out)!r} holds results in {data['meta']['dtype']}: resume with --dtype "
+                        f"{data['meta']['dtype']} or write to another --out")
+    model, tokenizer = load_transformers_smollm2(args.dtype)
     pipe = None
     if args.check_pipeline:
         from kvpress import KVPressTextGenerationPipeline
@@ -395,7 +399,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for c in cases:
         check_fits(c, vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data["meta"] = {"model": SMOLLM2_FILE, "dtype": "float32", "attn_implementation": "sdpa",
+    data["meta"] = {"model": SMOLLM2_FILE, "dtype": args.dtype, "attn_implementation": "sdpa",
                     "versions": _versions(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
                     "machine": platform.machine(), "note": args.note, "cases_file": str(args.cases),
                     "extra_tokens": args.extra_tokens}
@@ -560,8 +564,94 @@ def compare_table(cmp: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def compare_shared(data: dict[str, Any], records: Sequence[dict[str, Any]], methods: Sequence[dict[str, Any]]
+                   ) -> dict[str, Any]:
+    """kvpress's results (``data``) beside a shared-prefill run of ``multihead tradeoff --long --protocol shared``
+    (``records``: its shared-prefill.jsonl lines; ``methods``: its result's methods) on the cases both answered, by
+    id: per (length, task) every multihead method's and press setting's accuracy with its Wilson 95% interval, the
+    bytes against the same side's full cache, and McNemar's exact test of each press setting against multihead's
+    full cache and against multihead's uniform sinks + window at the press's bytes (compression r: keep 1 - r)."""
+    from multihead.tradeoff.longctx.stats import mcnemar, wilson
+
+    ours = {r["id"]: r for r in records}
+    uniform = {round(1 - float(m["keep"]), 6): m["name"] for m in methods if m["series"] == "sinks + window"}
+    full = next(m["name"] for m in methods if m["series"] == "full")
+    kv_full = data["results"].get("full@0.0", {})
+    cells: dict[str, Any] = {}
+    keys = sorted({(r["length"], r["task"]) for r in records})
+    for length, task in keys:
+        ids = [cid for cid, r in ours.items() if (r["length"], r["task"]) == (length, task)
+               and all(cid in by_case for by_case in data["results"].values())]
+        if not ids:
+            continue
+        cell: dict[str, Any] = {"cases": len(ids), "multihead": {}, "kvpress": {}}
+        truth = [bool(ours[i]["methods"][full]["correct"]) for i in ids]
+        for name in ours[ids[0]]["methods"]:
+            right = [bool(ours[i]["methods"][name]["correct"]) for i in ids]
+            held = [ours[i]["methods"][name]["cache_bytes"] / ours[i]["methods"][full]["cache_bytes"] for i in ids]
+            cell["multihead"][name] = {"correct": sum(right), "accuracy": sum(right) / len(ids),
+                                       "wilson95": wilson(sum(right), len(ids)), "bytes_share": statistics.fmean(held)}
+        for setting, by_case in data["results"].items():
+            right = [bool(by_case[i]["exact"]) for i in ids]
+            entry: dict[str, Any] = {"correct": sum(right), "accuracy": sum(right) / len(ids),
+                                     "wilson95": wilson(sum(right), len(ids)),
+                                     "vs_multihead_full": mcnemar(truth, right)}
+            if kv_full:
+                entry["bytes_share"] = statistics.fmean(by_case[i]["tensor_bytes"] / kv_full[i]["tensor_bytes"]
+                                                        for i in ids)
+                entry["effective_share"] = statistics.fmean(by_case[i]["effective_bytes"] / kv_full[i]["tensor_bytes"]
+                                                            for i in ids)
+            ratio = float(setting.rsplit("@", 1)[1])
+            match = uniform.get(round(ratio, 6))
+            if match is not None:
+                entry["vs_uniform"] = {"method": match, **mcnemar(
+                    [bool(ours[i]["methods"][match]["correct"]) for i in ids], right)}
+            cell["kvpress"][setting] = entry
+        if kv_full:
+            same = sum(bool(kv_full[i]["exact"]) == t for i, t in zip(ids, truth, strict=True))
+            cell["full_cache_agreement"] = {"cases": len(ids), "same_exact_match": same}
+        cells[f"{length}|{task}"] = cell
+    return {"protocol": "shared prefill (multihead) beside kvpress's press during prefill, question unseen by both",
+            "cells": cells}
+
+
+def compare_shared_table(cmp: dict[str, Any]) -> str:
+    lines = []
+    for key, cell in cmp["cells"].items():
+        length, task = key.split("|")
+        agree = cell.get("full_cache_agreement")
+        lines.append(f"{task} at {length} tokens, {cell['cases']} cases both ran"
+                     + (f" (full caches: same answer on {agree['same_exact_match']})" if agree else ""))
+        width = max(len(n) for n in [*cell["multihead"], *cell["kvpress"]])
+        lines.append(f"  {'side':9} {'method / press@compression':{width}} {'bytes':>6} {'eff.':>6} {'correct':>8} "
+                     f"{'Wilson 95%':>13}  vs multihead full / uniform of its bytes (McNemar b/c, p)")
+        for name, m in cell["multihead"].items():
+            lines.append(f"  {'multihead':9} {name:{width}} {m['bytes_share']:6.3f} {'':6} "
+                         f"{m['correct']:>4}/{cell['cases']:<3} [{m['wilson95'][0]:4.2f},{m['wilson95'][1]:5.2f}]")
+        for name, m in cell["kvpress"].items():
+            vs = m["vs_multihead_full"]
+            un = m.get("vs_uniform")
+            share = f"{m['bytes_share']:6.3f}" if "bytes_share" in m else f"{'?':>6}"
+            eff = f"{m['effective_share']:6.3f}" if "effective_share" in m else f"{'':6}"
+            lines.append(f"  {'kvpress':9} {name:{width}} {share} {eff} {m['correct']:>4}/{cell['cases']:<3} "
+                         f"[{m['wilson95'][0]:4.2f},{m['wilson95'][1]:5.2f}]  "
+                         f"{vs['reference_only']}/{vs['other_only']} p {vs['p_value']:.3g}"
+                         + (f"; {un['method']}: {un['reference_only']}/{un['other_only']} p {un['p_value']:.3g}"
+                            if un else ""))
+    return "\n".join(lines)
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
     folder = Path(args.multihead)
+    if (folder / "shared-result.json").is_file():  # a shared-prefill run
+        from multihead.tradeoff.longctx.shared import FILE, finished
+
+        result = json.loads((folder / "shared-result.json").read_text(encoding="utf-8"))
+        cmp = compare_shared(read_results(args.out), list(finished(folder / FILE).values()), result["methods"])
+        print(compare_shared_table(cmp))
+        if args.json:
+            _atomic_write(Path(args.json), cmp)
+        return 0
     if not (folder / "result.json").is_file():
         raise CaseError(f"{str(folder / 'result.json')!r} does not exist: give the --out folder of a finished "
                         "`multihead tradeoff --long` run")
@@ -666,6 +756,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--task", nargs="+", help="only cases of these tasks")
     r.add_argument("--limit", type=int, default=0, help="at most N cases per (length, task)")
     r.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                   help="the model's element type (a results file keeps one)")
     r.add_argument("--extra-tokens", type=int, default=4, help="greedy tokens past the answer's length")
     r.add_argument("--check-pipeline", type=int, default=0, metavar="N",
                    help="for the first N cases of each press setting, also run kvpress's own pipeline and compare")
@@ -675,7 +767,8 @@ def main(argv: list[str] | None = None) -> int:
     sm.add_argument("--out", required=True, nargs="+", help="the results JSON of a run (or several, merged)")
     cp = sub.add_parser("compare", help="a results file beside the multihead run whose cases it ran")
     cp.add_argument("--out", required=True, nargs="+", help="the results JSON of a run (or several, merged)")
-    cp.add_argument("--multihead", required=True, help="the --out folder of `multihead tradeoff --long`")
+    cp.add_argument("--multihead", required=True, help="the --out folder of `multihead tradeoff --long` (either "
+                    "protocol: a shared-prefill run's folder holds shared-result.json)")
     cp.add_argument("--json", help="write the comparison here")
     c = sub.add_parser("cases", help="write passkey smoke cases (repeated filler)")
     c.add_argument("--out", required=True)

@@ -132,3 +132,31 @@ def test_results_of_runs_made_side_by_side_merge_and_a_case_in_two_is_refused(tm
     assert [m["threads"] for m in data["metas"].values()] == [1, 2]
     with pytest.raises(MultiheadError, match=r"full@0.0 'x' is in more than one of the results files"):
         bench.read_results([str(a), str(a)])
+
+
+def test_compare_shared_pairs_each_press_with_multihead_on_the_cases_both_ran() -> None:
+    """The comparison with a shared-prefill run: only the cases both sides answered, each press setting against
+    multihead's full cache and against the uniform sinks + window holding the press's share of the bytes (50% for
+    compression 0.5), by McNemar's test on the same cases; bytes against each side's own full cache."""
+    full, half = "full cache", "4 sinks + window 50%"
+    methods = [{"name": full, "series": "full", "keep": None},
+               {"name": half, "series": "sinks + window", "keep": 0.5}]
+    ours = {"a": (True, True), "b": (True, False), "c": (True, True), "d": (False, False), "e": (True, True)}
+    records = [{"id": i, "length": 4096, "task": "passkey",
+                "methods": {full: {"correct": f, "cache_bytes": 100}, half: {"correct": h, "cache_bytes": 51}}}
+               for i, (f, h) in ours.items()]
+    press = {"a": False, "b": False, "c": True, "d": False}  # "e" not run by kvpress: left out
+
+    def res(exact: bool, nbytes: int) -> dict[str, Any]:
+        return {"exact": exact, "tensor_bytes": nbytes, "effective_bytes": nbytes}
+
+    data = {"results": {"full@0.0": {i: res(ours[i][0], 200) for i in press},
+                        "streaming_llm@0.5": {i: res(x, 100) for i, x in press.items()}}}
+    cell = bench.compare_shared(data, records, methods)["cells"]["4096|passkey"]
+    assert cell["cases"] == 4 and cell["full_cache_agreement"] == {"cases": 4, "same_exact_match": 4}
+    s = cell["kvpress"]["streaming_llm@0.5"]
+    assert (s["correct"], s["bytes_share"]) == (1, 0.5)
+    assert s["vs_multihead_full"] == {"reference_only": 2, "other_only": 0, "p_value": 0.5}  # a, b
+    assert s["vs_uniform"] == {"method": half, "reference_only": 1, "other_only": 0, "p_value": 1.0}  # a
+    assert cell["multihead"][half]["bytes_share"] == 0.51 and cell["multihead"][full]["correct"] == 3
+    assert "kvpress" in bench.compare_shared_table({"cells": {"4096|passkey": cell}})
