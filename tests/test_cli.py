@@ -238,3 +238,58 @@ def test_generate_with_a_window_decodes_at_constant_memory(capsys: pytest.Captur
     assert data["new_tokens"] >= 1
     assert main(["generate", "Hi", "--window", "32", "--compile"]) == 2
     assert "--window decodes eagerly" in capsys.readouterr().err
+
+
+def _list_flags() -> list[tuple[str, str]]:
+    """(command, flag) for every flag of every command whose value is a comma-separated list (flags.Listed, or
+    flags.Dtype with many), found by walking the whole parser."""
+    import argparse
+
+    from multihead.cli import build_parser, flags
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    found = []
+    for command, parser in sub.choices.items():
+        for action in parser._actions:
+            kind = action.type
+            if isinstance(kind, flags.Listed) or (isinstance(kind, flags.Dtype) and kind.many):
+                found.append((command, max(action.option_strings, key=len)))
+    return found
+
+
+LIST_FLAGS = _list_flags()
+
+
+def test_the_list_flags_are_all_found() -> None:
+    """The walk below sees the list flags of every command (so that a new one is tested without being named)."""
+    for expected in [("experiment", "--heads"), ("check", "--dtype"), ("check", "--backend"), ("tune", "--lengths"),
+                     ("tradeoff", "--bits"), ("tradeoff", "--prune"), ("heads", "--tasks")]:
+        assert expected in LIST_FLAGS, LIST_FLAGS
+    assert len({command for command, _ in LIST_FLAGS}) >= 5
+
+
+@pytest.mark.parametrize("value", ["1,,2", ",1", "1,", "1, ,2"], ids=["doubled", "leading", "trailing", "blank"])
+@pytest.mark.parametrize(("command", "flag"), LIST_FLAGS, ids=[f"{c} {f}" for c, f in LIST_FLAGS])
+def test_a_list_flag_refuses_an_empty_item(command: str, flag: str, value: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """'1,,2' ran as 1,2 (issue 40 item 5): every list flag of every command now refuses an empty item in one line
+    that names the flag and the value, before anything runs."""
+    assert main([command, flag, value]) == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err and captured.out == "", captured
+    assert f"error: argument {flag}: {value!r} has an empty item (item " in err, err
+
+
+def test_the_empty_item_is_said_where_it_is(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["experiment", "heads-vs-width", "--heads"]
+    assert main([*argv, "1,,2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "multihead experiment: error: argument --heads: '1,,2' has an empty item (item 2 of 3: two commas in a "
+        "row): give comma-separated integers (head counts), e.g. 1,4,16")
+    for value, where in [(",1", "item 1 of 2: a leading comma"), ("1,", "item 2 of 2: a trailing comma")]:
+        assert main([*argv, value]) == 2
+        assert where in capsys.readouterr().err
+    assert main([*argv, ","]) == 2
+    assert "',' must be comma-separated integers (head counts), e.g. 1,4,16: there are none" in \
+        capsys.readouterr().err

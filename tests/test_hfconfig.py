@@ -382,3 +382,36 @@ def test_a_llama_tokenizer_id_past_the_embedding_is_refused_at_load(tmp_path: Pa
     with pytest.raises(MultiheadError, match=r"its tokenizer: token 'Ġthe' has id 262, past the model's embedding "
                                              r"of 262 tokens"):
         load_llama(folder)
+
+
+def test_a_multimodal_config_is_read_by_its_text_model_with_the_family_defaults_named() -> None:
+    """Gemma 3's published multimodal configs leave the heads, head_dim, vocabulary and window of their text_config
+    to transformers' Gemma3TextConfig: the reader takes the same defaults (held against transformers' own), lists
+    them, and keeps the outer model_type and the parts it does not read."""
+    import transformers
+
+    from multihead.hfconfig import FAMILY_DEFAULTS
+    from multihead.presets import published
+
+    theirs = transformers.Gemma3TextConfig()
+    assert {k: getattr(theirs, k) for k in FAMILY_DEFAULTS["gemma3_text"]} == FAMILY_DEFAULTS["gemma3_text"]
+    _, values = published("gemma-3-4b")
+    cfg = HFConfig(values, where="gemma-3-4b")
+    assert (cfg.container, cfg.towers, cfg.model_type) == ("gemma3", ("vision_config",), "gemma3_text")
+    assert cfg.defaulted == {k: v for k, v in FAMILY_DEFAULTS["gemma3_text"].items() if k != "sliding_window"}
+    assert (cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.vocab_size, cfg.window) == (8, 4, 256, 262_208, 1024)
+    plain = HFConfig(LLAMA, where="llama")
+    assert (plain.container, plain.towers, plain.defaulted) == ("", (), {})
+
+
+def test_a_multimodal_configs_tie_word_embeddings_stands_for_its_text_models_where_that_does_not_say() -> None:
+    """transformers ties a multimodal model's LM head by its outer tie_word_embeddings (Mistral3Config's default is
+    true); the text_config's own word, where it has one, is what its checkpoint was written with (Mistral Small
+    3.1 holds a separate LM head and says nothing at the top), so it is read first."""
+    text = {k: v for k, v in LLAMA.items() if k != "tie_word_embeddings"} | {"model_type": "mistral"}
+    outer = {"model_type": "mistral3", "tie_word_embeddings": True, "vision_config": {"hidden_size": 32}}
+    assert HFConfig({**outer, "text_config": text}, where="m").flag("tie_word_embeddings") is True
+    said = HFConfig({**outer, "text_config": {**text, "tie_word_embeddings": False}}, where="m")
+    assert said.flag("tie_word_embeddings") is False
+    with pytest.raises(MultiheadError, match="tie_word_embeddings = 'yes': expected true or false"):
+        HFConfig({**outer, "tie_word_embeddings": "yes", "text_config": text}, where="m")

@@ -2,7 +2,8 @@
 caches, built from the same config classes (tiny random-weight models, a real forward, the bytes of the real
 cache tensors), for every family whose layers differ: Gemma 2's alternation, Gemma 3's
 ``sliding_window_pattern``, an explicit ``layer_types``, Mistral's window on every layer, gpt-oss, Qwen2's
-``max_window_layers`` / ``use_sliding_window``, Cohere 2; and MLA's latent layers."""
+``max_window_layers`` / ``use_sliding_window``, Cohere 2, Llama 4's chunked layers (from layer_types, and from
+its own rule without them); and MLA's latent layers."""
 
 from __future__ import annotations
 
@@ -37,7 +38,27 @@ def _families():  # type: ignore[no-untyped-def]
     yield "qwen2 (no sliding)", t.Qwen2Config(**TINY, sliding_window=W, use_sliding_window=False),\
         t.Qwen2ForCausalLM
     yield "cohere2", t.Cohere2Config(**TINY, sliding_window=W), t.Cohere2ForCausalLM
+    yield "llama4 (chunked)", t.Llama4TextConfig(**TINY, attention_chunk_size=W, num_local_experts=2,
+                                                 num_experts_per_tok=1, intermediate_size_mlp=48), \
+        t.Llama4ForCausalLM
+    yield "llama4 (chunked, layer_types dropped)", _Dropped(t.Llama4TextConfig(
+        **TINY, attention_chunk_size=W, num_local_experts=2, num_experts_per_tok=1, intermediate_size_mlp=48,
+        no_rope_layer_interval=2)), t.Llama4ForCausalLM
     yield "llama (full)", t.LlamaConfig(**TINY), t.LlamaForCausalLM
+
+
+class _Dropped:
+    """A config whose to_dict() leaves out layer_types (and the derived no_rope_layers), as published Llama 4
+    files have them: the layer kinds then come from the family's own rule."""
+
+    def __init__(self, config) -> None:  # type: ignore[no-untyped-def]
+        self.config = config
+
+    def to_dict(self) -> dict[str, object]:
+        d = self.config.to_dict()
+        for key in ("layer_types", "no_rope_layers"):
+            d.pop(key, None)
+        return d
 
 
 def _cache_bytes(cache) -> int:  # type: ignore[no-untyped-def]
@@ -48,7 +69,7 @@ def _cache_bytes(cache) -> int:  # type: ignore[no-untyped-def]
 def test_kv_bytes_equal_transformers_own_cache(name: str, config, cls) -> None:  # type: ignore[no-untyped-def]
     """At 8 tokens (a prefill) and 16 (8 more through the cache), each past the window of 4."""
     torch.manual_seed(0)
-    model = cls(config).eval()
+    model = cls(getattr(config, "config", config)).eval()
     ours = from_hf_dict(config.to_dict(), name=name)
     ids = torch.randint(0, TINY["vocab_size"], (1, 16))
     with torch.no_grad():
@@ -110,7 +131,8 @@ def test_gemma2_9b_is_sized_layer_by_layer(tmp_path, capsys: pytest.CaptureFixtu
 @pytest.mark.parametrize(("kind", "window", "message"), [
     ("sliding", None, "a sliding layer needs a window of at least 1 token, got None"),
     ("full", 4, "a full layer has no window"),
-    ("local", None, "layer kind 'local' is unknown: choose one of full, sliding, latent"),
+    ("local", None, "layer kind 'local' is unknown: choose one of full, sliding, chunked, latent"),
+    ("chunked", 0, r"a chunked layer needs a chunk \(window\) of at least 1 token, got 0"),
 ])
 def test_a_layer_kind_validates_itself(kind: str, window: int | None, message: str) -> None:
     with pytest.raises(MultiheadError, match=message):

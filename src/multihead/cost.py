@@ -107,18 +107,35 @@ def parameters(config: AttentionConfig) -> ParamCount:
 
 
 # ---------------------------------------------------------------------------------------------- FLOPs
-def attended_pairs(s: int, t: int, *, causal: bool = False, window: int | None = None) -> int:
+def attended_pairs(s: int, t: int, *, causal: bool = False, window: int | None = None,
+                   chunk: int | None = None) -> int:
     """The number of (query, key) pairs that may attend, for one sequence and one head.
 
     Causal attention is aligned bottom-right: query i sits at position p = t - s + i and sees keys
-    max(0, p - window + 1) .. p, that is min(p + 1, window) keys when p >= 0 and none otherwise. So::
+    max(0, p - window + 1) .. p, that is min(p + 1, window) keys when p >= 0 and none otherwise; with ``chunk``
+    (Llama 4's chunked attention) the keys of its own chunk up to itself, floor(p / chunk) chunk .. p, that is
+    p mod chunk + 1 keys. So::
 
         pairs = s * t                                        (not causal)
         pairs = F(t) - F(max(0, t - s)),  F(n) = sum_{u=1..n} min(u, window)    (causal)
+        pairs = G(t) - G(max(0, t - s)),  G(n) = sum_{p=0..n-1} (p mod chunk + 1)    (causal, chunked)
 
     For s == t without a window, F(t) = t (t + 1) / 2: slightly more than half of s * t, never exactly half.
     """
     _check_sizes(s=s, t=t)
+    if chunk is not None:
+        if not causal or window is not None:
+            raise MultiheadError(f"chunk ({chunk}) is causal chunked attention: pass causal=True and no window "
+                                 f"(got causal={causal}, window={window})")
+        _check_sizes(chunk=chunk)
+        if chunk < 1:
+            raise MultiheadError(f"chunk ({chunk}) must be at least 1")
+
+        def g(n: int) -> int:
+            whole, r = divmod(n, chunk)
+            return whole * (chunk * (chunk + 1) // 2) + r * (r + 1) // 2
+
+        return g(t) - g(max(0, t - s))
     if not causal:
         if window is not None:
             raise MultiheadError(f"window ({window}) is a causal sliding window: pass causal=True with it")
@@ -176,17 +193,20 @@ def flops(
     batch: int = 1,
     causal: bool = False,
     exact_mask: bool = True,
+    chunk: int | None = None,
 ) -> FlopCount:
-    """Forward FLOPs of one layer for ``batch`` sequences of s queries over t keys (t = s for self-attention).
+    """Forward FLOPs of one layer for ``batch`` sequences of s queries over t keys (t = s for self-attention);
+    ``chunk``: a chunked-attention layer's chunk (Llama 4), for a config without a window.
 
     ::
 
         q_proj = 2 b s D (h d)          k_proj = 2 b t kv_dim (g d)      v_proj = 2 b t value_dim (g d)
         scores = 2 b h d P              values = 2 b h d P               o_proj = 2 b s (h d) D
 
-    where P = attended_pairs(s, t, causal, window): causal and sliding-window attention are counted exactly, pair by
-    pair. With ``exact_mask=False``, P = s t: what a dense kernel multiplies (and what torch's FlopCounterMode reports,
-    since it does not see masks). Each query head does its own Q K^T, so the core scales with h, not g.
+    where P = attended_pairs(s, t, causal, window, chunk): causal, sliding-window and chunked attention are counted
+    exactly, pair by pair. With ``exact_mask=False``, P = s t: what a dense kernel multiplies (and what torch's
+    FlopCounterMode reports, since it does not see masks). Each query head does its own Q K^T, so the core scales
+    with h, not g.
     """
     _attention(config, "flops")
     t = s if t is None else t
@@ -194,7 +214,7 @@ def flops(
     h, g, d, D, kv_dim, value_dim = _dims(config)
     if config.window is not None and not causal:
         raise MultiheadError(f"this config has a sliding window ({config.window}), which is causal: pass causal=True")
-    pairs = attended_pairs(s, t, causal=causal, window=config.window) if exact_mask else s * t
+    pairs = attended_pairs(s, t, causal=causal, window=config.window, chunk=chunk) if exact_mask else s * t
     return FlopCount(
         q_proj=2 * batch * s * D * h * d,
         k_proj=2 * batch * t * kv_dim * g * d,
@@ -303,14 +323,16 @@ def fused_attention_bytes(config: AttentionConfig, *, s: int, batch: int = 1) ->
 
 
 # ---------------------------------------------------------------------------------------------- layer by layer
-LAYER_KINDS = ("full", "sliding", "latent")
+LAYER_KINDS = ("full", "sliding", "chunked", "latent")
 
 
 @dataclass(frozen=True)
 class LayerAttention:
     """What one layer's attention sees and caches: ``full`` (every earlier key), ``sliding`` (the last ``window``
-    keys, itself included: min(context, window - 1) cached between steps) or ``latent`` (an MLA layer: one latent
-    and one RoPE key per token). A model is a tuple of these, one per layer (Gemma 2 alternates sliding and full;
+    keys, itself included: min(context, window - 1) cached between steps), ``chunked`` (Llama 4: the keys of its
+    own chunk of ``window`` tokens, up to itself; cached as transformers caches it, in the same sliding layer as a
+    window of that size: min(context, window - 1) tokens) or ``latent`` (an MLA layer: one latent and one RoPE key
+    per token). A model is a tuple of these, one per layer (Gemma 2 alternates sliding and full;
     :meth:`multihead.hfconfig.HFConfig.layer_kinds` reads them from a config)."""
 
     kind: str = "full"
@@ -319,9 +341,10 @@ class LayerAttention:
     def __post_init__(self) -> None:
         if self.kind not in LAYER_KINDS:
             raise MultiheadError(f"layer kind {self.kind!r} is unknown: choose one of {', '.join(LAYER_KINDS)}")
-        if self.kind == "sliding":
+        if self.kind in ("sliding", "chunked"):
             if isinstance(self.window, bool) or not isinstance(self.window, int) or self.window < 1:
-                raise MultiheadError(f"a sliding layer needs a window of at least 1 token, got {self.window!r}")
+                what = "window" if self.kind == "sliding" else "chunk (window)"
+                raise MultiheadError(f"a {self.kind} layer needs a {what} of at least 1 token, got {self.window!r}")
         elif self.window is not None:
             raise MultiheadError(f"a {self.kind} layer has no window (got {self.window!r}): use kind 'sliding'")
 
@@ -331,14 +354,31 @@ class LayerAttention:
         return cls("full") if config.window is None else cls("sliding", config.window)
 
     def cached_tokens(self, context: int) -> int:
-        """Tokens of one sequence this layer holds after ``context`` tokens."""
-        if self.kind == "sliding":
+        """Tokens of one sequence this layer holds after ``context`` tokens (a chunked layer as transformers keeps
+        it, a sliding layer of its chunk: the current chunk alone would need only context mod chunk of them)."""
+        if self.kind in ("sliding", "chunked"):
             assert self.window is not None
             return min(context, self.window - 1)
         return context
 
     def describe(self) -> str:
-        return f"sliding {self.window}" if self.kind == "sliding" else self.kind
+        return f"{self.kind} {self.window}" if self.kind in ("sliding", "chunked") else self.kind
+
+    def flops(self, config: AttentionConfig, *, s: int, t: int | None = None, batch: int = 1, causal: bool = True,
+              exact_mask: bool = True) -> FlopCount:
+        """:func:`flops` of ``config`` as a layer of this kind (its window or chunk; not for a latent layer)."""
+        if self.kind == "latent":
+            raise MultiheadError("a latent (MLA) layer is counted by mla_flops(), not LayerAttention.flops()")
+        chunked = self.kind == "chunked"
+        c = dataclasses.replace(config, window=None if chunked else self.window)
+        return flops(c, s=s, t=t, batch=batch, causal=causal, exact_mask=exact_mask,
+                     chunk=self.window if chunked else None)
+
+    def pairs(self, s: int, t: int, *, causal: bool = True) -> int:
+        """:func:`attended_pairs` of one head of a layer of this kind."""
+        chunked = self.kind == "chunked"
+        return attended_pairs(s, t, causal=causal, window=None if chunked else self.window,
+                              chunk=self.window if chunked else None)
 
 
 def layers_summary(layers: Sequence[LayerAttention]) -> str:
@@ -379,8 +419,7 @@ def layers_flops(config: AttentionConfig, layers: Sequence[LayerAttention], *, s
     out: dict[str, FlopCount] = {}
     for layer in layers:
         if layer.kind != "latent" and layer.describe() not in out:
-            c = dataclasses.replace(config, window=layer.window)
-            out[layer.describe()] = flops(c, s=s, batch=batch, causal=causal, exact_mask=exact_mask)
+            out[layer.describe()] = layer.flops(config, s=s, batch=batch, causal=causal, exact_mask=exact_mask)
     return out
 
 
@@ -414,7 +453,7 @@ def report(
     count = {kind: sum(1 for layer in layers if layer.describe() == kind) for kind in by_kind}
     main_kind = "full" if "full" in by_kind else next(iter(by_kind))
     f = by_kind[main_kind]
-    main_window = next(layer.window for layer in layers if layer.describe() == main_kind)
+    main_layer = next(layer for layer in layers if layer.describe() == main_kind)
 
     def total(of: Any) -> int:
         return sum(of(by_kind[k]) * n for k, n in count.items())
@@ -440,7 +479,7 @@ def report(
         "flops_attention_core": total(lambda c: c.attention),
         "flops_backward": total(lambda c: c.backward),
         "flops_forward_dense_mask": sum(dense[k].forward * n for k, n in count.items()),
-        "attended_pairs": attended_pairs(seq, seq, causal=causal, window=main_window),
+        "attended_pairs": main_layer.pairs(seq, seq, causal=causal),
         "kv_cache_bytes_per_token_per_layer": per_token,
         "kv_cache_bytes_per_token": per_token * n_layers,
         "kv_cache_tokens": max(layer.cached_tokens(seq) for layer in layers),

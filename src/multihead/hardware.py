@@ -210,9 +210,8 @@ def estimate(model: ModelConfig, size: ModelSize, device: Hardware, *, seq: int,
         by_kind: dict[str, int] = {}
         for layer in layers:
             key = layer.describe()
-            if key not in by_kind:
-                c = dataclasses.replace(a, window=layer.window)
-                by_kind[key] = cost.flops(c, s=s, t=t, batch=batch, causal=True).attention
+            if key not in by_kind:  # (its window, or a chunked layer's chunk)
+                by_kind[key] = layer.flops(a, s=s, t=t, batch=batch, causal=True).attention
         return sum(by_kind[layer.describe()] for layer in layers)
 
     kv = sizing.kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)

@@ -206,8 +206,13 @@ FIELDS: dict[str, Field] = {
              nullable=True),
     **_sizes(MAX_EXPERTS, "experts", "n_shared_experts", low=0, nullable=True),
     **_sizes(MAX_LAYERS, "layers", "first_k_dense_replace", "num_nextn_predict_layers", low=0, nullable=True),
-    **_sizes(MAX_LAYERS, "layers", "moe_layer_freq", "decoder_sparse_step"),
+    **_sizes(MAX_LAYERS, "layers", "moe_layer_freq", "decoder_sparse_step", "interleave_moe_layer_step",
+             "no_rope_layer_interval"),
     "mlp_only_layers": Field("ints", 0, MAX_LAYERS, "layers", nullable=True),
+    "moe_layers": Field("ints", 0, MAX_LAYERS, "layers", nullable=True),  # Llama 4's MoE layers, by index
+    "no_rope_layers": Field("ints", 0, 1, "1 for a layer with RoPE, 0 for one without", nullable=True),
+    **_sizes(MAX_FFN, "ffn", "intermediate_size_mlp"),  # Llama 4's dense layers (intermediate_size: its experts')
+    **_sizes(MAX_CONTEXT, "context", "attention_chunk_size", nullable=True),
     "rope_theta": Field("number", 1, 1e12, open_low=True),
     "rope_parameters": Field("object", nullable=True),
     "rope_scaling": Field("object", nullable=True),
@@ -233,16 +238,30 @@ _QWEN = {"qwen2", "qwen2_moe", "qwen3", "qwen3_moe"}
 # Families that alternate sliding and full layers without a layer_types list: the pattern's period (every
 # period-th layer is full, the others sliding), transformers' defaults (Gemma 3's sliding_window_pattern 6, ...).
 _ALTERNATING = {"gemma2": 2, "gpt_oss": 2, "gemma3": 6, "gemma3_text": 6, "cohere2": 4}
-_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding"}
+_LAYER_TYPES = {"full_attention": "full", "sliding_attention": "sliding", "chunked_attention": "chunked"}
+# Families whose layers attend within chunks of attention_chunk_size (Llama 4: the layers with RoPE; every
+# no_rope_layer_interval-th layer, without RoPE, attends to the whole context).
+_CHUNKED = {"llama4", "llama4_text"}
+
+# What the published files of a family leave to transformers' defaults (its config class's), read from here when
+# the file does not hold them and listed in HFConfig.defaulted: Gemma 3's multimodal configs give a text_config of
+# six keys or so, and transformers' Gemma3TextConfig supplies the heads, head_dim, vocabulary and window.
+_GEMMA3_TEXT = {"vocab_size": 262_208, "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256,
+                "max_position_embeddings": 131_072, "sliding_window": 4096}
+FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {"gemma3_text": _GEMMA3_TEXT, "gemma3": _GEMMA3_TEXT}
 
 
 class HFConfig(Mapping[str, Any]):
     """The values of one config.json (its ``text_config`` for a multimodal model), checked when made; read-only.
 
-    As a mapping it holds the file's values as they are. Typed reads (:meth:`integer`, :meth:`number`, :meth:`flag`,
-    :meth:`text`, :meth:`integers`) take a key of :data:`FIELDS`; a missing key gives ``default``, or, without one,
-    an error naming the key. The fields every tool needs are
-    properties, resolved once: d_model, n_heads, n_layers, n_kv_heads, head_dim, max_context, vocab_size, rope_theta
+    As a mapping it holds the file's values as they are, and for a family whose published files leave keys to
+    transformers' defaults (:data:`FAMILY_DEFAULTS`: Gemma 3) those defaults where the file has none
+    (``defaulted`` lists them). A multimodal config's ``container`` is its own model_type, ``towers`` its parts other
+    than the text model (vision_config, ...), which nothing here reads; its tie_word_embeddings stands for the text
+    model's where the text_config does not say. Typed reads (:meth:`integer`,
+    :meth:`number`, :meth:`flag`, :meth:`text`, :meth:`integers`) take a key of :data:`FIELDS`; a missing key gives
+    ``default``, or, without one, an error naming the key. The fields every tool needs are properties, resolved
+    once: d_model, n_heads, n_layers, n_kv_heads, head_dim, max_context, vocab_size, rope_theta
     (None without rotary embeddings), window, bias and out_bias, causal.
     """
 
@@ -250,9 +269,20 @@ class HFConfig(Mapping[str, Any]):
         if not isinstance(values, Mapping):
             raise MultiheadError(f"{where!r}: a config must be a JSON object, got {type(values).__name__}")
         text_cfg = values.get("text_config")
+        self.container = ""  # the multimodal config's model_type (gemma3, mistral3, llama4) when text_config is read
+        self.towers: tuple[str, ...] = ()  # that config's other parts (vision_config, audio_config), not read here
         if isinstance(text_cfg, Mapping) and not any(k in values for k in SPELLINGS["d_model"]):
-            values = {**text_cfg, "model_type": text_cfg.get("model_type", values.get("model_type"))}
-        self._values: dict[str, Any] = dict(values)
+            self.container = str(values.get("model_type") or "")
+            self.towers = tuple(k for k, v in values.items() if k.endswith("_config") and isinstance(v, Mapping)
+                                and k not in ("text_config", "quantization_config"))
+            # whether the LM head is the embedding: the text_config's word where it says, else the outer config's
+            tie = {"tie_word_embeddings": values["tie_word_embeddings"]} if (
+                "tie_word_embeddings" in values and "tie_word_embeddings" not in text_cfg) else {}
+            values = {**text_cfg, **tie, "model_type": text_cfg.get("model_type", values.get("model_type"))}
+        family = values.get("model_type")
+        defaults = FAMILY_DEFAULTS.get(family.lower(), {}) if isinstance(family, str) else {}
+        self.defaulted: dict[str, Any] = {k: v for k, v in defaults.items() if k not in values}
+        self._values: dict[str, Any] = {**self.defaulted, **values}
         self.where = str(where)
         self._check = Values(self.where, json=True)
         for key, spec in FIELDS.items():  # every value anything reads, checked now, whoever reads it later
@@ -460,32 +490,27 @@ class HFConfig(Mapping[str, Any]):
 
     def layer_kinds(self, n_layers: int | None = None) -> tuple[LayerAttention, ...]:
         """Each layer's attention kind, as transformers builds the model's cache from this config: ``layer_types``
-        where the config lists them (full_attention / sliding_attention); else latent for an MLA model; else the
-        family's pattern with its sliding_window: Gemma 2 and gpt-oss alternate sliding and full (layer 0
+        where the config lists them (full_attention / sliding_attention / chunked_attention); else latent for an MLA
+        model; else the family's pattern: Llama 4 attends within chunks of ``attention_chunk_size`` on the layers
+        with RoPE (``no_rope_layers``, by default all but every ``no_rope_layer_interval``-th, 4) and to the whole
+        context on the others; and with a sliding_window, Gemma 2 and gpt-oss alternate sliding and full (layer 0
         sliding), Gemma 3 makes every ``sliding_window_pattern``-th layer full (default 6), Qwen2/Qwen3 slide from
         layer ``max_window_layers`` on (with use_sliding_window), Mistral, Mixtral and the others slide on every
         layer. ``n_layers`` (default the config's) repeats a pattern over another depth."""
         n = self.n_layers if n_layers is None else n_layers
         if self.is_mla:
             return (LayerAttention("latent"),) * n
-        window = self.window
         types = self.get("layer_types")
         if types is not None:
             named = self.text_list("layer_types")
             if len(named) != self.n_layers:
                 raise MultiheadError(f"{self.where!r}: layer_types lists {len(named):,} layers; the config has "
                                      f"{self.n_layers:,} (num_hidden_layers)")
-            kinds = []
-            for i, t in enumerate(named):
-                if t not in _LAYER_TYPES:
-                    raise MultiheadError(f"{self.where!r}: layer_types[{i}] = {t!r} is not sized yet: expected "
-                                         f"{' or '.join(_LAYER_TYPES)}")
-                if _LAYER_TYPES[t] == "sliding" and window is None:
-                    raise MultiheadError(f"{self.where!r}: layer_types[{i}] is sliding_attention but the config "
-                                         "has no sliding_window")
-                kinds.append(LayerAttention("sliding", window) if _LAYER_TYPES[t] == "sliding"
-                             else LayerAttention("full"))
+            kinds = [self._layer_type(i, t) for i, t in enumerate(named)]
             return tuple(kinds[i % len(kinds)] for i in range(n))
+        if self.model_type in _CHUNKED:
+            return self._chunked_layers(n)
+        window = self.window
         if window is None:
             return (LayerAttention("full"),) * n
         sliding, full = LayerAttention("sliding", window), LayerAttention("full")
@@ -497,6 +522,38 @@ class HFConfig(Mapping[str, Any]):
             first = int(self.integer("max_window_layers", default=28))
             return tuple(sliding if i >= first else full for i in range(n))
         return (sliding,) * n
+
+    def _layer_type(self, i: int, name: str) -> LayerAttention:
+        """The kind of layer i named ``name`` in layer_types."""
+        if name not in _LAYER_TYPES:
+            raise MultiheadError(f"{self.where!r}: layer_types[{i}] = {name!r} is not sized yet: expected "
+                                 f"{' or '.join(_LAYER_TYPES)}")
+        kind = _LAYER_TYPES[name]
+        if kind == "full":
+            return LayerAttention("full")
+        key = "sliding_window" if kind == "sliding" else "attention_chunk_size"
+        size = self.window if kind == "sliding" else self.integer("attention_chunk_size", default=None)
+        if size is None:
+            raise MultiheadError(f"{self.where!r}: layer_types[{i}] is {name} but the config has no {key}")
+        return LayerAttention(kind, int(size))
+
+    def _chunked_layers(self, n: int) -> tuple[LayerAttention, ...]:
+        """Llama 4's layers without a layer_types list, as Llama4TextConfig derives them: chunked (of
+        attention_chunk_size) where no_rope_layers holds 1 (RoPE), full where it holds 0 (NoPE); no_rope_layers
+        absent or empty: 0 on every no_rope_layer_interval-th layer (default 4), 1 on the others; no
+        attention_chunk_size: every layer full."""
+        chunk = self.integer("attention_chunk_size", default=None)
+        if chunk is None:
+            return (LayerAttention("full"),) * n
+        rope = list(self.integers("no_rope_layers", default=None) or [])
+        if not rope:
+            every = int(self.integer("no_rope_layer_interval", default=4))
+            rope = [int((i + 1) % every != 0) for i in range(self.n_layers)]
+        if len(rope) != self.n_layers:
+            raise MultiheadError(f"{self.where!r}: no_rope_layers lists {len(rope):,} layers; the config has "
+                                 f"{self.n_layers:,} (num_hidden_layers)")
+        kinds = [LayerAttention("chunked", int(chunk)) if r else LayerAttention("full") for r in rope]
+        return tuple(kinds[i % len(kinds)] for i in range(n))
 
     def text_list(self, key: str) -> list[str]:
         """A list of strings (layer_types)."""

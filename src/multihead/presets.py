@@ -8,6 +8,7 @@ Names are exact (no fuzzy matching): an unknown name raises and lists the known 
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,6 +116,96 @@ _PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
         "moe_intermediate_size": 2048, "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8,
         "first_k_dense_replace": 3, "moe_layer_freq": 1, "num_nextn_predict_layers": 1,
         "tie_word_embeddings": False}),
+    # issue 40's families. Multimodal configs keep their nesting (a text_config beside a vision_config, of which only
+    # the model type and sizes are kept): the count is the text model's, and says so.
+    "gpt-oss-20b": ("openai/gpt-oss-20b", {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_hidden_layers": 24, "max_position_embeddings": 131072, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 12, "attention_bias": True,
+        "vocab_size": 201088, "intermediate_size": 2880, "num_local_experts": 32, "num_experts_per_tok": 4,
+        "tie_word_embeddings": False}),
+    "gpt-oss-120b": ("openai/gpt-oss-120b", {
+        "model_type": "gpt_oss", "hidden_size": 2880, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "head_dim": 64, "num_hidden_layers": 36, "max_position_embeddings": 131072, "rope_theta": 150000,
+        "rope_scaling": {"beta_fast": 32.0, "beta_slow": 1.0, "factor": 32.0, "original_max_position_embeddings": 4096,
+                         "rope_type": "yarn", "truncate": False},
+        "sliding_window": 128, "layer_types": ["sliding_attention", "full_attention"] * 18, "attention_bias": True,
+        "vocab_size": 201088, "intermediate_size": 2880, "num_local_experts": 128, "num_experts_per_tok": 4,
+        "tie_word_embeddings": False}),
+    "gemma-3-1b": ("google/gemma-3-1b-it", {
+        "model_type": "gemma3_text", "hidden_size": 1152, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 256, "num_hidden_layers": 26, "max_position_embeddings": 32768, "rope_theta": 1000000,
+        "sliding_window": 512, "sliding_window_pattern": 6, "vocab_size": 262144, "intermediate_size": 6912}),
+    "gemma-3-4b": ("google/gemma-3-4b-it", {
+        "model_type": "gemma3",
+        "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                        "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"},
+                        "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                          "num_attention_heads": 16, "num_hidden_layers": 27, "image_size": 896, "patch_size": 14}}),
+    "gemma-3-27b": ("google/gemma-3-27b-it", {
+        "model_type": "gemma3",
+        "text_config": {"head_dim": 128, "hidden_size": 5376, "intermediate_size": 21504, "model_type": "gemma3_text",
+                        "num_attention_heads": 32, "num_hidden_layers": 62, "num_key_value_heads": 16,
+                        "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+        "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 1152, "intermediate_size": 4304,
+                          "num_attention_heads": 16, "num_hidden_layers": 27, "image_size": 896, "patch_size": 14}}),
+    "qwen3-30b-a3b": ("Qwen/Qwen3-30B-A3B", {
+        "model_type": "qwen3_moe", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 4,
+        "head_dim": 128, "num_hidden_layers": 48, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+        "sliding_window": None, "use_sliding_window": False, "max_window_layers": 48, "vocab_size": 151936,
+        "intermediate_size": 6144, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}),
+    "qwen3-235b-a22b": ("Qwen/Qwen3-235B-A22B", {
+        "model_type": "qwen3_moe", "hidden_size": 4096, "num_attention_heads": 64, "num_key_value_heads": 4,
+        "head_dim": 128, "num_hidden_layers": 94, "max_position_embeddings": 40960, "rope_theta": 1000000.0,
+        "sliding_window": None, "use_sliding_window": False, "max_window_layers": 94, "vocab_size": 151936,
+        "intermediate_size": 12288, "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8,
+        "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}),
+    "llama-4-scout": ("meta-llama/Llama-4-Scout-17B-16E", {
+        "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text", "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "head_dim": 128, "num_hidden_layers": 48, "max_position_embeddings": 10485760, "rope_theta": 500000.0,
+            "rope_scaling": {"factor": 16.0, "high_freq_factor": 1.0, "low_freq_factor": 1.0,
+                             "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+            "attention_chunk_size": 8192, "use_qk_norm": True, "vocab_size": 202048, "intermediate_size": 8192,
+            "intermediate_size_mlp": 16384, "num_local_experts": 16, "num_experts_per_tok": 1,
+            "interleave_moe_layer_step": 1, "tie_word_embeddings": False},
+        "vision_config": {"model_type": "llama4_vision_model", "hidden_size": 1408, "num_attention_heads": 16,
+                          "num_hidden_layers": 34, "image_size": 336, "patch_size": 14}}),
+    "llama-4-maverick": ("meta-llama/Llama-4-Maverick-17B-128E", {
+        "model_type": "llama4",
+        "text_config": {
+            "model_type": "llama4_text", "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 8,
+            "head_dim": 128, "num_hidden_layers": 48, "max_position_embeddings": 1048576, "rope_theta": 500000.0,
+            "rope_scaling": None, "attention_chunk_size": 8192, "use_qk_norm": False, "vocab_size": 202048,
+            "intermediate_size": 8192, "intermediate_size_mlp": 16384, "num_local_experts": 128,
+            "num_experts_per_tok": 1, "interleave_moe_layer_step": 2, "tie_word_embeddings": False},
+        "vision_config": {"model_type": "llama4_vision_model"}}),
+    "mistral-small-3.1-24b": ("mistralai/Mistral-Small-3.1-24B-Instruct-2503", {
+        "model_type": "mistral3",
+        "text_config": {"head_dim": 128, "hidden_size": 5120, "intermediate_size": 32768,
+                        "max_position_embeddings": 131072, "model_type": "mistral", "num_attention_heads": 32,
+                        "num_hidden_layers": 40, "num_key_value_heads": 8, "rope_theta": 1000000000.0,
+                        "sliding_window": None, "vocab_size": 131072},
+        "vision_config": {"hidden_size": 1024, "head_dim": 64, "image_size": 1540}}),
+    "ministral-8b": ("mistralai/Ministral-8B-Instruct-2410", {
+        "model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 128, "num_hidden_layers": 36, "max_position_embeddings": 32768, "rope_theta": 100000000.0,
+        "sliding_window": 32768, "vocab_size": 131072, "intermediate_size": 12288, "tie_word_embeddings": False}),
+    "phi-4": ("microsoft/phi-4", {
+        "model_type": "phi3", "hidden_size": 5120, "num_attention_heads": 40, "num_key_value_heads": 10,
+        "num_hidden_layers": 40, "max_position_embeddings": 16384, "original_max_position_embeddings": 16384,
+        "rope_theta": 250000, "sliding_window": None, "vocab_size": 100352, "intermediate_size": 17920,
+        "tie_word_embeddings": False}),
+    "phi-4-mini": ("microsoft/Phi-4-mini-instruct", {
+        "model_type": "phi3", "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "num_hidden_layers": 32, "max_position_embeddings": 131072, "original_max_position_embeddings": 4096,
+        "partial_rotary_factor": 0.75, "rope_theta": 10000.0, "vocab_size": 200064, "intermediate_size": 8192,
+        "tie_word_embeddings": True}),
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PUBLISHED)
@@ -153,9 +244,16 @@ def from_hf_config(path: str | Path) -> ModelConfig:
     return _model(cfg, name=p.parent.name or str(p), source=str(p))
 
 
-def preset(name: str) -> ModelConfig:
-    """The named preset, by its exact name (see PRESET_NAMES)."""
+def published(name: str) -> tuple[str, dict[str, Any]]:
+    """(the address of its config.json, a copy of the excerpt the preset holds) of the named preset: what a test
+    builds transformers' own model from."""
     if name not in _PUBLISHED:
         raise MultiheadError(f"unknown preset {name!r}: known presets are {', '.join(PRESET_NAMES)}")
     source, cfg = _PUBLISHED[name]
-    return from_hf_dict(cfg, name=name, source=f"https://huggingface.co/{source}/blob/main/config.json")
+    return f"https://huggingface.co/{source}/blob/main/config.json", copy.deepcopy(cfg)
+
+
+def preset(name: str) -> ModelConfig:
+    """The named preset, by its exact name (see PRESET_NAMES)."""
+    source, cfg = published(name)
+    return from_hf_dict(cfg, name=name, source=source)

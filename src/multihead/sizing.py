@@ -5,8 +5,10 @@ them: embeddings (tied or not), each layer's attention (MHA/GQA/MQA from :mod:`m
 count), MLP (gated or not), mixture-of-experts (routed experts, shared experts, router), norms, biases and the LM head.
 A mixture-of-experts model has a total and an active count (the parameters one token passes through).
 
-Families: GPT-2, BERT, Llama-style decoders (Llama, Mistral, Qwen2, Gemma, SmolLM, ...), Mixtral, Qwen2-MoE,
-DeepSeek-V2/V3 and Falcon; another ``model_type`` raises and names these. The tests hold every count against
+Families: GPT-2, BERT, Llama-style decoders (Llama, Mistral, Ministral, Qwen2, Qwen3, Gemma 1-3, Phi-3 and Phi-4,
+SmolLM, ...), the mixtures of experts Mixtral, Qwen2-MoE, Qwen3-MoE, gpt-oss, Llama 4 and DeepSeek-V2/V3, and Falcon;
+a multimodal config (Gemma 3, Mistral 3, Llama 4) by its text model, said in the notes; another ``model_type``
+raises and names these (Phi-4-multimodal saying what it is). The tests hold every count against
 ``sum(p.numel())`` of transformers' own models built from its config classes, the shipped checkpoints, and
 published totals.
 """
@@ -25,9 +27,22 @@ from multihead.hfconfig import HFConfig
 from multihead.presets import ModelConfig
 from multihead.values import MAX_PARAMETERS
 
-LLAMA_LIKE = {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "olmo2", "granite", "cohere", "phi3",
-              "smollm3", "starcoder2", "internlm2"}
-FAMILIES = ("gpt2", "bert", *sorted(LLAMA_LIKE), "mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3", "falcon")
+LLAMA_LIKE = {"llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
+              "gemma3_text", "olmo2", "granite", "cohere", "phi3", "smollm3", "starcoder2", "internlm2"}
+MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "gpt_oss", "llama4", "llama4_text", "deepseek_v2",
+                "deepseek_v3")
+FAMILIES = ("gpt2", "bert", *sorted(LLAMA_LIKE), *MOE_FAMILIES, "falcon")
+TIED_BY_DEFAULT = ("gemma", "gemma2", "gemma3", "gemma3_text")  # tie_word_embeddings when the config does not say
+# Families refused by name, saying what they are (the count knows their language model's layout, not the rest).
+NOT_COUNTED = {
+    "phi4mm": "Phi-4-multimodal in its own code (auto_map): a Phi-4-mini language model with LoRA adapters for "
+              "vision and speech, an image encoder and an audio encoder; the whole-model count knows the language "
+              "model's layout (model_type phi3, as Phi-4 and Phi-4-mini give it) but not the adapters and encoders, "
+              "so it gives no total",
+    "phi4_multimodal": "Phi-4-multimodal as transformers ports it: a Phi-4-mini language model with an image "
+                       "encoder (vision_config) and an audio encoder (audio_config); the whole-model count knows the "
+                       "language model's layout (model_type phi3) but not the encoders, so it gives no total",
+}
 REPLICATED_PARTS = ("embeddings", "norms", "lm_head", "routers", "pooler")  # on every device under tensor parallelism
 
 # GGML tensor types of a GGUF file (llama.cpp's numbering) and their bits per weight, block scales included
@@ -100,11 +115,14 @@ def _width(cfg: HFConfig, key: str) -> int:
 
 
 def model_size(model: ModelConfig) -> ModelSize:
-    """The whole model's parameters from the config it was read from (``model.hf``)."""
+    """The whole model's parameters from the config it was read from (``model.hf``). For a multimodal config (a
+    ``text_config`` beside a vision_config, ...: Gemma 3, Mistral 3, Llama 4) the text model, said in the notes."""
     cfg = _config(model)
     family = cfg.model_type
     a, n_layers = model.attention, model.n_layers
     D = a.d_model
+    if family in NOT_COUNTED:
+        raise NotCounted(f"model_type {family!r} is {NOT_COUNTED[family]}")
     V = int(cfg.integer("vocab_size"))
     attn_params = cost.mla_parameters(model.mla).total if model.mla is not None else cost.parameters(a).total
     parts: dict[str, int] = {}
@@ -137,28 +155,38 @@ def model_size(model: ModelConfig) -> ModelSize:
         parts["mlp"] = n_layers * (8 * D * D + (5 * D if bias else 0))
         parts["norms"] = n_layers * 2 * D + 2 * D  # one LayerNorm (weight and bias) per layer: parallel attention
         tied = bool(cfg.flag("tie_word_embeddings", default=True))
-    elif family in LLAMA_LIKE or family in ("mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"):
-        tied = bool(cfg.flag("tie_word_embeddings", default=family in ("gemma", "gemma2")))
-        inner = _width(cfg, "intermediate_size")
+    elif family in LLAMA_LIKE or family in MOE_FAMILIES:
+        tied = bool(cfg.flag("tie_word_embeddings", default=family in TIED_BY_DEFAULT))
         parts["embeddings"] = V * D
+        if family == "gpt_oss":  # each head's learned sink logit (s_aux), beside its projections
+            attn_params += a.n_heads
         parts["attention"] = n_layers * attn_params
-        norms_per_layer = 4 * D if family == "gemma2" else 2 * D
-        if family == "qwen3":
-            norms_per_layer += 2 * a.head_dim  # q_norm and k_norm
-        parts["norms"] = n_layers * norms_per_layer + D
-        dense, moe_layers, expert, routed, shared, router = _mlp(cfg, family, D, inner, n_layers)
-        if dense:
-            parts["mlp"] = dense
-        if moe_layers:
-            parts["experts"] = moe_layers * routed * expert
-            if shared:
-                parts["shared_experts"] = moe_layers * shared
-            parts["routers"] = moe_layers * router
+        parts["norms"] = n_layers * _norms_per_layer(family, D, a.head_dim) + D
+        ffn = _ffn(cfg, family, D, n_layers)
+        if ffn.dense:
+            parts["mlp"] = ffn.dense
+        if ffn.moe_layers:
+            parts["experts"] = ffn.moe_layers * ffn.routed * ffn.expert
+            if ffn.shared:
+                parts["shared_experts"] = ffn.moe_layers * ffn.shared
+            parts["routers"] = ffn.moe_layers * ffn.router
         if family == "deepseek_v3" and cfg.integer("num_nextn_predict_layers", default=0):
             notes.append("DeepSeek-V3's multi-token-prediction layer is not counted (transformers does not load it)")
+        if family == "gpt_oss":
+            notes.append("active counts the whole embedding table, as for every mixture of experts here; gpt-oss's "
+                         "model card counts the unembedding toward active but not the embedding: its figure is this "
+                         "one less the embeddings")
     else:
         raise NotCounted(f"model_type {family!r} is not counted yet: the whole-model count knows "
                              f"{', '.join(FAMILIES)}")
+    if cfg.container:
+        towers = ", ".join(cfg.towers) or "no other part"
+        notes.append(f"the text model of this {cfg.container} config alone (its text_config): its {towers} and the "
+                     "projector into the text model are not counted")
+    if cfg.defaulted:
+        given = ", ".join(f"{k} {v:,}" if isinstance(v, int) and not isinstance(v, bool) else f"{k} {v}"
+                          for k, v in cfg.defaulted.items())
+        notes.append(f"keys the file leaves to transformers' defaults for {family}: {given}")
     if not tied:
         parts["lm_head"] = V * D
     total = sum(parts.values())
@@ -168,55 +196,137 @@ def model_size(model: ModelConfig) -> ModelSize:
                              "them")
     active = total
     if "experts" in parts:
-        moe_layers, routed, per_tok, expert = _moe_shape(cfg, family, n_layers, D)
-        active = total - moe_layers * (routed - per_tok) * expert
+        ffn = _ffn(cfg, family, D, n_layers)
+        active = total - ffn.moe_layers * (ffn.routed - ffn.per_token) * ffn.expert
     replicated = sum(parts.get(k, 0) for k in REPLICATED_PARTS)
     return ModelSize(name=model.name, family=family, parts=parts, active=active, replicated=replicated, tied=tied,
                      notes=notes)
 
 
-def _moe_shape(cfg: HFConfig, family: str, n_layers: int, D: int) -> tuple[int, int, int, int]:
-    """(MoE layers, routed experts, experts per token, parameters of one routed expert)."""
+def _norms_per_layer(family: str, D: int, head_dim: int) -> int:
+    """The RMSNorm weights of one decoder layer: two of d_model (before attention and MLP); four in Gemma 2 and 3
+    (also after each); Qwen3's and Gemma 3's q_norm and k_norm of head_dim beside them. (Llama 4's qk norm is an L2
+    norm without weights.)"""
+    per_layer = 4 * D if family in ("gemma2", "gemma3", "gemma3_text") else 2 * D
+    if family in ("qwen3", "qwen3_moe", "gemma3", "gemma3_text"):
+        per_layer += 2 * head_dim
+    return per_layer
+
+
+@dataclass(frozen=True)
+class _Ffn:
+    """The feed-forward part of a decoder: ``dense`` (the parameters of all its dense MLP layers) and, for a
+    mixture of experts, ``moe_layers`` layers each of ``routed`` experts of ``expert`` parameters, ``per_token`` of
+    them a token's, ``shared`` expert parameters (a token's too) and a ``router``."""
+
+    dense: int = 0
+    moe_layers: int = 0
+    routed: int = 0
+    per_token: int = 0
+    expert: int = 0
+    shared: int = 0
+    router: int = 0
+
+
+def _ffn(cfg: HFConfig, family: str, D: int, n_layers: int) -> _Ffn:
+    """The feed-forward parameters of each family, as its transformers modules hold them (gated MLPs: gate, up and
+    down, 3 D I; gpt-oss's experts with their biases)."""
+    if family not in MOE_FAMILIES:
+        return _Ffn(dense=n_layers * 3 * D * _width(cfg, "intermediate_size"))
+    moe = _moe_layers(cfg, family, n_layers)
+    if not family.startswith("deepseek"):
+        routed = _experts(cfg, family)
+        per_token = int(cfg.integer("num_experts_per_tok"))
+    else:  # DeepSeek
+        routed = int(cfg.integer("n_routed_experts", default=0))
+        per_token = int(cfg.integer("num_experts_per_tok", default=0))
+    if moe and per_token > routed:
+        raise MultiheadError(f"{cfg.where!r}: num_experts_per_tok = {per_token:,}: expected at most the "
+                             f"{routed:,} experts a layer has")
+    dense_layers = n_layers - len(moe)
     if family == "mixtral":
-        shape = (n_layers, int(cfg.integer("num_local_experts")), int(cfg.integer("num_experts_per_tok")),
-                 3 * D * _width(cfg, "intermediate_size"))
-    elif family == "qwen2_moe":
+        return _Ffn(moe_layers=len(moe), routed=routed, per_token=per_token,
+                    expert=3 * D * _width(cfg, "intermediate_size"), router=D * routed)
+    if family == "gpt_oss":  # gate_up (D x 2I) and down (I x D) with their biases; a router with a bias
+        inner = _width(cfg, "intermediate_size")
+        return _Ffn(moe_layers=len(moe), routed=routed, per_token=per_token, expert=3 * D * inner + 2 * inner + D,
+                    router=D * routed + routed)
+    if family in ("llama4", "llama4_text"):  # routed experts and one shared expert of intermediate_size each
+        inner = _width(cfg, "intermediate_size")
+        dense = dense_layers * 3 * D * _llama4_dense_width(cfg) if dense_layers else 0
+        return _Ffn(dense=dense, moe_layers=len(moe), routed=routed, per_token=per_token, expert=3 * D * inner,
+                    shared=3 * D * inner, router=D * routed)
+    if family in ("qwen2_moe", "qwen3_moe"):
+        dense = dense_layers * 3 * D * _width(cfg, "intermediate_size") if dense_layers else 0
+        shared = 0
+        if family == "qwen2_moe":
+            shared_inner = int(cfg.integer("shared_expert_intermediate_size", default=0))
+            shared = 3 * D * shared_inner + D if shared_inner else 0  # the shared expert and its sigmoid gate
+        return _Ffn(dense=dense, moe_layers=len(moe), routed=routed, per_token=per_token,
+                    expert=3 * D * _width(cfg, "moe_intermediate_size"), shared=shared, router=D * routed)
+    expert = 3 * D * int(cfg.integer("moe_intermediate_size", default=0))
+    dense = dense_layers * 3 * D * _width(cfg, "intermediate_size") if dense_layers else 0
+    shared = int(cfg.integer("n_shared_experts", default=0)) * expert
+    # (V3's router also keeps a score-correction bias per expert: a buffer, not a parameter)
+    return _Ffn(dense=dense, moe_layers=len(moe), routed=routed, per_token=per_token, expert=expert, shared=shared,
+                router=D * routed)
+
+
+def _experts(cfg: HFConfig, family: str) -> int:
+    """The routed experts of a MoE layer: num_experts in Qwen's configs, num_local_experts in the others' (and in
+    the files transformers 5 writes for Qwen3-MoE: its config names the field so), whichever the file holds."""
+    keys = ("num_experts", "num_local_experts") if family in ("qwen2_moe", "qwen3_moe") else (
+        "num_local_experts", "num_experts")
+    given = next((k for k in keys if cfg.has(k)), keys[0])
+    return int(cfg.integer(given))
+
+
+def _llama4_dense_width(cfg: HFConfig) -> int:
+    """The MLP width of Llama 4's dense layers: intermediate_size_mlp (16,384 when absent, transformers'
+    Llama4TextConfig default)."""
+    return int(cfg.integer("intermediate_size_mlp", default=16384))
+
+
+def _mlp_width(cfg: HFConfig, family: str, size: ModelSize, D: int) -> int:
+    """The widest MLP hidden activation one token makes in a layer: intermediate_size (n_inner) for a dense
+    model; for a mixture of experts the larger of a dense layer's (Llama 4: intermediate_size_mlp) and its routed
+    experts' per token (moe_intermediate_size, or intermediate_size where that is the experts' width: Mixtral,
+    gpt-oss, Llama 4)."""
+    dense_inner = (_width(cfg, "intermediate_size") if cfg.has("intermediate_size") else
+                   int(cfg.integer("n_inner", default=4 * D)))
+    if family not in MOE_FAMILIES or "experts" not in size.parts:
+        return dense_inner
+    per_token = int(cfg.integer("num_experts_per_tok", default=1))
+    if family in ("mixtral", "gpt_oss", "llama4", "llama4_text"):
+        expert_inner = dense_inner
+        dense_inner = _llama4_dense_width(cfg) if family.startswith("llama4") else dense_inner
+    else:
+        expert_inner = int(cfg.integer("moe_intermediate_size", default=dense_inner))
+    return max(dense_inner if "mlp" in size.parts else 0, per_token * expert_inner)
+
+
+def _moe_layers(cfg: HFConfig, family: str, n_layers: int) -> list[int]:
+    """The layers that hold experts: every layer in Mixtral and gpt-oss; Qwen2/Qwen3-MoE's every
+    decoder_sparse_step-th but those in mlp_only_layers; Llama 4's moe_layers, by default every
+    interleave_moe_layer_step-th (from layer step - 1); DeepSeek's from first_k_dense_replace on, every
+    moe_layer_freq-th."""
+    if family in ("mixtral", "gpt_oss"):
+        return list(range(n_layers))
+    if family in ("qwen2_moe", "qwen3_moe"):
         dense = set(cfg.integers("mlp_only_layers", default=[]))
         every = int(cfg.integer("decoder_sparse_step", default=1))
-        sparse = [i for i in range(n_layers) if i not in dense and (i + 1) % every == 0]
-        shape = (len(sparse), int(cfg.integer("num_experts")), int(cfg.integer("num_experts_per_tok")),
-                 3 * D * _width(cfg, "moe_intermediate_size"))
-    else:
-        first = int(cfg.integer("first_k_dense_replace", default=0))
-        every = int(cfg.integer("moe_layer_freq", default=1))
-        routed = int(cfg.integer("n_routed_experts", default=0))
-        moe = [i for i in range(n_layers) if i >= first and i % every == 0] if routed else []
-        shape = (len(moe), routed, int(cfg.integer("num_experts_per_tok", default=0)),
-                 3 * D * int(cfg.integer("moe_intermediate_size", default=0)))
-    if shape[0] and shape[2] > shape[1]:
-        raise MultiheadError(f"{cfg.where!r}: num_experts_per_tok = {shape[2]:,}: expected at most the "
-                             f"{shape[1]:,} experts a layer has")
-    return shape
-
-
-def _mlp(cfg: HFConfig, family: str, D: int, inner: int, n_layers: int
-         ) -> tuple[int, int, int, int, int, int]:
-    """(dense MLP parameters of all dense layers, MoE layers, one routed expert, routed experts per layer, shared
-    expert parameters per layer, router parameters per layer)."""
-    gated = 3 * D * inner
-    if family not in ("mixtral", "qwen2_moe", "deepseek_v2", "deepseek_v3"):
-        return n_layers * gated, 0, 0, 0, 0, 0
-    moe_layers, routed, _, expert = _moe_shape(cfg, family, n_layers, D)
-    dense_layers = n_layers - moe_layers
-    if family == "mixtral":
-        return 0, moe_layers, expert, routed, 0, D * routed
-    if family == "qwen2_moe":
-        shared_inner = int(cfg.integer("shared_expert_intermediate_size", default=0))
-        shared = 3 * D * shared_inner + D if shared_inner else 0  # the shared expert and its sigmoid gate
-        return dense_layers * gated, moe_layers, expert, routed, shared, D * routed
-    shared = int(cfg.integer("n_shared_experts", default=0)) * expert
-    router = D * routed  # (V3's router also keeps a score-correction bias per expert: a buffer, not a parameter)
-    return dense_layers * gated, moe_layers, expert, routed, shared, router
+        experts = _experts(cfg, family)
+        return [i for i in range(n_layers) if i not in dense and experts > 0 and (i + 1) % every == 0]
+    if family in ("llama4", "llama4_text"):
+        given = cfg.integers("moe_layers", default=None)
+        if given is not None:
+            return sorted({i for i in given if i < n_layers})
+        step = int(cfg.integer("interleave_moe_layer_step", default=1))
+        return list(range(step - 1, n_layers, step))
+    first = int(cfg.integer("first_k_dense_replace", default=0))
+    every = int(cfg.integer("moe_layer_freq", default=1))
+    routed = int(cfg.integer("n_routed_experts", default=0))
+    return [i for i in range(n_layers) if i >= first and i % every == 0] if routed else []
 
 
 # ---------------------------------------------------------------------------------------------- memory
@@ -254,12 +364,7 @@ def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, b
     cfg = _config(model)
     a = model.attention
     D, d = a.d_model, a.head_dim
-    inner = _width(cfg, "intermediate_size") if cfg.has("intermediate_size") else int(
-        cfg.integer("n_inner", default=4 * D))
-    if "experts" in size.parts:
-        moe_inner = int(cfg.integer("moe_intermediate_size", default=inner))
-        per_tok = int(cfg.integer("num_experts_per_tok", default=1))
-        inner = max(inner if "mlp" in size.parts else 0, moe_inner * per_tok)
+    inner = _mlp_width(cfg, cfg.model_type, size, D)
     attention = -(-2 * D // tp) + 2 * kv_share(model, tp)[0] * d  # q and the output split; k, v of this device's heads
     if model.mla is not None:
         m = model.mla

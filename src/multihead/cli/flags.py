@@ -112,10 +112,7 @@ class Dtype:
     def __call__(self, text: str) -> str | tuple[str, ...]:
         if not self.many:
             return self.one(text)
-        values = tuple(dict.fromkeys(self.one(part) for part in text.split(",") if part.strip()))
-        if not values:
-            raise argparse.ArgumentTypeError(f"{show(text)}: give one or more dtypes, comma-separated")
-        return values
+        return tuple(dict.fromkeys(self.one(part) for part in items(text, "dtypes, e.g. fp32,bf16")))
 
 
 class Text:
@@ -136,9 +133,25 @@ TEXT = Text("text")
 TOKEN = Text("token", blank=True)  # a token may be a space
 
 
+def items(text: str, what: str) -> list[str]:
+    """The items of a comma-separated list flag, stripped. A list with no item, or with an empty one (two commas in
+    a row, a leading or a trailing comma: '1,,2' is not 1,2), is refused, naming the value and where the empty
+    item is (argparse adds the flag: ``argument --heads: '1,,2' has an empty item ...``)."""
+    parts = [p.strip() for p in text.split(",")]
+    if not any(parts):
+        raise argparse.ArgumentTypeError(f"{show(text)} must be comma-separated {what}: there are none")
+    empty = [i for i, p in enumerate(parts, 1) if not p]
+    if empty:
+        where = ("a leading comma" if empty[0] == 1 else "a trailing comma" if empty[0] == len(parts)
+                 else "two commas in a row")
+        raise argparse.ArgumentTypeError(f"{show(text)} has an empty item (item {empty[0]} of {len(parts)}: "
+                                         f"{where}): give comma-separated {what}")
+    return parts
+
+
 class Listed:
     """A comma-separated list, each item parsed by ``item`` (which raises ArgumentTypeError); ``none`` allows the
-    word 'none' for an empty list."""
+    word 'none' for an empty list. An empty item is refused (:func:`items`)."""
 
     def __init__(self, item: Callable[[str], object], what: str, *, none: bool = False) -> None:
         self.item, self.what, self.none = item, what, none
@@ -146,11 +159,9 @@ class Listed:
     def __call__(self, text: str) -> tuple[object, ...]:
         if self.none and text.strip().lower() == "none":
             return ()
-        parts = [p for p in text.split(",") if p.strip()]
+        parts = items(text, self.what)
         try:
-            if not parts:
-                raise argparse.ArgumentTypeError("there are none")
-            return tuple(dict.fromkeys(self.item(p.strip()) for p in parts))
+            return tuple(dict.fromkeys(self.item(p) for p in parts))
         except argparse.ArgumentTypeError as err:
             raise argparse.ArgumentTypeError(f"{show(text)} must be comma-separated {self.what}: {err}") from None
 
