@@ -156,3 +156,12 @@ def test_the_cli_runs_the_shared_protocol_resumes_it_and_refuses_other_settings(
     assert "holds a shared-prefill run with other settings" in capsys.readouterr().err
     assert main(["tradeoff", "--long", "--dtype", "bf16", "--out", str(tmp_path / "o2")]) == 2
     assert "--dtype is for --protocol shared" in capsys.readouterr().err
+    # cases to choose a plan on: the jargon haystacks from the text's training split, under another seed
+    train = tmp_path / "train"
+    assert main([*argv[:-3], "--split", "train", "--seed", "1", "--out", str(train)]) == 0
+    capsys.readouterr()
+    assert json.loads((train / "shared-settings.json").read_text())["split"] == "train"
+    mine = {json.loads(x)["id"]: json.loads(x) for x in lines}
+    other = [json.loads(x) for x in (train / shared.FILE).read_text().splitlines()]
+    assert len(other) == 4 and all(r["methods"]["full cache"]["answer_logprob"]
+                                   != mine[r["id"]]["methods"]["full cache"]["answer_logprob"] for r in other)

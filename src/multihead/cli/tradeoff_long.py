@@ -19,7 +19,8 @@ from multihead.cli.common import out_folder
 from multihead.cli.flags import POSITIVE, SEED, CliError
 
 LONG_ONLY = ("lengths", "tasks", "haystacks", "prompts", "keys", "values", "seed", "keep", "window_keep",
-             "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan", "engine", "protocol", "dtype")
+             "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan", "engine", "protocol", "dtype",
+             "split")
 
 
 def _names(allowed: Callable[[], tuple[str, ...]], what: str) -> flags.Listed:
@@ -84,6 +85,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "accuracy with Wilson intervals, McNemar against the full cache and each plan's control)")
     g.add_argument("--dtype", type=flags.Dtype(("fp32", "bf16")), default=None,
                    help="the model's element type with --protocol shared: fp32 (default) or bf16")
+    g.add_argument("--split", choices=("test", "train"), default=None,
+                   help="with --protocol shared: the text split the jargon haystacks come from, test (default: the "
+                        "evaluation's) or train (cases to choose a plan on; give another --seed too)")
     g.add_argument("--cases-jsonl", type=flags.PATH, default=None,
                    help="write the run's cases as JSON lines to this file and stop (for benchmarks/kvpress_longctx.py)")
 
@@ -135,14 +139,16 @@ def run(args: argparse.Namespace) -> int:
         path = longctx.write_jsonl(cases, args.cases_jsonl)
         print(f"{len(cases)} cases written to {path}")
         return 0
-    if args.dtype is not None and args.protocol != "shared":
-        raise CliError("--dtype is for --protocol shared (the streaming run is float32)")
+    for name in ("dtype", "split"):
+        if getattr(args, name) is not None and args.protocol != "shared":
+            raise CliError(f"--{name} is for --protocol shared (the streaming run is float32, on the test split)")
     if args.protocol == "shared":
         from multihead.tradeoff.longctx import shared
 
         with out_folder(args.out) as out:
             result = shared.run(s, out=out, model_path=model_path, text_path=args.text, engine=args.engine or "auto",
-                                dtype=flags.TORCH_NAMES[args.dtype or "fp32"], progress=not args.json)
+                                dtype=flags.TORCH_NAMES[args.dtype or "fp32"], split=args.split or "test",
+                                progress=not args.json)
         print(json.dumps(result) if args.json else shared.table(result))
         return 0
     with out_folder(args.out) as out:

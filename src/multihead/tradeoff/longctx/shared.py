@@ -210,14 +210,16 @@ def controls_of(methods: Sequence[Method]) -> dict[str, str]:
 
 
 def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_path: str | None = None,
-        engine: str = "auto", dtype: str = "float32", progress: bool = True, model: Any = None,
+        engine: str = "auto", dtype: str = "float32", split: str = "test", progress: bool = True, model: Any = None,
         tokenizer: Any = None) -> dict[str, Any]:
     """The shared-prefill protocol over a run's cases and cache methods (:class:`~.settings.Settings`; the methods
     that change the model left out): every case one line of ``out/shared-prefill.jsonl`` as it is answered (a
     stopped run resumes; a run of other settings in the folder is refused), then ``out/shared-result.json`` (the
     :func:`summary`, the settings, the machine) and ``out/shared-table.txt``. ``dtype`` the model's (float32 or
-    bfloat16); ``engine`` as :func:`~.runner.load_decoder` takes it; ``model`` and ``tokenizer`` replace the
-    loaded ones (tests)."""
+    bfloat16); ``split`` the part of the text the jargon haystacks come from: ``test`` (the evaluation's) or
+    ``train`` (cases for choosing a plan, disjoint from the evaluation's: give them another ``seed`` too, as the
+    filler haystack is the same text in both); ``engine`` as :func:`~.runner.load_decoder` takes it; ``model`` and
+    ``tokenizer`` replace the loaded ones (tests)."""
     import dataclasses
     import platform
     from datetime import date
@@ -231,9 +233,12 @@ def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_p
 
     if dtype not in ("float32", "bfloat16"):
         raise MultiheadError(f"dtype {dtype!r}: the shared-prefill run takes float32 or bfloat16")
+    if split not in ("test", "train"):
+        raise MultiheadError(f"split {split!r}: the cases come from the text's test or train split")
     folder = Path(out)
     stamp = {"protocol": "shared", "settings": dataclasses.asdict(settings), "model": model_path, "text": text_path,
-             "engine": "given" if model is not None else resolve_engine(model_path, engine), "dtype": dtype}
+             "engine": "given" if model is not None else resolve_engine(model_path, engine), "dtype": dtype,
+             "split": split}
     settings_file = folder / "shared-settings.json"
     if settings_file.exists() and json.loads(settings_file.read_text()) != json.loads(json.dumps(stamp)):
         raise MultiheadError(f"{folder} holds a shared-prefill run with other settings ({settings_file}): resume "
@@ -244,7 +249,7 @@ def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_p
     if tokenizer is None:
         raise MultiheadError("a model given to the shared-prefill run needs its tokenizer")
     splits = token_splits(tokenizer.encode(read_text(text_path)), least=2)
-    cases = make_cases(settings, tokenizer, splits.test, max_context=model.config.max_context)
+    cases = make_cases(settings, tokenizer, getattr(splits, split), max_context=model.config.max_context)
     methods = cache_methods(settings.methods(model.config.n_kv_heads))
     folder.mkdir(parents=True, exist_ok=True)
     new = not settings_file.exists()
