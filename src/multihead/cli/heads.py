@@ -37,7 +37,9 @@ def add(sub: Any) -> None:
     r.add_argument("--retrieval", action="store_true",
                    help="also score retrieval heads on long-context needle cases (Wu et al. 2024: the head's top key "
                         "is the needle token being copied), the attention a sinks + window cache would drop, and "
-                        "RazorAttention-style echo/induction scores per KV head (Llama-style models of ours)")
+                        "RazorAttention-style echo/induction scores per KV head, and write head-wise cache plans "
+                        "from them (causal models: our port for Llama, transformers with its attention on multihead "
+                        "for other decoders, e.g. a Qwen2, Mistral or Gemma folder; --engine forces one)")
     r.add_argument("--lengths", type=flags.HEAD_COUNTS, default=None, metavar="N,N",
                    help="prompt lengths in tokens (default 2048)")
     r.add_argument("--tasks", type=flags.Listed(flags.OneOf(("passkey", "single-number", "single-word", "multikey",
@@ -56,25 +58,43 @@ def add(sub: Any) -> None:
                    help="zero the K best retrieval heads, and K random others (--draws sets), and measure the "
                         "needle accuracy")
     r.add_argument("--draws", type=flags.POSITIVE, default=None, help="random head sets for --ablate-top (default 5)")
+    r.add_argument("--budget", type=flags.FRACTIONS, default=None, metavar="F,F",
+                   help="write a head plan (HeadPlan JSON in --out: MODEL-SCORE-PCT-plan.json) keeping every key for "
+                        "this fraction of KV heads and --sinks + --window for the rest, per fraction (default 0.5; "
+                        "'none' for no plan)")
+    r.add_argument("--plan-by", type=flags.Listed(flags.OneOf(PLAN_SCORES, "score {value} is unknown: choose from "
+                                                                          "{names}"), "scores"),
+                   default=None, metavar="SCORE,SCORE",
+                   help="the score(s) plans rank KV heads by: retrieval (default; ties by the dropped mass), mass, "
+                        "razor")
     p.set_defaults(run=run)
 
 
-RETRIEVAL_ONLY = ("lengths", "tasks", "prompts", "sinks", "window", "block", "ablate_top", "draws", "all_cases")
+PLAN_SCORES = ("retrieval", "mass", "razor")
+RETRIEVAL_ONLY = ("lengths", "tasks", "prompts", "sinks", "window", "block", "ablate_top", "draws", "all_cases",
+                  "budget", "plan_by")
 
 
 def _retrieval(args: argparse.Namespace, model: Any, report: Any) -> Any:
-    """The retrieval scores of --retrieval, attached to the report (razor scores from its own echo/induction)."""
-    from multihead.heads.adapters import DecoderHeads
+    """The retrieval scores of --retrieval, attached to the report (razor scores from its own echo/induction): our
+    port's through its KV cache, a transformers decoder's through transformers' cache with its attention on
+    multihead (the same hook points, the same code)."""
+    from multihead.heads.adapters import DecoderHeads, TransformersHeads
+    from multihead.heads.engines import TransformersEngine
     from multihead.heads.retrieval import RetrievalSettings, analyse_retrieval, razor_from_head_scores
 
-    if not isinstance(model, DecoderHeads):
-        raise CliError(f"--retrieval runs needle cases through multihead's own KV cache: {model.name} is not a "
-                       "Llama-style decoder of ours (give --model smollm2, a Llama .gguf or folder, --engine ours)")
+    if isinstance(model, DecoderHeads):
+        runnable: Any = model.model
+    elif isinstance(model, TransformersHeads) and model.causal:
+        runnable = TransformersEngine(model.model, name=model.name)
+    else:
+        raise CliError(f"--retrieval answers needle questions with a causal language model: {model.name} is an "
+                       "encoder (give a decoder: --model smollm2, a .gguf file or a decoder's folder)")
     chosen = {"sinks": args.sinks, "window": args.window, "block": args.block,
               "correct_only": False if args.all_cases else None}
     settings = RetrievalSettings(**{k: v for k, v in chosen.items() if v is not None})
     report.retrieval = analyse_retrieval(
-        model.model, model.tokenizer, lengths=tuple(args.lengths or (2048,)),
+        runnable, model.tokenizer, lengths=tuple(args.lengths or (2048,)),
         tasks=tuple(args.tasks or ("passkey", "single-number")), prompts=args.prompts or 2, settings=settings,
         razor=razor_from_head_scores(report.scores), ablate_top=args.ablate_top or 0, draws=args.draws or 5,
         name=model.name, progress=not args.json)
@@ -108,8 +128,9 @@ def run(args: argparse.Namespace) -> int:
         if args.retrieval:
             _retrieval(args, model, report)
         files = write_all(report, out)
+        plans = _write_plans(args, report.retrieval, out) if report.retrieval is not None else []
     if args.json:
-        print(json.dumps({**result_json(report), "files": files}))
+        print(json.dumps({**result_json(report), "files": files, **({"plans": plans} if args.retrieval else {})}))
         return 0
     scores = report.scores
     print(f"{report.model}: {report.n_layers} layers x {report.n_heads} query heads ({report.n_kv_heads} KV heads), "
@@ -142,10 +163,27 @@ def run(args: argparse.Namespace) -> int:
               f"{converted['metric']:.4f} ({converted['delta']:+.4f})")
     if report.retrieval is not None:
         _print_retrieval(report.retrieval, args.top)
+        if plans:
+            print("plans: " + ", ".join(plans))
     print(f"report: {files['html']}")
     print("pictures: " + ", ".join(files[k] for k in ("grid_png", "heads_png", "retrieval_png") if k in files))
     print(f"data: {files['json']}")
     return 0
+
+
+def _write_plans(args: argparse.Namespace, scores: Any, out: Any) -> list[str]:
+    """The head plans of --budget and --plan-by, written into ``out`` (one file per score and fraction)."""
+    import re
+    from pathlib import Path
+
+    budgets = (0.5,) if args.budget is None else args.budget
+    stem = re.sub(r"[^A-Za-z0-9._-]+", "-", scores.model).strip("-.") or "model"
+    written = []
+    for by in args.plan_by or ("retrieval",):
+        for budget in budgets:
+            plan = scores.plan(budget, by)
+            written.append(str(plan.save(Path(out) / f"{stem}-{by}-{budget * 100:g}-plan.json")))
+    return written
 
 
 def _print_retrieval(scores: Any, top: int) -> None:

@@ -357,7 +357,7 @@ function drawDefinitions() {
 function drawRetrieval() {
   const box = document.getElementById("retrieval"), R = D.retrieval;
   const note = el("div"); note.className = "note"; box.appendChild(note);
-  if (!R) { note.textContent = "No retrieval scores in this report (run with --retrieval: Llama-style models of ours)."; return; }
+  if (!R) { note.textContent = "No retrieval scores in this report (run with --retrieval: causal language models)."; return; }
   const S = R.settings, used = R.cases_used;
   note.textContent = "Retrieval score (Wu et al. 2024): the share of a case's copyable answer steps at which the " +
     "head's most-attended key is the needle token being copied, averaged over the " + used + " of " + R.cases.length +

@@ -31,7 +31,14 @@ heads and the cache is per KV head, so a plan decides per KV head):
     scores of :mod:`multihead.heads.scores`, per KV head.
 
 A KV head's score is the max over its query heads (``kv``, the one a plan should use: one retrieval query head
-needs every key of its KV head) and the mean (``kv_mean``, for reading).
+needs every key of its KV head) and the mean (``kv_mean``, for reading). :meth:`RetrievalScores.plan` makes the
+:class:`~multihead.cache.HeadPlan` of a budget from them, with the model's name and shape.
+
+One code path for both engines (:mod:`multihead.heads.engines`): multihead's own models and any transformers causal
+LM whose attention runs on multihead (:func:`multihead.hf.enable`; Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3 are
+tested), through the same hook points. A transformers layer's own mask (a sliding window) and its softcap are the
+layer's: a query's top-1 key is the top among the keys it may see, its dropped mass is taken from its real weights
+(so a sliding layer whose window fits inside the streaming cache's drops nothing).
 """
 
 from __future__ import annotations
@@ -42,16 +49,20 @@ import random
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from multihead.errors import MultiheadError
 from multihead.evals.answers import FULL_CACHE, answer_steps, prefill, run_prompt, score
 from multihead.evals.needles import Case
+from multihead.heads.engines import Site, as_engine, as_tokenizer
 from multihead.hooks import HookPoint, zero_heads
+
+if TYPE_CHECKING:
+    from multihead.cache import HeadPlan
 
 
 # ---------------------------------------------------------------------------------------------------------- settings
@@ -89,18 +100,11 @@ class RetrievalSettings:
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
-def attention_layers(model: nn.Module) -> list[Any]:
-    """The model's attention layers in module order: the modules with hook points q and k and a config with a
-    ``softmax_scale`` (multihead's MultiHeadAttention)."""
-    found = [m for m in model.modules()
-             if isinstance(getattr(m, "hook_q", None), HookPoint) and isinstance(getattr(m, "hook_k", None), HookPoint)]
-    if not found:
-        raise MultiheadError(f"{type(model).__name__} has no attention layer with hook points q and k: the retrieval "
-                             "scores read them")
-    for m in found:
-        if not isinstance(getattr(getattr(m, "config", None), "softmax_scale", None), float):
-            raise MultiheadError(f"{type(m).__name__} has no config.softmax_scale: the scores need the layer's scale")
-    return found
+def attention_layers(model: Any) -> list[Any]:
+    """The model's attention layers in order, the modules holding their hook points: multihead's own layers
+    (MultiHeadAttention, with a config.softmax_scale) or a transformers model's attention modules (switched to
+    multihead's attention by :func:`multihead.hf.enable`): :meth:`multihead.heads.engines.Engine.sites`."""
+    return [site.module for site in as_engine(model).sites()]
 
 
 def kv_aggregate(x: np.ndarray, n_kv_heads: int, how: str = "max") -> np.ndarray:
@@ -121,38 +125,47 @@ def kv_aggregate(x: np.ndarray, n_kv_heads: int, how: str = "max") -> np.ndarray
     raise MultiheadError(f"how {how!r} is unknown: choose max or mean")
 
 
-def _grouped_logits(q: Tensor, k: Tensor, scale: float) -> Tensor:
+def _grouped_logits(q: Tensor, k: Tensor, scale: float, softcap: float | None = None) -> Tensor:
     """q (b, h, r, d) against k (b, g, t, d) -> scores (b, h, r, t), with no repeated K: each KV head's query heads
-    are one batched matmul."""
+    are one batched matmul; ``softcap`` (Gemma 2): ``tanh(x / softcap) * softcap``."""
     b, h, r, d = q.shape
     g = k.shape[1]
     if h % g:
         raise MultiheadError(f"{h} query heads cannot read {g} KV heads: g must divide h")
     qg = q.reshape(b, g, h // g, r, d)  # (b, g, h/g, r, d)
     logits = torch.matmul(qg, k.unsqueeze(2).transpose(-1, -2))  # (b, g, h/g, r, t)
-    return logits.reshape(b, h, r, k.shape[2]).mul_(scale)  # (b, h, r, t)
+    logits = logits.reshape(b, h, r, k.shape[2]).mul_(scale)  # (b, h, r, t)
+    if softcap is not None:
+        logits = logits.div_(softcap).tanh_().mul_(softcap)
+    return logits
 
 
-def mass_outside_block(q: Tensor, k: Tensor, positions: Tensor, *, scale: float, sinks: int, window: int) -> Tensor:
+def mass_outside_block(q: Tensor, k: Tensor, positions: Tensor, *, scale: float, sinks: int, window: int,
+                       softcap: float | None = None, keep: Tensor | None = None) -> Tensor:
     """Per head, the summed share of attention outside the sinks and the window over a block of query rows:
     q (b, h, r, d) at ``positions`` (r,), k (b, g, t, d) the keys at positions 0 .. t - 1 (causal: a query sees
-    keys up to its own position). Returns (h,) float64 sums over b and r."""
+    keys up to its own position; ``keep``, broadcastable to (b, h, r, t), True = may attend, narrows it to the
+    layer's own mask, e.g. a sliding window). ``softcap`` caps the scores as the layer does. Returns (h,) float64
+    sums over b and r."""
     t = k.shape[2]
     j = torch.arange(t, device=k.device)
-    logits = _grouped_logits(q.float(), k.float(), scale)  # (b, h, r, t)
+    logits = _grouped_logits(q.float(), k.float(), scale, softcap)  # (b, h, r, t)
     allowed = j[None, :] <= positions[:, None]  # (r, t)
+    if keep is not None:
+        allowed = allowed & keep  # (1 | b, 1 | h, r, t)
     w = torch.softmax(logits.masked_fill_(~allowed, float("-inf")), dim=-1)  # (b, h, r, t)
     del logits  # at most two blocks live at once
-    dropped = allowed & (j[None, :] >= sinks) & (j[None, :] <= positions[:, None] - window)  # (r, t)
+    dropped = allowed & (j >= sinks) & (j[None, :] <= positions[:, None] - window)  # (.., r, t)
     return w.mul_(dropped).sum(-1).double().sum((0, 2))  # (h,)
 
 
 # ---------------------------------------------------------------------------------------------------------- the probe
 class _Probe:
     """Hooks on every layer's q and k. Mode "mass": each call's rows (all or the chosen ones) add to the dropped
-    mass, block by block; mode "top": each call's last query row's top-1 key per head is kept; "off": nothing."""
+    mass, block by block; mode "top": each call's last query row's top-1 key per head is kept (among the keys the
+    layer lets it see); "off": nothing."""
 
-    def __init__(self, layers: Sequence[Any], settings: RetrievalSettings) -> None:
+    def __init__(self, layers: Sequence[Site], settings: RetrievalSettings) -> None:
         self.layers = list(layers)
         self.settings = settings
         self.mode = "off"
@@ -169,9 +182,9 @@ class _Probe:
     @contextmanager
     def attached(self) -> Iterator[_Probe]:
         with ExitStack() as stack:
-            for i, layer in enumerate(self.layers):
-                stack.enter_context(layer.hook_q.add(self._keep_q(i)))
-                stack.enter_context(layer.hook_k.add(self._on_k(i, float(layer.config.softmax_scale))))
+            for i, site in enumerate(self.layers):
+                stack.enter_context(site.module.hook_q.add(self._keep_q(i)))
+                stack.enter_context(site.module.hook_k.add(self._on_k(i, site)))
             yield self
 
     def _keep_q(self, i: int) -> Callable[[Tensor, HookPoint], None]:
@@ -179,7 +192,7 @@ class _Probe:
             self._q[i] = q.detach() if self.mode != "off" else None
         return hook
 
-    def _on_k(self, i: int, scale: float) -> Callable[[Tensor, HookPoint], None]:
+    def _on_k(self, i: int, site: Site) -> Callable[[Tensor, HookPoint], None]:
         def hook(k: Tensor, _point: HookPoint) -> None:
             q = self._q[i]
             self._q[i] = None
@@ -188,13 +201,17 @@ class _Probe:
             k = k.detach()
             self.heads = q.shape[1]
             if self.mode == "top":
-                last = _grouped_logits(q[:, :, -1:].float(), k.float(), scale)  # (b, h, 1, t): the step's query
+                s, t = q.shape[2], k.shape[2]
+                row = torch.tensor([s - 1], device=q.device)
+                keep = site.keep(row, row + t - s, t)  # the step's query (the last row) sits at t - 1
+                last = _grouped_logits(q[:, :, -1:].float(), k.float(), site.scale, site.softcap)  # (b, h, 1, t)
+                last = last.masked_fill_(~keep, float("-inf"))
                 self.top[i].append(last[:, :, 0].argmax(-1).cpu())  # (b, h)
             else:
-                self._mass(i, q, k, scale)
+                self._mass(i, q, k, site)
         return hook
 
-    def _mass(self, i: int, q: Tensor, k: Tensor, scale: float) -> None:
+    def _mass(self, i: int, q: Tensor, k: Tensor, site: Site) -> None:
         s, t = q.shape[2], k.shape[2]
         st = self.settings
         rows = torch.arange(s, device=q.device)
@@ -205,9 +222,9 @@ class _Probe:
         rows, positions = rows[chosen], positions[chosen]
         total = torch.zeros(q.shape[1], dtype=torch.float64)
         for start in range(0, rows.numel(), st.block):
-            r = rows[start:start + st.block]
-            total += mass_outside_block(q[:, :, r], k, positions[start:start + st.block], scale=scale,
-                                        sinks=st.sinks, window=st.window).cpu()
+            r, p = rows[start:start + st.block], positions[start:start + st.block]
+            total += mass_outside_block(q[:, :, r], k, p, scale=site.scale, sinks=st.sinks, window=st.window,
+                                        softcap=site.softcap, keep=site.keep(r, p, t)).cpu()
         self.mass[i] = total if self.mass[i].numel() == 0 else self.mass[i] + total  # (h,)
         if i == 0:
             self.rows += int(rows.numel()) * q.shape[0]
@@ -228,6 +245,8 @@ class RetrievalScores:
     mass_rows: int = 0
     razor: dict[str, np.ndarray] = field(default_factory=dict)  # name -> (L, h) (induction, echo)
     ablation: dict[str, Any] | None = None
+    shape: tuple[int, int, int, int] | None = None  # the model's (n_layers, n_heads, n_kv_heads, head_dim)
+    scored: str = ""  # what the scores were taken on (the engine, sliding layers ...), for a plan's method
 
     @property
     def kv(self) -> np.ndarray:
@@ -265,6 +284,36 @@ class RetrievalScores:
             return self.razor_kv["razor"]
         raise MultiheadError(f"kind {kind!r} is unknown: choose retrieval, mass or razor")
 
+    def plan(self, fraction: float, by: str = "retrieval") -> HeadPlan:
+        """The :class:`~multihead.cache.HeadPlan` that keeps every key for the top ``fraction`` of KV heads by ``by``
+        (:meth:`for_plan`'s kinds) and the scores' sinks + window for the rest, with the model's name and shape.
+        "retrieval" breaks its ties (most heads copy nothing) by the dropped mass: the ranked score is ``kv +
+        1e-3 * mass_outside_kv / max(mass_outside_kv)``, so a tie goes to the head a streaming cache would hurt
+        more. The plan's ``method`` says what was scored: the score, the cases used, the model and its engine."""
+        from multihead.cache import HeadPlan
+
+        if self.shape is None:
+            raise MultiheadError("these scores carry no model shape (n_layers, n_heads, n_kv_heads, head_dim): "
+                                 "score with retrieval_scores, which records it")
+        ranked = self.for_plan(by)
+        if by == "retrieval":
+            mass = self.mass_outside_kv
+            ranked = ranked + 1e-3 * mass / max(float(mass.max()), 1e-12)
+        st = self.settings
+        used = sum(1 for c in self.cases if c["used"])
+        lengths = sorted({int(c["length"]) for c in self.cases if c["used"]})
+        tasks = sorted({str(c["task"]) for c in self.cases if c["used"]})
+        what = {"retrieval": "Wu et al.'s retrieval score per KV head (max over its query heads), ties by the "
+                             f"attention a {st['sinks']} sinks + {st['window']} cache drops",
+                "mass": f"the attention a {st['sinks']} sinks + {st['window']} cache drops per KV head (max over "
+                        f"its query heads, over {self.mass_rows} prefill rows)",
+                "razor": "RazorAttention's echo / induction score per KV head (max of the two, max over its query "
+                         "heads)"}[by]
+        method = (f"{by}: {what}; on {used} of {len(self.cases)} needle cases ({', '.join(tasks)} at "
+                  f"{', '.join(map(str, lengths))} tokens); {self.scored or self.model}")
+        return HeadPlan.from_scores(ranked.tolist(), fraction, sinks=int(st["sinks"]), window=int(st["window"]),
+                                    model=self.model, shape=self.shape, method=method)
+
     def top(self, k: int = 10, *, kind: str = "kv") -> list[tuple[int, int, float]]:
         """The k heads with the highest score: (layer, head, score); ``kind`` "kv", "query" or "mass_outside"."""
         table = {"kv": self.kv, "query": self.query, "mass_outside": self.mass_outside}
@@ -281,6 +330,9 @@ class RetrievalScores:
         out: dict[str, Any] = {
             "model": self.model, "n_layers": int(self.query.shape[0]), "n_heads": int(self.query.shape[1]),
             "n_kv_heads": self.n_kv_heads, "settings": self.settings,
+            **({} if self.shape is None else {"shape": dict(zip(("n_layers", "n_heads", "n_kv_heads", "head_dim"),
+                                                                  self.shape, strict=True))}),
+            **({"scored": self.scored} if self.scored else {}),
             "cases": self.cases, "cases_used": sum(1 for c in self.cases if c["used"]),
             "query": r(self.query), "kv": r(self.kv), "kv_mean": r(self.kv_mean),
             "mass_outside": r(self.mass_outside), "mass_outside_kv": r(self.mass_outside_kv),
@@ -326,17 +378,22 @@ def _prompt_groups(cases: Sequence[Case]) -> list[list[Case]]:
 
 def retrieval_scores(model: Any, cases: Sequence[Case], settings: RetrievalSettings | None = None, *,
                      name: str = "", progress: bool = False) -> RetrievalScores:
-    """Wu et al.'s retrieval score and the dropped-mass score of every head of ``model`` (a causal model that
-    takes ``model(ids, cache=)`` and makes its caches with ``new_cache(b, max_len)``, as multihead's Llama port)
-    on ``cases`` (:func:`multihead.evals.needles.make_cases`). Each prompt is prefilled once through a full
-    cache (the mass score is taken then, block by block), each of its questions answered from a copy."""
+    """Wu et al.'s retrieval score and the dropped-mass score of every head of ``model`` on ``cases``
+    (:func:`multihead.evals.needles.make_cases`). ``model``: multihead's own causal model (``model(ids, cache=)``,
+    caches from ``new_cache(b, max_len)``, as the Llama port), a transformers causal LM (its attention switched to
+    multihead's by :func:`multihead.hf.enable`, cached in transformers' own DynamicCache) or an
+    :class:`~multihead.heads.engines.Engine`: the same hook points and code for both. Each prompt is prefilled once
+    through a full cache (the mass score is taken then, block by block), each of its questions answered from a
+    copy. A layer's own mask (a sliding window) and softcap count: a query's top key is the top among the keys it
+    may see, its weights are the layer's."""
     from tqdm import tqdm
 
     st = settings or RetrievalSettings()
     if not cases:
         raise MultiheadError("no cases: give at least one needle case (multihead.evals.needles.make_cases)")
     plans = {c.id: copyable_steps(c) for c in cases}
-    layers = attention_layers(model)
+    engine = as_engine(model, name)
+    layers = engine.sites()
     for group in _prompt_groups(cases):
         n = len(group[0].context_ids)
         if n < st.sinks + st.window + 1 and st.rows is None:
@@ -348,18 +405,18 @@ def retrieval_scores(model: Any, cases: Sequence[Case], settings: RetrievalSetti
     records: list[dict[str, Any]] = []
     used = 0
     groups = _prompt_groups(cases)
-    with probe.attached(), torch.no_grad():
+    with engine.reading(), probe.attached(), torch.no_grad():
         for group in tqdm(groups, desc="retrieval scores", unit="prompt", disable=not progress, leave=False):
             context = group[0].context_ids
             room = max(len(context) + len(c.question_ids) + len(c.answer_ids) for c in group)
-            cache = model.new_cache(1, room)
+            cache = engine.new_cache(1, room)
             probe.mode = "mass"
-            prefill(model, context, cache, st.chunk)
+            prefill(engine, context, cache, st.chunk)
             for i, case in enumerate(group):
                 mine = cache if i + 1 == len(group) else copy.deepcopy(cache)
                 probe.mode = "top"
                 probe.top = [[] for _ in layers]
-                steps = answer_steps(model, mine, case.question_ids, case.answer_ids)
+                steps = answer_steps(engine, mine, case.question_ids, case.answer_ids)
                 probe.mode = "off"
                 result = score(case, steps)
                 top = np.stack([torch.stack(t).numpy() for t in probe.top])  # (L, steps, b, h)
@@ -390,16 +447,11 @@ def retrieval_scores(model: Any, cases: Sequence[Case], settings: RetrievalSetti
     if used == 0 or hits_sum is None:
         raise MultiheadError(f"the model answers none of the {len(cases)} cases exactly right, so no case is used "
                              "(correct_only): use easier cases or RetrievalSettings(correct_only=False)")
-    h = probe.heads or 0
     mass = np.stack([m.numpy() for m in probe.mass]) / probe.rows  # (L, h)
-    return RetrievalScores(model=name or type(model).__name__, n_kv_heads=_kv_heads(layers, h),
-                           query=hits_sum / used, mass_outside=mass, cases=records,
-                           settings=dataclasses.asdict(st), mass_rows=probe.rows)
-
-
-def _kv_heads(layers: Sequence[Any], h: int) -> int:
-    g = getattr(layers[0], "n_kv_heads", None)
-    return int(g) if isinstance(g, int) else h
+    shape = engine.shape
+    return RetrievalScores(model=engine.name, n_kv_heads=shape[2], query=hits_sum / used, mass_outside=mass,
+                           cases=records, settings=dataclasses.asdict(st), mass_rows=probe.rows, shape=shape,
+                           scored=engine.scored)
 
 
 # ---------------------------------------------------------------------------------------------------- RazorAttention
@@ -419,7 +471,9 @@ def razor_scores(model: Any, *, vocab: tuple[int, int], repeat_len: int = 24, se
         raise MultiheadError(f"vocab range [{low}, {high}) must hold at least repeat_len ({repeat_len}) ids")
     gen = torch.Generator().manual_seed(seed)
     ids = torch.stack([low + torch.randperm(high - low, generator=gen)[:repeat_len] for _ in range(seeds)])
-    weights = capture_weights(attention_layers(model), lambda: model(torch.cat([ids, ids], dim=1)))
+    engine = as_engine(model)
+    weights = capture_weights([s.module for s in engine.sites()],
+                              lambda: engine.forward(torch.cat([ids, ids], dim=1).to(engine.device)))
     found = repeat_scores(weights, repeat_len)
     return {"echo": found["duplicate_token"], "induction": found["induction"]}
 
@@ -444,9 +498,9 @@ def accuracy(model: Any, cases: Sequence[Case], *, chunk: int = 512,
              heads: Sequence[tuple[int, int]] = ()) -> float:
     """Exact-match accuracy on ``cases`` through a full cache, with the z of ``heads`` ((layer, query head)) zeroed
     (their output never reaches W_O)."""
-    layers = attention_layers(model)
-    with _zeroed(layers, heads):
-        results = [r for group in _prompt_groups(cases) for r in run_prompt(model, FULL_CACHE, group, chunk)]
+    engine = as_engine(model)
+    with _zeroed(attention_layers(engine), heads):
+        results = [r for group in _prompt_groups(cases) for r in run_prompt(engine, FULL_CACHE, group, chunk)]
     return sum(bool(r["correct"]) for r in results) / len(results)
 
 
@@ -461,6 +515,7 @@ def ablation(model: Any, cases: Sequence[Case], ranking: np.ndarray, k: int, *, 
     if ranking.ndim != 2:
         raise MultiheadError(f"ranking must be (layers, query heads), got shape {ranking.shape}")
     n_layers, n_heads = ranking.shape
+    model = as_engine(model)
     if len(attention_layers(model)) != n_layers:
         raise MultiheadError(f"ranking has {n_layers} layers but the model has {len(attention_layers(model))}")
     total = n_layers * n_heads
@@ -508,21 +563,24 @@ def analyse_retrieval(model: Any, tokenizer: Any, *, lengths: Sequence[int] = (2
                       settings: RetrievalSettings | None = None, text_path: str | None = None,
                       razor: dict[str, np.ndarray] | None = None, ablate_top: int = 0, draws: int = 5,
                       name: str = "", progress: bool = True) -> RetrievalScores:
-    """The retrieval scores of a Llama-style model of ours (e.g. SmolLM2 from :func:`multihead.models.load_llama`)
-    on :func:`long_cases`, with ``razor`` scores attached (default: :func:`razor_scores` on random tokens) and,
+    """The retrieval scores of a causal model (ours, e.g. SmolLM2 from :func:`multihead.models.load_llama`, or a
+    transformers one: :func:`retrieval_scores`) on :func:`long_cases` made with ``tokenizer`` (ours or a
+    transformers tokenizer), with ``razor`` scores attached (default: :func:`razor_scores` on random tokens) and,
     when ``ablate_top`` is k > 0, the top-k against random-k ablation (:func:`ablation`) on the same cases."""
     st = settings or RetrievalSettings()
-    cases = long_cases(tokenizer, model.config.max_context, lengths=lengths, tasks=tasks, prompts=prompts,
+    engine = as_engine(model, name)
+    tokenizer = as_tokenizer(tokenizer)
+    cases = long_cases(tokenizer, engine.max_context, lengths=lengths, tasks=tasks, prompts=prompts,
                        seed=seed, text_path=text_path)
-    scores = retrieval_scores(model, cases, st, name=name, progress=progress)
+    scores = retrieval_scores(engine, cases, st, progress=progress)
     if razor is None:
         low = max(17, max(getattr(tokenizer, "stop_ids", set()) | {0}) + 1)
-        razor = razor_scores(model, vocab=(low, model.config.vocab_size))
+        razor = razor_scores(engine, vocab=(low, engine.vocab_size))
     scores.razor = dict(razor)
     scores.settings.update(lengths=list(lengths), tasks=list(tasks), prompts=prompts, seed=seed)
     if ablate_top:
-        scores.ablation = ablation(model, cases, scores.query, ablate_top, draws=draws, seed=seed, chunk=st.chunk,
-                                   progress=progress)
+        scores.ablation = ablation(engine, cases, scores.query, ablate_top, draws=draws, seed=seed,
+                                   chunk=st.chunk, progress=progress)
     return scores
 
 

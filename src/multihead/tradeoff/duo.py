@@ -17,7 +17,11 @@ n_kv_heads) become a plan through a threshold or a top fraction (``HeadPlan.from
 Here the gated forward is made of hook points (:mod:`multihead.hooks`): each attention layer's ``hook_q``,
 ``hook_k`` and ``hook_v`` are read, and ``hook_z`` is replaced by the mixture, whose streaming part runs through the
 project's attention core (:func:`multihead.kernels.attend`, SDPA's CPU flash kernel with the streaming mask: no
-(b, h, s, t) score matrix is kept for the backward, only the (s, s) mask). The layer's own path is unchanged.
+(b, h, s, t) score matrix is kept for the backward, only the (s, s) mask). The layer's own path is unchanged. The
+same hooks serve multihead's own models and any transformers decoder whose attention runs on multihead
+(:func:`multihead.hf.enable`, :mod:`multihead.heads.engines`): there the streaming part keeps the layer's scale and
+softcap and stays inside its own mask (a sliding-window layer streams within its window), and
+:func:`plan_from_gates` makes the plan with the shape read from the model's config.
 Measured on SmolLM2-135M (float32, one step = the full model's forward, the gated forward and its backward, on 2
 cores shared with other work): 1,024 tokens, 297 s and 1.6 GiB above the loaded model (2.8 GiB peak); 2,048 tokens,
 392 s and 4.1 GiB above it (5.4 GiB peak); 512 tokens, a median of 83 s over 28 steps.
@@ -45,21 +49,24 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention
 from multihead.cache.sink import sink_keep
 from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError
 from multihead.evals.needles import HAYSTACKS, Haystacks, Tokenizer, case_seed, check_length, make_prompt_cases
+from multihead.heads.engines import Site, as_engine, as_tokenizer
 from multihead.hooks import HookFn, HookHandle, HookPoint
 from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
+
+if TYPE_CHECKING:
+    from multihead.cache import HeadPlan
 
 TRAIN_TASKS = ("passkey", "single-number", "single-word")  # the one-needle tasks of the generator
 TRAIN_INDEX = 1_000_000  # training prompts are indices TRAIN_INDEX + step: the evaluation uses 0 .. prompts - 1
@@ -133,33 +140,25 @@ class DuoSettings:
 
 
 # ------------------------------------------------------------------------------------------------- the gated forward
-def attention_layers(model: nn.Module) -> list[MultiHeadAttention]:
-    """The model's attention layers in module order (the rows of the gates)."""
-    layers = [m for m in model.modules() if isinstance(m, MultiHeadAttention)]
-    if not layers:
-        raise MultiheadError(f"{type(model).__name__} has no MultiHeadAttention layer: gates go on multihead's "
-                             "attention layers")
-    return layers
+def attention_layers(model: Any) -> list[Any]:
+    """The model's attention layers in order (the rows of the gates): multihead's own layers, or the attention
+    modules of a transformers model switched to multihead's attention (:func:`multihead.hf.enable`)."""
+    return [site.module for site in as_engine(model).sites()]
 
 
-def gate_shape(model: nn.Module) -> tuple[int, int]:
+def gate_shape(model: Any) -> tuple[int, int]:
     """(n_layers, n_kv_heads): one gate per KV head of every attention layer."""
-    layers = attention_layers(model)
-    widths = {layer.n_kv_heads for layer in layers}
-    if len(widths) != 1:
-        raise MultiheadError(f"the attention layers have different numbers of KV heads ({sorted(widths)}): gates "
-                             "take one (n_layers, n_kv_heads) array, so every layer needs the same count")
-    return len(layers), widths.pop()
+    return as_engine(model).gate_shape()
 
 
-def new_gates(model: nn.Module, init: float = 1.0) -> nn.Parameter:
+def new_gates(model: Any, init: float = 1.0) -> nn.Parameter:
     """A (n_layers, n_kv_heads) float32 parameter of gates, all ``init``, on the model's device."""
     init = _number("init", init, 0.0, 1.0)
-    device = next(model.parameters()).device
+    device = as_engine(model).device
     return nn.Parameter(torch.full(gate_shape(model), init, dtype=torch.float32, device=device))
 
 
-def _check_gates(model: nn.Module, gates: Tensor) -> None:
+def _check_gates(model: Any, gates: Tensor) -> None:
     want = gate_shape(model)
     if not isinstance(gates, Tensor) or tuple(gates.shape) != want:
         got = tuple(gates.shape) if isinstance(gates, Tensor) else type(gates).__name__
@@ -171,13 +170,18 @@ def _check_gates(model: nn.Module, gates: Tensor) -> None:
 
 
 @contextmanager
-def gated(model: nn.Module, gates: Tensor, *, sinks: int, window: int) -> Iterator[None]:
+def gated(model: Any, gates: Tensor, *, sinks: int, window: int) -> Iterator[None]:
     """Run ``model`` with each KV head's output (the z of its query heads) replaced by
     ``gate * z_full + (1 - gate) * z_stream``, where z_stream is the same head's attention under the streaming mask
     (``sinks`` first tokens and the last ``window``, :func:`~multihead.cache.sink_keep`). ``gates``
     (n_layers, n_kv_heads) in [0, 1]; gradients flow to them. For uncached forwards over positions 0 .. s - 1 (the
-    model's own causal mask): a cached call is refused."""
-    _check_gates(model, gates)
+    model's own causal mask): a cached call is refused.
+
+    ``model``: multihead's own, or a transformers model with its attention on multihead (:mod:`multihead.heads.
+    engines`): the streaming attention is the layer's own (its scale, its softcap) under the streaming mask within
+    the layer's own mask (a sliding-window layer: sinks + window inside its window)."""
+    engine = as_engine(model)
+    _check_gates(engine, gates)
     _integer("sinks", sinks, 0)
     _integer("window", window, 1)
     masks: dict[tuple[int, torch.device], Tensor] = {}
@@ -190,7 +194,8 @@ def gated(model: nn.Module, gates: Tensor, *, sinks: int, window: int) -> Iterat
             masks[key] = sink_keep(pos, pos, window=window, sink_tokens=sinks)  # (s, s), True = may attend
         return masks[key]
 
-    def attach(index: int, layer: MultiHeadAttention) -> None:
+    def attach(index: int, site: Site) -> None:
+        layer = site.module
         held: dict[str, Tensor] = {}
 
         def keep(name: str) -> HookFn:
@@ -205,33 +210,31 @@ def gated(model: nn.Module, gates: Tensor, *, sinks: int, window: int) -> Iterat
             if s != t:
                 raise MultiheadError(f"the gated forward is for uncached calls (queries and keys at the same "
                                      f"positions): this call has {s} queries over {t} keys")
-            spec = build_mask(batch=b, n_heads=h, s=s, t=t, mask=stream_mask(s, q.device), device=q.device)
-            stream, _ = attend(AttentionCall(q, DenseKV(k, v), spec, scale=layer.config.softmax_scale))  # (b, h, s, d)
+            allowed = site.stream_keep(stream_mask(s, q.device))  # (1 | b, 1 | h, s, s)
+            spec = build_mask(batch=b, n_heads=h, s=s, t=t, mask=allowed, device=q.device)
+            stream, _ = attend(AttentionCall(q, DenseKV(k, v), spec, scale=site.scale,
+                                             softcap=site.softcap))  # (b, h, s, d)
             gate = gates[index].to(z.dtype).repeat_interleave(h // g)[None, :, None, None]  # (1, h, 1, 1)
             return gate * z + (1 - gate) * stream
 
         handles.extend([layer.hook_q.add(keep("q")), layer.hook_k.add(keep("k")), layer.hook_v.add(keep("v")),
                         layer.hook_z.add(mix)])
 
-    try:
-        for i, layer in enumerate(attention_layers(model)):
-            attach(i, layer)
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
+    with engine.reading():
+        try:
+            for i, site in enumerate(engine.sites()):
+                attach(i, site)
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
 
 
 def final_hidden(model: Any, tokens: Tensor) -> Tensor:
-    """The final hidden states (b, s, d_model), after the last norm, of an uncached causal forward of a
-    LlamaModel-like model (``embed``, ``step``, ``layers``, ``norm``): its forward without the lm_head, whose logits
-    over the vocabulary the loss does not need."""
-    h = model.embed(tokens)  # (b, s, d_model)
-    step = model.step(h)
-    for layer in model.layers:
-        h = layer(h, step=step)
-    out: Tensor = model.norm(h)
-    return out
+    """The final hidden states (b, s, d_model), after the last norm, of an uncached causal forward: a
+    LlamaModel-like model's (``embed``, ``step``, ``layers``, ``norm``) forward without the lm_head, whose logits
+    over the vocabulary the loss does not need; a transformers model's base model's last hidden state."""
+    return as_engine(model).final_hidden(tokens)
 
 
 # ------------------------------------------------------------------------------------------------------- training data
@@ -263,12 +266,13 @@ def distill_loss(model: Any, gates: Tensor, sample: Sample, settings: DuoSetting
                  target: Tensor | None = None) -> Tensor:
     """Mean squared error between the gated model's final hidden states and the full model's over the sample's
     question and answer positions (``target``: the full model's, computed here when not given)."""
+    engine = as_engine(model)
     tokens = sample.tokens.to(gates.device)
     if target is None:
         with torch.no_grad():
-            target = final_hidden(model, tokens)[0, sample.scored].float()
-    with gated(model, gates, sinks=settings.sinks, window=settings.window):
-        mine = final_hidden(model, tokens)[0, sample.scored].float()
+            target = final_hidden(engine, tokens)[0, sample.scored].float()
+    with gated(engine, gates, sinks=settings.sinks, window=settings.window):
+        mine = final_hidden(engine, tokens)[0, sample.scored].float()
     return F.mse_loss(mine, target)
 
 
@@ -297,16 +301,18 @@ def optimise_gates(model: Any, settings: DuoSettings | None = None, *, tokenizer
         settings = dataclasses.replace(settings, **changes)
     if not isinstance(settings, DuoSettings):
         raise MultiheadError(f"settings must be a DuoSettings, got {type(settings).__name__}")
-    check_length(settings.length, model.config.max_context)
+    engine = as_engine(model)
+    check_length(settings.length, engine.max_context)
     if text_ids is None and "jargon" in settings.haystacks:
         settings = dataclasses.replace(settings, haystacks=("filler",))
-    sources = Haystacks(tokenizer, text_ids)
-    shape = gate_shape(model)
-    for p in model.parameters():
+    sources = Haystacks(as_tokenizer(tokenizer), text_ids)
+    shape = engine.gate_shape()
+    net = engine.model
+    for p in net.parameters():
         p.requires_grad_(False)
-    was_training = model.training
-    model.eval()
-    gates = new_gates(model, settings.init)
+    was_training = net.training
+    net.eval()
+    gates = new_gates(engine, settings.init)
     optimizer = torch.optim.AdamW([gates], lr=settings.lr, weight_decay=0.0)
     folder = Path(out) if out is not None else None
     first = 0
@@ -320,8 +326,8 @@ def optimise_gates(model: Any, settings: DuoSettings | None = None, *, tokenizer
             began = time.perf_counter()
             for group in optimizer.param_groups:
                 group["lr"] = settings.lr * min(1.0, (step + 1) / max(1, settings.warmup))
-            sample = training_sample(settings, sources, step, max_context=model.config.max_context)
-            distill = distill_loss(model, gates, sample, settings)
+            sample = training_sample(settings, sources, step, max_context=engine.max_context)
+            distill = distill_loss(engine, gates, sample, settings)
             reg = gates.mean()
             loss = distill + settings.l1 * reg
             optimizer.zero_grad(set_to_none=True)
@@ -338,8 +344,29 @@ def optimise_gates(model: Any, settings: DuoSettings | None = None, *, tokenizer
                 _save(folder, gates, optimizer, settings, shape, step + 1, history)
     finally:
         bar.close()
-        model.train(was_training)
+        net.train(was_training)
     return gates.detach().cpu().numpy().copy(), history
+
+
+def plan_from_gates(model: Any, gates: np.ndarray | Tensor, fraction: float, *, sinks: int, window: int,
+                    name: str = "", settings: DuoSettings | None = None) -> HeadPlan:
+    """The :class:`~multihead.cache.HeadPlan` keeping every key for the top ``fraction`` of KV heads by gate
+    (``HeadPlan.from_scores``) and ``sinks`` + ``window`` for the rest, with ``model``'s name (or ``name``) and
+    shape (n_layers, n_heads, n_kv_heads, head_dim: a transformers model's read from its config). Its method says
+    what was optimised, on which model and engine (and the ``settings``' steps, length and window when given)."""
+    from multihead.cache import HeadPlan
+
+    engine = as_engine(model, name)
+    arr = gates.detach().cpu().numpy() if isinstance(gates, Tensor) else np.asarray(gates, dtype=float)
+    if arr.shape != engine.gate_shape():
+        raise MultiheadError(f"gates have shape {arr.shape} but the model needs (n_layers, n_kv_heads) = "
+                             f"{engine.gate_shape()}")
+    how = "" if settings is None else (f", {settings.steps} steps on {settings.length}-token prompts with "
+                                       f"{settings.sinks} sinks + {settings.window}")
+    method = (f"duo: DuoAttention-style gates per KV head (frozen weights, hidden-state distillation + L1 on passkey "
+              f"prompts of the training split{how}); {engine.scored}")
+    return HeadPlan.from_scores(arr.tolist(), fraction, sinks=sinks, window=window, model=engine.name,
+                                shape=engine.shape, method=method)
 
 
 def top_heads(gates: np.ndarray, k: int | None = None) -> list[tuple[int, int, float]]:
@@ -423,16 +450,23 @@ def _load(folder: Path, gates: nn.Parameter, optimizer: torch.optim.Optimizer, s
 
 # ---------------------------------------------------------------------------------------------------- command line
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m multihead.tradeoff.duo``: optimise SmolLM2's gates (or a model's at --model) on passkeys built
-    from the training split of the text; writes OUT/gates.json and prints the top KV heads."""
+    """``python -m multihead.tradeoff.duo``: optimise SmolLM2's gates (or a model's at --model: a GGUF file or a
+    Hugging Face folder, run by our port or by transformers with its attention on multihead) on passkeys built from
+    the training split of the text; writes OUT/gates.json (and with --budget the plans OUT/plan-duo-<pct>.json) and
+    prints the top KV heads."""
     import argparse
     import sys
 
-    from multihead.names import head_name
+    from multihead.names import ENGINES, head_name
 
     defaults = DuoSettings()
     parser = argparse.ArgumentParser(prog="python -m multihead.tradeoff.duo", description=main.__doc__)
     parser.add_argument("--model", default=None, help="GGUF file or model folder (default SmolLM2-135M-Instruct)")
+    parser.add_argument("--engine", choices=ENGINES, default="auto",
+                        help="auto (default): our port for a Llama GGUF or folder, else transformers with its "
+                             "attention on multihead; or force one")
+    parser.add_argument("--budget", type=float, action="append", default=None, metavar="FRACTION",
+                        help="also write the plan keeping every key for this fraction of KV heads (repeatable)")
     parser.add_argument("--text", default=None, help="text file (default the Jargon File)")
     parser.add_argument("--out", default="out/duo", help="checkpoint folder, resumed when rerun (default out/duo)")
     for f in ("steps", "length", "sinks", "window", "seed", "warmup", "every"):
@@ -449,13 +483,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         settings = DuoSettings(steps=args.steps, lr=args.lr, l1=args.l1, length=args.length, sinks=args.sinks,
                                window=args.window, seed=args.seed, warmup=args.warmup, every=args.every,
                                init=args.init, tasks=tuple(t for t in args.tasks.split(",") if t))
+        for budget in args.budget or ():
+            if not 0.0 <= budget <= 1.0:
+                raise MultiheadError(f"--budget {budget!r} must be a fraction of the KV heads in [0, 1]")
         from multihead.evals.text import read_text, token_splits
-        from multihead.models.loaders import load_llama
+        from multihead.heads.adapters import DecoderHeads, TransformersHeads, load_head_model
 
-        model, tokenizer = load_llama(args.model)
+        loaded = load_head_model(args.model, engine=args.engine)
+        if isinstance(loaded, DecoderHeads):
+            model, tokenizer = loaded.model, loaded.tokenizer
+        elif isinstance(loaded, TransformersHeads) and loaded.causal:
+            model, tokenizer = loaded.model, as_tokenizer(loaded.tokenizer)
+        else:
+            raise MultiheadError(f"{loaded.name} is not a causal language model: gates go on a decoder's KV heads")
         train = token_splits(tokenizer.encode(read_text(args.text))).train
         began = time.perf_counter()
         gates, history = optimise_gates(model, settings, tokenizer=tokenizer, text_ids=train, out=args.out)
+        plans = [plan_from_gates(model, gates, budget, sinks=settings.sinks, window=settings.window,
+                                 name=loaded.name, settings=settings).save(
+                                     Path(args.out) / f"plan-duo-{round(budget * 100)}.json")
+                 for budget in args.budget or ()]
     except MultiheadError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -468,6 +515,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print("top KV heads (gate):")
     for layer, head, gate in top_heads(gates, args.top):
         print(f"  {head_name(layer, head, kv=True):<7} {gate:.3f}")
+    for path in plans:
+        print(f"plan: {path}")
     return 0
 
 
@@ -484,6 +533,7 @@ __all__ = [
     "main",
     "new_gates",
     "optimise_gates",
+    "plan_from_gates",
     "read_gates",
     "top_heads",
     "training_sample",
