@@ -28,6 +28,8 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from multihead.cache import compress
 from multihead.errors import MultiheadError
 from multihead.evals.answers import answer_steps, prefill, score
@@ -84,14 +86,15 @@ def _inner(cache: Any) -> Any:
 
 def answer_case(model: Any, case: Case, methods: Sequence[Method], chunk: int) -> dict[str, Any]:
     """One case under every method, from one prefill: a JSON-ready record (the case, the prefill's seconds, each
-    method's score, cache bytes and seconds of its compress + question + answer)."""
+    method's score, cache bytes and seconds of its compress + question + answer, and torch's threads)."""
     room = len(case.context_ids) + len(case.question_ids) + len(case.answer_ids)
     full = model.new_cache(1, room)
     began = time.perf_counter()
     prefill(model, case.context_ids, full, chunk)
     record: dict[str, Any] = {"id": case.id, "task": case.task, "length": case.length, "depth": case.depth,
                               "haystack": case.haystack, "group": case.group,
-                              "prefill_seconds": round(time.perf_counter() - began, 4), "methods": {}}
+                              "prefill_seconds": round(time.perf_counter() - began, 4),
+                              "threads": torch.get_num_threads(), "methods": {}}
     order = [m for m in methods if m.series != "full"] + [m for m in methods if m.series == "full"]
     for method in order:
         began = time.perf_counter()
@@ -224,7 +227,6 @@ def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_p
     import platform
     from datetime import date
 
-    import torch
     from tqdm import tqdm
 
     from multihead.evals.needles import make_cases
