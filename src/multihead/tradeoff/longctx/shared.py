@@ -242,7 +242,8 @@ def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_p
              "engine": "given" if model is not None else resolve_engine(model_path, engine), "dtype": dtype,
              "split": split}
     settings_file = folder / "shared-settings.json"
-    if settings_file.exists() and json.loads(settings_file.read_text()) != json.loads(json.dumps(stamp)):
+    if settings_file.exists() and {"split": "test", **json.loads(settings_file.read_text())} != json.loads(
+            json.dumps(stamp)):  # a run from before --split took the test split
         raise MultiheadError(f"{folder} holds a shared-prefill run with other settings ({settings_file}): resume "
                              "with the same settings or use another folder")
     if model is None:
