@@ -114,16 +114,40 @@ def test_mcnemar_is_the_exact_binomial_test_on_the_discordant_cases() -> None:
         mcnemar([True], [True, False])
 
 
+def test_the_paired_difference_resamples_cases_with_both_answers() -> None:
+    from multihead.tradeoff.longctx.stats import paired_difference
+
+    ref = [True] * 50 + [False] * 50
+    got = paired_difference(ref, ref)  # the same answers: no difference in any draw
+    assert got == {"difference": 0.0, "difference95": (0.0, 0.0)}
+    other = [True] * 40 + [False] * 10 + [True] * 30 + [False] * 20  # 10 lost, 30 gained: +20 points
+    got = paired_difference(ref, other, draws=4000)
+    assert got["difference"] == pytest.approx(0.2)
+    lo, hi = got["difference95"]  # the paired difference's own spread: sd sqrt(0.4 - 0.04) / 10 = 0.06
+    assert 0.07 < lo < 0.10 and 0.30 < hi < 0.33
+    with pytest.raises(ValueError, match="the same cases"):
+        paired_difference([True], [])
+
+
 def test_the_summary_gives_each_cell_wilson_intervals_mcnemar_and_the_throughput(tmp_path: Path) -> None:
     model = _tiny(max_context=1024, vocab=len(CHARS))
     records = shared.run_shared(model, _cases(tmp_path), METHODS, out=tmp_path / "run", chunk=96, progress=False)
     out = shared.summary(records, METHODS, controls={"2 sinks + window 40": "2 sinks + window 400"})
-    assert out["cases"] == 6 and set(out["cells"]) == {"300|passkey", "300|single-number"}
+    assert out["cases"] == 6 and set(out["cells"]) == {"300|passkey", "300|single-number", "300|all tasks"}
+    both = out["cells"]["300|all tasks"]
+    assert both["cases"] == 6
+    for name, m in both["methods"].items():  # the pooled cell counts the two tasks' cases together
+        assert m["correct"] == sum(out["cells"][f"300|{t}"]["methods"][name]["correct"]
+                                   for t in ("passkey", "single-number"))
+        if "vs_full" in m:
+            v = m["vs_full"]
+            assert v["difference"] == pytest.approx((v["other_only"] - v["reference_only"]) / 6)
+            assert v["difference95"][0] <= v["difference"] <= v["difference95"][1]
     cell = out["cells"]["300|passkey"]
     full = cell["methods"]["full cache"]
     assert "vs_full" not in full and full["wilson95"][0] <= full["accuracy"] <= full["wilson95"][1]
     small = cell["methods"]["2 sinks + window 40"]
-    assert set(small["vs_full"]) == {"reference_only", "other_only", "p_value"}
+    assert set(small["vs_full"]) == {"reference_only", "other_only", "p_value", "difference", "difference95"}
     assert small["vs_control"]["control"] == "2 sinks + window 400"
     assert out["throughput"]["cases_per_hour"] > 0 and set(out["throughput"]["method_seconds_per_case"]) == {
         m.name for m in METHODS}
@@ -156,6 +180,17 @@ def test_the_cli_runs_the_shared_protocol_resumes_it_and_refuses_other_settings(
     assert "holds a shared-prefill run with other settings" in capsys.readouterr().err
     assert main(["tradeoff", "--long", "--dtype", "bf16", "--out", str(tmp_path / "o2")]) == 2
     assert "--dtype is for --protocol shared" in capsys.readouterr().err
+    # a second run of other methods on the same cases combines with the first, case by case
+    more = tmp_path / "more"
+    assert main([*argv[:-3], "--keep", "0.25", "--bits", "8", "--out", str(more)]) == 0
+    capsys.readouterr()
+    records, methods, agreement = shared.combine([tmp_path / "out", more])
+    assert [m.name for m in methods] == ["full cache", "window 25%", "4 sinks + window 50%", "int4 (g4, r128)",
+                                         "4 sinks + window 25%", "int8 (g4, r128)"]
+    assert len(records) == 4 and all(set(r["methods"]) == {m.name for m in methods} for r in records)
+    assert agreement["full cache"] == {"cases": 4, "same": 4} and set(agreement) == {"full cache", "window 25%"}
+    with pytest.raises(MultiheadError, match="does not exist"):
+        shared.combine([tmp_path / "nowhere"])
     # cases to choose a plan on: the jargon haystacks from the text's training split, under another seed
     train = tmp_path / "train"
     assert main([*argv[:-3], "--split", "train", "--seed", "1", "--out", str(train)]) == 0

@@ -35,9 +35,10 @@ from multihead.errors import MultiheadError
 from multihead.evals.answers import answer_steps, prefill, score
 from multihead.evals.needles import Case
 from multihead.tradeoff.longctx.methods import Method
-from multihead.tradeoff.longctx.stats import mcnemar, wilson
+from multihead.tradeoff.longctx.stats import mcnemar, paired_difference, wilson
 
 PROTOCOLS = ("shared", "streaming")
+ALL = "all tasks"  # the cell of every task at one length
 FILE = "shared-prefill.jsonl"
 PROTOCOL_TEXT = ("shared prefill: each case's context prefilled once with the full cache, then each method's cache "
                  "compressed from it (multihead.cache.compress) and the question and answer decoded through it; the "
@@ -155,16 +156,22 @@ def run_shared(model: Any, cases: Sequence[Case], methods: Sequence[Method], *, 
 
 def summary(records: Sequence[dict[str, Any]], methods: Sequence[Method], *, controls: dict[str, str] | None = None
             ) -> dict[str, Any]:
-    """Per (length, task): each method's mean cache bytes (and their share of the full cache's), accuracy with its
+    """Per (length, task), and per length every task together (task ``ALL``, where a length has several): each
+    method's mean cache bytes (and their share of the full cache's), accuracy with its
     Wilson 95% interval, McNemar's exact test of each method against the full cache, and of each head plan
     (``controls``: method name -> its control's name) against its uniform control of the same bytes, on the same
-    cases; and the evaluation's throughput (cases an hour, all methods, and each method's seconds a case beside the
+    cases, each with the accuracy difference and its paired bootstrap interval (:func:`.stats.paired_difference`);
+    and the evaluation's throughput (cases an hour, all methods, and each method's seconds a case beside the
     shared prefill's)."""
     names = [m.name for m in methods]
     full = next((m.name for m in methods if m.series == "full"), None)
     cells: dict[str, Any] = {}
-    for key in sorted({(r["length"], r["task"]) for r in records}):
-        mine = [r for r in records if (r["length"], r["task"]) == key]
+    keys: list[tuple[int, str]] = sorted({(r["length"], r["task"]) for r in records})
+    for length in sorted({k[0] for k in keys}):
+        if sum(1 for k in keys if k[0] == length) > 1:
+            keys.append((length, ALL))  # every task of that length together
+    for key in keys:
+        mine = [r for r in records if r["length"] == key[0] and key[1] in (r["task"], ALL)]
         cell: dict[str, Any] = {"cases": len(mine), "methods": {}}
         for name in names:
             right = [bool(r["methods"][name]["correct"]) for r in mine]
@@ -173,11 +180,12 @@ def summary(records: Sequence[dict[str, Any]], methods: Sequence[Method], *, con
             entry: dict[str, Any] = {"correct": k, "accuracy": k / len(right), "wilson95": wilson(k, len(right)),
                                      "mean_cache_bytes": held}
             if full is not None and name != full:
-                entry["vs_full"] = mcnemar([bool(r["methods"][full]["correct"]) for r in mine], right)
+                truth = [bool(r["methods"][full]["correct"]) for r in mine]
+                entry["vs_full"] = {**mcnemar(truth, right), **paired_difference(truth, right)}
             if controls and name in controls:
-                entry["vs_control"] = {"control": controls[name],
-                                       **mcnemar([bool(r["methods"][controls[name]]["correct"]) for r in mine],
-                                                 right)}
+                theirs = [bool(r["methods"][controls[name]]["correct"]) for r in mine]
+                entry["vs_control"] = {"control": controls[name], **mcnemar(theirs, right),
+                                       **paired_difference(theirs, right)}
             cell["methods"][name] = entry
         if full is not None:
             for entry in cell["methods"].values():
@@ -279,25 +287,73 @@ def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_p
 
 def table(result: dict[str, Any]) -> str:
     """The summary as text: per cell each method's mean cache bytes as a share of the full cache's, accuracy, Wilson
-    interval and McNemar against the full cache and (a head plan) against its control."""
+    interval, and its difference from the full cache and (a head plan) from its control in points with the paired
+    bootstrap interval and McNemar's p."""
+    def against(x: dict[str, Any] | None) -> str:
+        if x is None:
+            return ""
+        lo, hi = x["difference95"]
+        return f"{100 * x['difference']:+5.1f} [{100 * lo:+5.1f}, {100 * hi:+5.1f}] p {x['p_value']:<7.2g}"
+
     lines = [f"{result['protocol']}", f"{result['cases']:,} cases; "
              f"{(result['throughput']['cases_per_hour'] or 0):,.0f} cases an hour, all methods"]
     for key, cell in result["cells"].items():
         length, task = key.split("|")
-        lines.append(f"\n{task} at {length} tokens, {cell['cases']} cases")
+        lines.append(f"\n{task} at {length} tokens, {cell['cases']} cases (differences in points)")
         width = max(len(n) for n in cell["methods"])
-        lines.append(f"  {'method':<{width}}  bytes  accuracy  Wilson 95%     vs full (b/c, p)       vs control (p)")
+        lines.append(f"  {'method':<{width}}  bytes  accuracy  Wilson 95%    {'against the full cache':<33}  "
+                     "against the plan's uniform control")
         for name, m in cell["methods"].items():
             lo, hi = m["wilson95"]
-            vs = m.get("vs_full")
-            ctl = m.get("vs_control")
             share = f"{m['bytes_of_full']:>5.0%}" if "bytes_of_full" in m else " " * 5
+            ctl = m.get("vs_control")
             lines.append(f"  {name:<{width}}  {share}  {m['accuracy']:>7.1%}  [{lo:.2f}, {hi:.2f}]  "
-                         + (f"{vs['reference_only']:>3}/{vs['other_only']:<3} p {vs['p_value']:.3g}"
-                            if vs else " " * 18).ljust(22)
-                         + (f"p {ctl['p_value']:.3g} against {ctl['control']}" if ctl else ""))
+                         f"{against(m.get('vs_full')):<33}  "
+                         + (f"{against(ctl)} ({ctl['control']})" if ctl else ""))
     return "\n".join(lines)
 
 
-__all__ = ["FILE", "PROTOCOLS", "PROTOCOL_TEXT", "answer_case", "cache_methods", "controls_of", "finished",
-           "interleaved", "run", "run_shared", "summary", "table"]
+# ---------------------------------------------------------------------------------------------- several runs
+def methods_of(folder: str | Path) -> list[Method]:
+    """The cache methods of the shared-prefill run in ``folder`` (from its shared-settings.json; plan paths are
+    read relative to the working folder, as the run read them)."""
+    from multihead.tradeoff.longctx.settings import Settings
+
+    path = Path(folder) / "shared-settings.json"
+    if not path.is_file():
+        raise MultiheadError(f"{path} does not exist: give the --out folder of a `tradeoff --long --protocol "
+                             "shared` run")
+    stamp = json.loads(path.read_text(encoding="utf-8"))
+    fields: dict[str, Any] = {k: tuple(v) if isinstance(v, list) else v for k, v in stamp["settings"].items()}
+    return cache_methods(Settings(**fields).methods(1))
+
+
+def combine(folders: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[Method], dict[str, Any]]:
+    """The cases every one of several shared-prefill runs answered (by id), each case's methods gathered from all
+    of them: (records, methods, agreement). A method that two runs share (the full cache, say) keeps the first run's
+    answer; ``agreement`` says on how many cases the others gave the same one, by method."""
+    runs = [(Path(f), finished(Path(f) / FILE), methods_of(f)) for f in folders]
+    if not runs:
+        raise MultiheadError("no run to combine")
+    common = [i for i in runs[0][1] if all(i in done for _, done, _ in runs[1:])]
+    methods: list[Method] = []
+    for _, _, ms in runs:
+        methods += [m for m in ms if m.name not in {x.name for x in methods}]
+    agreement: dict[str, dict[str, int]] = {}
+    records = []
+    for case in common:
+        record = copy.deepcopy(runs[0][1][case])
+        for _, done, _ in runs[1:]:
+            for name, answer in done[case]["methods"].items():
+                if name in record["methods"]:
+                    a = agreement.setdefault(name, {"cases": 0, "same": 0})
+                    a["cases"] += 1
+                    a["same"] += int(bool(answer["correct"]) == bool(record["methods"][name]["correct"]))
+                else:
+                    record["methods"][name] = answer
+        records.append(record)
+    return records, methods, agreement
+
+
+__all__ = ["ALL", "FILE", "PROTOCOLS", "PROTOCOL_TEXT", "answer_case", "cache_methods", "combine", "controls_of",
+           "finished", "interleaved", "methods_of", "run", "run_shared", "summary", "table"]

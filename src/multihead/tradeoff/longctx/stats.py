@@ -51,6 +51,21 @@ def mcnemar(reference: Sequence[bool], other: Sequence[bool]) -> dict[str, Any]:
     return {"reference_only": b, "other_only": c, "p_value": min(1.0, 2 * tail)}
 
 
+def paired_difference(reference: Sequence[bool], other: Sequence[bool], *, draws: int = 2000, seed: int = 0,
+                      level: float = 0.95) -> dict[str, Any]:
+    """``other``'s accuracy less ``reference``'s on the same cases, with a percentile bootstrap interval that
+    resamples cases (both answers of a case move together)."""
+    if len(reference) != len(other):
+        raise ValueError(f"paired_difference: {len(reference)} and {len(other)} answers: the same cases are needed")
+    if not reference:
+        return {"difference": math.nan, "difference95": (math.nan, math.nan)}
+    d = np.asarray(other, dtype=float) - np.asarray(reference, dtype=float)
+    rng = np.random.default_rng(seed)
+    means = d[rng.integers(0, len(d), size=(draws, len(d)))].mean(1)
+    lo, hi = np.quantile(means, [(1 - level) / 2, (1 + level) / 2])
+    return {"difference": float(d.mean()), "difference95": (float(lo), float(hi))}
+
+
 def summarise(results: Sequence[dict[str, Any]], *, draws: int, seed: int = 0) -> dict[str, Any]:
     correct = [bool(r["correct"]) for r in results]
     k, n = sum(correct), len(correct)
@@ -62,4 +77,4 @@ def summarise(results: Sequence[dict[str, Any]], *, draws: int, seed: int = 0) -
             "answer_logprob": statistics.fmean(r["answer_logprob"] for r in results) if n else math.nan}
 
 
-__all__ = ["bootstrap_ci", "mcnemar", "summarise", "wilson"]
+__all__ = ["bootstrap_ci", "mcnemar", "paired_difference", "summarise", "wilson"]
