@@ -1,0 +1,133 @@
+"""One report of several shared-prefill runs on the same cases (issue 39): the JSON and table of docs/experiments.
+
+    .venv/bin/python benchmarks/shared_report.py --runs out/runs/shared-4k [out/runs/more-methods ...] \
+        [--choose-on out/runs/train-4k] [--kvpress out/kvpress/shared-4k.json] \
+        --out docs/experiments/long-context-shared-4k.json
+
+Each run is the --out folder of ``multihead tradeoff --long --protocol shared``. The runs are combined case by case
+(:func:`multihead.tradeoff.longctx.shared.combine`: the cases every run answered, each with every run's methods; a
+method two runs share keeps the first run's answer and the agreement is reported), then summarised
+(:func:`~multihead.tradeoff.longctx.shared.summary`: per cell and pooled over tasks, Wilson intervals, each method
+against the full cache and each head plan against the uniform sinks + window of its bytes, McNemar's exact test and
+the paired bootstrap interval of the difference). Each run's own throughput (cases an hour, its methods, its
+threads) is reported beside it, never the combined one's.
+
+``--choose-on`` names a run on cases disjoint from the evaluation's (``--split train --seed 1``): per share of full
+KV heads, the plan with the highest accuracy there over every task and length is the chosen one (ties: the higher
+mean answer log-likelihood), and the report says which. ``--kvpress`` adds kvpress's presses on the same cases
+(``benchmarks/kvpress_longctx.py compare_shared``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+from multihead.errors import MultiheadError
+from multihead.tradeoff.longctx import shared
+from multihead.tradeoff.longctx.methods import load_plan
+
+
+def run_facts(folder: Path) -> dict[str, Any]:
+    """What one run was: its settings stamp, cases, torch threads per case and its own throughput."""
+    records = list(shared.finished(folder / shared.FILE).values())
+    methods = shared.methods_of(folder)
+    stamp = json.loads((folder / "shared-settings.json").read_text(encoding="utf-8"))
+    threads: dict[str, int] = {}
+    for r in records:
+        key = str(r.get("threads", "not recorded"))
+        threads[key] = threads.get(key, 0) + 1
+    return {"folder": str(folder), "settings": stamp, "cases": len(records), "methods": [m.name for m in methods],
+            "threads_per_case": threads,
+            "throughput": shared.summary(records, methods)["throughput"] if records else None}
+
+
+def choose(folder: Path) -> dict[str, Any]:
+    """Per share of full KV heads, the plan that answers best on the run in ``folder`` (every task and length)."""
+    records = list(shared.finished(folder / shared.FILE).values())
+    if not records:
+        raise MultiheadError(f"{folder} holds no answered case to choose a plan on")
+    by_share: dict[str, list[tuple[float, float, str, str]]] = {}
+    for m in shared.methods_of(folder):
+        if m.plan is None:
+            continue
+        share = f"{load_plan(m.plan).full_fraction:.2f}"
+        answers = [r["methods"][m.name] for r in records]
+        accuracy = sum(bool(a["correct"]) for a in answers) / len(answers)
+        logp = statistics.fmean(a["answer_logprob"] for a in answers)
+        by_share.setdefault(share, []).append((accuracy, logp, m.name, m.plan))
+    out = {}
+    for share, plans in sorted(by_share.items()):
+        ranked = sorted(plans, reverse=True)
+        out[share] = {"chosen": ranked[0][2], "plan": ranked[0][3],
+                      "ranking": [{"method": n, "accuracy": a, "mean_answer_logprob": lp} for a, lp, n, _ in ranked]}
+    return {"folder": str(folder), "cases": len(records), "by_full_share": out}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--runs", nargs="+", required=True, help="shared-prefill run folders on the same cases")
+    p.add_argument("--choose-on", help="a run on cases disjoint from the evaluation's, to choose each share's plan")
+    p.add_argument("--kvpress", nargs="*", default=[], help="kvpress_longctx.py results on the same cases")
+    p.add_argument("--out", required=True, help="the report's JSON (its table beside it as .txt)")
+    args = p.parse_args(argv)
+    try:
+        records, methods, agreement = shared.combine([Path(f) for f in args.runs])
+        if not records:
+            raise MultiheadError(f"the runs {args.runs} have no case in common")
+        result = shared.summary(records, methods, controls=shared.controls_of(methods))
+        result.pop("throughput")  # each run's own, below
+        result.update(runs=[run_facts(Path(f)) for f in args.runs], agreement=agreement,
+                      methods=[{"name": m.name, "series": m.series, "plan": m.plan, "keep": m.keep, "bits": m.bits,
+                                "equal_to": m.equal_to} for m in methods],
+                      machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
+                      date=date.today().isoformat())
+        if args.choose_on:
+            result["choice"] = choose(Path(args.choose_on))
+        if args.kvpress:
+            sys.path.insert(0, str(Path(__file__).parent))
+            import kvpress_longctx as kv
+
+            data = kv.read_results(args.kvpress)
+            result["kvpress"] = kv.compare_shared(data, records, result["methods"])
+    except MultiheadError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    text = table(result)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    out.with_suffix(".txt").write_text(text + "\n", encoding="utf-8")
+    print(text)
+    return 0
+
+
+def table(result: dict[str, Any]) -> str:
+    lines = [shared.table({**result, "throughput": {"cases_per_hour": None}}).split("\n", 2)[2].lstrip("\n")]
+    lines.insert(0, f"{result['protocol']}\n{result['cases']:,} cases answered by every run")
+    for run in result["runs"]:
+        t = run["throughput"] or {}
+        lines.append(f"run {run['folder']}: {run['cases']} cases, {len(run['methods'])} methods, threads "
+                     f"{run['threads_per_case']}, {t.get('cases_per_hour') or 0:,.0f} cases an hour "
+                     f"(prefill {t.get('prefill_seconds_per_case') or 0:.1f} s a case)")
+    for name, a in result["agreement"].items():
+        lines.append(f"{name}: the same answer in {a['same']} of {a['cases']} cases across runs")
+    for share, c in result.get("choice", {}).get("by_full_share", {}).items():
+        ranking = ", ".join(f"{x['method']} {x['accuracy']:.1%}" for x in c["ranking"])
+        lines.append(f"chosen at {float(share):.0%} full KV heads on {result['choice']['folder']}: {c['chosen']} "
+                     f"({ranking})")
+    if "kvpress" in result:
+        import kvpress_longctx as kv
+
+        lines.append("\nkvpress on the same cases\n" + kv.compare_shared_table(result["kvpress"]))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
