@@ -200,3 +200,48 @@ def test_the_cli_runs_the_shared_protocol_resumes_it_and_refuses_other_settings(
     other = [json.loads(x) for x in (train / shared.FILE).read_text().splitlines()]
     assert len(other) == 4 and all(r["methods"]["full cache"]["answer_logprob"]
                                    != mine[r["id"]]["methods"]["full cache"]["answer_logprob"] for r in other)
+
+
+def test_the_report_combines_runs_and_chooses_each_shares_plan_on_disjoint_cases(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/shared_report.py on tiny runs: the evaluation run's cells, its own throughput and threads, and per
+    share of full KV heads the plan that answers best on the training-split run (accuracy, then mean answer
+    log-likelihood), against the training run's own lines."""
+    import sys
+
+    from multihead.cache import HeadPlan
+    from multihead.cli import main
+    from tiny_checkpoints import write_tiny_gguf
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import shared_report
+
+    gguf = write_tiny_gguf(tmp_path / "tiny.gguf", context=512)
+    text = tmp_path / "text.txt"
+    text.write_text(_prose(3000, seed=4))
+    plans = []
+    for name, full in (("early", ((True, False), (False, False))), ("late", ((False, False), (False, True)))):
+        plan = HeadPlan(full=full, sinks=2, window=24, model="tiny", shape=(2, 4, 2, 4), method=name)
+        plans += ["--plan", str(plan.save(tmp_path / f"tiny-{name}-plan.json"))]
+    base = ["tradeoff", "--long", "--protocol", "shared", "--model", str(gguf), "--text", str(text), "--lengths",
+            "300", "--tasks", "passkey,single-number", "--prompts", "2", "--keep", "0.5", "--window-keep", "none",
+            "--bits", "4", "--group", "4", *plans, "--no-mqa", "--prune", "none", "--json"]
+    assert main([*base, "--out", str(tmp_path / "eval")]) == 0
+    assert main([*base, "--split", "train", "--seed", "1", "--out", str(tmp_path / "train")]) == 0
+    capsys.readouterr()
+    out = tmp_path / "report.json"
+    assert shared_report.main(["--runs", str(tmp_path / "eval"), "--choose-on", str(tmp_path / "train"),
+                               "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["cases"] == 4 and report["runs"][0]["threads_per_case"] == {str(torch.get_num_threads()): 4}
+    train = [json.loads(x) for x in (tmp_path / "train" / shared.FILE).read_text().splitlines()]
+
+    def merit(name: str) -> tuple[float, float]:
+        answers = [r["methods"][name] for r in train]
+        return (sum(a["correct"] for a in answers) / 4, sum(a["answer_logprob"] for a in answers) / 4)
+
+    best = max(["head-wise tiny-early", "head-wise tiny-late"], key=merit)
+    assert report["choice"]["by_full_share"]["0.25"]["chosen"] == best
+    assert "chosen at 25% full KV heads" in out.with_suffix(".txt").read_text()
+    cell = report["cells"]["300|all tasks"]["methods"]
+    assert cell["head-wise tiny-early"]["vs_control"]["control"] == "4 sinks + window = bytes of 25% full, 2 + 24"
