@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/make_plans.py [--scores docs/experiments/retrieval-smollm2.json]
         [--gates docs/experiments/duo-smollm2-gates.json] [--out docs/experiments] [--sinks 4] [--window 256]
+        [--only duo --label duo1024]  (one score's plans, under another name)
 
 Each plan keeps every key for the top 25%, 50% or 75% of the 90 KV heads by one score and sinks + window for the
 rest (:meth:`multihead.cache.HeadPlan.from_scores`):
@@ -50,6 +51,9 @@ def main() -> None:
     p.add_argument("--sinks", type=int, default=4)
     p.add_argument("--window", type=int, default=256)
     p.add_argument("--png", default="docs/experiments/smollm2-plans.png", help="the maps of the 50%% plans")
+    p.add_argument("--only", choices=tuple(BUDGETS), default=None, help="only the plans of this score")
+    p.add_argument("--label", default=None, help="the files' name for the score (default the score's: "
+                   "smollm2-<label>-<pct>-plan.json), e.g. to keep gates of another training beside the shipped")
     p.add_argument("--best", default="duo-50", help="the plan also saved as smollm2-0-best-plan.json (first by "
                    "name): the best at 50%% of KV heads in docs/experiments/head-wise-cache.md")
     args = p.parse_args()
@@ -57,6 +61,9 @@ def main() -> None:
     gates = json.loads(Path(args.gates).read_text()) if Path(args.gates).exists() else None
     maps: dict[str, np.ndarray] = {}
     for kind, budgets in BUDGETS.items():
+        if args.only is not None and kind != args.only:
+            continue
+        label = args.label or kind
         if kind == "duo" and gates is None:
             print(f"no gates at {args.gates}: no duo plans")
             continue
@@ -64,8 +71,8 @@ def main() -> None:
         for budget in budgets:
             plan = HeadPlan.from_scores(scores.tolist(), budget, sinks=args.sinks, window=args.window, model=MODEL,
                                         shape=SHAPE, method=kind)
-            path = plan.save(Path(args.out) / f"smollm2-{kind}-{round(budget * 100)}-plan.json")
-            if f"{kind}-{round(budget * 100)}" == args.best:
+            path = plan.save(Path(args.out) / f"smollm2-{label}-{round(budget * 100)}-plan.json")
+            if f"{label}-{round(budget * 100)}" == args.best:
                 plan.save(Path(args.out) / "smollm2-0-best-plan.json")
             chosen = [f"L{i}KV{j}" for i, row in enumerate(plan.full) for j, f in enumerate(row) if f]
             if budget == 0.5:
