@@ -1,6 +1,6 @@
-"""The long-context evaluation on the transformers engine (multihead.hfcache.TransformersDecoder): every cache kind
-and head plan gives the answers multihead's own port gives on the same weights and cases; the methods that change
-the model are left out and said; `tradeoff --long --engine` picks and refuses by name."""
+"""The long-context evaluation on the transformers engine (multihead.tradeoff.longctx.hf_engine.TransformersDecoder):
+every cache kind and head plan gives the answers multihead's own port gives on the same weights and cases; the
+methods that change the model are left out and said; `tradeoff --long --engine` picks and refuses by name."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ transformers = pytest.importorskip("transformers")
 def _pair() -> tuple[Any, LlamaModel]:
     """A tiny random transformers Llama on multihead's attention, and multihead's port with its weights."""
     from multihead import hf
-    from multihead.hfcache import TransformersDecoder
+    from multihead.tradeoff.longctx.hf_engine import TransformersDecoder
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=len(CHARS), hidden_size=64, intermediate_size=64,

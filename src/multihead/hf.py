@@ -131,13 +131,26 @@ def attention_forward(module: nn.Module, query: Tensor, key: Tensor, value: Tens
 CARRIED = "multihead_view"  # the attribute a multihead cache's update sets on the keys it hands over (hfcache.VIEW)
 
 
+def check_no_padding(attention_mask: Tensor | None, positions: Tensor, window: int | None) -> None:
+    """transformers' mask for a multihead cache's step, where it made one (a bool (b, 1, s, t) over positions 0 ..
+    t - 1), must let every query see every earlier key of its window: a padded batch does not (these caches hold
+    one length, and their own masks would attend to the padding)."""
+    if not isinstance(attention_mask, Tensor) or attention_mask.dtype != torch.bool or attention_mask.ndim != 4:
+        return
+    t = attention_mask.shape[-1]
+    j = torch.arange(t, device=attention_mask.device)
+    q = positions.to(attention_mask.device)[:, None, :, None]  # (b, 1, s, 1)
+    want = j <= q if window is None else (j <= q) & (j > q - window)  # (b, 1, s, t)
+    if not bool((attention_mask | ~want).all()):
+        raise MultiheadError("transformers passed a mask that hides earlier tokens (padding) for a multihead cache: "
+                             "its sequences hold one length; decode prompts of other lengths one at a time")
+
+
 def _over_cache_view(module: nn.Module, query: Tensor, found: Any, attention_mask: Tensor | None, dropout: float,
                      scaling: float | None, softcap: float | None, s_aux: Tensor | None, position_bias: Tensor | None,
                      output_attentions: bool) -> tuple[Tensor, Tensor | None]:
     """attention_forward over a multihead cache's view (:mod:`multihead.hfcache`): the step's masks (one per group of
     KV heads for a head-wise cache), transformers' mask only checked to have no padding."""
-    from multihead.hfcache import check_no_padding
-
     if position_bias is not None:
         raise MultiheadError(f"{type(module).__name__} passed a position_bias: a multihead cache takes causal decoders")
     if found.positions is not None:  # the step's first layer of its kind: transformers' mask, checked once

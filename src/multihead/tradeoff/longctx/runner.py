@@ -84,7 +84,7 @@ def resolve_engine(model_path: str | None, engine: str = "auto") -> str:
 def load_decoder(model_path: str | None, engine: str = "auto", *, dtype: torch.dtype = torch.float32
                  ) -> tuple[Any, Any, str]:
     """The model a run decodes (in ``dtype``), its tokenizer and the engine that runs it (:func:`resolve_engine`):
-    :func:`multihead.models.load_llama`, or :func:`multihead.hfcache.load_decoder`."""
+    :func:`multihead.models.load_llama`, or :func:`multihead.tradeoff.longctx.hf_engine.load_decoder`."""
     from multihead.models.loaders import default_gguf_path, load_llama
 
     ran = resolve_engine(model_path, engine)
@@ -92,7 +92,7 @@ def load_decoder(model_path: str | None, engine: str = "auto", *, dtype: torch.d
     if ran == "ours":
         model, tokenizer = load_llama(path, dtype=dtype)
         return model, tokenizer, "ours"
-    from multihead.hfcache import load_decoder as load_transformers
+    from multihead.tradeoff.longctx.hf_engine import load_decoder as load_transformers
 
     decoder, text = load_transformers(path, dtype=dtype)
     return decoder, text, "transformers"
