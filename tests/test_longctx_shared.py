@@ -245,3 +245,39 @@ def test_the_report_combines_runs_and_chooses_each_shares_plan_on_disjoint_cases
     assert "chosen at 25% full KV heads" in out.with_suffix(".txt").read_text()
     cell = report["cells"]["300|all tasks"]["methods"]
     assert cell["head-wise tiny-early"]["vs_control"]["control"] == "4 sinks + window = bytes of 25% full, 2 + 24"
+
+
+def test_the_cases_of_one_prompt_share_its_prefill_and_answer_as_alone(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """multikey's keys (one context, other questions): one prefill a prompt, each case's answers those of its own
+    prefill; the throughput counts each prefill once; the prompt's cases stay together when cells take turns."""
+    from multihead.evals.text import read_text, token_splits
+
+    model = _tiny(max_context=1024, vocab=len(CHARS))
+    text = tmp_path / "text.txt"
+    text.write_text(_prose(1400, seed=4))
+    settings = lc.Settings(lengths=(500,), tasks=("passkey", "multikey"), prompts=2, keys=3, sinks=2)
+    cases = lc.make_cases(settings, TOK, token_splits(TOK.encode(read_text(str(text)))).test, max_context=1024)
+    order = shared.interleaved(cases)
+    assert [c.task for c in order] == ["passkey", "multikey", "multikey", "multikey"] * 2
+    prefills: list[int] = []
+    real = shared.prefill_full
+
+    def counted(model: Any, ids: Any, room: int, chunk: int) -> Any:
+        prefills.append(len(ids))
+        return real(model, ids, room, chunk)
+
+    monkeypatch.setattr(shared, "prefill_full", counted)
+    records = shared.run_shared(model, cases, METHODS, out=tmp_path / "run", chunk=96, progress=False)
+    assert len(prefills) == 4  # two passkey prompts, two multikey prompts of three keys each
+    alone = {c.id: shared.answer_case(model, c, METHODS, 96) for c in cases}
+    for r in records:
+        for name, got in r["methods"].items():
+            want = alone[r["id"]]["methods"][name]
+            assert (got["correct"], got["greedy_ids"], got["cache_bytes"]) == (
+                want["correct"], want["greedy_ids"], want["cache_bytes"])
+            assert got["answer_logprob"] == pytest.approx(want["answer_logprob"], abs=1e-5)
+    assert sum(r["prefill_shared"] for r in records) == 4  # the second and third keys of each multikey prompt
+    out = shared.summary(records, METHODS)
+    assert out["throughput"]["prefill_seconds_per_case"] == pytest.approx(
+        sum(r["prefill_seconds"] for r in records if not r["prefill_shared"]) / 8)

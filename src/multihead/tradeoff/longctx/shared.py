@@ -85,17 +85,27 @@ def _inner(cache: Any) -> Any:
     return getattr(cache, "inner", cache)
 
 
-def answer_case(model: Any, case: Case, methods: Sequence[Method], chunk: int) -> dict[str, Any]:
-    """One case under every method, from one prefill: a JSON-ready record (the case, the prefill's seconds, each
-    method's score, cache bytes and seconds of its compress + question + answer, and torch's threads)."""
-    room = len(case.context_ids) + len(case.question_ids) + len(case.answer_ids)
+def prefill_full(model: Any, context_ids: Sequence[int], room: int, chunk: int) -> tuple[Any, float]:
+    """The full cache of ``room`` slots with ``context_ids`` prefilled into it, and the prefill's seconds."""
     full = model.new_cache(1, room)
     began = time.perf_counter()
-    prefill(model, case.context_ids, full, chunk)
+    prefill(model, context_ids, full, chunk)
+    return full, time.perf_counter() - began
+
+
+def answer_case(model: Any, case: Case, methods: Sequence[Method], chunk: int, *,
+                prefilled: tuple[Any, float] | None = None) -> dict[str, Any]:
+    """One case under every method, from one prefill: a JSON-ready record (the case, the prefill's seconds, each
+    method's score, cache bytes and seconds of its compress + question + answer, and torch's threads).
+    ``prefilled``: (a full cache holding this case's context, with room for its question and answer, the seconds its
+    prefill took), for the cases of one prompt (multikey's keys: the same context, other questions); the cache is
+    used as it is, so give each case its own copy. The record then says ``prefill_shared``."""
+    room = len(case.context_ids) + len(case.question_ids) + len(case.answer_ids)
+    full, seconds = prefilled if prefilled is not None else prefill_full(model, case.context_ids, room, chunk)
     record: dict[str, Any] = {"id": case.id, "task": case.task, "length": case.length, "depth": case.depth,
-                              "haystack": case.haystack, "group": case.group,
-                              "prefill_seconds": round(time.perf_counter() - began, 4),
-                              "threads": torch.get_num_threads(), "methods": {}}
+                              "haystack": case.haystack, "group": case.group, "prefill_seconds": round(seconds, 4),
+                              "prefill_shared": prefilled is not None, "threads": torch.get_num_threads(),
+                              "methods": {}}
     order = [m for m in methods if m.series != "full"] + [m for m in methods if m.series == "full"]
     for method in order:
         began = time.perf_counter()
@@ -111,13 +121,17 @@ def answer_case(model: Any, case: Case, methods: Sequence[Method], chunk: int) -
 
 
 def interleaved(cases: Sequence[Case]) -> list[Case]:
-    """The cases in turns over their (length, task) cells, each cell's in its own order: a run stopped early has
-    about as many cases in every cell."""
-    cells: dict[tuple[int, str], list[Case]] = {}
+    """The cases in turns over their (length, task) cells, each cell's in its own order, the cases of one prompt
+    (one context) together: a run stopped early has about as many cases in every cell, and a prompt's cases share
+    its prefill."""
+    cells: dict[tuple[int, str], dict[tuple[str, tuple[int, ...]], list[Case]]] = {}
     for c in cases:
-        cells.setdefault((c.length, c.task), []).append(c)
-    rank = {id(c): (i, n) for n, cell in enumerate(cells.values()) for i, c in enumerate(cell)}
-    return sorted(cases, key=lambda c: rank[id(c)])
+        cells.setdefault((c.length, c.task), {}).setdefault((c.group, c.context_ids), []).append(c)
+    turns = [list(prompts.values()) for prompts in cells.values()]
+    out: list[Case] = []
+    for i in range(max((len(t) for t in turns), default=0)):
+        out += [c for t in turns if i < len(t) for c in t[i]]
+    return out
 
 
 def run_shared(model: Any, cases: Sequence[Case], methods: Sequence[Method], *, out: str | Path, chunk: int,
@@ -141,9 +155,22 @@ def run_shared(model: Any, cases: Sequence[Case], methods: Sequence[Method], *, 
     if say is not None and done:
         say(f"{len(done)} of {len(cases)} cases already answered in {path}: {len(todo)} to go")
     began = time.perf_counter()
+    prompt: tuple[tuple[int, ...], Any, float] | None = None  # the last context prefilled, when its prompt has more
     with path.open("a", encoding="utf-8") as f:
         for n, case in enumerate(tqdm(todo, desc="cases", unit="case", disable=not progress), 1):
-            record = answer_case(model, case, methods, chunk)
+            same = [c for c in todo[n - 1:] if c.context_ids == case.context_ids and c.group == case.group]
+            if prompt is not None and prompt[0] == case.context_ids:
+                full = copy.deepcopy(prompt[1]) if len(same) > 1 else prompt[1]
+                record = answer_case(model, case, methods, chunk, prefilled=(full, prompt[2]))
+            elif len(same) > 1:  # the first case of a prompt with more: its prefill kept for the others
+                room = len(case.context_ids) + max(len(c.question_ids) + len(c.answer_ids) for c in same)
+                kept, seconds = prefill_full(model, case.context_ids, room, chunk)
+                prompt = (case.context_ids, kept, seconds)
+                record = answer_case(model, case, methods, chunk, prefilled=(copy.deepcopy(kept), seconds))
+                record["prefill_shared"] = False  # this case's own prefill, shared by the next
+            else:
+                prompt = None
+                record = answer_case(model, case, methods, chunk)
             f.write(json.dumps(record) + "\n")
             f.flush()
             os.fsync(f.fileno())
@@ -191,7 +218,7 @@ def summary(records: Sequence[dict[str, Any]], methods: Sequence[Method], *, con
             for entry in cell["methods"].values():
                 entry["bytes_of_full"] = entry["mean_cache_bytes"] / cell["methods"][full]["mean_cache_bytes"]
         cells[f"{key[0]}|{key[1]}"] = cell
-    prefill_s = sum(r["prefill_seconds"] for r in records)
+    prefill_s = sum(r["prefill_seconds"] for r in records if not r.get("prefill_shared"))  # each prefill once
     method_s = {name: sum(r["methods"][name]["seconds"] for r in records) for name in names}
     total = prefill_s + sum(method_s.values())
     return {"protocol": PROTOCOL_TEXT, "cases": len(records), "cells": cells,
@@ -356,4 +383,4 @@ def combine(folders: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[M
 
 
 __all__ = ["ALL", "FILE", "PROTOCOLS", "PROTOCOL_TEXT", "answer_case", "cache_methods", "combine", "controls_of",
-           "finished", "interleaved", "methods_of", "run", "run_shared", "summary", "table"]
+           "finished", "interleaved", "methods_of", "prefill_full", "run", "run_shared", "summary", "table"]
