@@ -172,7 +172,7 @@ def test_generate_streams_and_json_matches_the_library(smollm2, capsys: pytest.C
 
 
 @pytest.mark.slow
-def test_generate_compile_flag_gives_the_same_tokens(monkeypatch: pytest.MonkeyPatch,
+def test_generate_compile_flag_gives_the_same_tokens(smollm2, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """--compile decodes through the compiled step (traced by dynamo here, without inductor's minutes of code
     generation; benchmarks/decode.py --compile runs the real thing) and streams the eager tokens."""
@@ -187,7 +187,9 @@ def test_generate_compile_flag_gives_the_same_tokens(monkeypatch: pytest.MonkeyP
     argv = ["generate", "The capital of France is", "--max-new-tokens", "6", "--json"]
     plain = _json(argv, capsys)
     compiled = _json([*argv, "--compile"], capsys)
-    assert compiled["tokens"] == plain["tokens"] and counter.frame_count == 1
+    assert compiled["tokens"] == plain["tokens"] and counter.frame_count == 1  # one graph: no break, no recompile
+    assert compiled["cache"]["positions"] % gen.CACHE_BUCKET == 0 and "positions" not in plain["cache"]
+    assert compiled["cache"]["bytes"] == gen.full_cache_bytes(smollm2[0], 1, compiled["cache"]["positions"])
 
 
 @pytest.mark.parametrize(("argv", "message"), [

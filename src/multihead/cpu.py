@@ -276,6 +276,17 @@ _forced: str | None = None
 _memo: dict[tuple[object, ...], object] = {}  # decisions already looked up, by their shape (cleared with the table)
 
 
+def _memoised(key: tuple[object, ...], look_up: Callable[[], object]) -> object:
+    """``look_up()``, kept in the memo under ``key`` so that a process looks each shape's decision up once. Under
+    torch.compile the memo is neither read nor written: the graph holds the decision, and a memo written while
+    tracing is a changed global that fails the graph's guard on the next call (a second compile of every step)."""
+    if torch.compiler.is_compiling():
+        return look_up()
+    if key not in _memo:
+        _memo[key] = look_up()
+    return _memo[key]
+
+
 def tuning_dir() -> Path:
     """Where tuning tables are kept: $MULTIHEAD_TUNING_DIR, else $XDG_CACHE_HOME/multihead/tuning, else
     ~/.cache/multihead/tuning."""
@@ -441,22 +452,18 @@ def product_kind(shape: ProductShape, kinds: tuple[str, ...], *, native_default:
     compiling = torch.compiler.is_compiling()
     if not compiling and in_a_mode():
         return "linear"
-    memo = (shape, kinds, native_default, compiling)
-    if not compiling:
-        known = _memo.get(memo)
-        if known is not None:
-            return known  # type: ignore[return-value]
-    key = product_key(*shape)
-    found = _entries().get(key)
-    if found is not None and found in kinds:
+
+    def look_up() -> str:
+        key = product_key(*shape)
+        found = _entries().get(key)
+        if found is None or found not in kinds:
+            return "native" if native_default and "native" in kinds else "linear"
         if found == "blas" and compiling:
             compiled = _entries().get(key + " compiled")
-            found = compiled if compiled is not None and compiled in kinds and compiled != "blas" else "linear"
-    else:
-        found = "native" if native_default and "native" in kinds else "linear"
-    if not compiling:
-        _memo[memo] = found
-    return found
+            return compiled if compiled is not None and compiled in kinds and compiled != "blas" else "linear"
+        return found
+
+    return _memoised((shape, kinds, native_default), look_up)  # type: ignore[return-value]
 
 
 def split_product(rows: int, weight: Tensor, x: Tensor) -> int:
@@ -515,12 +522,9 @@ def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: t
     if n_heads // n_kv_heads >= 4 or items % threads == 0 or items >= 2 * threads:
         return True
     assert dtype is not None
-    memo = ("fold", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads)
-    known = _memo.get(memo)
-    if known is None:
-        known = _memo[memo] = _entries().get(attention_key("fold", batch, n_heads, n_kv_heads, dtype, t,
-                                                           threads)) == "folded"
-    return bool(known)
+    return bool(_memoised(("fold", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads),
+                          lambda: _entries().get(attention_key("fold", batch, n_heads, n_kv_heads, dtype, t,
+                                                               threads)) == "folded"))
 
 
 def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, t: int) -> str | None:
@@ -535,12 +539,14 @@ def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: to
     if not _enabled or (not torch.compiler.is_compiling() and in_a_mode()):
         return None
     threads = intra_op_threads()
-    memo = ("native-attention", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads)
-    if memo not in _memo:
+
+    def look_up() -> str | None:
         found = _entries().get(attention_key("native-attention", batch, n_heads, n_kv_heads, dtype, t, threads))
-        _memo[memo] = (None if found == "sdpa" else "the host's tuning table" if found == "native"
-                       else "the default where no tuning says otherwise")
-    return _memo[memo]  # type: ignore[return-value]
+        return (None if found == "sdpa" else "the host's tuning table" if found == "native"
+                else "the default where no tuning says otherwise")
+
+    return _memoised(("native-attention", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads),
+                     look_up)  # type: ignore[return-value]
 
 
 def native_quantized_decode(bits: int) -> bool:

@@ -51,7 +51,7 @@ def run(args: argparse.Namespace) -> int:
 
     from multihead.cache import Cache
     from multihead.models import load_llama
-    from multihead.models.generate import Sampling, full_cache_bytes, generate_ids
+    from multihead.models.generate import CACHE_BUCKET, Sampling, full_cache_bytes, generate_ids
 
     sampled = args.temperature is not None or args.top_p is not None or args.seed is not None
     if args.greedy and sampled:
@@ -118,6 +118,8 @@ def run(args: argparse.Namespace) -> int:
     full = full_cache_bytes(model, 1, len(prompt) + args.max_new_tokens)
     cache = {"kind": type(ran).__name__, "bytes": ran.bytes, "full_cache_bytes": full,
              "of_full": round(ran.bytes / full, 4)}
+    if args.compile:  # the compiled step's cache is rounded up so that one graph serves many lengths
+        cache["positions"] = getattr(ran, "max_len", None)
     if args.json:
         shown = [t for t in out if t not in tok.stop_ids]
         print(json.dumps({"prompt": args.prompt, "chat": args.chat, "prompt_tokens": len(prompt),
@@ -128,6 +130,9 @@ def run(args: argparse.Namespace) -> int:
         from multihead.units import format_bytes
 
         beside = "" if ran.bytes == full else f"; a full KVCache {format_bytes(full)}, {ran.bytes / full:.2f} of it"
+        if args.compile:
+            beside += (f"; rounded up to {cache['positions']} positions for the compiled step (a multiple of "
+                       f"{CACHE_BUCKET}, so that one graph serves many lengths)")
         sys.stdout.flush()
         print(f"multihead generate: {cache['kind']} {format_bytes(ran.bytes)} ({ran.bytes:,} bytes{beside}); "
               f"{len(out)} new tokens in {seconds:.2f} s, {per_second} tok/s (prompt included)", file=sys.stderr)
