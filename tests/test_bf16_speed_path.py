@@ -12,6 +12,7 @@ import time
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import Tensor
 
 from multihead import cpu
 from multihead.linear import Linear
@@ -281,3 +282,38 @@ def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_computes_the_s
     with pytest.raises(RuntimeError), cpu.step_threads():
         raise RuntimeError("a layer raised")
     assert torch.get_num_threads() == 2  # given back when the step raises too
+
+
+def test_a_default_device_changes_no_decision_and_no_bit() -> None:
+    """torch.set_default_device (a function mode that only places new tensors) is not a mode that watches the calls:
+    the decisions and the logits are those of a process without it; a mode that does watch (here one that sees every
+    torch function) still gets PyTorch's plain kernels."""
+    from torch.overrides import TorchFunctionMode
+
+    from multihead.models import LlamaConfig, LlamaModel
+
+    class Watching(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = LlamaModel(LlamaConfig(vocab_size=256, d_model=576, n_layers=2, n_heads=9, n_kv_heads=3, ffn_dim=1536,
+                                   max_context=64), dtype=torch.bfloat16).eval()
+
+    def decode() -> list[Tensor]:
+        cache = model.new_cache(1, 40)
+        with torch.no_grad():
+            steps = [model(torch.arange(20)[None] % 256, cache=cache)]
+            cache.advance(20)
+            for i in range(4):
+                steps.append(model(torch.tensor([[i + 7]]), cache=cache))
+                cache.advance(1)
+        return steps
+
+    plain = decode()
+    with torch.device("cpu"):
+        assert not cpu.in_a_mode()
+        placed = decode()
+    with Watching():
+        assert cpu.in_a_mode()
+    assert all(torch.equal(a, b) for a, b in zip(plain, placed, strict=True))

@@ -70,9 +70,20 @@ def enabled() -> bool:
 def in_a_mode() -> bool:
     """Whether a dispatch or function mode (FLOP counters, fake tensors, op counters) or torch.jit.trace is watching
     the calls: there every decision takes PyTorch's plain kernel, which such a mode can see and count (the native
-    kernels read raw memory, which a fake tensor does not have, and are invisible to a counter)."""
-    return (is_in_torch_dispatch_mode() or torch._C._is_torch_function_mode_enabled()
-            or torch._C._get_tracing_state() is not None)
+    kernels read raw memory, which a fake tensor does not have, and are invisible to a counter).
+
+    The mode of ``torch.set_default_device`` (or ``with torch.device(...)``) only places new tensors: it watches
+    nothing, and a process that sets a default device computes as one that does not."""
+    return (is_in_torch_dispatch_mode() or _watching_function_mode() or torch._C._get_tracing_state() is not None)
+
+
+def _watching_function_mode() -> bool:
+    if not torch._C._is_torch_function_mode_enabled():
+        return False
+    from torch.overrides import _get_current_function_mode_stack
+    from torch.utils._device import DeviceContext
+
+    return any(not isinstance(mode, DeviceContext) for mode in _get_current_function_mode_stack())
 
 
 def set_enabled(on: bool) -> None:
