@@ -172,24 +172,36 @@ def test_generate_streams_and_json_matches_the_library(smollm2, capsys: pytest.C
 
 
 @pytest.mark.slow
-def test_generate_compile_flag_gives_the_same_tokens(smollm2, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_generate_compile_flag_gives_the_same_tokens(smollm2, dtype: str, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """--compile decodes through the compiled step (traced by dynamo here, without inductor's minutes of code
-    generation; benchmarks/decode.py --compile runs the real thing) and streams the eager tokens."""
+    generation; benchmarks/decode.py --compile runs the real thing) and streams the eager tokens: one graph (no break,
+    no recompile), and in bfloat16 the graph calls the native product as its operator where the kernels have it."""
     from torch._dynamo.testing import CompileCounter
 
+    from multihead import native
     from multihead.models import generate as gen
 
     torch._dynamo.reset()
     counter = CompileCounter()
+    called: set[str] = set()
+
+    def backend(gm: torch.fx.GraphModule, example: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        called.update(str(n.target) for n in gm.graph.nodes if n.op == "call_function")
+        return counter(gm, example)
+
     real_compile = torch.compile
-    monkeypatch.setattr(gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend=counter))
-    argv = ["generate", "The capital of France is", "--max-new-tokens", "6", "--json"]
+    monkeypatch.setattr(gen.torch, "compile", lambda fn, **kw: real_compile(fn, backend=backend))
+    argv = ["generate", "The capital of France is", "--max-new-tokens", "6", "--json", "--dtype", dtype]
     plain = _json(argv, capsys)
+    monkeypatch.setattr(native, "_state", {})  # the trace is the kernels' first use: loaded, not a graph break
     compiled = _json([*argv, "--compile"], capsys)
     assert compiled["tokens"] == plain["tokens"] and counter.frame_count == 1  # one graph: no break, no recompile
+    assert ("multihead.gemv_bf16" in called) == (dtype == "bf16" and native.vectorised())
     assert compiled["cache"]["positions"] % gen.CACHE_BUCKET == 0 and "positions" not in plain["cache"]
-    assert compiled["cache"]["bytes"] == gen.full_cache_bytes(smollm2[0], 1, compiled["cache"]["positions"])
+    if dtype == "fp32":
+        assert compiled["cache"]["bytes"] == gen.full_cache_bytes(smollm2[0], 1, compiled["cache"]["positions"])
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -571,7 +571,7 @@ def native_quantized_decode(bits: int) -> bool:
         return False
     from multihead import native
 
-    return native.library() is not None
+    return native.available()
 
 
 def fused_low_precision_norm(x: Tensor) -> bool:

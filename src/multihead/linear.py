@@ -72,7 +72,7 @@ def run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, one: 
     if kind == "linear" or (kind == "blas" and weight.dtype == torch.float32) or (kind == "mv" and rows != 1):
         return F.linear(x, weight, bias)
     if kind == "native":
-        if (rows == 1 and weight.dtype == torch.bfloat16 and x.is_contiguous() and native.library() is not None
+        if (rows == 1 and weight.dtype == torch.bfloat16 and x.is_contiguous() and native.available()
                 and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
                                       and bias.shape == weight.shape[:1]))
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad

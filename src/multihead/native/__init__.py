@@ -41,6 +41,7 @@ import subprocess
 import tempfile
 import threading
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -227,16 +228,29 @@ def loaded_variant() -> str | None:
     return name if isinstance(name, str) else None
 
 
+def _isa_now() -> int:
+    """What the kernels can do here: -1 without them, else their instruction-set bits (1 AVX-512, 2 AVX512-BF16)."""
+    return -1 if library() is None else int(_state.get("isa", 0))  # type: ignore[call-overload]
+
+
+# A property of the host and the process, so torch.compile takes it as a constant of the graph: a trace that is the
+# process's first use of the kernels loads them eagerly instead of breaking the graph at the loader's lock.
+_isa: Callable[[], int] = torch.compiler.assume_constant_result(_isa_now)
+
+
+def available() -> bool:
+    """Whether the kernels are loaded (built on the process's first call; :func:`unavailable` says why not)."""
+    return _isa() >= 0
+
+
 def vectorised() -> bool:
     """Whether the loaded kernels have this CPU's AVX512-BF16 products (else the product is a portable loop)."""
-    library()
-    return bool(int(_state.get("isa", 0)) & 2)  # type: ignore[call-overload]
+    return _isa() > 0 and bool(_isa() & 2)
 
 
 def avx512() -> bool:
     """Whether the loaded kernels have the attention kernels' AVX-512 chunks (attend_dense needs them)."""
-    library()
-    return bool(int(_state.get("isa", 0)) & 1)  # type: ignore[call-overload]
+    return _isa() > 0 and bool(_isa() & 1)
 
 
 def _required() -> ctypes.CDLL:
