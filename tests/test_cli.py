@@ -307,3 +307,12 @@ def test_the_empty_item_is_said_where_it_is(capsys: pytest.CaptureFixture[str]) 
     assert main([*argv, ","]) == 2
     assert "',' must be comma-separated integers (head counts), e.g. 1,4,16: there are none" in \
         capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv", [["tradeoff", "--long"], ["heads", "--retrieval"], ["tune"]])
+def test_lengths_are_named_lengths(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    """--lengths 0 was told to give 'integers (head counts), e.g. 1,4,16': every --lengths says what it counts."""
+    assert main([*argv, "--lengths", "0"]) == 2
+    err = capsys.readouterr().err
+    assert "argument --lengths: '0' must be comma-separated integers (lengths in tokens), e.g. 2048,4096" in err
+    assert "head counts" not in err

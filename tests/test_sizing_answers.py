@@ -186,6 +186,11 @@ def test_compare_under_tp_shows_and_plots_one_devices_memory(tmp_path: Path, mon
     model_row = next(r for r in c["variants"] if r["is_model"])
     w = _json(["count", *common], capsys)["whole_model"]
     assert model_row["weight_bytes_per_device"] == w["weight_bytes_per_device"] < model_row["weight_bytes"]
+    # the KV cache column is one device's too (it showed the whole model's beside per-device weights): count's figure
+    assert model_row["kv_cache_bytes_per_device"] == w["kv_bytes_per_device"] == model_row["kv_cache_bytes"] // 2
+    assert main(["compare", *common, "--no-plot"]) == 0
+    header = capsys.readouterr().out.splitlines()[1]
+    assert "KV cache, per device of 2" in header and "weights (bf16), per device of 2" in header
     title, ylabel = figures[0].axes[0].get_title(), figures[0].axes[0].get_ylabel()
     assert "per device, over 2 devices" in title and ylabel == "memory per device (tp 2) (GiB)"
     m = preset("llama-2-70b")
@@ -292,3 +297,21 @@ def test_fewer_kv_heads_than_devices_are_replicated_as_vllm_does(capsys: pytest.
     out = capsys.readouterr().out
     assert "GQA-2 (2 KV heads, each on 2 devices), MQA (1 KV head, each on 4 devices): fewer KV heads than the 4 " \
            "devices" in out and "n/a" not in out
+
+
+@pytest.mark.parametrize("preset_name", ["llama-3-8b", "gemma-3-1b"])
+def test_the_kv_cache_alone_never_answers_past_the_models_context(preset_name: str,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """'context that fits in 24.0 GiB 1,252,357 tokens (KV cache alone)' beside a whole-model answer capped at the
+    model's 131,072: the attention-alone line is capped too, and says that the context binds and what the memory
+    alone would hold."""
+    argv = ["count", "--preset", preset_name, "--seq", "1024", "--device-memory", "24GiB"]
+    assert main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    limit = r["context_limit"]
+    assert r["max_context_by_memory"] > limit and r["context_limit_binds"]
+    assert r["max_context_in_device_memory"] == limit == r["whole_model"]["largest_context"]
+    assert main(argv) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("context that fits in 24.0 GiB"))
+    assert f"{limit:,} tokens (KV cache alone" in line
+    assert f"the model's own context binds: the memory alone would hold {r['max_context_by_memory']:,}" in line

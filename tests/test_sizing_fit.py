@@ -25,8 +25,9 @@ def test_attention_alone_uses_the_cache_kind_of_the_whole_model(capsys: pytest.C
     argv = ["count", "--preset", "smollm2-135m", "--weights-dtype", "q4_1", "--cache", "int4", "--device-memory",
             "8GiB"]
     r = _json(argv, capsys)
-    alone, whole = r["max_context_in_device_memory"], r["whole_model"]["largest_context_by_memory"]
+    alone, whole = r["max_context_by_memory"], r["whole_model"]["largest_context_by_memory"]
     assert alone >= whole
+    assert r["max_context_in_device_memory"] == r["context_limit"] == 8192 and r["context_limit_binds"]
     a = preset("smollm2-135m").attention
 
     def int4(c: int) -> int:
@@ -34,7 +35,8 @@ def test_attention_alone_uses_the_cache_kind_of_the_whole_model(capsys: pytest.C
 
     assert int4(alone) <= 8 * 2**30 < int4(alone + 1)
     assert main(argv) == 0
-    assert f"{alone:,} tokens (KV cache alone, int4 cache in bf16)" in capsys.readouterr().out
+    assert (f"8,192 tokens (KV cache alone, int4 cache in bf16; the model's own context binds: the memory alone "
+            f"would hold {alone:,})") in capsys.readouterr().out
 
 
 def test_per_device_terms_under_tp_add_up(capsys: pytest.CaptureFixture[str]) -> None:

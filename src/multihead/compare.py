@@ -38,6 +38,7 @@ class Variant:
     decode_tokens_per_second: float | None = None  # ... and its decode, per sequence, at the context seq
     decode_bound: str | None = None
     devices_per_kv_head: int = 1  # > 1: fewer KV heads than --tp devices, each on this many (multihead.sizing.kv_share)
+    kv_cache_bytes_per_device: int | None = None  # one device's share under --tp (sizing.kv_on_device)
 
 
 def variant_model(model: ModelConfig, n_kv_heads: int | None = None, mla: MLAConfig | None = None) -> ModelConfig:
@@ -128,6 +129,7 @@ def compare_variants(
             kv_bytes_per_token=sum(cost.layer_cache_bytes_per_token(m.attention, layer, dtype=dtype, mla=m.mla)
                                    for layer in m.layers()),
             kv_cache_bytes=total,
+            kv_cache_bytes_per_device=sizing.kv_on_device(m, total, fitting.tp) if note is None else None,
             ratio_to_mha=total / mha_bytes if mha_bytes else 0.0,
             params_per_layer=per_layer,
             max_context=context,

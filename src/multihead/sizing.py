@@ -698,7 +698,8 @@ def attention_report(model: ModelConfig, *, seq: int, batch: int, dtype: str, ca
     """The attention figures `multihead count` prints (cost.report, summed layer by layer over ``model.layers()``).
     For an MLA model the top level is its latent attention (parameters, FLOPs of the expanded path, the latent
     cache); the same heads as plain MHA, for comparison, go under ``as_mha``, and ``mla`` keeps mla_report's figures.
-    ``max_context_in_device_memory``: the longest context whose cache of kind ``cache`` alone fits in ``memory``."""
+    ``max_context_in_device_memory``: the longest context whose cache of kind ``cache`` alone fits in ``memory``,
+    capped at the model's own context (``context_limit_binds`` when that is what stops it)."""
     check_seq(model, seq)
     a, layers = model.attention, model.layers()
     if model.mla is None:
@@ -735,9 +736,15 @@ def attention_report(model: ModelConfig, *, seq: int, batch: int, dtype: str, ca
     r["cache"] = cache
     r["kv_cache_bytes_as_cached"] = kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)
     if memory is not None:
+        # never past the model's own context (the rule of check_seq): the memory's answer, capped, and which binds
+        by_memory = kv_max_context(model, memory=memory, batch=batch, dtype=dtype, cache=cache)
+        limit = context_limit(model)
         r["device_memory_bytes"] = memory
-        r["max_context_in_device_memory"] = kv_max_context(model, memory=memory, batch=batch, dtype=dtype,
-                                                           cache=cache)
+        r["context_limit"] = limit
+        r["max_context_in_device_memory"] = (by_memory if limit is None else limit if by_memory is None
+                                             else min(by_memory, limit))
+        r["context_limit_binds"] = limit is not None and (by_memory is None or by_memory > limit)
+        r["max_context_by_memory"] = by_memory  # the memory's own answer (None: any), past the limit or not
         if model.mla is not None:
             r["mla"]["max_context_in_device_memory"] = r["max_context_in_device_memory"]
             r["as_mha"]["max_context_in_device_memory"] = cost.max_context(

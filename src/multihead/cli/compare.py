@@ -62,7 +62,8 @@ def run(args: argparse.Namespace) -> int:
     tp = args.tp
     print(f"{model.name}: {layers(model.n_layers)}, {model.attention.n_heads} query heads, head_dim "
           f"{model.attention.head_dim}; KV cache for {args.seq} tokens x batch {args.batch} in {args.dtype}")
-    header = ["variant", "kv heads", "q per kv", "KV / token", "KV cache", "vs MHA", "attn params / layer"]
+    header = ["variant", "kv heads", "q per kv", "KV / token", "KV cache" + (f", per device of {tp}" if tp > 1 else ""),
+              "vs MHA", "attn params / layer"]
     if whole:
         header.append(f"weights ({fitting.weights_dtype})" + (f", per device of {tp}" if tp > 1 else ""))
     if memory is not None:
@@ -72,7 +73,10 @@ def run(args: argparse.Namespace) -> int:
     table = [header]
     for r in rows:
         line = [r.variant + (" *" if r.is_model else ""), str(r.n_kv_heads), str(r.group_size),
-                format_bytes(r.kv_bytes_per_token), format_bytes(r.kv_cache_bytes), f"{r.ratio_to_mha:.3f}",
+                format_bytes(r.kv_bytes_per_token),
+                format_bytes(r.kv_cache_bytes) if tp == 1 else
+                "n/a" if r.kv_cache_bytes_per_device is None else format_bytes(r.kv_cache_bytes_per_device),
+                f"{r.ratio_to_mha:.3f}",
                 f"{r.params_per_layer:,}"]
         if whole:
             shown = r.weight_bytes if tp == 1 else r.weight_bytes_per_device

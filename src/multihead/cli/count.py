@@ -114,7 +114,10 @@ def _print_attention(model: Any, r: dict[str, Any], args: argparse.Namespace, is
         fit = r["max_context_in_device_memory"]
         rows.append((f"context that fits in {format_bytes(memory)}",
                      "any (the windows cap the cache)" if fit is None else
-                     f"{fit:,} tokens (KV cache alone, {args.cache} cache in {args.dtype})"))
+                     f"{fit:,} tokens (KV cache alone, {args.cache} cache in {args.dtype}"
+                     + ("; the model's own context binds: the memory alone would hold "
+                        + ("any" if r["max_context_by_memory"] is None else f"{r['max_context_by_memory']:,}")
+                        if r["context_limit_binds"] else "") + ")"))
     width = max(len(k) for k, _ in rows)
     for k, v in rows:
         print(f"{k:<{width}}  {v}")

@@ -211,6 +211,7 @@ def _quant_bits(text: str) -> int:
 FRACTIONS = Listed(_fraction, "fractions, e.g. 0.1,0.3 (or 'none')", none=True)
 COUNTS = Listed(COUNT, "integers (counts), e.g. 1,4")
 HEAD_COUNTS = Listed(POSITIVE, "integers (head counts), e.g. 1,4,16")
+LENGTHS = Listed(POSITIVE, "integers (lengths in tokens), e.g. 2048,4096")
 BITS = Listed(_quant_bits, "integers (cache widths), e.g. 8,4,2")
 BACKENDS = Listed(OneOf(("sdpa", "math", "flex"), "backend {value} is unknown: choose from {names}"), "backends")
 DEVICE = OneOf(("cpu", "cuda"), "device {value} is not supported: choose cpu or cuda")

@@ -40,7 +40,7 @@ def add(sub: Any) -> None:
                         "RazorAttention-style echo/induction scores per KV head, and write head-wise cache plans "
                         "from them (causal models: our port for Llama, transformers with its attention on multihead "
                         "for other decoders, e.g. a Qwen2, Mistral or Gemma folder; --engine forces one)")
-    r.add_argument("--lengths", type=flags.HEAD_COUNTS, default=None, metavar="N,N",
+    r.add_argument("--lengths", type=flags.LENGTHS, default=None, metavar="N,N",
                    help="prompt lengths in tokens (default 2048)")
     r.add_argument("--tasks", type=flags.Listed(flags.OneOf(("passkey", "single-number", "single-word", "multikey",
                                                                "multivalue"), "task {value} is unknown: choose from "

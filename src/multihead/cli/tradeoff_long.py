@@ -46,7 +46,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--long", action="store_true",
                    help="judge the methods by retrieval at long context (needles, passkeys) instead of perplexity "
                         "on short windows; about 20 minutes on 2 cores by default")
-    g.add_argument("--lengths", type=flags.HEAD_COUNTS, default=None, metavar="N,N",
+    g.add_argument("--lengths", type=flags.LENGTHS, default=None, metavar="N,N",
                    help="prompt lengths in tokens (default 2048,4096; 8144 is the longest that leaves SmolLM2's "
                         "8,192-token context room for the answer)")
     g.add_argument("--tasks", type=_names(_tasks, "task"), default=None,

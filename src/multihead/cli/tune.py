@@ -13,8 +13,6 @@ from typing import Any
 from multihead.cli import COMMANDS, flags
 from multihead.cli.model import DTYPE_HELP
 
-LENGTHS = flags.Listed(flags.POSITIVE, "integers (context lengths), e.g. 1024,4096")
-
 
 def add(sub: Any) -> None:
     p = sub.add_parser("tune", help=COMMANDS["tune"])
@@ -22,7 +20,7 @@ def add(sub: Any) -> None:
                    help="a Llama GGUF file or Hugging Face folder (default: SmolLM2)")
     p.add_argument("--dtype", type=flags.Dtype(("fp32", "bf16"), many=True), default=("fp32", "bf16"),
                    help=f"{DTYPE_HELP}, here those to tune: comma-separated of fp32, bf16 (default: both)")
-    p.add_argument("--lengths", type=LENGTHS, default=(1024, 2048, 4096, 8192),
+    p.add_argument("--lengths", type=flags.LENGTHS, default=(1024, 2048, 4096, 8192),
                    help="context lengths whose decode attention is tuned (each stands for its power-of-two range; "
                         "default 1024,2048,4096,8192, capped at the model's context)")
     p.add_argument("--batch", type=flags.POSITIVE, default=1, help="decoding batch (default 1)")
