@@ -575,6 +575,16 @@ def _layout_faults(fig: Any) -> list[str]:
     return faults
 
 
+def _ink_at_the_edges(png: Path, frame: int = 2) -> list[str]:
+    """The edges of a saved picture where something is drawn (not the white background) within ``frame`` pixels: a
+    title or a label cut by the canvas leaves its ink there."""
+    import matplotlib.image
+
+    ink = (matplotlib.image.imread(str(png))[..., :3] < 0.95).any(-1)  # (rows, columns)
+    edges = {"top": ink[:frame], "bottom": ink[-frame:], "left": ink[:, :frame], "right": ink[:, -frame:]}
+    return [f"{name}: {int(e.sum())} pixels" for name, e in edges.items() if e.any()]
+
+
 def test_the_picture_keeps_every_text_inside_and_apart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """issue 42: the long-context PNG's title was clipped with one length and its labels overlapped. A run with a
     method of every kind, drawn for two lengths and for one: every text the figure draws lies inside it and no two
@@ -605,6 +615,7 @@ def test_the_picture_keeps_every_text_inside_and_apart(tmp_path: Path, monkeypat
         texts = [t for t, _ in _drawn_texts(fig)]
         assert len(result["rows"]) == 13 and all(any(r["method"] in t for t in texts) for r in res["rows"])
         assert _layout_faults(fig) == [], case
+        assert _ink_at_the_edges(png) == [], case  # the PNG itself, read back as pixels: nothing cut at its edges
     plt.close("all")
 
 
