@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from torch import Tensor, nn
 
 from multihead import MultiheadError
@@ -22,7 +23,6 @@ from multihead.hooks import hooks, run_with_cache
 from multihead.models.llama import LlamaConfig, LlamaModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
 
 V, D, H, S = 50, 32, 4, 6
 VARIANTS = pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])

@@ -42,7 +42,7 @@ def test_rounds_rotate_the_order_and_time_only_after_the_warm_ones() -> None:
 def test_interleaved_runners_each_continue_their_own_greedy_sequence() -> None:
     """Stepped in turn, each runner's tokens are those its model gives alone: transformers' against its own
     generate, multihead's full and sink caches (a window longer than the text) against the uncached forward."""
-    transformers = pytest.importorskip("transformers")
+    import transformers
     torch.manual_seed(0)
     L, h, g, d, n, steps = 2, 4, 2, 32, 40, 4
     ours = LlamaModel(LlamaConfig(vocab_size=128, d_model=h * d, n_layers=L, n_heads=h, n_kv_heads=g, ffn_dim=64,

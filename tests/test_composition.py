@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from torch import Tensor, nn
 
 from multihead import MultiheadError
@@ -242,7 +243,6 @@ def test_gqa_scores_equal_those_of_the_mha_model_with_repeated_kv_heads(n_kv_hea
 
 
 # ---------------------------------------------------------------------------------------------- transformers
-transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
 
 
 def _hf_llama_and_port(model_type: str = "llama") -> tuple[nn.Module, LlamaModel]:

@@ -196,7 +196,8 @@ def test_the_exact_check_of_an_edge_equals_path_patching_along_it(n_kv_heads: in
 
 def _hf_and_port(n_kv_heads: int) -> tuple[nn.Module, LlamaModel]:
     """A transformers Llama (after hf.enable) and our port carrying its weights."""
-    transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
+    import transformers
+
     from multihead import hf
 
     config = transformers.LlamaConfig(vocab_size=V, hidden_size=D, intermediate_size=48, num_hidden_layers=2,

@@ -10,8 +10,8 @@ import os
 from typing import Any
 
 import numpy as np
-import pytest
 import torch
+import transformers
 from torch import Tensor, nn
 
 from multihead.heads.attribution import direct_logit_attribution
@@ -19,7 +19,6 @@ from multihead.heads.composition import KINDS, circuits, composition_scores
 from multihead.hooks import RESID_POINTS, run_with_cache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
 
 V, D, H, S = 50, 32, 4, 6
 ANSWERS, WRONGS = [3, 7], [5, 9]

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from multihead import MultiheadError, hf
@@ -22,7 +23,6 @@ from multihead.masks import build_mask
 from multihead.reference import Weights, multihead_attention
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
 
 V = 97  # vocabulary of the tiny models
 

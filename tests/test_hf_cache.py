@@ -9,14 +9,13 @@ import os
 
 import pytest
 import torch
+import transformers
 from torch import Tensor
 
 from multihead import cost, hf
 from multihead.cache import HeadPlan, sink_keep
 from multihead.errors import MultiheadError
 from multihead.hooks import hooks
-
-transformers = pytest.importorskip("transformers")
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 P, STEPS = 24, 10  # prompt tokens, then decode steps

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import transformers
 from torch import nn
 
 from multihead import MultiheadError
@@ -35,7 +36,6 @@ from multihead.heads.retrieval import RetrievalSettings, copyable_steps, needle_
 from multihead.tradeoff import duo
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
 
 V = 97  # vocabulary of the tiny models
 SLIDING = 6  # the sliding layers' window

@@ -12,13 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+import transformers
 
 from multihead.errors import MultiheadError
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.tradeoff import longctx as lc
 from test_longctx import CHARS, TOK, _prose
-
-transformers = pytest.importorskip("transformers")
 
 
 def _pair() -> tuple[Any, LlamaModel]:

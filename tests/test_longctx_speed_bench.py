@@ -49,7 +49,7 @@ def test_quick_and_the_defaults() -> None:
 
 
 def test_a_tiny_run_gives_every_runner_a_row_with_exact_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
-    transformers = pytest.importorskip("transformers")
+    import transformers
     monkeypatch.setattr(bench.gc, "collect", lambda: 0)  # seconds per call in a large test process; nothing here
     torch.manual_seed(0)
     L, h, g, d, n, steps = 2, 4, 2, 32, 40, 3

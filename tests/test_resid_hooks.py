@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+import transformers
 from torch import Tensor, nn
 
 from multihead import MultiheadError
@@ -21,7 +22,6 @@ from multihead.models.bert import BertConfig, BertEncoder
 from multihead.models.llama import LlamaConfig, LlamaModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
 
 V = 50
 

@@ -19,7 +19,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import tl_compare as bench
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-transformers = pytest.importorskip("transformers")  # a dev dependency: always there in make test
 
 SMALL = {"n_layer": 2, "n_embd": 32, "n_positions": 16}
 
