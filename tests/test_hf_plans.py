@@ -34,6 +34,7 @@ from multihead.heads.capture import capture_weights
 from multihead.heads.engines import TransformersEngine, as_engine
 from multihead.heads.retrieval import RetrievalSettings, copyable_steps, needle_spans, retrieval_scores
 from multihead.tradeoff import duo
+from tiny_checkpoints import write_tiny_hf_qwen2
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -327,26 +328,6 @@ def test_smollm2_through_transformers_scores_and_gates_as_our_port(smollm2, hf_s
 
 
 # ---------------------------------------------------------------------------------------------- the command
-def _tiny_qwen2_folder(folder: Path) -> Path:
-    """save_pretrained of a tiny random Qwen2 (2 layers, 4 query and 2 KV heads, context 512) and a tiny byte-level
-    tokenizer (tiny_checkpoints' vocabulary of 262 tokens), as a Hugging Face folder."""
-    from tokenizers import Tokenizer
-    from transformers import PreTrainedTokenizerFast
-
-    from tiny_checkpoints import write_tiny_hf_llama
-
-    llama = write_tiny_hf_llama(folder.parent / "llama-for-its-tokenizer")
-    config = transformers.Qwen2Config(vocab_size=262, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                                      bos_token_id=259, eos_token_id=260, tie_word_embeddings=True)
-    torch.manual_seed(0)
-    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(llama / "tokenizer.json")),
-                                        bos_token="<s>", eos_token="</s>", pad_token="<pad>")
-    tokenizer.save_pretrained(folder)
-    return folder
-
-
 def test_heads_retrieval_on_a_hugging_face_folder_writes_its_plans(tmp_path: Path,
                                                                    capsys: pytest.CaptureFixture[str],
                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
@@ -355,7 +336,7 @@ def test_heads_retrieval_on_a_hugging_face_folder_writes_its_plans(tmp_path: Pat
 
     real = text.read_text()
     monkeypatch.setattr(text, "read_text", lambda path=None: real[:40_000])  # the byte-level toy encodes it slowly
-    folder = _tiny_qwen2_folder(tmp_path / "tiny-qwen2")
+    folder = write_tiny_hf_qwen2(tmp_path / "tiny-qwen2")
     out = tmp_path / "h"
     argv = ["heads", "--model", str(folder), "--text", "the cat sat on the mat", "--out", str(out), "--retrieval",
             "--lengths", "300", "--tasks", "passkey", "--prompts", "1", "--sinks", "2", "--window", "16",
@@ -394,7 +375,7 @@ def test_duo_gates_of_a_hugging_face_folder_and_their_plan(tmp_path: Path, capsy
 
     real = text.read_text()
     monkeypatch.setattr(text, "read_text", lambda path=None: real[:40_000])
-    folder = _tiny_qwen2_folder(tmp_path / "tiny-qwen2")
+    folder = write_tiny_hf_qwen2(tmp_path / "tiny-qwen2")
     out = tmp_path / "duo"
     assert duo.main(["--model", str(folder), "--steps", "2", "--every", "1", "--length", "300", "--sinks", "2",
                      "--window", "16", "--lr", "0.2", "--budget", "0.5", "--out", str(out)]) == 0

@@ -131,3 +131,44 @@ def test_smollm2_on_transformers_answers_as_the_port_on_the_same_cases(tmp_path:
         assert (a["correct"], a["greedy_ids"]) == (yours[key]["correct"], yours[key]["greedy_ids"]), key
     assert runs["transformers"]["engine"] == "transformers on multihead's attention" and runs["transformers"]["not_run"]
     assert runs["ours"]["engine"] == "multihead's own port"
+
+
+def test_a_hugging_face_folder_runs_both_protocols_on_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`tradeoff --long --model FOLDER` on a saved Qwen2 folder (config, safetensors and its own tokenizer: a model
+    only transformers runs, so 'auto' takes the transformers engine and the folder's tokenizer): the streaming and the
+    shared-prefill protocols both run every cache kind and a head plan, and where a method keeps every key (the full
+    cache) the two protocols give the same answers to the same cases."""
+    from multihead.cache import HeadPlan
+    from multihead.cli import main
+    from multihead.evals import text
+    from multihead.tradeoff.longctx import shared
+    from tiny_checkpoints import write_tiny_hf_qwen2
+
+    real = text.read_text()
+    monkeypatch.setattr(text, "read_text", lambda path=None: real[:40_000])  # the byte-level toy encodes it slowly
+    folder = write_tiny_hf_qwen2(tmp_path / "tiny-qwen2")
+    plan = HeadPlan(full=((True, False), (False, True)), sinks=2, window=24, model="tiny-qwen2", shape=(2, 4, 2, 8),
+                    method="test", budget=0.5).save(tmp_path / "tiny-qwen2-plan.json")
+    argv = ["tradeoff", "--long", "--model", str(folder), "--lengths", "300", "--tasks", "passkey,single-number",
+            "--prompts", "2", "--chunk", "96", "--sinks", "2", "--keep", "0.5", "--window-keep", "none", "--bits", "4",
+            "--group", "8", "--residual", "16", "--plan", str(plan), "--no-mqa", "--prune", "none",
+            "--uptrain-steps", "0", "--threshold", "0", "--bootstrap", "50", "--json"]
+    assert main([*argv, "--out", str(tmp_path / "streaming")]) == 0
+    streaming = json.loads(capsys.readouterr().out)
+    assert streaming["engine"] == "transformers on multihead's attention"
+    assert main([*argv, "--protocol", "shared", "--dtype", "fp32", "--out", str(tmp_path / "shared")]) == 0
+    capsys.readouterr()
+    stamp = json.loads((tmp_path / "shared" / "shared-settings.json").read_text())
+    assert stamp["engine"] == "transformers" and stamp["model"] == str(folder)
+    records = shared.finished(tmp_path / "shared" / shared.FILE)
+    methods = {"full cache", "2 sinks + window 50%", "int4 (g8, r16)", "head-wise tiny-qwen2",
+               "2 sinks + window = bytes of 50% full, 2 + 24"}
+    assert len(records) == 4 and all(set(r["methods"]) == methods for r in records.values())
+    answers = _answers(tmp_path / "streaming")
+    full = {key.split("/", 1)[1]: a for key, a in answers.items() if key.startswith("full-cache/")}
+    assert full.keys() == records.keys(), (sorted(answers)[:3], sorted(records))
+    for case, a in full.items():
+        b = records[case]["methods"]["full cache"]
+        assert (a["correct"], a["greedy_ids"]) == (b["correct"], b["greedy_ids"]), case
+        assert a["answer_logprob"] == pytest.approx(b["answer_logprob"], abs=1e-3), case

@@ -168,6 +168,26 @@ def write_tiny_hf_llama(folder: Path) -> Path:
     return folder
 
 
+def write_tiny_hf_qwen2(folder: Path) -> Path:
+    """save_pretrained of a tiny random Qwen2 (2 layers, 4 query and 2 KV heads of 8, context 512) and a tiny
+    byte-level tokenizer (the tiny Llama's vocabulary of 262 tokens), as a Hugging Face folder: a model that only
+    transformers runs (multihead's engine 'auto' takes transformers for it)."""
+    import transformers
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    llama = write_tiny_hf_llama(folder.parent / "llama-for-its-tokenizer")
+    config = transformers.Qwen2Config(vocab_size=262, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                      bos_token_id=259, eos_token_id=260, tie_word_embeddings=True)
+    torch.manual_seed(0)
+    transformers.Qwen2ForCausalLM(config).save_pretrained(folder)
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(llama / "tokenizer.json")),
+                                        bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
 def torch_state(folder: Path) -> dict[str, torch.Tensor]:
     from safetensors.torch import load_file
 
