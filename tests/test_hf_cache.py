@@ -98,6 +98,12 @@ def test_generate_takes_every_kind_and_the_full_one_gives_transformers_own_token
             assert got.shape == want.shape and cache.inner.used == P + STEPS - 1, name
             if name == "full":
                 assert torch.equal(got, want)
+            # compiled decoding cannot hold a view: the cache says so and transformers decodes it eagerly (its own
+            # warning), to the same tokens
+            assert cache.is_compileable is False, name
+            again = model.generate(ids, cache=hf.new_cache(model, **kind), max_new_tokens=STEPS, do_sample=False,
+                                   compile_config=transformers.CompileConfig())
+            assert torch.equal(again, got), name
 
 
 def test_a_chunked_prefill_and_a_compressed_full_prefill_decode_as_the_kind_does() -> None:

@@ -26,7 +26,8 @@ The sequences of a batch hold one length (the kinds that evict and quantize hold
 silently mis-masked). Beam search, assisted decoding (``crop``) and ``num_return_sequences > 1`` change a cache in
 ways these kinds do not support: refused by name. The compiled (static-cache) path of transformers cannot take
 these caches: a view travels as an attribute of the tensor handed over, which a traced graph does not keep, and the
-head-wise and sink kinds' key counts change with every step; decode them eagerly.
+head-wise and sink kinds' key counts change with every step. They say so (``is_compileable`` is False), and
+transformers' ``generate`` with a ``compile_config`` then skips compilation with its own warning and decodes eagerly.
 """
 
 from __future__ import annotations
