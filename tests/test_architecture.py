@@ -275,6 +275,8 @@ def _decode_layer(kind: str):  # type: ignore[no-untyped-def]
     caches = {"full": lambda: KVCache(batch=1, n_kv_heads=2, head_dim=64, max_len=80),
               "sink": lambda: SinkCache(batch=1, n_kv_heads=2, head_dim=64, window=16, sink_tokens=2),
               "int4": lambda: QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=64, max_len=80, bits=4, residual=8),
+              "int8": lambda: QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=64, max_len=80, bits=8, residual=8),
+              "int2": lambda: QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=64, max_len=80, bits=2, residual=8),
               "head-wise": lambda: HeadwiseCache(HeadPlan(full=[[True, False]], sinks=2, window=16, model="t",
                                                           shape=(1, 6, 2, 64)), batch=1, max_len=80)}
     cache = caches[kind]()
@@ -294,7 +296,7 @@ def test_a_walk_of_the_forward_visits_each_room_once_in_order() -> None:
     reads the cache's view, a data type)."""
     import torch
 
-    for kind in ("full", "sink", "int4", "head-wise"):
+    for kind in ("full", "sink", "int4", "int8", "int2", "head-wise"):  # native codes, codes read back, groups
         with torch.no_grad():
             top, crossings = _walk(_decode_layer(kind))
         assert top == ["multihead.step", "multihead.linear", "multihead.rope", "multihead.cache", "multihead.hooks",
