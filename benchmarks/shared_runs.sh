@@ -1,0 +1,101 @@
+#!/usr/bin/env bash
+# Issue 39's long-context evaluation under the shared-prefill protocol, as one resumable chain of runs.
+#
+# Every step is a `multihead tradeoff --long --protocol shared` run into a folder of its own under $ROOT (default
+# docs/experiments/shared-runs, so that the answers travel with the repository and a later session resumes them):
+# one JSON line a case, a stopped run resumes where it stopped, a finished one is skipped at once. Run it again
+# after any stop; it goes on with the first step that has cases left. Hours of CPU on two cores: start it in the
+# background, and SIGSTOP / SIGCONT it around anything that is timed.
+#
+#   1. train-4k   plans chosen here: 4,096 tokens, --split train --seed 1 (haystacks from the text's training split,
+#                 other needles and depths), $TRAIN prompts a task, every plan at 25% and 50% of KV heads
+#   2. test-4k    the evaluation: the test split, seed 0, $TEST prompts a task, the same methods
+#   3. test-8k    8,144 tokens (the longest SmolLM2's context leaves room for), $TEST8K prompts a task: the full
+#                 cache, the uniform sinks + window at 50%, int4 and the plan chosen at 50% on train-4k (with its
+#                 uniform control of the same bytes)
+#   4. fp32-4k    the first $FP32 prompts a task of test-4k again in float32 (same case ids), the full cache, the
+#                 uniform 50% and int4: does bfloat16 keep their answers?
+#   5. kvpress-4k kvpress's presses (StreamingLLM, SnapKV, Expected Attention, AdaKV, DuoAttention with kvpress's
+#                 own on-the-fly head pattern) at 50% and 75% compression (the bytes of the uniform 50% and 25%) on
+#                 the first $KVPRESS prompts a task of test-4k (the same case ids), bfloat16, in kvpress's own
+#                 environment (benchmarks/kvpress_setup.sh; kvpress pins transformers < 5.3); resumable too.
+#
+# Usage:  bash benchmarks/shared_runs.sh [STEP ...]     (default: every step, in order)
+#         TRAIN=50 TEST=200 TEST8K=100 FP32=50 KVPRESS=50 ROOT=docs/experiments/shared-runs   (the defaults)
+# The report: .venv/bin/python benchmarks/shared_report.py --runs $ROOT/test-4k --choose-on $ROOT/train-4k ...
+set -euo pipefail
+
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$HERE"
+ROOT="${ROOT:-docs/experiments/shared-runs}"
+TRAIN="${TRAIN:-50}"
+TEST="${TEST:-200}"
+TEST8K="${TEST8K:-100}"
+FP32="${FP32:-50}"
+KVPRESS="${KVPRESS:-50}"
+MH="${MH:-.venv/bin/multihead}"
+PY="${PY:-.venv/bin/python}"
+
+PLANS=()
+for score in duo mass retrieval razor; do
+  for pct in 25 50; do
+    PLANS+=(--plan "docs/experiments/smollm2-$score-$pct-plan.json")
+  done
+done
+COMMON=(tradeoff --long --protocol shared --tasks passkey,single-number --haystacks jargon,filler --no-mqa)
+METHODS=(--bits 8,4 --keep 0.5,0.25 --window-keep none)  # with PLANS: the methods issue 39 names
+
+step() {
+  local name="$1"; shift
+  echo "== $name: $(date -u +%FT%TZ)"
+  "$MH" "${COMMON[@]}" --out "$ROOT/$name" "$@" > "$ROOT/$name.log" 2>&1 || {
+    echo "$name failed: the end of $ROOT/$name.log:"; tail -5 "$ROOT/$name.log"; exit 1; }
+  tail -3 "$ROOT/$name.log"
+}
+
+chosen_plan() {  # the plan train-4k chose at 50% of KV heads full (shared_report.choose)
+  "$PY" - "$ROOT/train-4k" <<'EOF'
+import sys
+from pathlib import Path
+sys.path.insert(0, "benchmarks")
+from shared_report import choose
+print(choose(Path(sys.argv[1]))["by_full_share"]["0.50"]["plan"])
+EOF
+}
+
+kvpress_step() {
+  echo "== kvpress-4k: $(date -u +%FT%TZ)"
+  bash benchmarks/kvpress_setup.sh > "$ROOT/kvpress-4k.log" 2>&1
+  local kpy=out/kvpress-venv/bin/python cases=out/kvpress/test-4k-cases.jsonl pattern=out/kvpress/duo-pattern.json
+  mkdir -p out/kvpress
+  # the cases of test-4k by id (the same generator and settings), written for kvpress's reader
+  "$MH" tradeoff --long --tasks passkey,single-number --haystacks jargon,filler --lengths 4096 --seed 0 \
+    --prompts "$KVPRESS" --cases-jsonl "$cases" >> "$ROOT/kvpress-4k.log" 2>&1
+  [ -f "$pattern" ] || "$kpy" benchmarks/kvpress_longctx.py duo-pattern --out "$pattern" >> "$ROOT/kvpress-4k.log" 2>&1
+  "$kpy" benchmarks/kvpress_longctx.py run --cases "$cases" --out "$ROOT/kvpress-4k.json" --dtype bfloat16 \
+    --presses streaming_llm snapkv expected_attention adakv_expected_attention duo_attention --ratios 0.5 0.75 \
+    --duo-pattern "$pattern" >> "$ROOT/kvpress-4k.log" 2>&1 || {
+    echo "kvpress-4k failed: the end of $ROOT/kvpress-4k.log:"; tail -5 "$ROOT/kvpress-4k.log"; exit 1; }
+  tail -3 "$ROOT/kvpress-4k.log"
+}
+
+mkdir -p "$ROOT"
+steps=("$@")
+[ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k test-8k fp32-4k kvpress-4k)
+for s in "${steps[@]}"; do
+  case "$s" in
+    # (train-4k was started with a plain window of 25% too, --window-keep 0.25, and resumes with it)
+    train-4k) step train-4k --lengths 4096 --split train --seed 1 --prompts "$TRAIN" --dtype bf16 --bits 8,4 \
+                --keep 0.5,0.25 --window-keep 0.25 "${PLANS[@]}" ;;
+    test-4k)  step test-4k --lengths 4096 --split test --seed 0 --prompts "$TEST" --dtype bf16 "${METHODS[@]}" \
+                "${PLANS[@]}" ;;
+    test-8k)  best="$(chosen_plan)"; echo "plan chosen on train-4k at 50%: $best"
+              step test-8k --lengths 8144 --split test --seed 0 --prompts "$TEST8K" --dtype bf16 --bits 4 \
+                --keep 0.5 --window-keep none --plan "$best" ;;
+    fp32-4k)  step fp32-4k --lengths 4096 --split test --seed 0 --prompts "$FP32" --dtype fp32 --bits 4 --keep 0.5 \
+                --window-keep none ;;
+    kvpress-4k) kvpress_step ;;
+    *) echo "unknown step $s: choose from train-4k test-4k test-8k fp32-4k kvpress-4k" >&2; exit 2 ;;
+  esac
+done
+echo "== done: $(date -u +%FT%TZ)"
