@@ -62,6 +62,9 @@ DECODERS: dict[str, tuple[Callable[[], nn.Module], str]] = {
                              n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1,
                              moe_intermediate_size=32, first_k_dense_replace=1),
                     "MLA: q/k head_dim 24, value head_dim 12"),
+    "falcon": (_decoder("FalconConfig", "FalconForCausalLM", new_decoder_architecture=True, num_kv_heads=2,
+                        intermediate_size=None, num_key_value_heads=None, max_position_embeddings=None),
+               "Falcon's fused qkv, new decoder architecture (on the interface since transformers 5.25)"),
     "gpt_oss": (_decoder("GptOssConfig", "GptOssForCausalLM", head_dim=16, num_local_experts=4,
                          num_experts_per_tok=2, sliding_window=6), "learned sinks (s_aux), sliding window"),
 }
@@ -173,9 +176,11 @@ def test_an_encoder_decoder_gives_the_eager_logits_and_tokens(arch: str) -> None
 
 
 def test_architectures_without_the_interface_are_refused_by_name() -> None:
-    config = transformers.FalconConfig(vocab_size=V, hidden_size=64, num_hidden_layers=1, num_attention_heads=4)
-    model = transformers.FalconForCausalLM(config)
-    with pytest.raises(MultiheadError, match="FalconForCausalLM does not call transformers' attention interface"):
+    """BLOOM writes its ALiBi attention inline (Falcon did too until transformers 5.25 moved it to the interface)."""
+    config = transformers.BloomConfig(vocab_size=V, hidden_size=64, n_layer=1, n_head=4)
+    model = transformers.BloomForCausalLM(config)
+    assert not model._can_set_attn_implementation()  # transformers' own word: no attention interface
+    with pytest.raises(MultiheadError, match="BloomForCausalLM does not call transformers' attention interface"):
         hf.enable(model)
     with pytest.raises(MultiheadError, match="is not a transformers model"):
         hf.enable(nn.Linear(2, 2))
