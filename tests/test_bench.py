@@ -45,6 +45,7 @@ def test_a_long_causal_forward_holds_q_k_v_and_the_output_only() -> None:
     assert extra <= 1.25 * qkvo, f"peak {extra / 2**20:.0f} MiB > 1.25 x {qkvo / 2**20:.0f} MiB"
 
 
+@pytest.mark.slow  # child processes that build or load torch: seconds each
 @linux
 def test_a_benchmark_runs_in_a_fresh_process_and_reports_its_target() -> None:
     (result,) = bench.run_cpu(1, ("P4",))

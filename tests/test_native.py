@@ -34,6 +34,7 @@ def test_the_kernels_build_here_as_the_best_variant_this_cpu_runs() -> None:
     assert all("-march" not in " ".join(flags_) for flags_, _ in native.VARIANTS.values())
 
 
+@pytest.mark.slow  # child processes that build or load torch: seconds each
 @pytest.mark.parametrize("variant", ["generic", "avx512"])
 def test_a_lower_variant_builds_loads_and_computes_the_same(variant: str, tmp_path: Path) -> None:
     """MULTIHEAD_NATIVE_VARIANT picks a lower variant (the portable loops): it builds apart, loads, and its bfloat16
@@ -174,6 +175,7 @@ def _probe(env: dict[str, str], code: str = "from multihead import native; print
     return done.stdout.strip()
 
 
+@pytest.mark.slow  # child processes that build or load torch: seconds each
 def test_without_the_kernels_everything_says_why_once_and_keeps_pytorchs_products(tmp_path: Path) -> None:
     assert _probe({"MULTIHEAD_NATIVE": "0"}) == "turned off by MULTIHEAD_NATIVE=0"
     assert _probe({"PATH": str(tmp_path), "CC": "no-such-cc"}) == (

@@ -23,6 +23,7 @@ def torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
                            *args], capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=HERE)
 
 
+@pytest.mark.slow  # child processes that build or load torch: seconds each
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_layers_equal_the_whole_layer_and_hold_a_share(world: int) -> None:
     done = torchrun(world, str(HERE / "parallel_worker.py"), "layer")
@@ -77,6 +78,7 @@ def test_tp_without_a_launcher_says_how_to_launch(capsys: pytest.CaptureFixture[
     assert "run under torchrun --nproc-per-node 2" in capsys.readouterr().err
 
 
+@pytest.mark.slow  # child processes that build or load torch: seconds each
 def test_a_failing_rank_fails_the_run_promptly() -> None:
     start = time.monotonic()
     done = torchrun(2, str(HERE / "parallel_worker.py"), "fail")

@@ -80,6 +80,7 @@ def test_bad_arguments_are_refused_by_name(table_dir: Path) -> None:
     ('{"format": "multihead-tuning", "version": 1, "entries": []}', "'entries' must be an object"),
     ("[1, 2]", "must hold a JSON object"),
 ], ids=["not-json", "version", "bad-kind", "entries-list", "array"])
+@pytest.mark.slow  # child processes that build or load torch: seconds each
 def test_a_bad_table_is_said_once_and_the_rules_decide(table_dir: Path, text: str, said: str) -> None:
     """A forward pass never fails on the cache folder's file: a warning names the file and what is wrong, and the
     default rules decide; `multihead tune --show` refuses it with the same words (exit 2, one line)."""
@@ -97,6 +98,7 @@ def test_a_bad_table_is_said_once_and_the_rules_decide(table_dir: Path, text: st
     assert done.stderr.startswith("multihead tune: error: ") and said in done.stderr
 
 
+@pytest.mark.slow  # child processes that build or load torch: seconds each
 def test_the_cli_shows_and_clears_the_table_and_refuses_bad_flags(table_dir: Path) -> None:
     env = {**os.environ, "MULTIHEAD_TUNING_DIR": str(table_dir)}
 
