@@ -19,9 +19,13 @@
 #                 own on-the-fly head pattern) at 50% and 75% compression (the bytes of the uniform 50% and 25%) on
 #                 the first $KVPRESS prompts a task of test-4k (the same case ids), bfloat16, in kvpress's own
 #                 environment (benchmarks/kvpress_setup.sh; kvpress pins transformers < 5.3); resumable too.
+#   6. duo-gates  the DuoAttention-style gates trained longer, at the evaluation's streaming window (4 sinks + 256)
+#                 on 1,024-token prompts of the training split: $DUO_STEPS steps (the shipped gates had 40 at
+#                 512 tokens and a window of 128), a checkpoint every 2 steps, resumed; with their 25% and 50% plans
+#                 (plan-duo-25.json, plan-duo-50.json in the folder) for a later run beside the shipped plans.
 #
 # Usage:  bash benchmarks/shared_runs.sh [STEP ...]     (default: every step, in order)
-#         TRAIN=50 TEST=200 TEST8K=100 FP32=50 KVPRESS=50 ROOT=docs/experiments/shared-runs   (the defaults)
+#         TRAIN=50 TEST=200 TEST8K=100 FP32=50 KVPRESS=50 DUO_STEPS=400 ROOT=docs/experiments/shared-runs
 # The report: .venv/bin/python benchmarks/shared_report.py --runs $ROOT/test-4k --choose-on $ROOT/train-4k ...
 set -euo pipefail
 
@@ -33,6 +37,7 @@ TEST="${TEST:-200}"
 TEST8K="${TEST8K:-100}"
 FP32="${FP32:-50}"
 KVPRESS="${KVPRESS:-50}"
+DUO_STEPS="${DUO_STEPS:-400}"
 MH="${MH:-.venv/bin/multihead}"
 PY="${PY:-.venv/bin/python}"
 
@@ -81,7 +86,7 @@ kvpress_step() {
 
 mkdir -p "$ROOT"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k test-8k fp32-4k kvpress-4k)
+[ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k test-8k fp32-4k kvpress-4k duo-gates)
 for s in "${steps[@]}"; do
   case "$s" in
     # (train-4k was started with a plain window of 25% too, --window-keep 0.25, and resumes with it)
@@ -95,7 +100,13 @@ for s in "${steps[@]}"; do
     fp32-4k)  step fp32-4k --lengths 4096 --split test --seed 0 --prompts "$FP32" --dtype fp32 --bits 4 --keep 0.5 \
                 --window-keep none ;;
     kvpress-4k) kvpress_step ;;
-    *) echo "unknown step $s: choose from train-4k test-4k test-8k fp32-4k kvpress-4k" >&2; exit 2 ;;
+    duo-gates) echo "== duo-gates: $(date -u +%FT%TZ)"
+               "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 --window 256 \
+                 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" > "$ROOT/duo-gates-1024.log" 2>&1 || {
+                 echo "duo-gates failed: the end of $ROOT/duo-gates-1024.log:"; tail -5 "$ROOT/duo-gates-1024.log"
+                 exit 1; }
+               tail -3 "$ROOT/duo-gates-1024.log" ;;
+    *) echo "unknown step $s: choose from train-4k test-4k test-8k fp32-4k kvpress-4k duo-gates" >&2; exit 2 ;;
   esac
 done
 echo "== done: $(date -u +%FT%TZ)"
