@@ -208,6 +208,36 @@ def test_sliding_layers_keep_their_window_in_every_kind(family: str) -> None:
     assert not torch.allclose(got, plain, atol=1e-3)
 
 
+@pytest.mark.parametrize("family", ["gemma2", "gemma3"])
+def test_sliding_models_generate_and_compress_as_the_kind_does(family: str) -> None:
+    """Gemma 2 and 3 (a sliding layer, a global one) through generate: the full cache gives transformers' own tokens
+    and a head plan's cache decodes; a full prefill compressed into the plan's cache (the shared-prefill protocol)
+    then decodes as the uncached model whose prompt rows are causal and whose later rows see what the plan keeps,
+    within each layer's own window."""
+    from multihead.cache import compress
+
+    model, _ = _sliding_model(family)
+    ids = torch.randint(0, 97, (1, P))
+    plan = HeadPlan(full=[[True, False], [False, True]], sinks=2, window=8, model="tiny", shape=(2, 4, 2, 32))
+    with torch.no_grad():
+        want = model.generate(ids, max_new_tokens=STEPS, do_sample=False)  # transformers' own cache
+        got = model.generate(ids, cache=hf.new_cache(model, P + STEPS), max_new_tokens=STEPS, do_sample=False)
+        assert torch.equal(got, want)
+        planned = hf.new_cache(model, P + STEPS, plan=plan)
+        tokens = model.generate(ids, cache=planned, max_new_tokens=STEPS, do_sample=False)
+    assert tokens.shape == want.shape and planned.inner.used == P + STEPS - 1
+    n = tokens.shape[1]
+    full = hf.new_cache(model, n)
+    small = hf.new_cache(model, n, plan=plan)
+    with torch.no_grad():
+        model(tokens[:, :P], cache=full)
+        compress(full.inner, small.inner)
+        got = torch.cat([model(tokens[:, i:i + 1], cache=small).logits for i in range(P, n)], 1)
+    keep = plan.mask(n).clone()
+    keep[:, :, :P] = torch.ones(n, n, dtype=torch.bool).tril()[:P]  # the prompt was prefilled with every key
+    torch.testing.assert_close(got, _restricted(model, tokens, keep)[:, P:], atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.slow
 def test_smollm2_in_transformers_decodes_with_a_head_plan_as_multiheads_own_port() -> None:
     """The real model: transformers' LlamaForCausalLM read from the GGUF, on multihead's attention with a head-wise
