@@ -108,29 +108,33 @@ def test_the_engine_is_resolved_from_the_path_and_refused_by_name(tmp_path: Path
 
 @pytest.mark.slow
 def test_smollm2_on_transformers_answers_as_the_port_on_the_same_cases(tmp_path: Path) -> None:
-    """The real model through `multihead tradeoff --long`: the GGUF on transformers (every cache kind and the
-    shipped DuoAttention plan, on multihead's attention and caches) and on multihead's own port give the same
-    answers to the same cases; the transformers run says which methods it left out."""
+    """The real model through `multihead tradeoff --long --protocol shared`: the GGUF on transformers (every cache
+    kind and the shipped DuoAttention plan, on multihead's attention and caches, each compressed from one full
+    prefill) and on multihead's own port give the same answers to the same cases, with the same cache bytes. (The
+    streaming protocol on both engines: the tiny model's test above.)"""
     from multihead.models import default_gguf_path
+    from multihead.tradeoff.longctx import shared
 
     plan = Path(__file__).parents[1] / "docs" / "experiments" / "smollm2-duo-50-plan.json"
     runs = {}
     for engine in ("ours", "transformers"):
         out = tmp_path / engine
-        done = subprocess.run([sys.executable, "-m", "multihead", "tradeoff", "--long", "--model",
-                               str(default_gguf_path()), "--engine", engine, "--lengths", "512", "--tasks",
-                               "passkey,single-number", "--prompts", "1", "--keep", "0.5", "--window-keep", "none",
-                               "--bits", "4", "--plan", str(plan), "--no-mqa", "--prune", "none",
-                               "--uptrain-steps", "0", "--threshold", "0", "--bootstrap", "50", "--out", str(out),
-                               "--json"], capture_output=True, text=True, timeout=900)
+        done = subprocess.run([sys.executable, "-m", "multihead", "tradeoff", "--long", "--protocol", "shared",
+                               "--model", str(default_gguf_path()), "--engine", engine, "--lengths", "512",
+                               "--tasks", "passkey,single-number", "--prompts", "1", "--keep", "0.5",
+                               "--window-keep", "none", "--bits", "4", "--plan", str(plan), "--no-mqa",
+                               "--out", str(out), "--json"], capture_output=True, text=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
-        runs[engine] = json.loads(done.stdout)
-    mine, yours = _answers(tmp_path / "ours"), _answers(tmp_path / "transformers")
-    assert mine.keys() == yours.keys() and mine
-    for key, a in mine.items():
-        assert (a["correct"], a["greedy_ids"]) == (yours[key]["correct"], yours[key]["greedy_ids"]), key
-    assert runs["transformers"]["engine"] == "transformers on multihead's attention" and runs["transformers"]["not_run"]
-    assert runs["ours"]["engine"] == "multihead's own port"
+        runs[engine] = shared.finished(out / shared.FILE)
+    mine, yours = runs["ours"], runs["transformers"]
+    assert mine.keys() == yours.keys() and len(mine) == 2
+    for case, record in mine.items():
+        assert record["methods"].keys() == yours[case]["methods"].keys() and len(record["methods"]) == 5
+        for method, a in record["methods"].items():
+            b = yours[case]["methods"][method]
+            assert (a["correct"], a["greedy_ids"], a["cache_bytes"]) == (b["correct"], b["greedy_ids"],
+                                                                          b["cache_bytes"]), (case, method)
+    assert json.loads((tmp_path / "transformers" / "shared-settings.json").read_text())["engine"] == "transformers"
 
 
 def test_a_hugging_face_folder_runs_both_protocols_on_transformers(tmp_path: Path, capsys: pytest.CaptureFixture[str],
