@@ -245,12 +245,14 @@ def available() -> bool:
 
 def vectorised() -> bool:
     """Whether the loaded kernels have this CPU's AVX512-BF16 products (else the product is a portable loop)."""
-    return _isa() > 0 and bool(_isa() & 2)
+    isa = _isa()
+    return isa > 0 and bool(isa & 2)
 
 
 def avx512() -> bool:
     """Whether the loaded kernels have the attention kernels' AVX-512 chunks (attend_dense needs them)."""
-    return _isa() > 0 and bool(_isa() & 1)
+    isa = _isa()
+    return isa > 0 and bool(isa & 1)
 
 
 def _required() -> ctypes.CDLL:
