@@ -15,17 +15,22 @@
 #                 uniform control of the same bytes)
 #   4. fp32-4k    the first $FP32 prompts a task of test-4k again in float32 (same case ids), the full cache, the
 #                 uniform 50% and int4: does bfloat16 keep their answers?
-#   5. kvpress-4k kvpress's presses (StreamingLLM, SnapKV, Expected Attention, AdaKV, DuoAttention with kvpress's
+#   5. stream-4k  the streaming protocol's sample (each method prefills through its own cache, float32, the real
+#                 peak memory): the first $STREAM prompts a task of test-4k (the same case ids), the full cache, the
+#                 uniform 50%, int4 and the duo plan at 50% with its uniform control; --threshold 0 so that every
+#                 method runs on the passkey cell too
+#   6. kvpress-4k kvpress's presses (StreamingLLM, SnapKV, Expected Attention, AdaKV, DuoAttention with kvpress's
 #                 own on-the-fly head pattern) at 50% and 75% compression (the bytes of the uniform 50% and 25%) on
 #                 the first $KVPRESS prompts a task of test-4k (the same case ids), bfloat16, in kvpress's own
 #                 environment (benchmarks/kvpress_setup.sh; kvpress pins transformers < 5.3); resumable too.
-#   6. duo-gates  the DuoAttention-style gates trained longer, at the evaluation's streaming window (4 sinks + 256)
+#   7. duo-gates  the DuoAttention-style gates trained longer, at the evaluation's streaming window (4 sinks + 256)
 #                 on 1,024-token prompts of the training split: $DUO_STEPS steps (the shipped gates had 40 at
 #                 512 tokens and a window of 128), a checkpoint every 2 steps, resumed; with their 25% and 50% plans
 #                 (plan-duo-25.json, plan-duo-50.json in the folder) for a later run beside the shipped plans.
 #
-# Usage:  bash benchmarks/shared_runs.sh [STEP ...]     (default: every step, in order)
-#         TRAIN=50 TEST=200 TEST8K=100 FP32=50 KVPRESS=50 DUO_STEPS=400 ROOT=docs/experiments/shared-runs
+# Usage:  bash benchmarks/shared_runs.sh [STEP ...]     (default: every step, in the order
+#         train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates: the short checks before the long 8k run)
+#         TRAIN=50 TEST=200 TEST8K=100 FP32=50 STREAM=10 KVPRESS=50 DUO_STEPS=400 ROOT=docs/experiments/shared-runs
 # The report: .venv/bin/python benchmarks/shared_report.py --runs $ROOT/test-4k --choose-on $ROOT/train-4k ...
 set -euo pipefail
 
@@ -36,6 +41,7 @@ TRAIN="${TRAIN:-50}"
 TEST="${TEST:-200}"
 TEST8K="${TEST8K:-100}"
 FP32="${FP32:-50}"
+STREAM="${STREAM:-10}"
 KVPRESS="${KVPRESS:-50}"
 DUO_STEPS="${DUO_STEPS:-400}"
 MH="${MH:-.venv/bin/multihead}"
@@ -86,7 +92,7 @@ kvpress_step() {
 
 mkdir -p "$ROOT"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k test-8k fp32-4k kvpress-4k duo-gates)
+[ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates)
 for s in "${steps[@]}"; do
   case "$s" in
     # (train-4k was started with a plain window of 25% too, --window-keep 0.25, and resumes with it)
@@ -99,6 +105,13 @@ for s in "${steps[@]}"; do
                 --keep 0.5 --window-keep none --plan "$best" ;;
     fp32-4k)  step fp32-4k --lengths 4096 --split test --seed 0 --prompts "$FP32" --dtype fp32 --bits 4 --keep 0.5 \
                 --window-keep none ;;
+    stream-4k) echo "== stream-4k: $(date -u +%FT%TZ)"
+               "$MH" tradeoff --long --protocol streaming --tasks passkey,single-number --haystacks jargon,filler \
+                 --lengths 4096 --seed 0 --prompts "$STREAM" --bits 4 --keep 0.5 --window-keep none --no-mqa \
+                 --prune none --threshold 0 --plan docs/experiments/smollm2-duo-50-plan.json \
+                 --out "$ROOT/stream-4k" > "$ROOT/stream-4k.log" 2>&1 || {
+                 echo "stream-4k failed: the end of $ROOT/stream-4k.log:"; tail -5 "$ROOT/stream-4k.log"; exit 1; }
+               tail -3 "$ROOT/stream-4k.log" ;;
     kvpress-4k) kvpress_step ;;
     duo-gates) echo "== duo-gates: $(date -u +%FT%TZ)"
                "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 --window 256 \
@@ -106,7 +119,7 @@ for s in "${steps[@]}"; do
                  echo "duo-gates failed: the end of $ROOT/duo-gates-1024.log:"; tail -5 "$ROOT/duo-gates-1024.log"
                  exit 1; }
                tail -3 "$ROOT/duo-gates-1024.log" ;;
-    *) echo "unknown step $s: choose from train-4k test-4k test-8k fp32-4k kvpress-4k duo-gates" >&2; exit 2 ;;
+    *) echo "unknown step $s: choose from train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates" >&2; exit 2 ;;
   esac
 done
 echo "== done: $(date -u +%FT%TZ)"
