@@ -40,7 +40,7 @@ def check_layers() -> None:
         torch.testing.assert_close(y, whole_prefix, atol=1e-5, rtol=1e-5)  # the sharded cache decodes the same
         print(f"rank {rank}: heads {n_heads}/{n_kv_heads} ok, local bytes {parallel.local_bytes(layer)} of "
               f"{whole_bytes}, cache {cache.bytes} of {cache_whole.bytes}", flush=True)
-    dist.destroy_process_group()
+    parallel.finish()
 
 
 def fail() -> None:

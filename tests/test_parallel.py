@@ -87,6 +87,16 @@ def test_a_failing_rank_fails_the_run_promptly() -> None:
     assert time.monotonic() - start < TIMEOUT / 2
 
 
+def test_finish_without_a_process_group_does_nothing() -> None:
+    import torch.distributed as dist
+
+    from multihead import parallel
+
+    assert not dist.is_initialized()
+    parallel.finish()  # the CLI calls it after every run, --tp or not
+    assert not dist.is_initialized()
+
+
 def test_check_world_size_names_the_valid_ones() -> None:
     from multihead import MultiheadError
     from multihead.parallel import check_world_size, valid_world_sizes

@@ -70,6 +70,18 @@ def init(world: int | None = None, *, timeout_s: float = 120.0) -> DeviceMesh:
     return init_device_mesh("cuda" if cuda else "cpu", (launched,))
 
 
+def finish() -> None:
+    """Leave the process group together: a barrier, then ``destroy_process_group``; nothing when none was joined.
+
+    PyTorch asks every process to destroy its groups before it exits: one left to interpreter shutdown, or torn
+    down while a peer still runs its last all-reduce, can abort in gloo's threads (a rank of our torchrun test died
+    once in CI with "terminate called without an active exception"). The CLI calls this after every run.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def shard_attention(layer: MultiHeadAttention, mesh: DeviceMesh) -> MultiHeadAttention:
     """Split one layer's heads over the mesh (in place): q/k/v by columns, W_O by rows."""
     check_world_size(mesh.size(), n_heads=layer.n_heads, n_kv_heads=layer.n_kv_heads)

@@ -175,7 +175,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
-        return int(args.run(args))
+        status = int(args.run(args))
+        if status == 0:
+            _leave_process_group()
+        return status
     except (CliError, MultiheadError) as err:
         print(error_line(name, err), file=sys.stderr)
         return 2
@@ -184,6 +187,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: files are whole or absent (multihead.files), so one line is all to say
         print("multihead: interrupted", file=sys.stderr)
         return 130
+
+
+def _leave_process_group() -> None:
+    """After a --tp run, leave the process group with every rank (see multihead.parallel.finish)."""
+    if "torch.distributed" in sys.modules:
+        from multihead import parallel
+
+        parallel.finish()
 
 
 def entry() -> NoReturn:
