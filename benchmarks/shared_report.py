@@ -15,7 +15,10 @@ threads) is reported beside it, never the combined one's.
 ``--choose-on`` names a run on cases disjoint from the evaluation's (``--split train --seed 1``): per share of full
 KV heads, the plan with the highest accuracy there over every task and length is the chosen one (ties: the higher
 mean answer log-likelihood), and the report says which. ``--kvpress`` adds kvpress's presses on the same cases
-(``benchmarks/kvpress_longctx.py compare_shared``).
+(``benchmarks/kvpress_longctx.py compare_shared``). ``--streaming`` sets a streaming-protocol run
+(``tradeoff --long --protocol streaming``: each method prefills through its own cache) beside the shared answers:
+per method of the same name, on the cases both answered, each protocol's correct count, how often they agree and
+McNemar's p of the difference.
 """
 
 from __future__ import annotations
@@ -70,11 +73,46 @@ def choose(folder: Path) -> dict[str, Any]:
     return {"folder": str(folder), "cases": len(records), "by_full_share": out}
 
 
+def streaming_beside(folder: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A streaming run's answers (``folder/results/<method>/<prompt id>.json``) beside the shared ``records``, by
+    method name, on the cases both answered."""
+    from multihead.tradeoff.longctx.stats import mcnemar
+
+    results = sorted((folder / "results").glob("*/*.json"))
+    if not results:
+        raise MultiheadError(f"{folder} holds no streaming-protocol answer (results/<method>/<case>.json)")
+    streamed: dict[str, dict[str, bool]] = {}
+    for path in results:
+        try:
+            answers = json.loads(path.read_text(encoding="utf-8"))
+            for a in answers:
+                streamed.setdefault(str(a["method"]), {})[str(a["id"])] = bool(a["correct"])
+        except (ValueError, TypeError, KeyError) as err:
+            raise MultiheadError(f"{path} is not a streaming run's answer list: {err}") from err
+    by_id = {r["id"]: r for r in records}
+    out: dict[str, Any] = {}
+    for name, answers in streamed.items():
+        ids = [i for i in answers if i in by_id and name in by_id[i]["methods"]]
+        if not ids:
+            continue
+        shared_ok = [bool(by_id[i]["methods"][name]["correct"]) for i in ids]
+        streaming_ok = [answers[i] for i in ids]
+        test = mcnemar(shared_ok, streaming_ok)
+        out[name] = {"cases": len(ids), "shared_correct": sum(shared_ok), "streaming_correct": sum(streaming_ok),
+                     "same": sum(a == b for a, b in zip(shared_ok, streaming_ok, strict=True)),
+                     "shared_only": test["reference_only"], "streaming_only": test["other_only"],
+                     "p_value": test["p_value"]}
+    if not out:
+        raise MultiheadError(f"{folder} shares no (method, case) with the shared runs")
+    return {"folder": str(folder), "methods": out}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", nargs="+", required=True, help="shared-prefill run folders on the same cases")
     p.add_argument("--choose-on", help="a run on cases disjoint from the evaluation's, to choose each share's plan")
     p.add_argument("--kvpress", nargs="*", default=[], help="kvpress_longctx.py results on the same cases")
+    p.add_argument("--streaming", help="a streaming-protocol run on the same cases, set beside the shared answers")
     p.add_argument("--out", required=True, help="the report's JSON (its table beside it as .txt)")
     args = p.parse_args(argv)
     try:
@@ -90,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
                       date=date.today().isoformat())
         if args.choose_on:
             result["choice"] = choose(Path(args.choose_on))
+        if args.streaming:
+            result["streaming"] = streaming_beside(Path(args.streaming), records)
         if args.kvpress:
             sys.path.insert(0, str(Path(__file__).parent))
             import kvpress_longctx as kv
@@ -117,7 +157,14 @@ def table(result: dict[str, Any]) -> str:
                      f"{run['threads_per_case']}, {t.get('cases_per_hour') or 0:,.0f} cases an hour "
                      f"(prefill {t.get('prefill_seconds_per_case') or 0:.1f} s a case)")
     for name, a in result["agreement"].items():
-        lines.append(f"{name}: the same answer in {a['same']} of {a['cases']} cases across runs")
+        lines.append(f"{name}: right or wrong alike in {a['same']} of {a['cases']} cases across runs (right in the "
+                     f"first run only: {a.get('first_only', '-')}, in another only: {a.get('other_only', '-')})")
+    if "streaming" in result:
+        lines.append(f"\nthe streaming protocol ({result['streaming']['folder']}: each method prefills through its "
+                     "own cache) beside the shared prefill, on the cases both answered")
+        for name, m in result["streaming"]["methods"].items():
+            lines.append(f"  {name:<46} {m['cases']:>4} cases  shared {m['shared_correct']:>4}  streaming "
+                         f"{m['streaming_correct']:>4}  alike {m['same']:>4}  McNemar p {m['p_value']:.2g}")
     for share, c in result.get("choice", {}).get("by_full_share", {}).items():
         ranking = ", ".join(f"{x['method']} {x['accuracy']:.1%}" for x in c["ranking"])
         lines.append(f"chosen at {float(share):.0%} full KV heads on {result['choice']['folder']}: {c['chosen']} "

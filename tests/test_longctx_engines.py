@@ -176,3 +176,16 @@ def test_a_hugging_face_folder_runs_both_protocols_on_transformers(tmp_path: Pat
         b = records[case]["methods"]["full cache"]
         assert (a["correct"], a["greedy_ids"]) == (b["correct"], b["greedy_ids"]), case
         assert a["answer_logprob"] == pytest.approx(b["answer_logprob"], abs=1e-3), case
+    # the report sets the streaming run beside the shared one: per method, the cases both answered and how alike
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import shared_report
+
+    beside = shared_report.streaming_beside(tmp_path / "streaming", list(records.values()))["methods"]
+    assert set(beside) == methods and all(m["cases"] == 4 for m in beside.values())
+    assert beside["full cache"]["same"] == 4 and beside["full cache"]["p_value"] == 1.0
+    for name, m in beside.items():
+        mine = [answers[k]["correct"] for k in answers if answers[k]["method"] == name]
+        assert m["streaming_correct"] == sum(mine) and m["shared_correct"] == sum(
+            r["methods"][name]["correct"] for r in records.values())
+    with pytest.raises(MultiheadError, match="holds no streaming-protocol answer"):
+        shared_report.streaming_beside(tmp_path / "shared", list(records.values()))

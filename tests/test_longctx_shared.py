@@ -188,7 +188,8 @@ def test_the_cli_runs_the_shared_protocol_resumes_it_and_refuses_other_settings(
     assert [m.name for m in methods] == ["full cache", "window 25%", "4 sinks + window 50%", "int4 (g4, r128)",
                                          "4 sinks + window 25%", "int8 (g4, r128)"]
     assert len(records) == 4 and all(set(r["methods"]) == {m.name for m in methods} for r in records)
-    assert agreement["full cache"] == {"cases": 4, "same": 4} and set(agreement) == {"full cache", "window 25%"}
+    assert agreement["full cache"] == {"cases": 4, "same": 4, "first_only": 0, "other_only": 0}
+    assert set(agreement) == {"full cache", "window 25%"}
     with pytest.raises(MultiheadError, match="does not exist"):
         shared.combine([tmp_path / "nowhere"])
     # cases to choose a plan on: the jargon haystacks from the text's training split, under another seed

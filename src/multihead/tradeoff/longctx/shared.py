@@ -358,7 +358,8 @@ def methods_of(folder: str | Path) -> list[Method]:
 def combine(folders: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[Method], dict[str, Any]]:
     """The cases every one of several shared-prefill runs answered (by id), each case's methods gathered from all
     of them: (records, methods, agreement). A method that two runs share (the full cache, say) keeps the first run's
-    answer; ``agreement`` says on how many cases the others gave the same one, by method."""
+    answer; ``agreement`` says, by method, on how many cases the others were right or wrong as the first run was
+    (``same``), right where it was wrong (``other_only``) and the reverse (``first_only``)."""
     runs = [(Path(f), finished(Path(f) / FILE), methods_of(f)) for f in folders]
     if not runs:
         raise MultiheadError("no run to combine")
@@ -373,9 +374,12 @@ def combine(folders: Sequence[str | Path]) -> tuple[list[dict[str, Any]], list[M
         for _, done, _ in runs[1:]:
             for name, answer in done[case]["methods"].items():
                 if name in record["methods"]:
-                    a = agreement.setdefault(name, {"cases": 0, "same": 0})
+                    first, other = bool(record["methods"][name]["correct"]), bool(answer["correct"])
+                    a = agreement.setdefault(name, {"cases": 0, "same": 0, "first_only": 0, "other_only": 0})
                     a["cases"] += 1
-                    a["same"] += int(bool(answer["correct"]) == bool(record["methods"][name]["correct"]))
+                    a["same"] += int(first == other)
+                    a["first_only"] += int(first and not other)
+                    a["other_only"] += int(other and not first)
                 else:
                     record["methods"][name] = answer
         records.append(record)
