@@ -5,6 +5,7 @@ methods that change the model are left out and said; `tradeoff --long --engine` 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -116,16 +117,18 @@ def test_smollm2_on_transformers_answers_as_the_port_on_the_same_cases(tmp_path:
     from multihead.tradeoff.longctx import shared
 
     plan = Path(__file__).parents[1] / "docs" / "experiments" / "smollm2-duo-50-plan.json"
+    procs = {engine: subprocess.Popen(  # the two engines side by side, one thread each
+        [sys.executable, "-m", "multihead", "tradeoff", "--long", "--protocol", "shared",
+         "--model", str(default_gguf_path()), "--engine", engine, "--lengths", "512",
+         "--tasks", "passkey,single-number", "--prompts", "1", "--keep", "0.5",
+         "--window-keep", "none", "--bits", "4", "--plan", str(plan), "--no-mqa",
+         "--out", str(tmp_path / engine), "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"}) for engine in ("ours", "transformers")}
     runs = {}
-    for engine in ("ours", "transformers"):
-        out = tmp_path / engine
-        done = subprocess.run([sys.executable, "-m", "multihead", "tradeoff", "--long", "--protocol", "shared",
-                               "--model", str(default_gguf_path()), "--engine", engine, "--lengths", "512",
-                               "--tasks", "passkey,single-number", "--prompts", "1", "--keep", "0.5",
-                               "--window-keep", "none", "--bits", "4", "--plan", str(plan), "--no-mqa",
-                               "--out", str(out), "--json"], capture_output=True, text=True, timeout=900)
-        assert done.returncode == 0, done.stderr[-3000:]
-        runs[engine] = shared.finished(out / shared.FILE)
+    for engine, proc in procs.items():
+        _, err = proc.communicate(timeout=900)
+        assert proc.returncode == 0, err[-3000:]
+        runs[engine] = shared.finished(tmp_path / engine / shared.FILE)
     mine, yours = runs["ours"], runs["transformers"]
     assert mine.keys() == yours.keys() and len(mine) == 2
     for case, record in mine.items():
