@@ -656,9 +656,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
         raise CaseError(f"{str(folder / 'result.json')!r} does not exist: give the --out folder of a finished "
                         "`multihead tradeoff --long` run")
     result = json.loads((folder / "result.json").read_text(encoding="utf-8"))
-    full = folder / "results" / "full-cache"
-    full_correct = {r["id"]: bool(r["correct"]) for f in sorted(full.glob("*.json"))
-                    for r in json.loads(f.read_text(encoding="utf-8"))}
+    from multihead.tradeoff.longctx.runner import saved_answers
+
+    full_correct = {r["id"]: bool(r["correct"]) for r in saved_answers(folder) if r["method"] == "full cache"}
     cmp = compare(read_results(args.out), result, {c.id: c for c in read_jsonl(folder / "cases.jsonl")},
                   full_correct)
     print(compare_table(cmp))

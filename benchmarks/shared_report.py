@@ -76,19 +76,12 @@ def choose(folder: Path) -> dict[str, Any]:
 def streaming_beside(folder: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
     """A streaming run's answers (``folder/results/<method>/<prompt id>.json``) beside the shared ``records``, by
     method name, on the cases both answered."""
+    from multihead.tradeoff.longctx.runner import saved_answers
     from multihead.tradeoff.longctx.stats import mcnemar
 
-    results = sorted((folder / "results").glob("*/*.json"))
-    if not results:
-        raise MultiheadError(f"{folder} holds no streaming-protocol answer (results/<method>/<case>.json)")
     streamed: dict[str, dict[str, bool]] = {}
-    for path in results:
-        try:
-            answers = json.loads(path.read_text(encoding="utf-8"))
-            for a in answers:
-                streamed.setdefault(str(a["method"]), {})[str(a["id"])] = bool(a["correct"])
-        except (ValueError, TypeError, KeyError) as err:
-            raise MultiheadError(f"{path} is not a streaming run's answer list: {err}") from err
+    for a in saved_answers(folder):
+        streamed.setdefault(str(a["method"]), {})[str(a["id"])] = bool(a["correct"])
     by_id = {r["id"]: r for r in records}
     out: dict[str, Any] = {}
     for name, answers in streamed.items():

@@ -56,12 +56,17 @@ done
 COMMON=(tradeoff --long --protocol shared --tasks passkey,single-number --haystacks jargon,filler --no-mqa)
 METHODS=(--bits 8,4 --keep 0.5,0.25 --window-keep none)  # with PLANS: the methods issue 39 names
 
-step() {
+logged() {  # NAME COMMAND...: the command's output in $ROOT/NAME.log, its last lines shown, a failure said
   local name="$1"; shift
   echo "== $name: $(date -u +%FT%TZ)"
-  "$MH" "${COMMON[@]}" --out "$ROOT/$name" "$@" > "$ROOT/$name.log" 2>&1 || {
+  "$@" > "$ROOT/$name.log" 2>&1 || {
     echo "$name failed: the end of $ROOT/$name.log:"; tail -5 "$ROOT/$name.log"; exit 1; }
   tail -3 "$ROOT/$name.log"
+}
+
+step() {  # NAME FLAGS...: a shared-prefill run into $ROOT/NAME
+  local name="$1"; shift
+  logged "$name" "$MH" "${COMMON[@]}" --out "$ROOT/$name" "$@"
 }
 
 chosen_plan() {  # the plan train-4k chose at 50% of KV heads full (shared_report.choose)
@@ -105,20 +110,13 @@ for s in "${steps[@]}"; do
                 --keep 0.5 --window-keep none --plan "$best" ;;
     fp32-4k)  step fp32-4k --lengths 4096 --split test --seed 0 --prompts "$FP32" --dtype fp32 --bits 4 --keep 0.5 \
                 --window-keep none ;;
-    stream-4k) echo "== stream-4k: $(date -u +%FT%TZ)"
-               "$MH" tradeoff --long --protocol streaming --tasks passkey,single-number --haystacks jargon,filler \
-                 --lengths 4096 --seed 0 --prompts "$STREAM" --bits 4 --keep 0.5 --window-keep none --no-mqa \
-                 --prune none --threshold 0 --plan docs/experiments/smollm2-duo-50-plan.json \
-                 --out "$ROOT/stream-4k" > "$ROOT/stream-4k.log" 2>&1 || {
-                 echo "stream-4k failed: the end of $ROOT/stream-4k.log:"; tail -5 "$ROOT/stream-4k.log"; exit 1; }
-               tail -3 "$ROOT/stream-4k.log" ;;
+    stream-4k) logged stream-4k "$MH" tradeoff --long --protocol streaming --tasks passkey,single-number \
+                 --haystacks jargon,filler --lengths 4096 --seed 0 --prompts "$STREAM" --bits 4 --keep 0.5 \
+                 --window-keep none --no-mqa --prune none --threshold 0 \
+                 --plan docs/experiments/smollm2-duo-50-plan.json --out "$ROOT/stream-4k" ;;
     kvpress-4k) kvpress_step ;;
-    duo-gates) echo "== duo-gates: $(date -u +%FT%TZ)"
-               "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 --window 256 \
-                 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" > "$ROOT/duo-gates-1024.log" 2>&1 || {
-                 echo "duo-gates failed: the end of $ROOT/duo-gates-1024.log:"; tail -5 "$ROOT/duo-gates-1024.log"
-                 exit 1; }
-               tail -3 "$ROOT/duo-gates-1024.log" ;;
+    duo-gates) logged duo-gates-1024 "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 \
+                 --window 256 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" ;;
     *) echo "unknown step $s: choose from train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates" >&2; exit 2 ;;
   esac
 done

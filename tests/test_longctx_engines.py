@@ -192,3 +192,7 @@ def test_a_hugging_face_folder_runs_both_protocols_on_transformers(tmp_path: Pat
             r["methods"][name]["correct"] for r in records.values())
     with pytest.raises(MultiheadError, match="holds no streaming-protocol answer"):
         shared_report.streaming_beside(tmp_path / "shared", list(records.values()))
+    broken = next((tmp_path / "streaming" / "results").glob("*/*.json"))
+    broken.write_text('[{"id": "x"}]')
+    with pytest.raises(MultiheadError, match=r"is not a streaming run's answer list \(records with id, method"):
+        shared_report.streaming_beside(tmp_path / "streaming", list(records.values()))

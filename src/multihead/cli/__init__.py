@@ -176,8 +176,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             parser.print_help()
             return 2
         status = int(args.run(args))
-        if status == 0:
-            _leave_process_group()
+        if status == 0 and getattr(args, "tp_processes", False) and args.tp > 1:  # ranks leave their group together
+            from multihead import parallel
+
+            parallel.finish()
         return status
     except (CliError, MultiheadError) as err:
         print(error_line(name, err), file=sys.stderr)
@@ -187,14 +189,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:  # Ctrl-C: files are whole or absent (multihead.files), so one line is all to say
         print("multihead: interrupted", file=sys.stderr)
         return 130
-
-
-def _leave_process_group() -> None:
-    """After a --tp run, leave the process group with every rank (see multihead.parallel.finish)."""
-    if "torch.distributed" in sys.modules:
-        from multihead import parallel
-
-        parallel.finish()
 
 
 def entry() -> NoReturn:

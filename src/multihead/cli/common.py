@@ -14,6 +14,7 @@ from multihead.cli.model import TP_HELP
 def add_tp(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tp", type=POSITIVE, default=1, metavar="N",
                    help=f"{TP_HELP} (default 1); here run for real: start under torchrun --nproc-per-node N")
+    p.set_defaults(tp_processes=True)  # --tp here is processes (count's and compare's --tp sizes devices)
 
 
 def add_json(p: argparse.ArgumentParser, what: str = "print one JSON object") -> None:

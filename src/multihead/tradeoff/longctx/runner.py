@@ -56,6 +56,23 @@ def _read_json(path: Path) -> Any:
         return None  # absent or unreadable: measured again
 
 
+def saved_answers(folder: str | Path) -> list[dict[str, Any]]:
+    """Every answer a streaming-protocol run saved under ``folder`` (``results/<method>/<prompt id>.json``, one
+    record a case with its ``id``, ``method`` and ``correct``), for reports beside other runs; a folder with none, or
+    a file that is not such a list, is refused naming it."""
+    files = sorted((Path(folder) / "results").glob("*/*.json"))
+    if not files:
+        raise MultiheadError(f"{folder} holds no streaming-protocol answer (results/<method>/<case>.json)")
+    out: list[dict[str, Any]] = []
+    for path in files:
+        got = _read_json(path)
+        if not (isinstance(got, list) and all(isinstance(r, dict) and {"id", "method", "correct"} <= r.keys()
+                                              for r in got)):
+            raise MultiheadError(f"{path} is not a streaming run's answer list (records with id, method, correct)")
+        out += got
+    return out
+
+
 def _prompts(cases: Sequence[Case]) -> Iterator[list[Case]]:
     by: dict[tuple[int, str, str], list[Case]] = {}
     for c in cases:
@@ -320,4 +337,4 @@ def _row(method: Method, model: Any, results: Sequence[dict[str, Any]], ppl: dic
     return row
 
 
-__all__ = ["build_cases", "run"]
+__all__ = ["build_cases", "run", "saved_answers"]
