@@ -143,13 +143,36 @@ def test_auto_dispatch_explains_its_choice() -> None:
     plain = build_mask(batch=1, n_heads=4, s=512, t=512, causal=True)
     short = build_mask(batch=1, n_heads=4, s=16, t=16, causal=True, window=4)
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    q = k = torch.zeros(1, 4, 512, 8)
 
-    def call(spec: MaskSpec, dropout_p: float = 0.0) -> AttentionCall:
-        return AttentionCall(q, DenseKV(k, k), spec, scale=1.0, dropout_p=dropout_p)
+    def call(spec: MaskSpec, dropout_p: float = 0.0, head_dim: int = 16, **kw: object) -> AttentionCall:
+        x = torch.zeros(1, 4, 512, head_dim)
+        return AttentionCall(x, DenseKV(x, x), spec, scale=1.0, dropout_p=dropout_p, **kw)  # type: ignore[arg-type]
 
     plan = resolve_backend(call(window), device=cuda)
     assert plan.backend == "flex" and "sliding window 64" in plan.reason
+    # heads under 16 wide: flex attention's GPU kernel refuses them (seen on an H200, torch 2.11), so SDPA takes the
+    # mask, the math path the softcap, and an explicit 'flex' is refused naming the width
+    plan = resolve_backend(call(window, head_dim=8), device=cuda)
+    assert plan.backend == "sdpa" and "needs head_dim >= 16 (this is 8)" in plan.reason
+    assert resolve_backend(call(window, softcap=30.0), device=cuda).backend == "flex"
+    plan = resolve_backend(call(window, head_dim=8, softcap=30.0), device=cuda)
+    assert plan.backend == "math" and "needs head_dim >= 16 (this is 8)" in plan.reason
+    with pytest.raises(MultiheadError, match=r"backend 'flex': flex attention's GPU kernel needs head_dim >= 16 "
+                                             r"\(this is 8\)"):
+        resolve_backend(call(window, head_dim=8, backend="flex"), device=cuda)
+    assert resolve_backend(call(window, head_dim=8), device=cpu).backend == "sdpa"
+    # grouped heads, fewer queries than a block but more rows than one (48 x 4 = 192): no decoding kernel on the GPU
+    short_q = build_mask(batch=1, n_heads=8, s=48, t=48, causal=True)
+    q8, k2 = torch.zeros(1, 8, 48, 16), torch.zeros(1, 2, 48, 16)
+    capped = AttentionCall(q8, DenseKV(k2, k2), short_q, scale=1.0, softcap=30.0)
+    plan = resolve_backend(capped, device=cuda)
+    assert plan.backend == "math" and "no block for 48 queries x 4 query heads a KV head (192 rows" in plan.reason
+    with pytest.raises(MultiheadError, match="decoding kernel has no block for 48 queries x 4"):
+        resolve_backend(AttentionCall(q8, DenseKV(k2, k2), short_q, scale=1.0, backend="flex"), device=cuda)
+    one = build_mask(batch=1, n_heads=8, s=1, t=48, causal=True)  # a decode step's 4 rows fit a block
+    step = AttentionCall(q8[:, :, :1], DenseKV(k2, k2), one, scale=1.0, softcap=30.0)
+    assert resolve_backend(step, device=cuda).backend == "flex"
+    assert resolve_backend(capped, device=cpu).backend == "math"  # the CPU's own reason, not the GPU's
     assert resolve_backend(call(plain), device=cuda).backend == "sdpa"  # SDPA's causal flag
     assert resolve_backend(call(short), device=cuda).backend == "sdpa"  # under one block
     assert resolve_backend(call(window, 0.1), device=cuda).backend == "sdpa"
@@ -187,3 +210,25 @@ def test_bad_documents_are_named(kwargs: dict, message: str) -> None:
     context = kwargs.pop("context", None)
     with pytest.raises(MultiheadError, match=message):
         layer(x, context, **kwargs)
+
+
+def test_a_kernel_that_does_not_compile_is_refused_naming_the_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the H200 showed: inductor's lowering error is long and names no layer; the error says the inputs."""
+    from torch._inductor.exc import InductorError
+
+    def fails(*args: object, **kwargs: object) -> torch.Tensor:
+        raise InductorError(NotImplementedError("NYI: embedding dimension must be at least 16 but got E=8"), None)
+
+    monkeypatch.setattr(flex, "_kernel", lambda: fails)
+    q, k = torch.zeros(1, 4, 8, 8), torch.zeros(1, 2, 8, 8)
+    spec = build_mask(batch=1, n_heads=4, s=8, t=8, causal=True)
+    with pytest.raises(MultiheadError, match=r"flex attention did not compile for q \(1, 4, 8, 8\), k/v "
+                                             r"\(1, 2, 8, 8\) torch.float32 on cpu \(InductorError: .*NYI: embedding"):
+        flex.flex_attention(q, k, k, spec, scale=1.0)
+
+    def broken(*args: object, **kwargs: object) -> torch.Tensor:
+        raise ValueError("not the compiler's")
+
+    monkeypatch.setattr(flex, "_kernel", lambda: broken)  # anything else passes through as it was raised
+    with pytest.raises(ValueError, match="not the compiler's"):
+        flex.flex_attention(q, k, k, spec, scale=1.0)

@@ -8,6 +8,8 @@ For every backend and dtype on the chosen device:
 - ``empty rows``: a query with no allowed key gives zeros, no NaN, and finite gradients;
 - ``cache``: decoding token by token with a KVCache equals the uncached forward;
 - ``deterministic``: 50 reruns are bitwise equal under ``torch.use_deterministic_algorithms(True)``.
+
+Every case has heads 16 wide: flex attention's GPU kernel takes none narrower (:func:`multihead.flex.unsupported`).
 """
 
 from __future__ import annotations
@@ -65,15 +67,18 @@ def two_x_rule(err: float, plain: float, scale: float, dtype: torch.dtype) -> bo
     return err <= 2 * plain + torch.finfo(dtype).eps * scale / 8
 
 
+S_2X = 128  # one flex block: grouped heads over fewer queries than a block can find no GPU kernel (flex.unsupported)
+
+
 def _case(backend: str, dtype: torch.dtype, device: str, n_kv_heads: int, masking: str
           ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(oracle, layer, plain math) outputs for one case of the 2x rule."""
     torch.manual_seed(0)
     layer = MultiHeadAttention(d_model=128, n_heads=8, n_kv_heads=n_kv_heads, device=device, dtype=dtype)
-    x = torch.randn(2, 48, 128, device=device, dtype=dtype)
+    x = torch.randn(2, S_2X, 128, device=device, dtype=dtype)
     keep = None
     if masking == "bool":
-        keep = (torch.rand(48, 48, device=device) < 0.8) | torch.eye(48, dtype=torch.bool, device=device)
+        keep = (torch.rand(S_2X, S_2X, device=device) < 0.8) | torch.eye(S_2X, dtype=torch.bool, device=device)
     causal = masking == "causal"
     want, _ = multihead_attention(layer.config, Weights.of(layer), x.double().cpu().numpy(),
                                   mask=None if keep is None else keep.cpu().numpy(), causal=causal)
@@ -99,9 +104,9 @@ def _two_x(backend: str, dtype: torch.dtype, device: str) -> tuple[bool, str]:
 
 
 def _empty_rows(backend: str, dtype: torch.dtype, device: str) -> tuple[bool, str]:
-    layer = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2, device=device, dtype=dtype)
+    layer = MultiHeadAttention(d_model=64, n_heads=4, n_kv_heads=2, device=device, dtype=dtype)
     backward = not (backend == "flex" and device == "cpu")  # PyTorch's flex attention has no CPU backward
-    x = torch.randn(2, 6, 32, device=device, dtype=dtype, requires_grad=backward)
+    x = torch.randn(2, 6, 64, device=device, dtype=dtype, requires_grad=backward)
     keep = torch.rand(2, 1, 6, 6, device=device) < 0.5
     keep[:, :, 3] = False
     with torch.set_grad_enabled(backward):
@@ -117,11 +122,11 @@ def _empty_rows(backend: str, dtype: torch.dtype, device: str) -> tuple[bool, st
 
 def _cache(backend: str, dtype: torch.dtype, device: str) -> tuple[bool, str]:
     torch.manual_seed(0)
-    layer = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2, rope=10000.0, device=device, dtype=dtype).eval()
-    x = torch.randn(2, 10, 32, device=device, dtype=dtype)
+    layer = MultiHeadAttention(d_model=64, n_heads=4, n_kv_heads=2, rope=10000.0, device=device, dtype=dtype).eval()
+    x = torch.randn(2, 10, 64, device=device, dtype=dtype)
     with torch.no_grad():
         full = layer(x, causal=True, backend=backend)
-        cache = KVCache(batch=2, n_kv_heads=2, head_dim=8, max_len=10, dtype=dtype, device=device)
+        cache = KVCache(batch=2, n_kv_heads=2, head_dim=16, max_len=10, dtype=dtype, device=device)
         steps = [layer(x[:, :4], causal=True, cache=cache.layer(0), backend=backend)]
         cache.advance(4)
         for i in range(4, 10):
@@ -134,8 +139,8 @@ def _cache(backend: str, dtype: torch.dtype, device: str) -> tuple[bool, str]:
 
 def _deterministic(backend: str, dtype: torch.dtype, device: str) -> tuple[bool, str]:
     torch.manual_seed(0)
-    layer = MultiHeadAttention(d_model=64, n_heads=8, n_kv_heads=2, device=device, dtype=dtype)
-    x = torch.randn(2, 32, 64, device=device, dtype=dtype)
+    layer = MultiHeadAttention(d_model=128, n_heads=8, n_kv_heads=2, device=device, dtype=dtype)
+    x = torch.randn(2, 32, 128, device=device, dtype=dtype)
     before = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:

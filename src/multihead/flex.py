@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from multihead.errors import MultiheadError
 from multihead.masks import MaskSpec
 
 BLOCK = 128  # flex attention's default block size (queries x keys)
@@ -38,6 +39,29 @@ def available() -> bool:
     except ImportError:
         return False
     return True
+
+
+GPU_MIN_HEAD_DIM = 16  # flex attention's GPU kernel: "embedding dimension ... must be at least 16" (torch 2.11, H200)
+
+
+def unsupported(head_dim: int, queries: int, group: int, device: torch.device) -> str | None:
+    """Why flex attention's kernel cannot take ``queries`` queries of heads ``head_dim`` wide, ``group`` query heads a
+    KV head, on ``device``; None when it can. Both refusals were seen on an H200 (torch 2.11, benchmarks/gpu_flex.py):
+
+    - heads under 16 wide: the GPU kernel's lowering says "must be at least 16";
+    - grouped heads with fewer queries than a block (128) but more than a block's rows over the group: inductor's
+      decoding kernel then asks for a block of next_power_of_2(queries x group) rows, which the 128-row mask block
+      does not divide, and is left with no kernel ("NoValidChoicesError"; torch/_inductor/kernel/flex/
+      flex_decoding.py). 48 queries, 4 a KV head failed; 1-4 queries and 256 ran.
+    """
+    if device.type != "cuda":
+        return None
+    if head_dim < GPU_MIN_HEAD_DIM:
+        return f"flex attention's GPU kernel needs head_dim >= {GPU_MIN_HEAD_DIM} (this is {head_dim})"
+    if group > 1 and queries < BLOCK and queries * group > BLOCK:
+        return (f"flex attention's GPU decoding kernel has no block for {queries} queries x {group} query heads a KV "
+                f"head ({queries * group} rows over one {BLOCK}-row block)")
+    return None
 
 
 def _full(x: Tensor, b: int, h: int, s: int, t: int) -> Tensor:
@@ -198,8 +222,16 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: fl
         return out
     # torch.compile's default of 8 kernels per function would silently fall back to flex attention's eager path,
     # which materialises the (s, t) scores: allow many more, and fail loudly past them
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
-        out = kernel(q, k, v, **args)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT, fail_on_recompile_limit_hit=True):
+            out = kernel(q, k, v, **args)
+    except Exception as e:  # a compiler's failure, said with the inputs that caused it
+        if not type(e).__module__.startswith(("torch._dynamo", "torch._inductor")):
+            raise
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise MultiheadError(
+            f"flex attention did not compile for q {tuple(q.shape)}, k/v {tuple(k.shape)} {q.dtype} on {q.device} "
+            f"({type(e).__name__}: {first[:300]}); backend 'sdpa' takes these inputs") from e
     return out
 
 

@@ -317,9 +317,17 @@ def _check_flex(call: AttentionCall, device: torch.device) -> None:
         raise MultiheadError(f"backend 'flex' has no dropout (dropout_p {call.dropout_p}): use 'sdpa', or eval()")
     if not flex.available():
         raise MultiheadError(f"backend 'flex' needs torch >= 2.5 with flex attention (this is {torch.__version__})")
+    if (why := _no_flex(call, device)) is not None:
+        raise MultiheadError(f"backend 'flex': {why}; use 'sdpa', 'math' or 'auto'")
     if call.needs_grad and device.type == "cpu":
         raise MultiheadError("backend 'flex' has no backward on the CPU (PyTorch's flex attention): run under "
                              "torch.no_grad() or choose backend 'sdpa' for training on the CPU")
+
+
+def _no_flex(call: AttentionCall, device: torch.device) -> str | None:
+    """Why flex attention's kernel cannot take this call's shapes on ``device`` (:func:`multihead.flex.unsupported`)."""
+    _, h, s, d = call.q.shape
+    return flex.unsupported(d, s, h // call.kv.n_kv_heads, device)
 
 
 def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
@@ -329,11 +337,12 @@ def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
         return "math", (f"the {spec.s} query heads of one decode step run as the rows of their one KV head: two "
                         "matrix products (the math path) beat the fused kernels there, 1.2-3x on an H200 and a 2-core "
                         "CPU (benchmarks/mla_decode.py)")
+    no_flex = _no_flex(call, device)
     if call.softcap is not None:
-        if device.type == "cuda" and flex.available() and dropout_p == 0.0:
+        if device.type == "cuda" and flex.available() and dropout_p == 0.0 and no_flex is None:
             return "flex", "scores are capped (softcap): flex attention applies it in its score_mod"
         return "math", ("scores are capped (softcap), which SDPA cannot do; the math path applies it (flex attention "
-                        "would, on a GPU without dropout)")
+                        f"would, on a GPU without dropout{'' if no_flex is None else ', but ' + no_flex})")
     found = structure(spec)
     if found is None:
         return "sdpa", "fused SDPA is the default"
@@ -346,6 +355,8 @@ def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
         return "sdpa", f"the mask has structure ({found}) but {spec.s} queries are fewer than one block"
     if not flex.available():
         return "sdpa", f"the mask has structure ({found}) but this torch has no flex attention"
+    if no_flex is not None:
+        return "sdpa", f"the mask has structure ({found}) but {no_flex}"
     return "flex", f"the mask has structure ({found}): flex attention skips the masked blocks, no dense mask"
 
 
@@ -739,7 +750,8 @@ def _sdpa_details(call: AttentionCall, plan: Dispatch, kernel: str) -> str:
             "; the mask is passed as a dense tensor, which keeps some fused kernels out"
             + (" (causal with s != t or a window has no flag in SDPA)" if spec.causal else "")
         )
-        if structure(spec) is not None and flex.available() and spec.s >= flex.BLOCK:
+        if (structure(spec) is not None and flex.available() and spec.s >= flex.BLOCK
+                and flex.unsupported(q.shape[-1], q.shape[2], q.shape[1] // k.shape[1], q.device) is None):
             reason += (f"; flex attention would skip {flex.sparsity(spec, q.device):.0%} of the 128 x 128 blocks "
                        "(see benchmarks/RESULTS.md for when that pays on the CPU)")
     if kernel == "math":
