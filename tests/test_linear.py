@@ -221,3 +221,53 @@ def test_under_compile_blas_becomes_the_tables_compiled_choice_and_the_rest_is_k
     assert cpu.product_kind(shapes["blas, native next"], kinds, native_default=False) == "native"
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: False)
     assert cpu.product_kind(shapes["blas, native next"], kinds, native_default=False) == "blas"  # eager: blas
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_upcast_product_is_the_float64_product_rounded_once(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
+    """A prefill's bfloat16 product in float32, block by block (blocks of 7 rows of W here, 200 rows: the last block
+    short): within one bfloat16 rounding of the float64 product of the same values, as F.linear in bfloat16 is."""
+    from multihead.linear import upcast
+
+    monkeypatch.setattr(cpu, "UPCAST_BLOCK", 7 * 96)
+    torch.manual_seed(0)
+    x = torch.randn(2, 40, 96).bfloat16()
+    w, b = torch.randn(200, 96).bfloat16(), torch.randn(200).bfloat16() if bias else None
+    want = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = upcast(x, w, b)
+    assert got.dtype == torch.bfloat16 and got.shape == (2, 40, 200)
+    ulp = want.abs() * 2.0**-8  # half a bfloat16 step at each value, and a float32 sum's error
+    assert bool(((got.double() - want).abs() <= ulp + 1e-4).all())
+    assert torch.equal(got, F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16())
+
+
+def test_upcast_runs_for_a_prefills_bfloat16_rows_on_a_cpu_without_bfloat16_instructions(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    w = torch.zeros(192, 384, dtype=torch.bfloat16)
+    many, few = torch.zeros(MAX_ROWS + 1, 384, dtype=torch.bfloat16), torch.zeros(MAX_ROWS, 384, dtype=torch.bfloat16)
+    for flags, expected in ((frozenset({"sse2", "avx512f"}), True), (frozenset({"sse2", "avx512_bf16"}), False),
+                            (frozenset({"sse2", "amx_bf16"}), False), (frozenset(), False)):
+        monkeypatch.setattr(cpu, "no_bf16_matmul", lambda flags=flags: "sse2" in flags and not {
+            "avx512_bf16", "amx_bf16"} & flags)
+        assert cpu.upcast_product(MAX_ROWS + 1, w, many) is expected, flags
+        assert not cpu.upcast_product(MAX_ROWS, w, few)  # a decode step's rows: the split's kinds
+    monkeypatch.setattr(cpu, "no_bf16_matmul", lambda: True)
+    assert not cpu.upcast_product(MAX_ROWS + 1, w.float(), many.float())  # float32 is F.linear's already
+    with cpu.disabled():
+        assert not cpu.upcast_product(MAX_ROWS + 1, w, many)
+    grad = w.clone().requires_grad_()
+    assert not cpu.upcast_product(MAX_ROWS + 1, grad, many)  # training: PyTorch's own product and its backward
+    layer = Linear(384, 192, bias=False).bfloat16()
+    with torch.no_grad(), aten_ops() as ops:
+        layer(many)
+    assert "mm.default" in ops.names and "_to_copy.default" not in ops.names  # a watching mode sees F.linear
+    with torch.no_grad():
+        got = layer(many)
+    torch.testing.assert_close(got, F.linear(many.float(), layer.weight.float()).bfloat16(), atol=0, rtol=0)
+
+
+def test_this_cpus_flags_decide_the_upcast() -> None:
+    from multihead import native
+
+    flags = native.cpu_flags()
+    assert cpu.no_bf16_matmul() is ("sse2" in flags and not {"avx512_bf16", "amx_bf16"} & flags)

@@ -12,7 +12,9 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
   which kernel runs and how);
 - :func:`native_decode_attention`: a decode step attends in a native kernel that reads each KV head once;
 - :func:`native_quantized_decode`: a decode step over a 4- or 8-bit cache attends over the codes in a native kernel;
-- :func:`fused_low_precision_norm`: a bfloat16/float16 RMSNorm as PyTorch's ``F.rms_norm``.
+- :func:`fused_low_precision_norm`: a bfloat16/float16 RMSNorm as PyTorch's ``F.rms_norm``;
+- :func:`upcast_product`: a many-row bfloat16 product (a prefill's) computed in float32 on an x86 CPU without
+  bfloat16 instructions, where PyTorch's bfloat16 matmul runs at a third of float32's speed.
 
 **Decisions are data.** Where the answer depends on the host (which kind of product is fastest for a shape, whether
 the fold or the native attention pays at a length), it is a look-up in the host's tuning table: a JSON file under
@@ -60,6 +62,8 @@ _enabled = True
 SPLIT_MAX_ROWS = 64
 SPLIT_MIN_WEIGHT = 65536
 SPLIT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# upcast product: more rows than the split takes; at most this many float32 elements of the weight converted at once
+UPCAST_BLOCK = 1 << 21
 
 
 def enabled() -> bool:
@@ -580,3 +584,40 @@ def fused_low_precision_norm(x: Tensor) -> bool:
     bfloat16 (1, 1, 576), one process, alternating: 17-18 us against 22-37 us; over 1,000 rows of size ~3 the
     largest relative error to the float64 formula 0.0039 against 0.0076."""
     return _enabled and x.is_cpu
+
+
+def _no_bf16_matmul() -> bool:
+    from multihead import native
+
+    flags = native.cpu_flags()
+    return "sse2" in flags and not {"avx512_bf16", "amx_bf16"} & flags  # an x86 CPU that /proc/cpuinfo describes
+
+
+# Whether this CPU is an x86 one without bfloat16 instructions (AVX512-BF16, AMX): read once a process, a constant
+# under torch.compile.
+no_bf16_matmul: Callable[[], bool] = torch.compiler.assume_constant_result(_no_bf16_matmul)
+
+
+def upcast_product(rows: int, weight: Tensor, x: Tensor) -> bool:
+    """Whether ``x @ weight.T`` in bfloat16 runs in float32 (the weight converted block by block, the output rounded
+    to bfloat16 once; :func:`multihead.linear.upcast`): more rows than :data:`SPLIT_MAX_ROWS` (a prefill, not a
+    decode step), inference, on an x86 CPU without AVX512-BF16 or AMX. There PyTorch's bfloat16 matmul (oneDNN)
+    has no bfloat16 instruction to use. Measured on such a 2-core Xeon (AVX-512, 2 threads, 2026-12-04), 1536 x 576:
+    64 rows 2.15 ms bfloat16 / 1.26 upcast, 512 rows 17.4 / 5.4, 4,096 rows 121.7 / 33.8. oneDNN's bfloat16 product
+    also sums in float32 and rounds once, so the two differ only in the order of the sums."""
+    if (
+        not _enabled
+        or rows <= SPLIT_MAX_ROWS
+        or weight.dtype != torch.bfloat16
+        or x.dtype != torch.bfloat16
+        or not x.is_cpu
+        or not weight.is_cpu
+        or type(weight) not in (Tensor, torch.nn.Parameter)
+        or type(x) is not Tensor
+        or weight.ndim != 2
+        or weight.shape[1] != x.shape[-1]
+        or (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+        or (not torch.compiler.is_compiling() and in_a_mode())
+    ):
+        return False
+    return no_bf16_matmul()

@@ -17,6 +17,9 @@ tuning table, :mod:`multihead.tuning`, or the rule beside it; never a timing):
 - "native" (one bfloat16 row, inference): :func:`multihead.native.gemv_bf16`, a C kernel built on first use that
   reads the weight at the memory's speed (AVX512-BF16 products, software prefetch); offered only where it built.
 
+A prefill's many-row bfloat16 product runs in float32 on x86 CPUs without bfloat16 instructions (:func:`upcast`,
+decided by :func:`multihead.cpu.upcast_product`): about 3x faster there.
+
 Same weights, same parameters and state_dict, no copy of W; the kinds differ at the last bits of the dtype's
 rounding (the same sums in another order), and a shape always runs the same kind in a process. Measured on the
 2-core machine of benchmarks/RESULTS.md (SmolLM2-135M greedy decoding, decode.py, one process, alternating,
@@ -52,6 +55,8 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     where :func:`multihead.cpu.split_product` lets it choose (few rows on the CPU)."""
     in_features = x.shape[-1] if x.ndim else 0
     rows = x.numel() // in_features if in_features else 0
+    if cpu.upcast_product(rows, weight, x):
+        return upcast(x, weight, bias)
     n = cpu.split_product(rows, weight, x)
     if n == 1:
         return F.linear(x, weight, bias)
@@ -59,6 +64,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     kind = cpu.product_kind((weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads()), allowed,
                             native_default=rows == 1 and "native" in allowed)
     return run(kind, x, weight, bias, n, cpu.product_in_one_thread(n, weight))
+
+
+def upcast(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """``F.linear(x, weight, bias)`` of low-precision tensors computed in float32 and rounded to x's dtype once
+    (:func:`multihead.cpu.upcast_product` decides where): the weight converted :data:`multihead.cpu.UPCAST_BLOCK`
+    elements at a time, each block's output written into the result, so the float32 copies stay small."""
+    x32 = x.float()
+    out = x.new_empty(*x.shape[:-1], weight.shape[0])
+    step = max(1, cpu.UPCAST_BLOCK // max(1, weight.shape[1]))
+    for i in range(0, weight.shape[0], step):
+        b = None if bias is None else bias[i:i + step].float()
+        out[..., i:i + step] = F.linear(x32, weight[i:i + step].float(), b)
+    return out
 
 
 def run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, one: bool = False) -> Tensor:
