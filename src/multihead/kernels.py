@@ -337,8 +337,8 @@ def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
         return "math", (f"the {spec.s} query heads of one decode step run as the rows of their one KV head: two "
                         "matrix products (the math path) beat the fused kernels there, 1.2-3x on an H200 and a 2-core "
                         "CPU (benchmarks/mla_decode.py)")
-    no_flex = _no_flex(call, device)
     if call.softcap is not None:
+        no_flex = _no_flex(call, device)
         if device.type == "cuda" and flex.available() and dropout_p == 0.0 and no_flex is None:
             return "flex", "scores are capped (softcap): flex attention applies it in its score_mod"
         return "math", ("scores are capped (softcap), which SDPA cannot do; the math path applies it (flex attention "
@@ -355,7 +355,7 @@ def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
         return "sdpa", f"the mask has structure ({found}) but {spec.s} queries are fewer than one block"
     if not flex.available():
         return "sdpa", f"the mask has structure ({found}) but this torch has no flex attention"
-    if no_flex is not None:
+    if (no_flex := _no_flex(call, device)) is not None:
         return "sdpa", f"the mask has structure ({found}) but {no_flex}"
     return "flex", f"the mask has structure ({found}): flex attention skips the masked blocks, no dense mask"
 
