@@ -271,3 +271,12 @@ def test_this_cpus_flags_decide_the_upcast() -> None:
 
     flags = native.cpu_flags()
     assert cpu.no_bf16_matmul() is ("sse2" in flags and not {"avx512_bf16", "amx_bf16"} & flags)
+
+
+def test_the_cpu_flags_are_read_once_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multihead import native
+
+    reads = []
+    monkeypatch.setattr(native, "cpu_flags", lambda: reads.append(1) or frozenset({"sse2", "avx512f"}))
+    monkeypatch.setattr(cpu, "_no_bf16", [])
+    assert all(cpu._no_bf16_matmul() for _ in range(5)) and len(reads) == 1

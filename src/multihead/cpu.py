@@ -586,11 +586,16 @@ def fused_low_precision_norm(x: Tensor) -> bool:
     return _enabled and x.is_cpu
 
 
-def _no_bf16_matmul() -> bool:
-    from multihead import native
+_no_bf16: list[bool] = []  # the answer, once /proc/cpuinfo has been read
 
-    flags = native.cpu_flags()
-    return "sse2" in flags and not {"avx512_bf16", "amx_bf16"} & flags  # an x86 CPU that /proc/cpuinfo describes
+
+def _no_bf16_matmul() -> bool:
+    if not _no_bf16:  # read /proc/cpuinfo once a process, not once a product
+        from multihead import native
+
+        flags = native.cpu_flags()
+        _no_bf16.append("sse2" in flags and not {"avx512_bf16", "amx_bf16"} & flags)  # an x86 CPU it describes
+    return _no_bf16[0]
 
 
 # Whether this CPU is an x86 one without bfloat16 instructions (AVX512-BF16, AMX): read once a process, a constant

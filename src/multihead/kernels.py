@@ -751,7 +751,7 @@ def _sdpa_details(call: AttentionCall, plan: Dispatch, kernel: str) -> str:
             + (" (causal with s != t or a window has no flag in SDPA)" if spec.causal else "")
         )
         if (structure(spec) is not None and flex.available() and spec.s >= flex.BLOCK
-                and flex.unsupported(q.shape[-1], q.shape[2], q.shape[1] // k.shape[1], q.device) is None):
+                and _no_flex(call, q.device) is None):
             reason += (f"; flex attention would skip {flex.sparsity(spec, q.device):.0%} of the 128 x 128 blocks "
                        "(see benchmarks/RESULTS.md for when that pays on the CPU)")
     if kernel == "math":

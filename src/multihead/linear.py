@@ -55,11 +55,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     where :func:`multihead.cpu.split_product` lets it choose (few rows on the CPU)."""
     in_features = x.shape[-1] if x.ndim else 0
     rows = x.numel() // in_features if in_features else 0
-    if cpu.upcast_product(rows, weight, x):
-        return upcast(x, weight, bias)
     n = cpu.split_product(rows, weight, x)
-    if n == 1:
-        return F.linear(x, weight, bias)
+    if n == 1:  # not a decode step's product: a prefill's may run upcast (asked only here, off decoding's path)
+        return upcast(x, weight, bias) if cpu.upcast_product(rows, weight, x) else F.linear(x, weight, bias)
     allowed = kinds(rows, weight.dtype)
     kind = cpu.product_kind((weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads()), allowed,
                             native_default=rows == 1 and "native" in allowed)
