@@ -41,6 +41,7 @@ def check_layers() -> None:
         print(f"rank {rank}: heads {n_heads}/{n_kv_heads} ok, local bytes {parallel.local_bytes(layer)} of "
               f"{whole_bytes}, cache {cache.bytes} of {cache_whole.bytes}", flush=True)
     parallel.finish()
+    print(f"rank {rank}: left the group", flush=True)
 
 
 def fail() -> None:
@@ -52,3 +53,4 @@ def fail() -> None:
 
 if __name__ == "__main__":
     {"layer": check_layers, "fail": fail}[sys.argv[1]]()
+    parallel.leave(0)  # as the CLI ends a --tp run

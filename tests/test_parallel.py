@@ -27,8 +27,9 @@ def torchrun(n: int, *args: str) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize("world", [2, 3])
 def test_sharded_layers_equal_the_whole_layer_and_hold_a_share(world: int) -> None:
     done = torchrun(world, str(HERE / "parallel_worker.py"), "layer")
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, done.stdout[-1500:] + done.stderr[-3000:]  # stdout: how far each rank got
     assert done.stdout.count(" ok,") >= world  # every rank checked at least one configuration
+    assert done.stdout.count(": left the group") == world
 
 
 def test_generate_tp3_gives_the_tokens_of_one_process(smollm2) -> None:  # type: ignore[no-untyped-def]
@@ -95,6 +96,14 @@ def test_finish_without_a_process_group_does_nothing() -> None:
     assert not dist.is_initialized()
     parallel.finish()  # the CLI calls it after every run, --tp or not
     assert not dist.is_initialized()
+
+
+def test_leave_flushes_what_is_buffered_and_exits_with_the_status() -> None:
+    code = ("import sys; from multihead import parallel; sys.stdout.write('unflushed out'); "
+            "sys.stderr.write('unflushed err'); parallel.leave(3)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
+                          env={**os.environ, "PYTHONUNBUFFERED": ""})
+    assert (done.returncode, done.stdout, done.stderr) == (3, "unflushed out", "unflushed err")
 
 
 def test_check_world_size_names_the_valid_ones() -> None:

@@ -17,10 +17,12 @@ nodes through torchrun's rendezvous.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
+import sys
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -65,9 +67,14 @@ def init(world: int | None = None, *, timeout_s: float = 120.0) -> DeviceMesh:
     cuda = torch.cuda.is_available()
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s))
+    global joined
+    joined = True
     if cuda:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     return init_device_mesh("cuda" if cuda else "cpu", (launched,))
+
+
+joined = False  # set by init(): this process joined a process group, and should end through leave()
 
 
 def finish() -> None:
@@ -80,6 +87,24 @@ def finish() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def leave(status: int) -> NoReturn:
+    """End a process that joined a group: flush stdout and stderr, then ``os._exit(status)``, skipping the
+    interpreter's finalization.
+
+    ``destroy_process_group`` drops PyTorch's own references to a group, not the device mesh's or the sharded
+    parameters' (PyTorch says as much in its ``_shutdown`` PR), so gloo's process group outlives it and is
+    destroyed during finalization, when its C++ worker threads can no longer take the GIL: Python ends such a
+    thread with a forced unwind, which ends in ``std::terminate`` ("terminate called without an active
+    exception", SIGABRT). CI lost a torchrun rank to exactly that twice, the second time after :func:`finish`.
+    Everything a run writes is flushed or closed before this (multihead.files writes whole files), so nothing is
+    lost by not finalizing.
+    """
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed or vanished pipe: nothing more can reach it
+            stream.flush()
+    os._exit(status)
 
 
 def shard_attention(layer: MultiHeadAttention, mesh: DeviceMesh) -> MultiHeadAttention:

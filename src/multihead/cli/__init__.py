@@ -197,4 +197,7 @@ def entry() -> NoReturn:
         sys.stdout.flush()  # output still buffered meets a closed pipe here, not in the interpreter's shutdown
     except BrokenPipeError:
         status = _stdout_gone()
+    parallel = sys.modules.get("multihead.parallel")
+    if parallel is not None and parallel.joined:  # a --tp rank: gloo's threads must not meet finalization
+        parallel.leave(status)
     sys.exit(status)
