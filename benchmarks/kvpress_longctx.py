@@ -262,6 +262,99 @@ def prefill(model: Any, press: Any, context_ids: tuple[int, ...]) -> Prefilled:
                      [cache.get_seq_length(i) for i in range(len(cache))])
 
 
+def _attention_modules(model: Any) -> list[Any]:
+    return [layer.self_attn for layer in model.model.layers]
+
+
+def use_masks(model: Any, masks: list[Any] | None) -> None:
+    """Give each attention module the positions a head-wise press masked for the cache about to decode (kvpress's
+    attention patch reads ``module.masked_key_indices`` at every decoding step); None clears them."""
+    for i, module in enumerate(_attention_modules(model)):
+        module.masked_key_indices = None if masks is None else masks[i]
+
+
+def prefill_shared(model: Any, presses: dict[str, Any], context_ids: tuple[int, ...]) -> dict[str, Prefilled]:
+    """One prefill for every press (issue 39's shared-prefill protocol, kvpress's question-agnostic setting): the
+    context runs once through the model with the full cache, and after each attention layer every press's
+    ``compress`` receives what its own ``with press(model)`` forward hook would (that layer's hidden states, full
+    keys and values, attention output and kwargs) and its result goes into a cache of its own.
+
+    This is exact, not an approximation: kvpress compresses a layer's cache after that layer's attention has run, so
+    the hidden states that reach the next layer never depend on the press; each press's compress therefore sees the
+    same inputs here as in a prefill of its own. ``run --verify-shared N`` checks it bit for bit on the first N
+    prompts. Head-wise presses (AdaKV, DuoAttention) record ``module.masked_key_indices`` as they compress; those are
+    kept per press and set back by :func:`use_masks` before that press's cache decodes. Each press's cache holds
+    copies (``DynamicCache.update`` concatenates), so the fake keys kvpress writes into a head-wise press's cache at
+    decoding never reach another's. ``presses`` maps a setting to its press (None: the full cache).
+
+    Returns each setting's Prefilled; its ``seconds`` is the shared forward's time plus that press's compress time,
+    and ``measured["masks"]`` the masks :func:`use_masks` takes.
+    """
+    import torch
+    from transformers import DynamicCache
+
+    for press in presses.values():
+        if press is not None:
+            press.post_init_from_model(model)
+    for module in _attention_modules(model):
+        module.rotary_emb = model.model.rotary_emb  # as BasePress.__call__ sets it (Expected Attention reads it)
+    caches = {name: DynamicCache() for name in presses}
+    masks: dict[str, list[Any]] = {name: [] for name in presses}
+    compress_s = dict.fromkeys(presses, 0.0)
+
+    def hook(module: Any, _args: Any, kwargs: dict[str, Any], output: Any) -> Any:
+        hidden = kwargs["hidden_states"]
+        # a DynamicCache (transformers 5.2, kvpress's, passes it as past_key_values; later releases as cache): what
+        # kvpress's extract_keys_and_values returns for one
+        layer = kwargs.get("past_key_values", kwargs.get("cache")).layers[module.layer_idx]
+        keys, values = layer.keys, layer.values
+        for name, press in presses.items():
+            start = time.perf_counter()
+            module.masked_key_indices = None  # kvpress's patch clears it at every prefill; a press may set it
+            k, v = (keys, values) if press is None else press.compress(module, hidden, keys, values, output[1],
+                                                                        kwargs)
+            caches[name].update(k, v, module.layer_idx)
+            masks[name].append(module.masked_key_indices)
+            compress_s[name] += time.perf_counter() - start
+        module.masked_key_indices = None
+        return output
+
+    context = torch.tensor([context_ids])
+    handles = [m.register_forward_hook(hook, with_kwargs=True) for m in _attention_modules(model)]
+    try:
+        with torch.inference_mode():
+            start = time.perf_counter()
+            model.model(input_ids=context, past_key_values=DynamicCache())
+            forward_s = time.perf_counter() - start - sum(compress_s.values())
+    finally:
+        for h in handles:
+            h.remove()
+    done = {}
+    for name in presses:
+        use_masks(model, masks[name])
+        measured = cache_bytes(caches[name], model)
+        done[name] = Prefilled(caches[name], context.shape[1], forward_s + compress_s[name],
+                               {**measured, "masks": masks[name]},
+                               [caches[name].get_seq_length(i) for i in range(len(caches[name]))])
+    use_masks(model, None)
+    return done
+
+
+def same_prefill(shared: Prefilled, alone: Prefilled, model_masks: list[Any]) -> str | None:
+    """None when a press's cache from the shared prefill equals, bit for bit, the one its own prefill made
+    (keys, values and masked positions of every layer); else what differs."""
+    import torch
+
+    for i, (a, b) in enumerate(zip(shared.cache.layers, alone.cache.layers, strict=True)):
+        if not (torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)):
+            return f"layer {i}: keys or values differ ({tuple(a.keys.shape)} against {tuple(b.keys.shape)})"
+        mine, theirs = shared.measured["masks"][i], model_masks[i]
+        if (mine is None) != (theirs is None) or (
+                mine is not None and not all(torch.equal(x, y) for x, y in zip(mine, theirs, strict=True))):
+            return f"layer {i}: the masked positions differ"
+    return None
+
+
 def answer_case(model: Any, done: Prefilled, case: Case, *, extra_tokens: int) -> dict[str, Any]:
     """The question and a greedy answer after the prefilled context (kvpress's ``generate_answer``: positions
     continue after the *uncompressed* context), then the answer teacher-forced; the cache is restored after each."""
@@ -304,7 +397,7 @@ def answer_case(model: Any, done: Prefilled, case: Case, *, extra_tokens: int) -
         "answer_s": round(answer_s, 4),
         "context_tokens": context_length,
         "kept_tokens": max(done.lengths),
-        **done.measured,
+        **{k: v for k, v in done.measured.items() if k != "masks"},
     }
 
 
@@ -371,24 +464,31 @@ def cmd_run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     data: dict[str, Any] = json.loads(out.read_text(encoding="utf-8")) if out.exists() else {}
     data.setdefault("results", {})
-    # the cases left to do, by press setting and then by prompt: cases that share context_ids share one prefill
-    todo: list[tuple[str, float, list[Case]]] = []
-    for name, ratio in _settings(args.presses, args.ratios):
-        groups: dict[str, list[Case]] = {}
-        for c in cases:
-            if c.id not in data["results"].get(f"{name}@{ratio}", {}):
-                groups.setdefault(c.group, []).append(c)  # read_jsonl's group: the cases of one context_ids
-        todo += [(name, ratio, group) for group in groups.values()]
-    n_runs = sum(len(g) for _, _, g in todo)
-    print(f"{n_runs} runs to do in {len(todo)} prefills ({len(cases)} cases; "
-          f"{sum(1 for _ in _settings(args.presses, args.ratios))} press settings); {out}", flush=True)
+    # the work left, prompt by prompt (cases that share context_ids share one prefill) and, inside a prompt, press
+    # setting by setting: a stopped run has run every press on the same prompts
+    settings = list(_settings(args.presses, args.ratios))
+    groups: dict[str, list[Case]] = {}
+    for c in cases:
+        groups.setdefault(c.group, []).append(c)  # read_jsonl's group: the cases of one context_ids
+    todo: list[tuple[list[Case], list[tuple[str, float]]]] = []
+    for group in groups.values():
+        left = [(n, r) for n, r in settings
+                if any(c.id not in data["results"].get(f"{n}@{r}", {}) for c in group)]
+        if left:
+            todo.append((group, left))
+    n_runs = sum(len(g) * len(left) for g, left in todo)
+    n_prefills = len(todo) if args.protocol == "shared" else sum(len(left) for _, left in todo)
+    print(f"{n_runs} runs to do in {n_prefills} prefills ({len(cases)} cases; {len(settings)} press settings; "
+          f"{args.protocol} prefill); {out}", flush=True)
     if not todo:
         return 0
     import kvpress  # noqa: F401  (patches transformers' attention functions for the head-wise presses)
 
-    if data.get("meta", {}).get("dtype", args.dtype) != args.dtype:
-        raise CaseError(f"{str(out)!r} holds results in {data['meta']['dtype']}: resume with --dtype "
-                        f"{data['meta']['dtype']} or write to another --out")
+    meta = data.get("meta", {})
+    for key, want in (("dtype", args.dtype), ("protocol", args.protocol)):
+        if meta.get(key, want) != want:
+            raise CaseError(f"{str(out)!r} holds results with {key} {meta[key]!r}: resume with --{key} {meta[key]} "
+                            f"or write to another --out")
     model, tokenizer = load_transformers_smollm2(args.dtype)
     pipe = None
     if args.check_pipeline:
@@ -399,33 +499,57 @@ def cmd_run(args: argparse.Namespace) -> int:
     for c in cases:
         check_fits(c, vocab_size=model.config.vocab_size, max_context=model.config.max_position_embeddings)
     out.parent.mkdir(parents=True, exist_ok=True)
-    data["meta"] = {"model": SMOLLM2_FILE, "dtype": args.dtype, "attn_implementation": "sdpa",
-                    "versions": _versions(), "threads": torch.get_num_threads(), "cpus": os.cpu_count(),
-                    "machine": platform.machine(), "note": args.note, "cases_file": str(args.cases),
-                    "extra_tokens": args.extra_tokens}
+    data["meta"] = {"model": SMOLLM2_FILE, "dtype": args.dtype, "protocol": args.protocol,
+                    "attn_implementation": "sdpa", "versions": _versions(), "threads": torch.get_num_threads(),
+                    "cpus": os.cpu_count(), "machine": platform.machine(), "note": args.note,
+                    "cases_file": str(args.cases), "extra_tokens": args.extra_tokens}
+    verified = sum(1 for by_case in data["results"].values() for r in by_case.values() if r.get("shared_verified"))
     n = 0
-    for name, ratio, group in todo:
-        setting = f"{name}@{ratio}"
-        press = None if name == "full" else make_press(name, ratio, duo_pattern_file=args.duo_pattern)
-        done = prefill(model, press, group[0].context_ids)
-        for k, case in enumerate(group):
-            n += 1
-            result = answer_case(model, done, case, extra_tokens=args.extra_tokens)
-            result.update({"task": case.task, "length": case.length, "depth": case.depth, "haystack": case.haystack,
-                           "prefill_shared_by": len(group)})
-            if pipe is not None and checked.get(setting, 0) < args.check_pipeline:
-                checked[setting] = checked.get(setting, 0) + 1
-                ours = str(tokenizer.decode(result["greedy_ids"], skip_special_tokens=True))
-                theirs = pipeline_answer(pipe, press, case, len(case.answer_ids) + args.extra_tokens)
-                result["pipeline_answer_equal"] = ours == theirs
-                print(f"  kvpress pipeline: {theirs!r}, ours: {ours!r}: {'equal' if ours == theirs else 'DIFFERENT'}")
-                if k + 1 < len(group):  # the pipeline's prefill set the head-wise presses' masks on the modules
-                    done = prefill(model, press, group[0].context_ids)
-            data["results"].setdefault(setting, {})[case.id] = result
-            _atomic_write(out, data)
-            print(f"[{n}/{n_runs}] {setting} {case.id}: exact={result['exact']} "
-                  f"logp={result['answer_logprob']:.2f} prefill={result['prefill_s']:.2f}s "
-                  f"bytes={result['tensor_bytes']:,} effective={result['effective_bytes']:,}", flush=True)
+    for group, left in todo:
+        presses = {f"{name}@{ratio}": None if name == "full" else
+                   make_press(name, ratio, duo_pattern_file=args.duo_pattern) for name, ratio in left}
+        shared = prefill_shared(model, presses, group[0].context_ids) if args.protocol == "shared" else {}
+        verify = args.protocol == "shared" and verified < args.verify_shared
+        for setting, press in presses.items():
+            if args.protocol == "shared":
+                done = shared[setting]
+                if verify:  # the same press in a prefill of its own must make the same cache
+                    alone = prefill(model, press, group[0].context_ids)
+                    differs = same_prefill(done, alone, [m.masked_key_indices for m in _attention_modules(model)])
+                    if differs:
+                        raise CaseError(f"{setting} on {group[0].id!r}: the shared prefill's cache is not the one "
+                                        f"the press's own prefill makes: {differs}")
+                use_masks(model, done.measured["masks"])
+            else:
+                done = prefill(model, press, group[0].context_ids)
+            for k, case in enumerate(group):
+                if case.id in data["results"].get(setting, {}):
+                    continue
+                n += 1
+                result = answer_case(model, done, case, extra_tokens=args.extra_tokens)
+                result.update({"task": case.task, "length": case.length, "depth": case.depth,
+                               "haystack": case.haystack, "prefill_shared_by": len(group),
+                               "settings_sharing_prefill": len(presses) if args.protocol == "shared" else 1,
+                               "shared_verified": verify})
+                if pipe is not None and checked.get(setting, 0) < args.check_pipeline:
+                    checked[setting] = checked.get(setting, 0) + 1
+                    ours = str(tokenizer.decode(result["greedy_ids"], skip_special_tokens=True))
+                    theirs = pipeline_answer(pipe, press, case, len(case.answer_ids) + args.extra_tokens)
+                    result["pipeline_answer_equal"] = ours == theirs
+                    same = "equal" if ours == theirs else "DIFFERENT"
+                    print(f"  kvpress pipeline: {theirs!r}, ours: {ours!r}: {same}")
+                    if k + 1 < len(group):  # the pipeline's prefill set the head-wise presses' masks on the modules
+                        if args.protocol == "shared":
+                            use_masks(model, done.measured["masks"])
+                        else:
+                            done = prefill(model, press, group[0].context_ids)
+                data["results"].setdefault(setting, {})[case.id] = result
+                _atomic_write(out, data)
+                print(f"[{n}/{n_runs}] {setting} {case.id}: exact={result['exact']} "
+                      f"logp={result['answer_logprob']:.2f} prefill={result['prefill_s']:.2f}s "
+                      f"bytes={result['tensor_bytes']:,} effective={result['effective_bytes']:,}", flush=True)
+        use_masks(model, None)
+        verified += int(verify)
     summarise(data)
     return 0
 
@@ -761,6 +885,12 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--extra-tokens", type=int, default=4, help="greedy tokens past the answer's length")
     r.add_argument("--check-pipeline", type=int, default=0, metavar="N",
                    help="for the first N cases of each press setting, also run kvpress's own pipeline and compare")
+    r.add_argument("--protocol", choices=("shared", "per-press"), default="shared",
+                   help="shared: one prefill a prompt, every press compressing its layers' keys and values (exact: "
+                        "see prefill_shared); per-press: each press prefills on its own, as kvpress's pipeline")
+    r.add_argument("--verify-shared", type=int, default=2, metavar="N",
+                   help="the first N prompts of a shared run are also prefilled press by press, and the caches "
+                        "must be equal bit for bit (default 2)")
     r.add_argument("--duo-pattern", help="JSON {sink_size, recent_size, head_scores} for duo_attention")
     r.add_argument("--note", default="", help="free text kept in the results (e.g. 'machine shared by 7 agents')")
     sm = sub.add_parser("summary", help="the table of a results file")

@@ -4,6 +4,7 @@ malformed case is refused with the file, the line and the field named."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
@@ -160,3 +161,72 @@ def test_compare_shared_pairs_each_press_with_multihead_on_the_cases_both_ran() 
     assert s["vs_uniform"] == {"method": half, "reference_only": 1, "other_only": 0, "p_value": 1.0}  # a
     assert cell["multihead"][half]["bytes_share"] == 0.51 and cell["multihead"][full]["correct"] == 3
     assert "kvpress" in bench.compare_shared_table({"cells": {"4096|passkey": cell}})
+
+
+class _Press:
+    """A stand-in for a kvpress press with kvpress's contract: ``compress`` gets a layer's hidden states and full
+    keys and values after its attention and returns what the cache keeps; ``with press(model)`` applies it during a
+    prefill through a forward hook on every attention module (kvpress's BasePress.forward_hook, for a DynamicCache)."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+
+    def post_init_from_model(self, model: Any) -> None:
+        pass
+
+    def compress(self, module: Any, hidden: Any, keys: Any, values: Any, attentions: Any, kwargs: Any) -> Any:
+        import torch
+
+        if self.kind == "mask":  # a head-wise press: every position stays, some are masked on one KV head
+            masked = torch.zeros_like(keys[..., 0], dtype=torch.bool)
+            masked[:, module.layer_idx % keys.shape[1], 1:4] = True
+            module.masked_key_indices = torch.nonzero(masked, as_tuple=True)
+            return keys, values
+        keep = hidden[0].norm(dim=-1).argsort(descending=True)[: keys.shape[2] // 2].sort().values  # by the input
+        return keys[:, :, keep], values[:, :, keep]
+
+    @contextlib.contextmanager
+    def __call__(self, model: Any) -> Any:
+        def hook(module: Any, _args: Any, kwargs: Any, output: Any) -> Any:
+            layer = kwargs.get("past_key_values", kwargs.get("cache")).layers[module.layer_idx]
+            layer.keys, layer.values = self.compress(module, kwargs["hidden_states"], layer.keys, layer.values,
+                                                     output[1], kwargs)
+            return output
+
+        handles = [layer.self_attn.register_forward_hook(hook, with_kwargs=True) for layer in model.model.layers]
+        try:
+            yield
+        finally:
+            for h in handles:
+                h.remove()
+
+
+def test_one_shared_prefill_gives_every_press_the_cache_of_its_own_prefill() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = LlamaForCausalLM(config).eval()
+    model.config._attn_implementation = "sdpa"
+    context = tuple(int(t) for t in torch.randint(0, 64, (24,)))
+    presses = {"full@0.0": None, "half@0.5": _Press("half"), "mask@0.5": _Press("mask")}
+    shared = bench.prefill_shared(model, presses, context)
+    assert [shared["half@0.5"].lengths, shared["full@0.0"].lengths] == [[12] * 3, [24] * 3]
+    assert shared["mask@0.5"].measured["masked_positions"] == 3 * 3
+    assert shared["full@0.0"].measured["masked_positions"] == 0  # masks stay with the press that made them
+    for setting, press in presses.items():
+        bench.use_masks(model, None)
+        alone = bench.prefill(model, press, context)
+        assert bench.same_prefill(shared[setting], alone, [layer.self_attn.masked_key_indices
+                                                           for layer in model.model.layers]) is None, setting
+    # a press whose cache differs is caught
+    other = bench.prefill(model, _Press("mask"), (*context[:-1], (context[-1] + 1) % 64))
+    assert bench.same_prefill(shared["mask@0.5"], other, shared["mask@0.5"].measured["masks"]) is not None
+    # each press decodes from a cache of its own: writing into one (kvpress's fake keys) leaves the others
+    with torch.inference_mode():  # where kvpress's patch writes them: inside answer_case's inference mode
+        shared["mask@0.5"].cache.layers[0].keys[0, 0, 1] = 1e4
+    assert not torch.equal(shared["mask@0.5"].cache.layers[0].keys, shared["full@0.0"].cache.layers[0].keys)
+    bench.use_masks(model, shared["mask@0.5"].measured["masks"])
+    assert model.model.layers[2].self_attn.masked_key_indices is shared["mask@0.5"].measured["masks"][2]
