@@ -22,7 +22,10 @@
 #   6. kvpress-4k kvpress's presses (StreamingLLM, SnapKV, Expected Attention, AdaKV, DuoAttention with kvpress's
 #                 own on-the-fly head pattern) at 50% and 75% compression (the bytes of the uniform 50% and 25%) on
 #                 the first $KVPRESS prompts a task of test-4k (the same case ids), bfloat16, in kvpress's own
-#                 environment (benchmarks/kvpress_setup.sh; kvpress pins transformers < 5.3); resumable too.
+#                 environment (benchmarks/kvpress_setup.sh; kvpress pins transformers < 5.3); resumable too. The
+#                 same shared prefill: one a prompt, every press compressing it (kvpress_longctx run --protocol
+#                 shared, checked bit for bit against each press's own prefill on the first 2 prompts), with
+#                 transformers' full cache beside them.
 #   7. duo-gates  the DuoAttention-style gates trained longer, at the evaluation's streaming window (4 sinks + 256)
 #                 on 1,024-token prompts of the training split: $DUO_STEPS steps (the shipped gates had 40 at
 #                 512 tokens and a window of 128), a checkpoint every 2 steps, resumed; with their 25% and 50% plans
@@ -89,7 +92,7 @@ kvpress_step() {
     --prompts "$KVPRESS" --cases-jsonl "$cases" >> "$ROOT/kvpress-4k.log" 2>&1
   [ -f "$pattern" ] || "$kpy" benchmarks/kvpress_longctx.py duo-pattern --out "$pattern" >> "$ROOT/kvpress-4k.log" 2>&1
   "$kpy" benchmarks/kvpress_longctx.py run --cases "$cases" --out "$ROOT/kvpress-4k.json" --dtype bfloat16 \
-    --presses streaming_llm snapkv expected_attention adakv_expected_attention duo_attention --ratios 0.5 0.75 \
+    --presses full streaming_llm snapkv expected_attention adakv_expected_attention duo_attention --ratios 0.5 0.75 \
     --duo-pattern "$pattern" >> "$ROOT/kvpress-4k.log" 2>&1 || {
     echo "kvpress-4k failed: the end of $ROOT/kvpress-4k.log:"; tail -5 "$ROOT/kvpress-4k.log"; exit 1; }
   tail -3 "$ROOT/kvpress-4k.log"
