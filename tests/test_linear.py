@@ -238,7 +238,12 @@ def test_the_upcast_product_is_the_float64_product_rounded_once(monkeypatch: pyt
     assert got.dtype == torch.bfloat16 and got.shape == (2, 40, 200)
     ulp = want.abs() * 2.0**-8  # half a bfloat16 step at each value, and a float32 sum's error
     assert bool(((got.double() - want).abs() <= ulp + 1e-4).all())
-    assert torch.equal(got, F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16())
+    # the whole float32 product rounded once: the same but where a float32 sum in another order (a 7-column block's
+    # kernel, not a 200-column one's: on this AMD EPYC 2 of 16,000 with the bias) lands across a rounding boundary
+    whole = F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
+    apart = got != whole
+    assert int(apart.sum()) <= got.numel() // 1000
+    assert bool(((got.float() - whole.float()).abs()[apart] <= whole.float().abs()[apart] * 2.0**-7).all())
 
 
 def test_upcast_runs_for_a_prefills_bfloat16_rows_on_a_cpu_without_bfloat16_instructions(
