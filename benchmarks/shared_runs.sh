@@ -119,7 +119,7 @@ for s in "${steps[@]}"; do
                  --plan docs/experiments/smollm2-duo-50-plan.json --out "$ROOT/stream-4k" ;;
     kvpress-4k) kvpress_step ;;
     duo-gates) logged duo-gates-1024 "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 \
-                 --window 256 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" ;;
+                 --window 256 --every 2 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" ;;
     *) echo "unknown step $s: choose from train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates" >&2; exit 2 ;;
   esac
 done
