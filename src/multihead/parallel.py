@@ -34,6 +34,8 @@ from multihead.attention import MultiHeadAttention
 from multihead.divisors import divisors
 from multihead.errors import MultiheadError
 
+joined = False  # set by init(): this process joined a process group, and should end through leave()
+
 
 def valid_world_sizes(*counts: int) -> list[int]:
     """World sizes that divide every count (head counts, KV head counts, MLP widths)."""
@@ -74,9 +76,6 @@ def init(world: int | None = None, *, timeout_s: float = 120.0) -> DeviceMesh:
     return init_device_mesh("cuda" if cuda else "cpu", (launched,))
 
 
-joined = False  # set by init(): this process joined a process group, and should end through leave()
-
-
 def finish() -> None:
     """Leave the process group together: a barrier, then ``destroy_process_group``; nothing when none was joined.
 
@@ -97,9 +96,9 @@ def leave(status: int) -> NoReturn:
     parameters' (PyTorch says as much in its ``_shutdown`` PR), so gloo's process group outlives it and is
     destroyed during finalization, when its C++ worker threads can no longer take the GIL: Python ends such a
     thread with a forced unwind, which ends in ``std::terminate`` ("terminate called without an active
-    exception", SIGABRT). CI lost a torchrun rank to exactly that twice, the second time after :func:`finish`.
-    Everything a run writes is flushed or closed before this (multihead.files writes whole files), so nothing is
-    lost by not finalizing.
+    exception", SIGABRT). CI lost a torchrun rank with that message twice, the second time after :func:`finish`
+    (never reproduced here); finalization is the teardown left, and this skips it. Everything a run writes is
+    flushed or closed before this (multihead.files writes whole files), so nothing is lost by not finalizing.
     """
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):  # a closed or vanished pipe: nothing more can reach it
