@@ -688,16 +688,22 @@ def compare_table(cmp: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def compare_shared(data: dict[str, Any], records: Sequence[dict[str, Any]], methods: Sequence[dict[str, Any]]
-                   ) -> dict[str, Any]:
+def compare_shared(data: dict[str, Any], records: Sequence[dict[str, Any]], methods: Sequence[dict[str, Any]],
+                   against: Sequence[str] = ()) -> dict[str, Any]:
     """kvpress's results (``data``) beside a shared-prefill run of ``multihead tradeoff --long --protocol shared``
     (``records``: its shared-prefill.jsonl lines; ``methods``: its result's methods) on the cases both answered, by
     id: per (length, task) every multihead method's and press setting's accuracy with its Wilson 95% interval, the
     bytes against the same side's full cache, and McNemar's exact test of each press setting against multihead's
-    full cache and against multihead's uniform sinks + window at the press's bytes (compression r: keep 1 - r)."""
+    full cache and against multihead's uniform sinks + window at the press's bytes (compression r: keep 1 - r), and
+    against each multihead method named in ``against`` (e.g. a head-wise plan beside kvpress's DuoAttention)."""
     from multihead.tradeoff.longctx.stats import mcnemar, wilson
 
     ours = {r["id"]: r for r in records}
+    known = {m["name"] for m in methods}
+    unknown = [name for name in against if name not in known]
+    if unknown:
+        raise CaseError(f"--against {unknown[0]!r} is not a method of the multihead run: choose from "
+                        f"{', '.join(sorted(known))}")
     uniform = {round(1 - float(m["keep"]), 6): m["name"] for m in methods if m["series"] == "sinks + window"}
     full = next(m["name"] for m in methods if m["series"] == "full")
     kv_full = data["results"].get("full@0.0", {})
@@ -730,6 +736,8 @@ def compare_shared(data: dict[str, Any], records: Sequence[dict[str, Any]], meth
             if match is not None:
                 entry["vs_uniform"] = {"method": match, **mcnemar(
                     [bool(ours[i]["methods"][match]["correct"]) for i in ids], right)}
+            entry["vs"] = {name: mcnemar([bool(ours[i]["methods"][name]["correct"]) for i in ids], right)
+                           for name in against}
             cell["kvpress"][setting] = entry
         if kv_full:
             same = sum(bool(kv_full[i]["exact"]) == t for i, t in zip(ids, truth, strict=True))
@@ -761,7 +769,9 @@ def compare_shared_table(cmp: dict[str, Any]) -> str:
                          f"[{m['wilson95'][0]:4.2f},{m['wilson95'][1]:5.2f}]  "
                          f"{vs['reference_only']}/{vs['other_only']} p {vs['p_value']:.3g}"
                          + (f"; {un['method']}: {un['reference_only']}/{un['other_only']} p {un['p_value']:.3g}"
-                            if un else ""))
+                            if un else "")
+                         + "".join(f"; {name}: {v['reference_only']}/{v['other_only']} p {v['p_value']:.3g}"
+                                   for name, v in m.get("vs", {}).items()))
     return "\n".join(lines)
 
 
@@ -771,7 +781,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
         from multihead.tradeoff.longctx.shared import FILE, finished
 
         result = json.loads((folder / "shared-result.json").read_text(encoding="utf-8"))
-        cmp = compare_shared(read_results(args.out), list(finished(folder / FILE).values()), result["methods"])
+        cmp = compare_shared(read_results(args.out), list(finished(folder / FILE).values()), result["methods"],
+                             args.against or ())
         print(compare_shared_table(cmp))
         if args.json:
             _atomic_write(Path(args.json), cmp)
@@ -900,6 +911,8 @@ def main(argv: list[str] | None = None) -> int:
     cp.add_argument("--multihead", required=True, help="the --out folder of `multihead tradeoff --long` (either "
                     "protocol: a shared-prefill run's folder holds shared-result.json)")
     cp.add_argument("--json", help="write the comparison here")
+    cp.add_argument("--against", action="append", metavar="METHOD",
+                    help="also test every press against this method of a shared-prefill multihead run (repeatable)")
     c = sub.add_parser("cases", help="write passkey smoke cases (repeated filler)")
     c.add_argument("--out", required=True)
     c.add_argument("--lengths", nargs="+", type=int, default=[1024])

@@ -161,6 +161,12 @@ def test_compare_shared_pairs_each_press_with_multihead_on_the_cases_both_ran() 
     assert s["vs_uniform"] == {"method": half, "reference_only": 1, "other_only": 0, "p_value": 1.0}  # a
     assert cell["multihead"][half]["bytes_share"] == 0.51 and cell["multihead"][full]["correct"] == 3
     assert "kvpress" in bench.compare_shared_table({"cells": {"4096|passkey": cell}})
+    # beside a named method too (a plan of its bytes, say); a name the run does not hold is refused
+    cell = bench.compare_shared(data, records, methods, against=[half])["cells"]["4096|passkey"]
+    assert cell["kvpress"]["streaming_llm@0.5"]["vs"] == {half: {"reference_only": 1, "other_only": 0, "p_value": 1.0}}
+    assert f"{half}: 1/0 p 1" in bench.compare_shared_table({"cells": {"4096|passkey": cell}})
+    with pytest.raises(MultiheadError, match="--against 'duo 50%' is not a method of the multihead run"):
+        bench.compare_shared(data, records, methods, against=["duo 50%"])
 
 
 class _Press:
