@@ -22,6 +22,9 @@ Subcommands:
                  Resumable: (press, ratio, case) already in --out are skipped.
     cases        passkey cases on the filler haystack, made by multihead's generator (smoke tests only; the real
                  cases are a ``multihead tradeoff --long`` run's cases.jsonl).
+    plan         (the project's .venv) a duo pattern's head scores as a multihead HeadPlan: the top fraction of KV
+                 heads full (the heads kvpress's DuoAttention keeps), the rest sinks + window, in multihead's cache
+                 that frees the streaming heads' bytes; ``multihead tradeoff --long --plan`` runs it.
     port-logits  (the project's .venv) multihead's SmolLM2 port: logits of a short prompt, saved to a .npy file.
     check        (this environment) transformers' LlamaForCausalLM on the same GGUF: its logits against the saved
                  port logits, so both sides are known to run the same weights.
@@ -836,6 +839,33 @@ def cmd_cases(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- a pattern as a plan
+def pattern_plan(pattern_file: str, fraction: float, *, sinks: int, window: int) -> Any:
+    """The multihead HeadPlan of a duo pattern's head scores (higher: full; kvpress's DuoAttentionPress streams the
+    lowest ``head_compression_ratio`` of them, so ``fraction`` = 1 - that ratio picks the same heads), with
+    ``sinks`` + ``window`` for the streaming heads (the pattern's own are kvpress's: 128 + 256)."""
+    from multihead.cache import HeadPlan
+
+    sink, recent, scores = duo_pattern(pattern_file)
+    n_layers, n_kv_heads = scores.shape
+    if (n_layers, n_kv_heads) != (30, 3):
+        raise CaseError(f"DuoAttention pattern {pattern_file!r} has head scores of shape {scores.shape}: "
+                        "SmolLM2-135M has (30, 3)")
+    data = json.loads(Path(pattern_file).read_text(encoding="utf-8"))
+    method = (f"kvpress-duo: kvpress's DuoAttention head scores ({data.get('made_by', 'a pattern file')}; its "
+              f"streaming heads kept {sink} sinks + {recent})")
+    return HeadPlan.from_scores(scores.tolist(), fraction, sinks=sinks, window=window,
+                                model="SmolLM2-135M-Instruct", shape=(30, 9, 3, 64), method=method)
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    plan = pattern_plan(args.pattern, args.fraction, sinks=args.sinks, window=args.window)
+    plan.save(args.out)
+    print(f"{sum(map(sum, plan.full))} of {plan.n_layers * plan.n_kv_heads} KV heads full, {args.sinks} sinks + "
+          f"{args.window} for the rest -> {args.out}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- same weights
 def cmd_port_logits(args: argparse.Namespace) -> int:
     """multihead's port (run in the project's .venv): the logits of CHECK_TEXT, saved as .npy with the ids."""
@@ -926,6 +956,12 @@ def main(argv: list[str] | None = None) -> int:
     dp.add_argument("--tokens", type=int, default=1024)
     dp.add_argument("--seed", type=int, default=0)
     dp.add_argument("--text", default=None, help="the text (default: the Jargon File multihead evaluates on)")
+    hp = sub.add_parser("plan", help="(project .venv) a duo pattern's head scores as a multihead head plan")
+    hp.add_argument("--pattern", required=True, help="the pattern JSON duo-pattern wrote")
+    hp.add_argument("--fraction", type=float, required=True, help="the share of KV heads kept full, in [0, 1]")
+    hp.add_argument("--sinks", type=int, default=4)
+    hp.add_argument("--window", type=int, default=256)
+    hp.add_argument("--out", required=True, help="the plan JSON")
     pl = sub.add_parser("port-logits", help="(project .venv) multihead's port logits of the check prompt")
     pl.add_argument("--out", required=True)
     ch = sub.add_parser("check", help="transformers' logits against the saved port logits")
@@ -936,7 +972,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"--ratios must lie in (0, 1), got {args.ratios}")
     try:
         commands = {"run": cmd_run, "summary": cmd_summary, "compare": cmd_compare, "cases": cmd_cases,
-                    "duo-pattern": cmd_duo_pattern, "port-logits": cmd_port_logits, "check": cmd_check}
+                    "duo-pattern": cmd_duo_pattern, "plan": cmd_plan, "port-logits": cmd_port_logits,
+                    "check": cmd_check}
         return commands[args.cmd](args)
     except MultiheadError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -34,6 +34,10 @@ def test_the_defaults_are_the_librarys_and_each_flag_sets_its_field() -> None:
                                       prompts=3, keys=5, seed=7, chunk=256, sinks=2, keep=(0.5,), window_keep=(0.1,),
                                       windows=(300,), bits=(4,), prune=(), uptrain_steps=0, ppl_context=2048,
                                       ppl_scored=512, ppl_windows=2, threshold=0.9, mqa=False)
+    # 'none' empties any method list: a run of head plans alone (with the full cache and each plan's control)
+    args = parser.parse_args(["tradeoff", "--long", "--bits", "none", "--keep", "none", "--window-keep", "none",
+                              "--prune", "none"])
+    assert (settings(args).bits, settings(args).keep, settings(args).window_keep, settings(args).prune) == ((),) * 4
 
 
 @pytest.mark.parametrize(("argv", "context", "scored"), [

@@ -236,3 +236,29 @@ def test_one_shared_prefill_gives_every_press_the_cache_of_its_own_prefill() -> 
     assert not torch.equal(shared["mask@0.5"].cache.layers[0].keys, shared["full@0.0"].cache.layers[0].keys)
     bench.use_masks(model, shared["mask@0.5"].measured["masks"])
     assert model.model.layers[2].self_attn.masked_key_indices is shared["mask@0.5"].measured["masks"][2]
+
+
+def test_a_duo_pattern_becomes_the_plan_keeping_the_heads_kvpress_keeps(tmp_path: Path) -> None:
+    import numpy as np
+
+    from multihead.cache import HeadPlan
+
+    rng = np.random.default_rng(0)
+    scores = rng.random((30, 3))
+    pattern = tmp_path / "pattern.json"
+    pattern.write_text(json.dumps({"sink_size": 128, "recent_size": 256, "head_scores": scores.tolist(),
+                                   "made_by": "a test"}), encoding="utf-8")
+    for compression in (0.5, 0.75):
+        streamed = np.zeros(scores.shape, dtype=bool)  # kvpress's DuoAttentionPress: the lowest scores stream
+        lowest = np.argsort(scores, axis=None)[:round(scores.size * compression)]
+        streamed[np.unravel_index(lowest, scores.shape)] = True
+        out = tmp_path / f"plan-{compression}.json"
+        argv = ["plan", "--pattern", str(pattern), "--fraction", str(1 - compression), "--out", str(out)]
+        assert bench.main(argv) == 0
+        plan = HeadPlan.load(out)
+        assert np.array_equal(np.array(plan.full), ~streamed)
+        assert (plan.sinks, plan.window, plan.shape) == (4, 256, (30, 9, 3, 64))
+    pattern.write_text(json.dumps({"sink_size": 128, "recent_size": 256, "head_scores": [[1.0, 2.0]]}),
+                       encoding="utf-8")
+    with pytest.raises(MultiheadError, match=r"head scores of shape \(1, 2\): SmolLM2-135M has \(30, 3\)"):
+        bench.pattern_plan(str(pattern), 0.5, sinks=4, window=256)

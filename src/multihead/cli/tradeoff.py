@@ -34,7 +34,8 @@ def add(sub: Any) -> None:
                         "--long none beyond those --keep sizes)")
     p.add_argument("--sinks", type=flags.COUNTS, default=None,
                    help="sink token counts beside the window (default 1,4; one count with --long, default 4)")
-    p.add_argument("--bits", type=flags.BITS, default=(8, 4, 2), help="quantized cache widths (default 8,4,2)")
+    p.add_argument("--bits", type=flags.BITS, default=(8, 4, 2),
+                   help="quantized cache widths (default 8,4,2; 'none' for none)")
     p.add_argument("--group", type=POSITIVE, default=32, help="quantization group size (default 32)")
     p.add_argument("--residual", type=COUNT, default=128, help="newest tokens kept in full precision (default 128)")
     p.add_argument("--prune", type=flags.FRACTIONS, default=None,
