@@ -51,13 +51,16 @@ def run_facts(folder: Path) -> dict[str, Any]:
             "throughput": shared.summary(records, methods)["throughput"] if records else None}
 
 
-def choose(folder: Path) -> dict[str, Any]:
-    """Per share of full KV heads, the plan that answers best on the run in ``folder`` (every task and length)."""
-    records = list(shared.finished(folder / shared.FILE).values())
+def choose(folders: Path | list[Path]) -> dict[str, Any]:
+    """Per share of full KV heads, the plan that answers best on the run in ``folders`` (every task and length), or
+    on several runs of the same cases (plans added later in a run of their own), over the cases all of them
+    answered (:func:`multihead.tradeoff.longctx.shared.combine`)."""
+    runs = folders if isinstance(folders, list) else [folders]
+    records, methods, _ = shared.combine(runs)
     if not records:
-        raise MultiheadError(f"{folder} holds no answered case to choose a plan on")
+        raise MultiheadError(f"{', '.join(map(str, runs))}: no case answered by every run to choose a plan on")
     by_share: dict[str, list[tuple[float, float, str, str]]] = {}
-    for m in shared.methods_of(folder):
+    for m in methods:
         if m.plan is None:
             continue
         share = f"{load_plan(m.plan).full_fraction:.2f}"
@@ -70,7 +73,7 @@ def choose(folder: Path) -> dict[str, Any]:
         ranked = sorted(plans, reverse=True)
         out[share] = {"chosen": ranked[0][2], "plan": ranked[0][3],
                       "ranking": [{"method": n, "accuracy": a, "mean_answer_logprob": lp} for a, lp, n, _ in ranked]}
-    return {"folder": str(folder), "cases": len(records), "by_full_share": out}
+    return {"folder": ", ".join(map(str, runs)), "cases": len(records), "by_full_share": out}
 
 
 def streaming_beside(folder: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
@@ -103,7 +106,8 @@ def streaming_beside(folder: Path, records: list[dict[str, Any]]) -> dict[str, A
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runs", nargs="+", required=True, help="shared-prefill run folders on the same cases")
-    p.add_argument("--choose-on", help="a run on cases disjoint from the evaluation's, to choose each share's plan")
+    p.add_argument("--choose-on", nargs="+", help="a run on cases disjoint from the evaluation's, to choose each "
+                   "share's plan (or several runs of those same cases, their plans ranked together)")
     p.add_argument("--kvpress", nargs="*", default=[], help="kvpress_longctx.py results on the same cases")
     p.add_argument("--streaming", help="a streaming-protocol run on the same cases, set beside the shared answers")
     p.add_argument("--out", required=True, help="the report's JSON (its table beside it as .txt)")
@@ -120,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                       machine=f"{platform.machine()} {platform.processor() or ''}".strip(),
                       date=date.today().isoformat())
         if args.choose_on:
-            result["choice"] = choose(Path(args.choose_on))
+            result["choice"] = choose([Path(f) for f in args.choose_on])
         if args.streaming:
             result["streaming"] = streaming_beside(Path(args.streaming), records)
         if args.kvpress:

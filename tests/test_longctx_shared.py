@@ -244,6 +244,14 @@ def test_the_report_combines_runs_and_chooses_each_shares_plan_on_disjoint_cases
     best = max(["head-wise tiny-early", "head-wise tiny-late"], key=merit)
     assert report["choice"]["by_full_share"]["0.25"]["chosen"] == best
     assert "chosen at 25% full KV heads" in out.with_suffix(".txt").read_text()
+    # a plan added later, in a run of its own on the same cases, is ranked with the others
+    for name, plan in (("early", plans[:2]), ("late", plans[2:])):
+        alone = [*base[:base.index("--plan")], *plan, *base[base.index("--plan") + 4:]]
+        assert main([*alone, "--split", "train", "--seed", "1", "--out", str(tmp_path / f"train-{name}")]) == 0
+    capsys.readouterr()
+    both = shared_report.choose([tmp_path / "train-early", tmp_path / "train-late"])
+    assert both["cases"] == 4 and both["by_full_share"]["0.25"]["chosen"] == best
+    assert both["by_full_share"] == shared_report.choose(tmp_path / "train")["by_full_share"]
     cell = report["cells"]["300|all tasks"]["methods"]
     assert cell["head-wise tiny-early"]["vs_control"]["control"] == "4 sinks + window = bytes of 25% full, 2 + 24"
 
