@@ -30,9 +30,15 @@
 #                 on 1,024-token prompts of the training split: $DUO_STEPS steps (the shipped gates had 40 at
 #                 512 tokens and a window of 128), a checkpoint every 2 steps, resumed; with their 25% and 50% plans
 #                 (plan-duo-25.json, plan-duo-50.json in the folder) for a later run beside the shipped plans.
+#   8. train-4k-kvduo, test-4k-kvduo   kvpress's DuoAttention head choice (the duo pattern kvpress-4k scored on the
+#                 training split, docs/experiments/kvpress-duo-pattern.json) as multihead plans at 25% and 50% of
+#                 the KV heads (kvpress_longctx.py plan: smollm2-kvduo-25/50-plan.json, 4 sinks + 256), on train-4k's
+#                 cases and then test-4k's, those plans alone (the other methods are in train-4k and test-4k, on the
+#                 same case ids; shared_report combines the runs and --choose-on ranks every plan together).
 #
 # Usage:  bash benchmarks/shared_runs.sh [STEP ...]     (default: every step, in the order
-#         train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates: the short checks before the long 8k run)
+#         train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k train-4k-kvduo test-4k-kvduo duo-gates: the
+#         short checks before the long 8k run)
 #         TRAIN=50 TEST=200 TEST8K=100 FP32=50 STREAM=10 KVPRESS=50 DUO_STEPS=400 ROOT=docs/experiments/shared-runs
 # The report: .venv/bin/python benchmarks/shared_report.py --runs $ROOT/test-4k --choose-on $ROOT/train-4k ...
 set -euo pipefail
@@ -72,14 +78,25 @@ step() {  # NAME FLAGS...: a shared-prefill run into $ROOT/NAME
   logged "$name" "$MH" "${COMMON[@]}" --out "$ROOT/$name" "$@"
 }
 
-chosen_plan() {  # the plan train-4k chose at 50% of KV heads full (shared_report.choose)
-  "$PY" - "$ROOT/train-4k" <<'EOF'
+chosen_plan() {  # the plan chosen at 50% of KV heads full on train-4k (and the plans run later on its cases)
+  "$PY" - "$ROOT/train-4k" "$ROOT/train-4k-kvduo" <<'EOF'
 import sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
 from shared_report import choose
-print(choose(Path(sys.argv[1]))["by_full_share"]["0.50"]["plan"])
+runs = [Path(f) for f in sys.argv[1:] if (Path(f) / "shared-settings.json").is_file()]
+print(choose(runs)["by_full_share"]["0.50"]["plan"])
 EOF
+}
+
+KVDUO=(--bits none --keep none --window-keep none --plan docs/experiments/smollm2-kvduo-25-plan.json
+       --plan docs/experiments/smollm2-kvduo-50-plan.json)
+kvduo_plans() {  # the plans of kvpress's duo pattern (made by the kvpress-4k step, kept in docs/experiments)
+  for pct in 25 50; do
+    [ -f "docs/experiments/smollm2-kvduo-$pct-plan.json" ] || "$PY" benchmarks/kvpress_longctx.py plan \
+      --pattern docs/experiments/kvpress-duo-pattern.json --fraction "0.$pct" \
+      --out "docs/experiments/smollm2-kvduo-$pct-plan.json"
+  done
 }
 
 kvpress_step() {
@@ -100,7 +117,8 @@ kvpress_step() {
 
 mkdir -p "$ROOT"
 steps=("$@")
-[ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates)
+[ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k train-4k-kvduo test-4k-kvduo
+                               duo-gates)
 for s in "${steps[@]}"; do
   case "$s" in
     # (train-4k was started with a plain window of 25% too, --window-keep 0.25, and resumes with it)
@@ -118,9 +136,14 @@ for s in "${steps[@]}"; do
                  --window-keep none --no-mqa --prune none --threshold 0 \
                  --plan docs/experiments/smollm2-duo-50-plan.json --out "$ROOT/stream-4k" ;;
     kvpress-4k) kvpress_step ;;
+    train-4k-kvduo) kvduo_plans; step train-4k-kvduo --lengths 4096 --split train --seed 1 --prompts "$TRAIN" \
+                      --dtype bf16 "${KVDUO[@]}" ;;
+    test-4k-kvduo) kvduo_plans; step test-4k-kvduo --lengths 4096 --split test --seed 0 --prompts "$TEST" \
+                     --dtype bf16 "${KVDUO[@]}" ;;
     duo-gates) logged duo-gates-1024 "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 \
                  --window 256 --every 2 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" ;;
-    *) echo "unknown step $s: choose from train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates" >&2; exit 2 ;;
+    *) echo "unknown step $s: choose from train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates" \
+         "train-4k-kvduo test-4k-kvduo" >&2; exit 2 ;;
   esac
 done
 echo "== done: $(date -u +%FT%TZ)"
