@@ -509,13 +509,17 @@ def cmd_run(args: argparse.Namespace) -> int:
                     "attn_implementation": "sdpa", "versions": _versions(), "threads": torch.get_num_threads(),
                     "cpus": os.cpu_count(), "machine": platform.machine(), "note": args.note,
                     "cases_file": str(args.cases), "extra_tokens": args.extra_tokens}
-    verified = sum(1 for by_case in data["results"].values() for r in by_case.values() if r.get("shared_verified"))
+    # prompts already checked (a resumed run counts them: every result of a checked prompt says so)
+    group_of = {c.id: c.group for c in cases}
+    verified = len({group_of.get(case_id, case_id) for by_case in data["results"].values()
+                    for case_id, r in by_case.items() if r.get("shared_verified")})
+    verify_first = 2 if args.verify_shared is None else args.verify_shared
     n = 0
     for group, left in todo:
         presses = {f"{name}@{ratio}": None if name == "full" else
                    make_press(name, ratio, duo_pattern_file=args.duo_pattern) for name, ratio in left}
         shared = prefill_shared(model, presses, group[0].context_ids) if args.protocol == "shared" else {}
-        verify = args.protocol == "shared" and verified < args.verify_shared
+        verify = args.protocol == "shared" and verified < verify_first
         for setting, press in presses.items():
             if args.protocol == "shared":
                 done = shared[setting]
@@ -911,6 +915,17 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
+def _count(text: str) -> int:
+    """An argparse type: a whole number >= 0 (a negative count would silently mean none)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected a whole number >= 0, got {value}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -921,17 +936,17 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--ratios", nargs="+", type=float, default=list(DEFAULT_RATIOS))
     r.add_argument("--length", nargs="+", type=int, help="only cases of these lengths")
     r.add_argument("--task", nargs="+", help="only cases of these tasks")
-    r.add_argument("--limit", type=int, default=0, help="at most N cases per (length, task)")
-    r.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
+    r.add_argument("--limit", type=_count, default=0, help="at most N cases per (length, task)")
+    r.add_argument("--threads", type=_count, default=0, help="torch threads (default: torch's)")
     r.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="the model's element type (a results file keeps one)")
-    r.add_argument("--extra-tokens", type=int, default=4, help="greedy tokens past the answer's length")
-    r.add_argument("--check-pipeline", type=int, default=0, metavar="N",
+    r.add_argument("--extra-tokens", type=_count, default=4, help="greedy tokens past the answer's length")
+    r.add_argument("--check-pipeline", type=_count, default=0, metavar="N",
                    help="for the first N cases of each press setting, also run kvpress's own pipeline and compare")
     r.add_argument("--protocol", choices=("shared", "per-press"), default="shared",
                    help="shared: one prefill a prompt, every press compressing its layers' keys and values (exact: "
                         "see prefill_shared); per-press: each press prefills on its own, as kvpress's pipeline")
-    r.add_argument("--verify-shared", type=int, default=2, metavar="N",
+    r.add_argument("--verify-shared", type=_count, default=None, metavar="N",
                    help="the first N prompts of a shared run are also prefilled press by press, and the caches "
                         "must be equal bit for bit (default 2)")
     r.add_argument("--duo-pattern", help="JSON {sink_size, recent_size, head_scores} for duo_attention")
@@ -970,6 +985,8 @@ def main(argv: list[str] | None = None) -> int:
     ch.add_argument("--port", required=True, help="the .npy file port-logits wrote")
     ch.add_argument("--atol", type=float, default=1e-3)
     args = p.parse_args(argv)
+    if args.cmd == "run" and args.protocol != "shared" and args.verify_shared is not None:
+        p.error(f"--verify-shared {args.verify_shared} checks the shared prefill; --protocol {args.protocol} has none")
     if args.cmd in ("run", "cases") and any(not 0 < x < 1 for x in getattr(args, "ratios", [0.5])):
         p.error(f"--ratios must lie in (0, 1), got {args.ratios}")
     try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -262,3 +263,22 @@ def test_a_duo_pattern_becomes_the_plan_keeping_the_heads_kvpress_keeps(tmp_path
                        encoding="utf-8")
     with pytest.raises(MultiheadError, match=r"head scores of shape \(1, 2\): SmolLM2-135M has \(30, 3\)"):
         bench.pattern_plan(str(pattern), 0.5, sinks=4, window=256)
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--protocol", "per-press", "--verify-shared", "2"],
+     r"--verify-shared 2 checks the shared prefill; --protocol per-press has none"),
+    (["--verify-shared", "-1"], r"--verify-shared: expected a whole number >= 0, got -1"),
+    (["--limit", "-3"], r"--limit: expected a whole number >= 0, got -3"),
+    (["--threads", "two"], r"--threads: expected a whole number >= 0, got 'two'"),
+])
+def test_run_refuses_flags_it_would_ignore_or_misread(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], match: str) -> None:
+    """Before anything is read or loaded: a check the protocol cannot make, or a negative count, is an error
+    naming the value, not a run that silently checks nothing."""
+    cases = _write(tmp_path, json.dumps(_case()))
+    with pytest.raises(SystemExit) as err:
+        bench.main(["run", "--cases", str(cases), "--out", str(tmp_path / "r.json"), *argv])
+    assert err.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+    assert not (tmp_path / "r.json").exists()
