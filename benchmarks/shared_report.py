@@ -18,7 +18,9 @@ mean answer log-likelihood), and the report says which. ``--kvpress`` adds kvpre
 (``benchmarks/kvpress_longctx.py compare_shared``). ``--streaming`` sets a streaming-protocol run
 (``tradeoff --long --protocol streaming``: each method prefills through its own cache) beside the shared answers:
 per method of the same name, on the cases both answered, each protocol's correct count, how often they agree and
-McNemar's p of the difference.
+McNemar's p of the difference. Plans of the same share of full KV heads are also tested against each other
+(``plan_pairs``: every pair, pooled over tasks and per task, McNemar's exact test on the same cases): the report
+says which head choice is better at a budget only where that test separates them.
 """
 
 from __future__ import annotations
@@ -76,6 +78,37 @@ def choose(folders: Path | list[Path]) -> dict[str, Any]:
     return {"folder": ", ".join(map(str, runs)), "cases": len(records), "by_full_share": out}
 
 
+def plan_pairs(records: list[dict[str, Any]], methods: list[Any]) -> dict[str, list[dict[str, Any]]]:
+    """Per share of full KV heads (two decimals), every pair of plans of that share on the same ``records``: for all
+    tasks together and for each task, the cases, each plan's correct count, the cases only one of them got right and
+    McNemar's exact p."""
+    from multihead.tradeoff.longctx.stats import mcnemar
+
+    by_share: dict[str, list[str]] = {}
+    for m in methods:
+        if m.plan is not None:
+            by_share.setdefault(f"{load_plan(m.plan).full_fraction:.2f}", []).append(m.name)
+    scopes = ["all tasks", *sorted({str(r["task"]) for r in records})]
+    out: dict[str, list[dict[str, Any]]] = {}
+    for share, names in sorted(by_share.items()):
+        pairs = []
+        for i, a in enumerate(names):
+            for b in names[i + 1:]:
+                pair: dict[str, Any] = {"a": a, "b": b}
+                for scope in scopes:
+                    rows = [r for r in records if scope == "all tasks" or r["task"] == scope]
+                    x = [bool(r["methods"][a]["correct"]) for r in rows]
+                    y = [bool(r["methods"][b]["correct"]) for r in rows]
+                    test = mcnemar(x, y)
+                    pair[scope] = {"cases": len(rows), "a_correct": sum(x), "b_correct": sum(y),
+                                   "a_only": test["reference_only"], "b_only": test["other_only"],
+                                   "p_value": test["p_value"]}
+                pairs.append(pair)
+        if pairs:
+            out[share] = pairs
+    return out
+
+
 def streaming_beside(folder: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
     """A streaming run's answers (``folder/results/<method>/<prompt id>.json``) beside the shared ``records``, by
     method name, on the cases both answered."""
@@ -118,6 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             raise MultiheadError(f"the runs {args.runs} have no case in common")
         result = shared.summary(records, methods, controls=shared.controls_of(methods))
         result.pop("throughput")  # each run's own, below
+        result["plan_pairs"] = plan_pairs(records, methods)
         result.update(runs=[run_facts(Path(f)) for f in args.runs], agreement=agreement,
                       methods=[{"name": m.name, "series": m.series, "plan": m.plan, "keep": m.keep, "bits": m.bits,
                                 "equal_to": m.equal_to} for m in methods],
@@ -162,6 +196,13 @@ def table(result: dict[str, Any]) -> str:
         for name, m in result["streaming"]["methods"].items():
             lines.append(f"  {name:<46} {m['cases']:>4} cases  shared {m['shared_correct']:>4}  streaming "
                          f"{m['streaming_correct']:>4}  alike {m['same']:>4}  McNemar p {m['p_value']:.2g}")
+    for share, pairs in result.get("plan_pairs", {}).items():
+        lines.append(f"\nplans at {float(share):.0%} full KV heads against each other (correct; right only in one; "
+                     "McNemar p)")
+        for pair in pairs:
+            cells = [f"{scope} {c['a_correct']}/{c['b_correct']} of {c['cases']}, {c['a_only']}/{c['b_only']} "
+                     f"p {c['p_value']:.2g}" for scope, c in pair.items() if scope not in ("a", "b")]
+            lines.append(f"  {pair['a']} vs {pair['b']}: " + "; ".join(cells))
     for share, c in result.get("choice", {}).get("by_full_share", {}).items():
         ranking = ", ".join(f"{x['method']} {x['accuracy']:.1%}" for x in c["ranking"])
         lines.append(f"chosen at {float(share):.0%} full KV heads on {result['choice']['folder']}: {c['chosen']} "

@@ -254,6 +254,19 @@ def test_the_report_combines_runs_and_chooses_each_shares_plan_on_disjoint_cases
     assert both["by_full_share"] == shared_report.choose(tmp_path / "train")["by_full_share"]
     cell = report["cells"]["300|all tasks"]["methods"]
     assert cell["head-wise tiny-early"]["vs_control"]["control"] == "4 sinks + window = bytes of 25% full, 2 + 24"
+    # the two plans of one share, against each other on the evaluation's cases, counted from its own lines
+    evaluated = [json.loads(x) for x in (tmp_path / "eval" / shared.FILE).read_text().splitlines()]
+    [pair] = report["plan_pairs"]["0.25"]
+    assert (pair["a"], pair["b"]) == ("head-wise tiny-early", "head-wise tiny-late")
+    for scope, task in (("all tasks", None), ("passkey", "passkey"), ("single-number", "single-number")):
+        rows = [r["methods"] for r in evaluated if task in (None, r["task"])]
+        a = [m["head-wise tiny-early"]["correct"] for m in rows]
+        b = [m["head-wise tiny-late"]["correct"] for m in rows]
+        assert pair[scope] == {"cases": len(rows), "a_correct": sum(a), "b_correct": sum(b),
+                               "a_only": sum(x and not y for x, y in zip(a, b, strict=True)),
+                               "b_only": sum(y and not x for x, y in zip(a, b, strict=True)),
+                               "p_value": mcnemar(a, b)["p_value"]}
+    assert "plans at 25% full KV heads against each other" in out.with_suffix(".txt").read_text()
 
 
 def test_the_cases_of_one_prompt_share_its_prefill_and_answer_as_alone(tmp_path: Path,
