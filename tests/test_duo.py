@@ -3,6 +3,7 @@ checkpoint, its settings."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 from typing import Any
@@ -208,3 +209,41 @@ def test_a_length_over_the_models_context_and_bad_gates_are_refused() -> None:
 def test_top_heads_and_the_command_lines_user_errors() -> None:
     assert duo.top_heads(np.array([[0.1, 0.9], [0.5, 0.9]]), 3) == [(0, 1, 0.9), (1, 1, 0.9), (1, 0, 0.5)]
     assert duo.main(["--steps", "0"]) == 2
+
+
+def test_averaged_gates_are_the_mean_of_the_steps_after_average_from_and_survive_a_stop(tmp_path: Path) -> None:
+    """The gates after each step, read from a run taken one step at a time (every step a checkpoint), against a
+    run of all steps averaging from step 2: its gates are the mean of steps 3-5, its plans are made from them, and a
+    run stopped after step 3 and resumed gives the same average."""
+    settings = duo.DuoSettings(steps=5, lr=0.1, l1=0.02, length=256, sinks=SINKS, window=WINDOW, every=1,
+                               tasks=("passkey",))
+    model = _model()
+    each = []
+    for k in range(1, 6):  # the plain run, step by step: no average
+        duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "plain", progress=False,
+                           steps=k)
+        each.append(np.array(json.loads((tmp_path / "plain" / "gates.json").read_text())["gates"]))
+    assert not np.allclose(each[2], each[4])  # the gates still move: a mean differs from the last
+    averaged, _ = duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, progress=False,
+                                     average_from=2)
+    np.testing.assert_allclose(averaged, np.mean(each[2:], axis=0), atol=1e-6, rtol=0)
+    # stopped after step 3 (one step averaged), resumed to 5
+    duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "avg", progress=False,
+                       steps=3, average_from=2)
+    saved = json.loads((tmp_path / "avg" / "gates.json").read_text())
+    assert saved["average"]["after"] == 2 and saved["average"]["steps"] == 1
+    resumed, _ = duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "avg",
+                                    progress=False, average_from=2)
+    np.testing.assert_allclose(resumed, averaged, atol=1e-6, rtol=0)
+    # a run past step 2 that did not average cannot average from 2; from its own step on it can (the plain run)
+    with pytest.raises(MultiheadError, match=r"is at step 5, past average_from 2, and did not average those steps"):
+        duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "plain", progress=False,
+                           steps=6, average_from=2)
+    more, _ = duo.optimise_gates(model, settings, tokenizer=TOK, text_ids=JARGON, out=tmp_path / "plain",
+                                 progress=False, steps=6, average_from=5)
+    np.testing.assert_allclose(more, json.loads((tmp_path / "plain" / "gates.json").read_text())["gates"], atol=1e-6)
+    plan = duo.plan_from_gates(model, averaged, 0.5, sinks=SINKS, window=WINDOW,
+                               settings=dataclasses.replace(settings, average_from=2))
+    assert "gates averaged over steps 3-5" in plan.method
+    with pytest.raises(MultiheadError, match=r"average_from \(5\) must be below the 5 steps"):
+        duo.DuoSettings(steps=5, average_from=5)

@@ -93,7 +93,15 @@ class DuoSettings:
     keys j <= p with j > p - window or j < sinks, :func:`~multihead.cache.sink_keep`): use the cache's own. ``lr``
     is AdamW's (DuoAttention: 0.02 over 2,000 steps; a few dozen steps need more), after ``warmup`` linear steps;
     ``init`` the gates' first value (1: every head full, as DuoAttention starts). A checkpoint every ``every`` steps
-    and at the end. Prompts of ``length`` tokens, the ``tasks`` and ``haystacks`` taking turns step by step."""
+    and at the end. Prompts of ``length`` tokens, the ``tasks`` and ``haystacks`` taking turns step by step.
+
+    ``average_from``: from this step on, the gates after every step are also averaged, and the average is what
+    :func:`optimise_gates` returns (0: the last step's gates). One sample a step at a constant learning rate leaves
+    the gates wandering around where they settle: on SmolLM2 (1,024 tokens, lr 0.05) a single step's 25% plan
+    differed from the step-400 one in 3-6 of 22 heads all along steps 40-400, while the mean gates over steps
+    200-300 and 300-400 made plans sharing 21 of 22 heads (``benchmarks/duo_settling.py``). Averaging does not
+    change the steps, so a checkpoint resumes under another ``average_from`` as long as no step it needs to
+    average has passed."""
 
     steps: int = 40
     lr: float = 0.05
@@ -107,9 +115,14 @@ class DuoSettings:
     warmup: int = 2
     init: float = 1.0
     every: int = 5
+    average_from: int = 0
 
     def __post_init__(self) -> None:
         _integer("steps", self.steps, 1)
+        _integer("average_from", self.average_from, 0)
+        if self.average_from >= self.steps:
+            raise MultiheadError(f"average_from ({self.average_from}) must be below the {self.steps} steps: the "
+                                 "gates are averaged over the steps after it (0: no average)")
         _integer("every", self.every, 1)
         _integer("warmup", self.warmup, 0)
         _integer("seed", self.seed, 0)
@@ -282,7 +295,8 @@ def optimise_gates(model: Any, settings: DuoSettings | None = None, *, tokenizer
                    text_ids: Sequence[int] | None = None, out: str | Path | None = None, progress: bool = True,
                    **changes: Any) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """Optimise one gate per KV head of ``model`` (weights frozen) as DuoAttention does; returns the gates
-    (n_layers, n_kv_heads) as a NumPy array and the history (per step: loss, distillation, mean gate, seconds).
+    (n_layers, n_kv_heads) as a NumPy array (the mean over the steps after ``average_from`` when it is set) and the
+    history (per step: loss, distillation, mean gate, seconds).
 
     ``settings`` (default :class:`DuoSettings`), with any of its fields changed by keyword
     (``optimise_gates(model, tokenizer=tok, steps=40, lr=0.05, l1=0.05, length=1024, sinks=4, window=256,
@@ -318,8 +332,9 @@ def optimise_gates(model: Any, settings: DuoSettings | None = None, *, tokenizer
     folder = Path(out) if out is not None else None
     first = 0
     history: list[dict[str, Any]] = []
+    average = Average(settings.average_from, torch.zeros(shape, dtype=torch.float64), 0)
     if folder is not None and (folder / "state.json").exists():
-        first, history = _load(folder, gates, optimizer, settings, shape)
+        first, history = _load(folder, gates, optimizer, settings, shape, average)
     bar = tqdm(range(first, settings.steps), desc="duo gates", unit="step", disable=not progress, initial=first,
                total=settings.steps)
     try:
@@ -336,17 +351,31 @@ def optimise_gates(model: Any, settings: DuoSettings | None = None, *, tokenizer
             optimizer.step()
             with torch.no_grad():
                 gates.clamp_(0.0, 1.0)
+                if settings.average_from and step + 1 > settings.average_from:
+                    average.total += gates.detach().to("cpu", torch.float64)
+                    average.steps += 1
             entry = {"step": step + 1, "loss": float(loss.detach()), "distill": float(distill.detach()),
                      "mean_gate": float(gates.detach().mean()), "sample": sample.id,
                      "seconds": round(time.perf_counter() - began, 3)}
             history.append(entry)
             bar.set_postfix(distill=f"{entry['distill']:.4f}", gate=f"{entry['mean_gate']:.3f}")
             if folder is not None and ((step + 1) % settings.every == 0 or step + 1 == settings.steps):
-                _save(folder, gates, optimizer, settings, shape, step + 1, history)
+                _save(folder, gates, optimizer, settings, shape, step + 1, history, average)
     finally:
         bar.close()
         net.train(was_training)
+    if average.steps:
+        return (average.total / average.steps).numpy().copy(), history
     return gates.detach().cpu().numpy().copy(), history
+
+
+@dataclass
+class Average:
+    """The running sum of the gates over the steps after ``after`` (``steps`` of them so far)."""
+
+    after: int
+    total: Tensor
+    steps: int
 
 
 def plan_from_gates(model: Any, gates: np.ndarray | Tensor, fraction: float, *, sinks: int, window: int,
@@ -364,6 +393,8 @@ def plan_from_gates(model: Any, gates: np.ndarray | Tensor, fraction: float, *, 
                              f"{engine.gate_shape()}")
     how = "" if settings is None else (f", {settings.steps} steps on {settings.length}-token prompts with "
                                        f"{settings.sinks} sinks + {settings.window}")
+    if settings is not None and settings.average_from:
+        how += f", gates averaged over steps {settings.average_from + 1}-{settings.steps}"
     method = (f"duo: DuoAttention-style gates per KV head (frozen weights, hidden-state distillation + L1 on passkey "
               f"prompts of the training split{how}); {engine.scored}")
     return HeadPlan.from_scores(arr.tolist(), fraction, sinks=sinks, window=window, model=engine.name,
@@ -393,7 +424,7 @@ def read_gates(path: str | Path) -> np.ndarray:
 
 # ------------------------------------------------------------------------------------------------------- checkpoint
 def _save(folder: Path, gates: nn.Parameter, optimizer: torch.optim.Optimizer, settings: DuoSettings,
-          shape: tuple[int, int], step: int, history: list[dict[str, Any]]) -> None:
+          shape: tuple[int, int], step: int, history: list[dict[str, Any]], average: Average) -> None:
     from safetensors.torch import save_file
 
     from multihead.files import atomic_path, write_text
@@ -404,25 +435,32 @@ def _save(folder: Path, gates: nn.Parameter, optimizer: torch.optim.Optimizer, s
     for key in ("exp_avg", "exp_avg_sq"):
         if key in state:
             tensors[key] = state[key].detach().cpu().contiguous()
+    if average.steps:
+        tensors["average_total"] = average.total.contiguous()
     with atomic_path(folder / "duo.safetensors") as partial:
         save_file(tensors, str(partial))
     adam_step = float(state["step"]) if "step" in state else 0.0
-    write_text(folder / "gates.json", json.dumps({"gates": gates.detach().cpu().tolist(), "settings": settings.stamp(),
-                                                  "shape": {"n_layers": shape[0], "n_kv_heads": shape[1]},
-                                                  "step": step}))
+    saved: dict[str, Any] = {"gates": gates.detach().cpu().tolist(), "settings": settings.stamp(),
+                             "shape": {"n_layers": shape[0], "n_kv_heads": shape[1]}, "step": step}
+    if average.steps:  # the steps averaged: after..after + steps
+        saved["average"] = {"after": average.after, "steps": average.steps,
+                            "gates": (average.total / average.steps).tolist()}
+    write_text(folder / "gates.json", json.dumps(saved))
     write_text(folder / "state.json", json.dumps({"step": step, "settings": settings.stamp(),
                                                   "shape": list(shape), "adam_step": adam_step,
-                                                  "history": history}))
+                                                  "history": history,
+                                                  "average": {"after": average.after, "steps": average.steps}}))
 
 
 def _load(folder: Path, gates: nn.Parameter, optimizer: torch.optim.Optimizer, settings: DuoSettings,
-          shape: tuple[int, int]) -> tuple[int, list[dict[str, Any]]]:
+          shape: tuple[int, int], average: Average) -> tuple[int, list[dict[str, Any]]]:
     from multihead.models.loaders import read_json, read_safetensors
 
     state = read_json(folder / "state.json")
     saved_settings = state.get("settings")
-    mine = {k: v for k, v in settings.stamp().items() if k != "steps"}
-    if not isinstance(saved_settings, dict) or {k: v for k, v in saved_settings.items() if k != "steps"} != mine:
+    free = ("steps", "average_from")  # neither changes a step: a run may go on with others
+    mine = {k: v for k, v in settings.stamp().items() if k not in free}
+    if not isinstance(saved_settings, dict) or {k: v for k, v in saved_settings.items() if k not in free} != mine:
         raise MultiheadError(f"the checkpoint in {folder} was made with other settings ({saved_settings}); "
                              f"rerun with the same ones ({settings.stamp()}, steps may grow) or use another folder")
     if state.get("shape") != list(shape):
@@ -445,6 +483,16 @@ def _load(folder: Path, gates: nn.Parameter, optimizer: torch.optim.Optimizer, s
         optimizer.state[gates] = {"step": torch.tensor(float(state.get("adam_step", step))),
                                   "exp_avg": tensors["exp_avg"].to(device).clone(),
                                   "exp_avg_sq": tensors["exp_avg_sq"].to(device).clone()}
+    if settings.average_from and step > settings.average_from:  # some steps to average have passed: were they?
+        kept = state.get("average")
+        ok = (isinstance(kept, dict) and kept.get("after") == settings.average_from
+              and kept.get("steps") == step - settings.average_from and "average_total" in tensors)
+        if not ok:
+            raise MultiheadError(f"the checkpoint in {folder} is at step {step}, past average_from "
+                                 f"{settings.average_from}, and did not average those steps: use average_from "
+                                 f"{step} or more (or the {settings.average_from} it was run with) or another folder")
+        average.total = tensors["average_total"].to(torch.float64).clone()
+        average.steps = step - settings.average_from
     history = state.get("history")
     return step, history if isinstance(history, list) else []
 
@@ -472,6 +520,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="out/duo", help="checkpoint folder, resumed when rerun (default out/duo)")
     for f in ("steps", "length", "sinks", "window", "seed", "warmup", "every"):
         parser.add_argument(f"--{f}", type=int, default=getattr(defaults, f))
+    parser.add_argument("--average-from", type=int, default=0, metavar="STEP",
+                        help="average the gates over the steps after STEP; the plans come from the average "
+                             "(default 0: from the last step's gates)")
     for f in ("lr", "l1", "init"):
         parser.add_argument(f"--{f}", type=float, default=getattr(defaults, f))
     parser.add_argument("--tasks", default=",".join(defaults.tasks), help="comma-separated one-needle tasks")
@@ -483,6 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             torch.set_num_threads(args.threads)
         settings = DuoSettings(steps=args.steps, lr=args.lr, l1=args.l1, length=args.length, sinks=args.sinks,
                                window=args.window, seed=args.seed, warmup=args.warmup, every=args.every,
+                               average_from=args.average_from,
                                init=args.init, tasks=tuple(t for t in args.tasks.split(",") if t))
         for budget in args.budget or ():
             if not 0.0 <= budget <= 1.0:
@@ -524,6 +576,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 __all__ = [
     "TRAIN_INDEX",
     "TRAIN_TASKS",
+    "Average",
     "DuoSettings",
     "Sample",
     "attention_layers",
