@@ -6,7 +6,9 @@ them to [0, 1], where Adam's last steps leave them a hair inside), and for each 
 full) how many of the plan's full heads the last snapshot's plan keeps too (``HeadPlan.from_scores``' top fraction,
 the rule that makes the plans) and the Spearman correlation of all the gates with the last ones. A run has
 settled, for a budget, when its plans stop changing: the overlap with the last plan reaches the plan's size a
-while before the end.
+while before the end. With ``--halves-after STEP`` it also averages the snapshots after STEP in two halves (by step)
+and says how many full heads the two halves' plans share: whether the *mean* gates have settled where single
+snapshots keep wandering (what ``python -m multihead.tradeoff.duo --average-from`` then makes the plans from).
 
     .venv/bin/python benchmarks/duo_settling.py out/duo-gates-snaps/step-*.json --budget 0.25 --budget 0.5 \\
         --json docs/experiments/duo-gates-1024-settling.json
@@ -91,6 +93,23 @@ def settling(snapshots: Sequence[tuple[int, np.ndarray]], budgets: Sequence[floa
     return {"last_step": last_step, "gates": int(last.size), "budgets": list(budgets), "snapshots": rows}
 
 
+def halves(snapshots: Sequence[tuple[int, np.ndarray]], budgets: Sequence[float], after: int) -> dict[str, Any]:
+    """The snapshots after step ``after``, by step, in two halves: each half's mean gates and, per budget, how many
+    full heads the two means' plans share."""
+    later = sorted((s for s in snapshots if s[0] > after), key=lambda s: s[0])
+    if len(later) < 2:
+        raise MultiheadError(f"{len(later)} snapshot(s) after step {after}: two halves need at least 2")
+    first, second = later[: len(later) // 2], later[len(later) // 2:]
+    means = [np.mean([g for _, g in half], axis=0) for half in (first, second)]
+    out: dict[str, Any] = {"after": after, "spearman": spearman(*means)}
+    for name, half in (("first", first), ("second", second)):
+        out[name] = {"snapshots": len(half), "steps": [half[0][0], half[-1][0]]}
+    for b in budgets:
+        a, c = full_heads(means[0], b), full_heads(means[1], b)
+        out[f"same_full_{b:g}"] = {"shared": len(a & c), "of": len(a)}
+    return out
+
+
 def table(result: dict[str, Any]) -> str:
     budgets = result["budgets"]
     head = ["step", "mean gate", "at 0", "at 1", "Spearman with last"] + [
@@ -110,6 +129,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--budget", type=float, action="append", default=None, metavar="FRACTION",
                    help="a share of KV heads kept full (repeatable; default 0.25 and 0.5)")
     p.add_argument("--every", type=int, default=1, help="keep every N-th snapshot in the table (the last always)")
+    p.add_argument("--halves-after", type=int, default=None, metavar="STEP",
+                   help="also the plans of the mean gates of the snapshots after STEP, first half against second")
     p.add_argument("--json", help="write the result here")
     args = p.parse_args(argv)
     budgets = args.budget or [0.25, 0.5]
@@ -119,13 +140,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise MultiheadError(f"--budget {b!r} must be a share of the KV heads in (0, 1)")
         if args.every < 1:
             raise MultiheadError(f"--every {args.every} must be at least 1")
-        result = settling([read_snapshot(Path(f)) for f in args.snapshots], budgets)
+        snaps = [read_snapshot(Path(f)) for f in args.snapshots]
+        result = settling(snaps, budgets)
+        if args.halves_after is not None:
+            result["halves"] = halves(snaps, budgets, args.halves_after)
     except MultiheadError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     rows = result["snapshots"]
     shown = dict(result, snapshots=[r for i, r in enumerate(rows) if i % args.every == 0 or i == len(rows) - 1])
     print(table(shown))
+    if "halves" in result:
+        h = result["halves"]
+        shared = ", ".join(f"{b:.0%} plan {h[f'same_full_{b:g}']['shared']} of {h[f'same_full_{b:g}']['of']}"
+                           for b in budgets)
+        print(f"mean gates of steps {h['first']['steps'][0]}-{h['first']['steps'][1]} ({h['first']['snapshots']} "
+              f"snapshots) against {h['second']['steps'][0]}-{h['second']['steps'][1]} ({h['second']['snapshots']}): "
+              f"{shared} full heads shared, Spearman {h['spearman']:.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
     return 0

@@ -55,3 +55,17 @@ def test_snapshots_of_different_runs_or_broken_files_are_refused(tmp_path: Path)
         ds.read_snapshot(bad)
     assert ds.main([str(bad)]) == 2
     assert ds.main([str(_snap(tmp_path, 2, np.zeros((3, 2)))), "--budget", "1.5"]) == 2
+
+
+def test_the_halves_after_a_step_are_averaged_apart_and_their_plans_compared() -> None:
+    rng = np.random.default_rng(5)
+    centre = rng.random((4, 3))
+    snaps = [(s, np.clip(centre + rng.normal(0, 0.05, centre.shape), 0, 1)) for s in range(2, 42, 2)]
+    h = ds.halves(snaps, [0.25, 0.5], after=20)
+    later = [g for s, g in snaps if s > 20]  # steps 22-40: 10 snapshots, 5 a half
+    assert (h["first"], h["second"]) == ({"snapshots": 5, "steps": [22, 30]}, {"snapshots": 5, "steps": [32, 40]})
+    for b in (0.25, 0.5):
+        a, c = ds.full_heads(np.mean(later[:5], axis=0), b), ds.full_heads(np.mean(later[5:], axis=0), b)
+        assert h[f"same_full_{b:g}"] == {"shared": len(a & c), "of": len(a)}
+    with pytest.raises(MultiheadError, match=r"1 snapshot\(s\) after step 38: two halves need at least 2"):
+        ds.halves(snaps, [0.5], after=38)
