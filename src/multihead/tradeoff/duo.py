@@ -97,9 +97,9 @@ class DuoSettings:
 
     ``average_from``: from this step on, the gates after every step are also averaged, and the average is what
     :func:`optimise_gates` returns (0: the last step's gates). One sample a step at a constant learning rate leaves
-    the gates wandering around where they settle: on SmolLM2 (1,024 tokens, lr 0.05) a single step's 25% plan
-    differed from the step-400 one in 3-6 of 22 heads all along steps 40-400, while the mean gates over steps
-    200-300 and 300-400 made plans sharing 21 of 22 heads (``benchmarks/duo_settling.py``). Averaging does not
+    the gates wandering around where they settle: on SmolLM2 (1,024 tokens, lr 0.05) the 25% plan of each
+    checkpoint from step 38 to 398 shared only 15-20 of its 22 full heads with step 400's, while the mean gates of
+    steps 202-300 and 302-400 made plans sharing 21 of 22 (``benchmarks/duo_settling.py``). Averaging does not
     change the steps, so a checkpoint resumes under another ``average_from`` as long as no step it needs to
     average has passed."""
 
