@@ -35,13 +35,18 @@
 #                 the KV heads (kvpress_longctx.py plan: smollm2-kvduo-25/50-plan.json, 4 sinks + 256), on train-4k's
 #                 cases and then test-4k's, those plans alone (the other methods are in train-4k and test-4k, on the
 #                 same case ids; shared_report combines the runs and --choose-on ranks every plan together).
-#   9. train-4k-duo1024, test-4k-duo1024   the plans of the gates trained by duo-gates (copied to
-#                 docs/experiments/smollm2-duo1024-25/50-plan.json) on train-4k's cases, to be ranked with the
-#                 others there, and then on test-4k's; those plans alone, as in step 8.
+#   9. train-4k-duo1024  the plans of duo-gates' step-400 gates (copied to
+#                 docs/experiments/smollm2-duo1024-25/50-plan.json) on train-4k's cases, those plans alone, ranked
+#                 with the others there.
+#  10. duo-gates-avg  the same gates trained on from step 400 to 600 in a copy of duo-gates' folder, averaged over
+#                 steps 401-600 (--average-from 400): single checkpoints' plans keep changing a few heads, the mean
+#                 gates' do not (benchmarks/duo_settling.py); plans copied to smollm2-duoavg-25/50-plan.json.
+#  11. train-4k-duoavg, test-4k-gates   the averaged gates' plans on train-4k's cases; then both gate runs' plans
+#                 (duo1024 and duoavg, 25% and 50%) on test-4k's cases, in one run.
 #
 # Usage:  bash benchmarks/shared_runs.sh [STEP ...]     (default: every step, in the order
 #         train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k train-4k-kvduo test-4k-kvduo duo-gates
-#         train-4k-duo1024 test-4k-duo1024: the short checks before the long 8k run)
+#         train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates: the short checks before the long 8k run)
 #         TRAIN=50 TEST=200 TEST8K=100 FP32=50 STREAM=10 KVPRESS=50 DUO_STEPS=400 ROOT=docs/experiments/shared-runs
 # The report: .venv/bin/python benchmarks/shared_report.py --runs $ROOT/test-4k --choose-on $ROOT/train-4k ...
 set -euo pipefail
@@ -82,7 +87,7 @@ step() {  # NAME FLAGS...: a shared-prefill run into $ROOT/NAME
 }
 
 chosen_plan() {  # the plan chosen at 50% of KV heads full on train-4k (and the plans run later on its cases)
-  "$PY" - "$ROOT/train-4k" "$ROOT/train-4k-kvduo" "$ROOT/train-4k-duo1024" <<'EOF'
+  "$PY" - "$ROOT/train-4k" "$ROOT/train-4k-kvduo" "$ROOT/train-4k-duo1024" "$ROOT/train-4k-duoavg" <<'EOF'
 import sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
@@ -102,13 +107,14 @@ kvduo_plans() {  # the plans of kvpress's duo pattern (made by the kvpress-4k st
   done
 }
 
-DUO1024=(--bits none --keep none --window-keep none --plan docs/experiments/smollm2-duo1024-25-plan.json
-         --plan docs/experiments/smollm2-duo1024-50-plan.json)
-duo1024_plans() {  # the plans duo-gates wrote when its last step was done
+PLANS_ONLY=(--bits none --keep none --window-keep none)
+DUO1024=(--plan docs/experiments/smollm2-duo1024-25-plan.json --plan docs/experiments/smollm2-duo1024-50-plan.json)
+DUOAVG=(--plan docs/experiments/smollm2-duoavg-25-plan.json --plan docs/experiments/smollm2-duoavg-50-plan.json)
+gate_plans() {  # FOLDER NAME: the plans a gate run wrote when its last step was done, as smollm2-NAME-<pct>-plan.json
   for pct in 25 50; do
-    local made="$ROOT/duo-gates-1024/plan-duo-$pct.json"
-    [ -f "$made" ] || { echo "no $made: run the duo-gates step to its end first" >&2; exit 1; }
-    local plan="docs/experiments/smollm2-duo1024-$pct-plan.json"
+    local made="$ROOT/$1/plan-duo-$pct.json"
+    [ -f "$made" ] || { echo "no $made: run the step that trains $1 to its end first" >&2; exit 1; }
+    local plan="docs/experiments/smollm2-$2-$pct-plan.json"
     [ -f "$plan" ] || cp "$made" "$plan"
   done
 }
@@ -132,7 +138,7 @@ kvpress_step() {
 mkdir -p "$ROOT"
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k train-4k-kvduo test-4k-kvduo
-                               duo-gates train-4k-duo1024 test-4k-duo1024)
+                               duo-gates train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates)
 for s in "${steps[@]}"; do
   case "$s" in
     # (train-4k was started with a plain window of 25% too, --window-keep 0.25, and resumes with it)
@@ -154,14 +160,25 @@ for s in "${steps[@]}"; do
                       --dtype bf16 "${KVDUO[@]}" ;;
     test-4k-kvduo) kvduo_plans; step test-4k-kvduo --lengths 4096 --split test --seed 0 --prompts "$TEST" \
                      --dtype bf16 "${KVDUO[@]}" ;;
-    train-4k-duo1024) duo1024_plans; step train-4k-duo1024 --lengths 4096 --split train --seed 1 \
-                        --prompts "$TRAIN" --dtype bf16 "${DUO1024[@]}" ;;
-    test-4k-duo1024) duo1024_plans; step test-4k-duo1024 --lengths 4096 --split test --seed 0 --prompts "$TEST" \
-                       --dtype bf16 "${DUO1024[@]}" ;;
+    train-4k-duo1024) gate_plans duo-gates-1024 duo1024; step train-4k-duo1024 --lengths 4096 --split train \
+                        --seed 1 --prompts "$TRAIN" --dtype bf16 "${PLANS_ONLY[@]}" "${DUO1024[@]}" ;;
+    duo-gates-avg) [ -d "$ROOT/duo-gates-1024-avg" ] || {
+                     [ -f "$ROOT/duo-gates-1024/plan-duo-50.json" ] || {
+                       echo "duo-gates has not run to its end: run it first" >&2; exit 1; }
+                     mkdir "$ROOT/duo-gates-1024-avg"
+                     cp "$ROOT"/duo-gates-1024/{state.json,duo.safetensors,gates.json} "$ROOT/duo-gates-1024-avg/"; }
+                   logged duo-gates-1024-avg "$PY" -m multihead.tradeoff.duo --steps $((DUO_STEPS + 200)) \
+                     --average-from "$DUO_STEPS" --length 1024 --sinks 4 --window 256 --every 2 --budget 0.25 \
+                     --budget 0.5 --out "$ROOT/duo-gates-1024-avg" ;;
+    train-4k-duoavg) gate_plans duo-gates-1024-avg duoavg; step train-4k-duoavg --lengths 4096 --split train \
+                       --seed 1 --prompts "$TRAIN" --dtype bf16 "${PLANS_ONLY[@]}" "${DUOAVG[@]}" ;;
+    test-4k-gates) gate_plans duo-gates-1024 duo1024; gate_plans duo-gates-1024-avg duoavg
+                   step test-4k-gates --lengths 4096 --split test --seed 0 --prompts "$TEST" --dtype bf16 \
+                     "${PLANS_ONLY[@]}" "${DUO1024[@]}" "${DUOAVG[@]}" ;;
     duo-gates) logged duo-gates-1024 "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 \
                  --window 256 --every 2 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" ;;
     *) echo "unknown step $s: choose from train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates" \
-         "train-4k-kvduo test-4k-kvduo train-4k-duo1024 test-4k-duo1024" >&2; exit 2 ;;
+         "train-4k-kvduo test-4k-kvduo train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates" >&2; exit 2 ;;
   esac
 done
 echo "== done: $(date -u +%FT%TZ)"
