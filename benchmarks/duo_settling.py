@@ -51,21 +51,11 @@ def full_heads(gates: np.ndarray, budget: float) -> set[tuple[int, int]]:
     return {(layer, head) for layer in range(n_layers) for head in range(n_kv) if plan.full[layer][head]}
 
 
-def _ranks(x: np.ndarray) -> np.ndarray:
-    order = np.argsort(x, kind="stable")
-    ranks = np.empty(len(x))
-    ranks[order] = np.arange(len(x))
-    for value in np.unique(x):  # ties share their mean rank
-        same = x == value
-        ranks[same] = ranks[same].mean()
-    return ranks
-
-
 def spearman(a: np.ndarray, b: np.ndarray) -> float:
-    ra, rb = _ranks(a.ravel()), _ranks(b.ravel())
-    if ra.std() == 0 or rb.std() == 0:
-        return float("nan")
-    return float(np.corrcoef(ra, rb)[0, 1])
+    """Spearman's rank correlation of all the gates (scipy's, as benchmarks/plan_labels.py uses)."""
+    from scipy import stats
+
+    return float(stats.spearmanr(a.ravel(), b.ravel()).statistic)
 
 
 def settling(snapshots: Sequence[tuple[int, np.ndarray]], budgets: Sequence[float]) -> dict[str, Any]:

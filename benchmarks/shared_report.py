@@ -36,7 +36,7 @@ from typing import Any
 
 from multihead.errors import MultiheadError
 from multihead.tradeoff.longctx import shared
-from multihead.tradeoff.longctx.methods import load_plan
+from multihead.tradeoff.longctx.methods import Method, load_plan
 
 
 def run_facts(folder: Path) -> dict[str, Any]:
@@ -53,6 +53,15 @@ def run_facts(folder: Path) -> dict[str, Any]:
             "throughput": shared.summary(records, methods)["throughput"] if records else None}
 
 
+def plans_by_share(methods: list[Method]) -> dict[str, list[Method]]:
+    """The head plans among ``methods`` by the share of KV heads they keep full (two decimals: "0.24", "0.50")."""
+    out: dict[str, list[Method]] = {}
+    for m in methods:
+        if m.plan is not None:
+            out.setdefault(f"{load_plan(m.plan).full_fraction:.2f}", []).append(m)
+    return out
+
+
 def choose(folders: Path | list[Path]) -> dict[str, Any]:
     """Per share of full KV heads, the plan that answers best on the run in ``folders`` (every task and length), or
     on several runs of the same cases (plans added later in a run of their own), over the cases all of them
@@ -62,14 +71,12 @@ def choose(folders: Path | list[Path]) -> dict[str, Any]:
     if not records:
         raise MultiheadError(f"{', '.join(map(str, runs))}: no case answered by every run to choose a plan on")
     by_share: dict[str, list[tuple[float, float, str, str]]] = {}
-    for m in methods:
-        if m.plan is None:
-            continue
-        share = f"{load_plan(m.plan).full_fraction:.2f}"
-        answers = [r["methods"][m.name] for r in records]
-        accuracy = sum(bool(a["correct"]) for a in answers) / len(answers)
-        logp = statistics.fmean(a["answer_logprob"] for a in answers)
-        by_share.setdefault(share, []).append((accuracy, logp, m.name, m.plan))
+    for share, plans in plans_by_share(methods).items():
+        for m in plans:
+            answers = [r["methods"][m.name] for r in records]
+            accuracy = sum(bool(a["correct"]) for a in answers) / len(answers)
+            logp = statistics.fmean(a["answer_logprob"] for a in answers)
+            by_share.setdefault(share, []).append((accuracy, logp, m.name, str(m.plan)))
     out = {}
     for share, plans in sorted(by_share.items()):
         ranked = sorted(plans, reverse=True)
@@ -78,19 +85,16 @@ def choose(folders: Path | list[Path]) -> dict[str, Any]:
     return {"folder": ", ".join(map(str, runs)), "cases": len(records), "by_full_share": out}
 
 
-def plan_pairs(records: list[dict[str, Any]], methods: list[Any]) -> dict[str, list[dict[str, Any]]]:
+def plan_pairs(records: list[dict[str, Any]], methods: list[Method]) -> dict[str, list[dict[str, Any]]]:
     """Per share of full KV heads (two decimals), every pair of plans of that share on the same ``records``: for all
-    tasks together and for each task, the cases, each plan's correct count, the cases only one of them got right and
-    McNemar's exact p."""
+    tasks together and for each task (pooled over lengths), the cases, each plan's correct count, the cases only one
+    of them got right and McNemar's exact p."""
     from multihead.tradeoff.longctx.stats import mcnemar
 
-    by_share: dict[str, list[str]] = {}
-    for m in methods:
-        if m.plan is not None:
-            by_share.setdefault(f"{load_plan(m.plan).full_fraction:.2f}", []).append(m.name)
     scopes = ["all tasks", *sorted({str(r["task"]) for r in records})]
     out: dict[str, list[dict[str, Any]]] = {}
-    for share, names in sorted(by_share.items()):
+    for share, plans in sorted(plans_by_share(methods).items()):
+        names = [m.name for m in plans]
         pairs = []
         for i, a in enumerate(names):
             for b in names[i + 1:]:

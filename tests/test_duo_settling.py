@@ -69,3 +69,15 @@ def test_the_halves_after_a_step_are_averaged_apart_and_their_plans_compared() -
         assert h[f"same_full_{b:g}"] == {"shared": len(a & c), "of": len(a)}
     with pytest.raises(MultiheadError, match=r"1 snapshot\(s\) after step 38: two halves need at least 2"):
         ds.halves(snaps, [0.5], after=38)
+
+
+
+def test_the_command_writes_the_table_and_the_halves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rng = np.random.default_rng(6)
+    paths = [_snap(tmp_path, s, rng.random((4, 3))) for s in (2, 4, 6, 8)]
+    out = tmp_path / "settling.json"
+    assert ds.main([*map(str, paths), "--halves-after", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mean gates of steps 4-4 (1 snapshots) against 6-8 (2)" in printed
+    saved = json.loads(out.read_text())
+    assert saved["halves"]["after"] == 2 and [r["step"] for r in saved["snapshots"]] == [2, 4, 6, 8]
