@@ -43,11 +43,16 @@
 #                 gates' do not (benchmarks/duo_settling.py); plans copied to smollm2-duoavg-25/50-plan.json.
 #  11. train-4k-duoavg, test-4k-gates   the averaged gates' plans on train-4k's cases; then both gate runs' plans
 #                 (duo1024 and duoavg, 25% and 50%) on test-4k's cases, in one run.
+#  12. test-8k-quarter  the plan chosen at 24% of the KV heads (duo1024, chosen after test-8k ran) at 8,144 tokens
+#                 on the first $QUARTER8K prompts a task of test-8k (the same case ids), with its uniform control
+#                 and the full cache (which test-8k also holds: the two runs' full caches must agree).
 #
 # Usage:  bash benchmarks/shared_runs.sh [STEP ...]     (default: every step, in the order
 #         train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k train-4k-kvduo test-4k-kvduo duo-gates
-#         train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates: the short checks before the long 8k run)
-#         TRAIN=50 TEST=200 TEST8K=100 FP32=50 STREAM=10 KVPRESS=50 DUO_STEPS=400 ROOT=docs/experiments/shared-runs
+#         train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates test-8k-quarter: the short checks before
+#         the long 8k run)
+#         TRAIN=50 TEST=200 TEST8K=100 FP32=50 STREAM=10 KVPRESS=50 DUO_STEPS=400 QUARTER8K=50
+#         ROOT=docs/experiments/shared-runs
 # The report: .venv/bin/python benchmarks/shared_report.py --runs $ROOT/test-4k --choose-on $ROOT/train-4k ...
 set -euo pipefail
 
@@ -57,6 +62,7 @@ ROOT="${ROOT:-docs/experiments/shared-runs}"
 TRAIN="${TRAIN:-50}"
 TEST="${TEST:-200}"
 TEST8K="${TEST8K:-100}"
+QUARTER8K="${QUARTER8K:-50}"
 FP32="${FP32:-50}"
 STREAM="${STREAM:-10}"
 KVPRESS="${KVPRESS:-50}"
@@ -138,7 +144,8 @@ kvpress_step() {
 mkdir -p "$ROOT"
 steps=("$@")
 [ ${#steps[@]} -gt 0 ] || steps=(train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k train-4k-kvduo test-4k-kvduo
-                               duo-gates train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates)
+                               duo-gates train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates
+                               test-8k-quarter)
 for s in "${steps[@]}"; do
   case "$s" in
     # (train-4k was started with a plain window of 25% too, --window-keep 0.25, and resumes with it)
@@ -175,10 +182,14 @@ for s in "${steps[@]}"; do
     test-4k-gates) gate_plans duo-gates-1024 duo1024; gate_plans duo-gates-1024-avg duoavg
                    step test-4k-gates --lengths 4096 --split test --seed 0 --prompts "$TEST" --dtype bf16 \
                      "${PLANS_ONLY[@]}" "${DUO1024[@]}" "${DUOAVG[@]}" ;;
+    test-8k-quarter) gate_plans duo-gates-1024 duo1024
+                     step test-8k-quarter --lengths 8144 --split test --seed 0 --prompts "$QUARTER8K" --dtype bf16 \
+                       "${PLANS_ONLY[@]}" --plan docs/experiments/smollm2-duo1024-25-plan.json ;;
     duo-gates) logged duo-gates-1024 "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 \
                  --window 256 --every 2 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" ;;
     *) echo "unknown step $s: choose from train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates" \
-         "train-4k-kvduo test-4k-kvduo train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates" >&2; exit 2 ;;
+         "train-4k-kvduo test-4k-kvduo train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates" \
+         "test-8k-quarter" >&2; exit 2 ;;
   esac
 done
 echo "== done: $(date -u +%FT%TZ)"
