@@ -43,14 +43,13 @@
 #                 gates' do not (benchmarks/duo_settling.py); plans copied to smollm2-duoavg-25/50-plan.json.
 #  11. train-4k-duoavg, test-4k-gates   the averaged gates' plans on train-4k's cases; then both gate runs' plans
 #                 (duo1024 and duoavg, 25% and 50%) on test-4k's cases, in one run.
-#  12. test-8k-quarter  the plan chosen at 24% of the KV heads (duo1024, chosen after test-8k ran) at 8,144 tokens
-#                 on the first $QUARTER8K prompts a task of test-8k (the same case ids), with its uniform control
-#                 and the full cache (which test-8k also holds: the two runs' full caches must agree).
+#  12. test-8k-quarter  the plan chosen at 24% of the KV heads on train-4k (duo1024, chosen after test-8k ran) at
+#                 8,144 tokens on the first $QUARTER8K prompts a task of test-8k (the same case ids), with its uniform
+#                 control and the full cache (test-8k's too: shared_report reports how often the two agree).
 #
 # Usage:  bash benchmarks/shared_runs.sh [STEP ...]     (default: every step, in the order
 #         train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k train-4k-kvduo test-4k-kvduo duo-gates
-#         train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates test-8k-quarter: the short checks before
-#         the long 8k run)
+#         train-4k-duo1024 duo-gates-avg train-4k-duoavg test-4k-gates test-8k-quarter)
 #         TRAIN=50 TEST=200 TEST8K=100 FP32=50 STREAM=10 KVPRESS=50 DUO_STEPS=400 QUARTER8K=50
 #         ROOT=docs/experiments/shared-runs
 # The report: .venv/bin/python benchmarks/shared_report.py --runs $ROOT/test-4k --choose-on $ROOT/train-4k ...
@@ -92,18 +91,20 @@ step() {  # NAME FLAGS...: a shared-prefill run into $ROOT/NAME
   logged "$name" "$MH" "${COMMON[@]}" --out "$ROOT/$name" "$@"
 }
 
-chosen_plan() {  # the plan chosen at 50% of KV heads full on train-4k (and the plans run later on its cases)
-  "$PY" - "$ROOT/train-4k" "$ROOT/train-4k-kvduo" "$ROOT/train-4k-duo1024" "$ROOT/train-4k-duoavg" <<'EOF'
+chosen_plan() {  # SHARE ("0.50", "0.24"): the plan chosen at that share of KV heads full on train-4k (and the plans
+  # run later on its cases)
+  "$PY" - "$1" "$ROOT/train-4k" "$ROOT/train-4k-kvduo" "$ROOT/train-4k-duo1024" "$ROOT/train-4k-duoavg" <<'EOF'
 import sys
 from pathlib import Path
 sys.path.insert(0, "benchmarks")
 from shared_report import choose
-runs = [Path(f) for f in sys.argv[1:] if (Path(f) / "shared-settings.json").is_file()]
-print(choose(runs)["by_full_share"]["0.50"]["plan"])
+runs = [Path(f) for f in sys.argv[2:] if (Path(f) / "shared-settings.json").is_file()]
+print(choose(runs)["by_full_share"][sys.argv[1]]["plan"])
 EOF
 }
 
-KVDUO=(--bits none --keep none --window-keep none --plan docs/experiments/smollm2-kvduo-25-plan.json
+PLANS_ONLY=(--bits none --keep none --window-keep none)
+KVDUO=("${PLANS_ONLY[@]}" --plan docs/experiments/smollm2-kvduo-25-plan.json
        --plan docs/experiments/smollm2-kvduo-50-plan.json)
 kvduo_plans() {  # the plans of kvpress's duo pattern (made by the kvpress-4k step, kept in docs/experiments)
   for pct in 25 50; do
@@ -113,7 +114,6 @@ kvduo_plans() {  # the plans of kvpress's duo pattern (made by the kvpress-4k st
   done
 }
 
-PLANS_ONLY=(--bits none --keep none --window-keep none)
 DUO1024=(--plan docs/experiments/smollm2-duo1024-25-plan.json --plan docs/experiments/smollm2-duo1024-50-plan.json)
 DUOAVG=(--plan docs/experiments/smollm2-duoavg-25-plan.json --plan docs/experiments/smollm2-duoavg-50-plan.json)
 gate_plans() {  # FOLDER NAME: the plans a gate run wrote when its last step was done, as smollm2-NAME-<pct>-plan.json
@@ -153,7 +153,7 @@ for s in "${steps[@]}"; do
                 --keep 0.5,0.25 --window-keep 0.25 "${PLANS[@]}" ;;
     test-4k)  step test-4k --lengths 4096 --split test --seed 0 --prompts "$TEST" --dtype bf16 "${METHODS[@]}" \
                 "${PLANS[@]}" ;;
-    test-8k)  best="$(chosen_plan)"; echo "plan chosen on train-4k at 50%: $best"
+    test-8k)  best="$(chosen_plan 0.50)"; echo "plan chosen on train-4k at 50%: $best"
               step test-8k --lengths 8144 --split test --seed 0 --prompts "$TEST8K" --dtype bf16 --bits 4 \
                 --keep 0.5 --window-keep none --plan "$best" ;;
     fp32-4k)  step fp32-4k --lengths 4096 --split test --seed 0 --prompts "$FP32" --dtype fp32 --bits 4 --keep 0.5 \
@@ -182,9 +182,10 @@ for s in "${steps[@]}"; do
     test-4k-gates) gate_plans duo-gates-1024 duo1024; gate_plans duo-gates-1024-avg duoavg
                    step test-4k-gates --lengths 4096 --split test --seed 0 --prompts "$TEST" --dtype bf16 \
                      "${PLANS_ONLY[@]}" "${DUO1024[@]}" "${DUOAVG[@]}" ;;
-    test-8k-quarter) gate_plans duo-gates-1024 duo1024
+    test-8k-quarter) gate_plans duo-gates-1024 duo1024; gate_plans duo-gates-1024-avg duoavg
+                     quarter="$(chosen_plan 0.24)"; echo "plan chosen on train-4k at 24%: $quarter"
                      step test-8k-quarter --lengths 8144 --split test --seed 0 --prompts "$QUARTER8K" --dtype bf16 \
-                       "${PLANS_ONLY[@]}" --plan docs/experiments/smollm2-duo1024-25-plan.json ;;
+                       "${PLANS_ONLY[@]}" --plan "$quarter" ;;
     duo-gates) logged duo-gates-1024 "$PY" -m multihead.tradeoff.duo --steps "$DUO_STEPS" --length 1024 --sinks 4 \
                  --window 256 --every 2 --budget 0.25 --budget 0.5 --out "$ROOT/duo-gates-1024" ;;
     *) echo "unknown step $s: choose from train-4k test-4k fp32-4k stream-4k test-8k kvpress-4k duo-gates" \

@@ -71,7 +71,6 @@ def test_the_halves_after_a_step_are_averaged_apart_and_their_plans_compared() -
         ds.halves(snaps, [0.5], after=38)
 
 
-
 def test_the_command_writes_the_table_and_the_halves(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     rng = np.random.default_rng(6)
     paths = [_snap(tmp_path, s, rng.random((4, 3))) for s in (2, 4, 6, 8)]
