@@ -141,6 +141,44 @@ def test_cost_commands_report_bad_input_in_one_line(argv: list[str], message: st
     assert re.search(message, err), err
 
 
+def _preset_names() -> tuple[str, ...]:
+    from multihead.presets import PRESET_NAMES
+
+    return PRESET_NAMES
+
+
+@pytest.mark.parametrize("name", _preset_names())
+def test_count_compare_and_shapes_run_on_every_preset(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 52 item 1: `shapes --preset` on a sliding-window preset (mistral-7b, gpt-oss, gemma-3, ministral) walked a
+    non-causal layer and exited 2 advising causal=True, a flag the command does not have. Every preset now runs
+    through count, compare and shapes; the walk's shapes are the preset's own head counts and widths."""
+    from multihead.presets import preset
+
+    model = preset(name)
+    seq = min(16, model.max_context or 16)
+    assert main(["count", "--preset", name, "--device-memory", "80GB", "--json"]) == 0
+    assert main(["compare", "--preset", name, "--no-plot", "--device-memory", "80GB", "--json"]) == 0
+    capsys.readouterr()
+    walk = _json(["shapes", "--preset", name, "--seq", str(seq)], capsys)
+    if model.mla is not None:
+        assert walk["variant"] == "MLA"
+        return
+    a = model.attention
+    shapes = {s["step"]: tuple(s["shape"]) for s in walk["steps"]}
+    assert shapes["q_heads"] == (1, a.n_heads, seq, a.head_dim)
+    assert shapes["k_heads"] == shapes["v_heads"] == (1, a.n_kv_heads, seq, a.head_dim)
+    assert shapes["weights"] == (1, a.n_heads, seq, seq)
+    assert shapes["output"] == (1, seq, a.d_model)
+
+
+def test_shapes_of_a_sliding_window_preset_says_its_window(capsys: pytest.CaptureFixture[str]) -> None:
+    from multihead.presets import preset
+
+    assert main(["shapes", "--preset", "mistral-7b", "--seq", "8"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"causal sliding window {preset('mistral-7b').attention.window}" in first, first
+
+
 def test_presets_lists_them_all(capsys: pytest.CaptureFixture[str]) -> None:
     from multihead.presets import PRESET_NAMES
 

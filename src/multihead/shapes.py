@@ -66,8 +66,11 @@ def _check_size(batch: int, seq: int, widths: list[int]) -> None:
                              "`multihead count` for the arithmetic of sizes this large")
 
 
-def shape_walk(config: AttentionConfig, *, batch: int = 1, seq: int = 128) -> ShapeWalk:
+def shape_walk(config: AttentionConfig, *, batch: int = 1, seq: int = 128, causal: bool | None = None) -> ShapeWalk:
     """Run ``config``'s layer on the meta device (no memory, no arithmetic) and record each step's shape.
+
+    ``causal``: walk the causal layer (the shapes are the same; a sliding window is causal by definition, so a
+    config with a window walks causally unless told otherwise; None: causal exactly when the config has a window).
 
     The attention core's steps are read at its hook points (q, k, v, pattern, z, out); the projections' outputs and
     the merged heads by forward hooks on the four linear layers.
@@ -99,7 +102,7 @@ def shape_walk(config: AttentionConfig, *, batch: int = 1, seq: int = 128) -> Sh
     record("input", x)
     try:
         with torch.no_grad():
-            layer(x)
+            layer(x, causal=config.window is not None if causal is None else causal)
     finally:
         for handle in handles:
             handle.remove()

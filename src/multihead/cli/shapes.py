@@ -40,6 +40,7 @@ def run(args: argparse.Namespace) -> int:
     from multihead.shapes import shape_walk
 
     mla: MLAConfig | None = None
+    causal: bool | None = None
     if args.preset is not None:
         if args.d_model is not None or args.heads is not None or args.kv_lora_rank is not None:
             raise CliError("give --preset or the sizes (--d-model, --heads, ...), not both")
@@ -49,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
         from multihead.sizing import check_seq
 
         check_seq(model, args.seq)  # as count and compare: a --seq past the model's own context is refused
-        config, mla = model.attention, model.mla
+        config, mla, causal = model.attention, model.mla, model.causal
     else:
         if args.d_model is None or args.heads is None:
             raise CliError("give --d-model and --heads (or --preset NAME)")
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
                                  head_dim=args.head_dim, bias=args.bias)
     if mla is not None:
         return _mla_walk(mla, args)
-    walk = shape_walk(config, batch=args.batch, seq=args.seq)
+    walk = shape_walk(config, batch=args.batch, seq=args.seq, causal=causal)
     if args.json:
         print(json.dumps({
             "config": config.to_dict(), "variant": config.variant, "batch": walk.batch, "seq": walk.seq,
@@ -74,6 +75,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"d_model {c.d_model}, n_heads {c.n_heads}, n_kv_heads {c.n_kv_heads} ({c.variant}), "
           f"d_k = head_dim = {c.head_dim}"
           + ("" if args.head_dim or c.head_dim != c.d_model // c.n_heads else f" (= {c.d_model} / {c.n_heads})")
+          + (f", causal sliding window {c.window}" if c.window is not None else "")
           + f", batch {walk.batch}, seq {walk.seq}")
     _print_steps(walk.steps, walk.parameters, walk.total_parameters)
     return 0
