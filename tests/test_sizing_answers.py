@@ -315,3 +315,43 @@ def test_the_kv_cache_alone_never_answers_past_the_models_context(preset_name: s
     line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("context that fits in 24.0 GiB"))
     assert f"{limit:,} tokens (KV cache alone" in line
     assert f"the model's own context binds: the memory alone would hold {r['max_context_by_memory']:,}" in line
+
+
+# ---------------------------------------------------------------------------------------------- issue 52 item 2
+def _row(out: str, start: str) -> str:
+    return next(line for line in out.splitlines() if line.startswith(start))
+
+
+@pytest.mark.parametrize(("name", "flags"), [("deepseek-v2-lite", ["--device-memory", "80GiB"]),
+                                              ("deepseek-v3", ["--hardware", "h200", "--tp", "8"])])
+def test_mla_count_says_each_caches_own_context(name: str, flags: list[str],
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 52 item 2: the "as plain MHA" line printed a context past the model's own 163,840 beside "the model's own
+    context binds", or the latent cache's memory answer as its own; and `--cache full` was labelled full while the
+    latent was counted. Each line is checked against its cache's bytes per token, counted here from the published
+    config: MHA's K and V (2 x heads x v_head_dim a layer), the latent (kv_lora_rank + qk_rope_head_dim a layer)."""
+    from multihead.hardware import hardware
+    from multihead.presets import published
+
+    _, cfg = published(name)
+    memory = 80 * 2**30 if "--device-memory" in flags else hardware("h200").memory
+    limit, layers = cfg["max_position_embeddings"], cfg["num_hidden_layers"]
+    mha = memory // (layers * 2 * cfg["num_attention_heads"] * cfg["v_head_dim"] * 2)  # bf16
+    latent = memory // (layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2)
+    argv = ["count", "--preset", name, "--seq", "4096", *flags]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    mha_line, latent_line = _row(out, "context that fits in"), _row(out, "context in ")
+    assert f"{min(mha, limit):,} tokens (KV cache alone, full cache" in mha_line, mha_line
+    assert (f"the memory alone would hold {mha:,}" in mha_line) == (mha > limit), mha_line
+    assert f"{latent:,}" not in mha_line
+    assert f"{min(latent, limit):,} tokens (latent cache alone" in latent_line, latent_line
+    assert (f"the memory alone would hold {latent:,}" in latent_line) == (latent > limit), latent_line
+    assert "KV cache (latent: MLA's full cache, bf16)" in _row(out, "counted")
+    assert "KV cache (full," not in out
+    assert main([*argv, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["whole_model"]["cache"] == r["cache"] == "latent" and r["as_mha"]["cache"] == "full"
+    assert r["as_mha"]["max_context_in_device_memory"] == min(mha, limit)
+    assert r["as_mha"]["max_context_by_memory"] == mha
+    assert r["whole_model"]["kv_bytes"] == layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2 * 4096

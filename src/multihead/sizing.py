@@ -443,13 +443,22 @@ class FitModel:
     reserve: int = 0
     shard_embeddings: bool = False
 
-    def describe(self, seq: int) -> str:
+    def describe(self, seq: int, *, latent: bool = False) -> str:
+        """What is counted, in words; ``latent``: the model is MLA, whose full cache is its latent (so said)."""
         chunk = seq if self.prefill_chunk is None else min(seq, self.prefill_chunk)
-        return (f"weights ({self.weights_dtype}) + KV cache ({self.cache}, {self.dtype}) + activations of a prefill "
+        kind = "latent: MLA's full cache" if cache_label(self.cache, latent=latent) == "latent" else self.cache
+        return (f"weights ({self.weights_dtype}) + KV cache ({kind}, {self.dtype}) "
+                "+ activations of a prefill "
                 f"of {chunk:,} tokens ({activation_dtype(self.dtype)})"
                 + (f" + a reserve of {self.reserve:,} B" if self.reserve else "")
                 + (f", over {self.tp} devices" if self.tp > 1 else "")
                 + ("; embeddings and LM head sharded by vocabulary" if self.shard_embeddings and self.tp > 1 else ""))
+
+
+def cache_label(cache: str, *, latent: bool = False) -> str:
+    """The cache kind counted: an MLA model's full cache is its latent (kv_lora_rank + the shared RoPE key per token
+    and layer; :func:`kv_bytes` counts "full" and "latent" alike for one), so it is called that."""
+    return "latent" if latent and cache == "full" else cache
 
 
 def replicated_parts(size: ModelSize, *, shard_embeddings: bool = False) -> list[str]:
@@ -657,7 +666,8 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
     out: dict[str, Any] = {
         "total_parameters": size.total, "active_parameters": size.active, "parameters_by_part": size.parts,
         "tied_embeddings": size.tied, "notes": list(size.notes), "weights_dtype": weights_dtype, "tp": tp,
-        "cache": cache, "counted": fitting.describe(seq), "activation_dtype": activation_dtype(dtype),
+        "cache": cache_label(cache, latent=model.mla is not None),
+        "counted": fitting.describe(seq, latent=model.mla is not None), "activation_dtype": activation_dtype(dtype),
         "prefill_chunk": seq if prefill_chunk is None else min(seq, prefill_chunk), "reserve_bytes": reserve,
         "shard_embeddings": shard_embeddings, "layer_kinds": cost.layers_summary(model.layers()),
         "context_limit": context_limit(model),
@@ -733,7 +743,7 @@ def attention_report(model: ModelConfig, *, seq: int, batch: int, dtype: str, ca
             "mla": mla,
         })
     r["model"] = model.name
-    r["cache"] = cache
+    r["cache"] = cache_label(cache, latent=model.mla is not None)
     r["kv_cache_bytes_as_cached"] = kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)
     if memory is not None:
         # never past the model's own context (the rule of check_seq): the memory's answer, capped, and which binds
@@ -741,12 +751,18 @@ def attention_report(model: ModelConfig, *, seq: int, batch: int, dtype: str, ca
         limit = context_limit(model)
         r["device_memory_bytes"] = memory
         r["context_limit"] = limit
-        r["max_context_in_device_memory"] = (by_memory if limit is None else limit if by_memory is None
-                                             else min(by_memory, limit))
-        r["context_limit_binds"] = limit is not None and (by_memory is None or by_memory > limit)
-        r["max_context_by_memory"] = by_memory  # the memory's own answer (None: any), past the limit or not
-        if model.mla is not None:
+        r.update(_capped(by_memory, limit))
+        if model.mla is not None:  # the same heads as plain MHA: their own full cache's answer, capped the same way
             r["mla"]["max_context_in_device_memory"] = r["max_context_in_device_memory"]
-            r["as_mha"]["max_context_in_device_memory"] = cost.max_context(
-                a, memory_bytes=memory, batch=batch, n_layers=model.n_layers, dtype=dtype)
+            r["as_mha"]["cache"] = "full"
+            r["as_mha"].update(_capped(cost.max_context(a, memory_bytes=memory, batch=batch, n_layers=model.n_layers,
+                                                        dtype=dtype), limit))
     return r
+
+
+def _capped(by_memory: int | None, limit: int | None) -> dict[str, Any]:
+    """The memory's answer (None: any context) capped at the model's own context, and whether that cap binds."""
+    return {"max_context_in_device_memory": (by_memory if limit is None else limit if by_memory is None
+                                             else min(by_memory, limit)),
+            "context_limit_binds": limit is not None and (by_memory is None or by_memory > limit),
+            "max_context_by_memory": by_memory}  # the memory's own answer (None: any), past the limit or not

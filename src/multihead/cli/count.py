@@ -75,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     if whole is not None:
         print("attention alone:")
     if model.mla is not None:
-        _print_mla(model, r["mla"], args)
+        _print_mla(model, {**r["mla"], **{k: r[k] for k in ("context_limit_binds", "max_context_by_memory")
+                                          if k in r}}, args)
         _print_attention(model, {**r, **r["as_mha"]}, args, is_causal)
     else:
         _print_attention(model, r, args, is_causal)
@@ -114,7 +115,7 @@ def _print_attention(model: Any, r: dict[str, Any], args: argparse.Namespace, is
         fit = r["max_context_in_device_memory"]
         rows.append((f"context that fits in {format_bytes(memory)}",
                      "any (the windows cap the cache)" if fit is None else
-                     f"{fit:,} tokens (KV cache alone, {args.cache} cache in {args.dtype}"
+                     f"{fit:,} tokens (KV cache alone, {r['cache']} cache in {args.dtype}"
                      + ("; the model's own context binds: the memory alone would hold "
                         + ("any" if r["max_context_by_memory"] is None else f"{r['max_context_by_memory']:,}")
                         if r["context_limit_binds"] else "") + ")"))
@@ -147,8 +148,10 @@ def _print_mla(model: Any, m: dict[str, Any], args: argparse.Namespace) -> None:
     print(f"{'decode step after ' + str(args.seq):<28}  absorbed {format_count(m['decode_flops_absorbed'], 'FLOP')}"
           f", expanded {format_count(m['decode_flops_expanded'], 'FLOP')} per layer")
     if args.device_memory is not None:
+        binds = (f"; the model's own context binds: the memory alone would hold {m['max_context_by_memory']:,}"
+                 if m["context_limit_binds"] else "")
         print(f"{'context in ' + format_bytes(args.device_memory):<28}  {m['max_context_in_device_memory']:,} tokens "
-              "(latent cache alone)")
+              f"(latent cache alone{binds})")
     print(f"as plain MHA with the same heads (head_dim = v_head_dim {mla.v_head_dim}):")
 
 
