@@ -105,7 +105,7 @@ def test_bad_caches_are_refused_by_name() -> None:
     with torch.no_grad():
         model(torch.zeros(1, 4, dtype=torch.long), cache=full)
     full.advance(4)
-    with pytest.raises(MultiheadError, match="reads a full KVCache, not a SinkCache"):
+    with pytest.raises(MultiheadError, match=r"reads a full cache \(a KVCache, or a HybridCache .*\), not a SinkCache"):
         compress(SinkCache(batch=1, n_kv_heads=2, head_dim=16, window=4, n_layers=2), full)
     busy = model.new_cache(1, window=4)
     with torch.no_grad():

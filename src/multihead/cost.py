@@ -270,10 +270,17 @@ def quantized_cache_bytes(config: AttentionConfig, *, context: int, bits: int, g
     """A KV cache quantized to ``bits`` bits (:class:`multihead.cache.QuantizedKVCache`) holding ``context``
     tokens, per KV head of each layer and sequence::
 
-        codes          2 * context * d * bits / 8
-        key scales     2 * ceil(context / group) * d * 2      (float16 scale and minimum per channel per token group)
-        value scales   2 * context * (d / group) * 2          (float16 scale and minimum per token per channel group)
+        codes          2 * rows * d * bits / 8                rows = context (a sliding layer: its ring's)
+        key scales     2 * ceil(rows / group) * d * 2         (float16 scale and minimum per channel per token group)
+        value scales   2 * rows * (d / group) * 2             (float16 scale and minimum per token per channel group)
         residual       2 * (residual + group) * d * bytes(dtype)   (the newest tokens, in full precision)
+
+    A layer of ``config.window`` W (a sliding layer) keeps its codes in a ring of whole groups that covers the W - 1
+    keys it can see beside the residual: rows = group * min(ceil(context / group), ceil((W - 1 - residual) /
+    group)), so its bytes stop growing at the window (:func:`multihead.cache.quantized.ring_groups`); where that
+    is no smaller than the window itself in full precision (2 * min(context, W - 1) * d * bytes(dtype): a window
+    within KIVI's full-precision residual, as gpt-oss's 128), the layer keeps the window in full precision, as
+    :func:`multihead.hfcache.new_cache` builds it.
     """
     _attention(config, "quantized_cache_bytes")
     _check_sizes(context=context, bits=bits, group=group, residual=residual, batch=batch, n_layers=n_layers)
@@ -282,10 +289,18 @@ def quantized_cache_bytes(config: AttentionConfig, *, context: int, bits: int, g
         raise MultiheadError(f"bits ({bits}) is not a supported cache width: choose one of 2, 4, 8")
     if group < 1 or d % group:
         raise MultiheadError(f"group ({group}) must divide head_dim ({d})")
-    codes = 2 * context * d * bits // 8
-    scales = 2 * -(-context // group) * d * 2 + 2 * context * (d // group) * 2
+    groups = -(-context // group)
+    rows = context
+    if config.window is not None:
+        groups = min(groups, max(0, -(-(config.window - 1 - residual) // group)))
+        rows = groups * group
+    codes = 2 * rows * d * bits // 8
+    scales = 2 * groups * d * 2 + 2 * rows * (d // group) * 2
     full = 2 * (residual + group) * d * dtype_bytes(dtype)
-    return (codes + scales + full) * g * batch * n_layers
+    per_head = codes + scales + full
+    if config.window is not None:
+        per_head = min(per_head, 2 * min(context, config.window - 1) * d * dtype_bytes(dtype))
+    return per_head * g * batch * n_layers
 
 
 def max_context(
@@ -650,7 +665,8 @@ def headwise_cache_bytes(plan: PlanShape, *, batch: int, max_len: int, dtype: st
 
     F_l and S_l are layer l's full and streaming KV heads. In a sliding layer of window W_l (``windows``: each
     layer's own, None for a global one) a full head holds W_l - 1 tokens and a streaming one sinks + min(window, W_l)
-    - 1. ``dtype`` a name (bf16, fp32, ...; ``str(torch dtype)`` works too)."""
+    - 1; no ring holds more than max_len (a run shorter than the ring). ``dtype`` a name (bf16, fp32, ...;
+    ``str(torch dtype)`` works too)."""
     _check_sizes(batch=batch, max_len=max_len)
     d = plan.shape[3]
     layer_windows = [None] * plan.n_layers if windows is None else list(windows)
@@ -658,6 +674,6 @@ def headwise_cache_bytes(plan: PlanShape, *, batch: int, max_len: int, dtype: st
     for row, w in zip(plan.full, layer_windows, strict=True):
         full = sum(row)
         streaming = len(row) - full
-        tokens += full * (max_len if w is None else w - 1)
-        tokens += streaming * (plan.sinks + (plan.window if w is None else min(plan.window, w)) - 1)
+        tokens += full * (max_len if w is None else min(w - 1, max_len))
+        tokens += streaming * min(plan.sinks + (plan.window if w is None else min(plan.window, w)) - 1, max_len)
     return 2 * batch * d * dtype_bytes(dtype) * tokens

@@ -17,10 +17,12 @@ streaming heads' other keys never stored) and the view it returns (:mod:`multihe
 when the first layer updates and commits (``advance``) after the last, so a forward pass is one cache step, a prefill
 or a decode step alike.
 
-Sliding-window layers (Gemma 2 and 3, Mistral) keep their window: every kind attends within the layer's own window
-(sinks included: a key past it is not seen), and a head-wise cache stores a sliding layer's full heads as a ring
-of that window and its streaming heads as sinks + the smaller of the two windows (the full and quantized kinds
-store every key of every layer, as written).
+Sliding-window layers (Gemma 2 and 3, Mistral, gpt-oss) keep their window: every kind attends within the layer's
+own window (sinks included: a key past it is not seen) and stores only what the layer can see. The full kind keeps
+a sliding layer's last ``window - 1`` keys in a ring (a :class:`~multihead.cache.HybridCache` of one part per
+window), the quantized kind a ring of code groups, the sinks + window kind no more than the layer's window, and a
+head-wise cache a sliding layer's full heads as a ring of that window and its streaming heads as sinks + the smaller
+of the two windows: ``bytes`` equals transformers' DynamicCache after the same tokens.
 
 The sequences of a batch hold one length (the kinds that evict and quantize hold one; a padded batch is refused, not
 silently mis-masked). Beam search, assisted decoding (``crop``) and ``num_return_sequences > 1`` change a cache in
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from multihead.cache import Cache, HeadPlan, HeadwiseCache, KVCache, QuantizedKVCache, SinkCache
+from multihead.cache import Cache, HeadPlan, HeadwiseCache, HybridCache, KVCache, QuantizedKVCache, SinkCache
 from multihead.cache.view import DenseKV, KVView
 from multihead.errors import MultiheadError, require
 from multihead.step import Step, build_step
@@ -215,9 +217,16 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
               plan: HeadPlan | None = None) -> MultiheadCache:
     """A multihead cache for a transformers model switched to multihead's attention (:func:`multihead.hf.enable`),
     as :meth:`multihead.models.LlamaModel.new_cache` makes one for our port: every key (``max_len``), ``window=``
-    with ``sink_tokens=`` (sinks + a window, any length), ``bits=`` (4- or 8-bit codes, KIVI), or ``plan=`` (each KV
-    head full or sinks + window, a :class:`~multihead.cache.HeadPlan` of the model's shape). The model's dtype and
-    device; ``batch`` sequences of one length."""
+    with ``sink_tokens=`` (sinks + a window; ``max_len`` optional, the tokens it is for), ``bits=`` (4- or 8-bit
+    codes, KIVI), or ``plan=`` (each KV head full or sinks + window, a :class:`~multihead.cache.HeadPlan` of the
+    model's shape). The model's dtype and device; ``batch`` sequences of one length.
+
+    Every kind stores what each layer can see: in a model with sliding-window layers (Gemma 2 and 3, Mistral,
+    gpt-oss) the layers of each window get a part of their own (:class:`~multihead.cache.HybridCache`): a full
+    cache keeps a sliding layer's last ``window - 1`` keys in a ring, a quantized one its codes in a ring of whole
+    groups (or the window in full precision where that is smaller: a window within the residual), a sinks + window
+    cache no more than the layer's own window; a head plan's cache does the same per KV head. ``bytes`` is then
+    transformers' own cache's after the same tokens (:func:`multihead.cost.layers_kv_bytes` predicts it)."""
     config: Any = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "multihead":
         raise MultiheadError("the model does not run multihead's attention: call multihead.hf.enable(model) first "
@@ -232,7 +241,6 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
     where: dict[str, Any] = {"batch": batch, "dtype": param.dtype, "device": param.device}
     if max_len is not None and context and max_len > context:
         raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({context})")
-    inner: Cache
     if plan is not None:
         if window is not None or sink_tokens or bits is not None:
             raise MultiheadError("a head plan brings its own sinks and window and stores keys in full: give "
@@ -242,22 +250,46 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
         if not isinstance(plan, HeadPlan):
             raise MultiheadError(f"plan must be a HeadPlan (HeadPlan.load(path)), got {type(plan).__name__}")
         plan.check(n_layers=n_layers, n_heads=h, n_kv_heads=g, head_dim=d)
-        inner = HeadwiseCache(plan, max_len=max_len, windows=windows, **where)
-    elif window is not None:
-        if max_len is not None or bits is not None:
-            raise MultiheadError("a windowed cache has no max_len and stores keys in full: give window= alone (with "
-                                 "sink_tokens=)")
-        inner = SinkCache(window=window, sink_tokens=sink_tokens, n_kv_heads=g, head_dim=d, n_layers=n_layers,
-                          **where)
+        return MultiheadCache(HeadwiseCache(plan, max_len=max_len, windows=windows, **where), n_heads=h,
+                              windows=windows)
+    if window is not None:
+        if bits is not None:
+            raise MultiheadError(f"a sinks + window cache stores its keys in full precision: give window= (with "
+                                 f"sink_tokens=) or bits={bits}, not both")
     else:
         if max_len is None:
             raise MultiheadError("new_cache needs max_len (the tokens it holds), or window= for a windowed cache")
         if sink_tokens:
             raise MultiheadError(f"sink_tokens ({sink_tokens}) go with a window: new_cache(model, window=w, "
                                  "sink_tokens=n)")
-        shape = {"n_kv_heads": g, "head_dim": d, "n_layers": n_layers, "max_len": max_len, **where}
-        inner = (QuantizedKVCache(bits=bits, group=group, residual=residual, **shape) if bits is not None
-                 else KVCache(**shape))
+    shape = {"n_kv_heads": g, "head_dim": d, **where}
+
+    def part(layer_window: int | None, n: int) -> Cache:
+        """The cache of ``n`` layers of this attention window (None: global)."""
+        if window is not None:  # sinks + a window: within a sliding layer's own window
+            if layer_window is not None and window >= layer_window:
+                return SinkCache(window=layer_window, sink_tokens=0, n_layers=n, max_len=max_len, **shape)
+            return SinkCache(window=window, sink_tokens=sink_tokens, n_layers=n, max_len=max_len, **shape)
+        assert max_len is not None
+        if layer_window is not None:
+            ring = SinkCache(window=layer_window, sink_tokens=0, n_layers=n, max_len=max_len, **shape)
+            if bits is None:
+                return ring
+            codes = QuantizedKVCache(bits=bits, group=group, residual=residual, max_len=max_len, window=layer_window,
+                                     n_layers=n, **shape)
+            return codes if codes.bytes < ring.bytes else ring  # a window within the residual: the window as it is
+        if bits is not None:
+            return QuantizedKVCache(bits=bits, group=group, residual=residual, max_len=max_len, n_layers=n, **shape)
+        return KVCache(max_len=max_len, n_layers=n, **shape)
+
+    counts: dict[int | None, int] = {}
+    for w in windows:
+        counts[w] = counts.get(w, 0) + 1
+    inner: Cache
+    if set(counts) == {None}:
+        inner = part(None, n_layers)
+    else:
+        inner = HybridCache({w: part(w, n) for w, n in counts.items()}, windows)
     return MultiheadCache(inner, n_heads=h, windows=windows)
 
 

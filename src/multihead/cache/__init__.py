@@ -13,13 +13,15 @@ into another kind as that kind keeps it (the shared-prefill protocol: one prefil
 Kinds: :class:`KVCache` (every token, at its positions), :class:`SinkCache` (attention sinks + a window),
 :class:`QuantizedKVCache` (low-bit codes, KIVI), :class:`LayeredCache` (one cache per layer of its own width),
 :class:`LatentCache` (MLA's latents), :class:`HeadwiseCache` (each KV head full or sinks + window, as a
-:class:`HeadPlan` says: its view has one group of keys per kind of KV head).
+:class:`HeadPlan` says: its view has one group of keys per kind of KV head), :class:`HybridCache` (the layers of each
+attention window in a part of their own: a sliding layer stores what it can see).
 """
 
 from multihead.cache.base import BaseCache, Cache, LayerCache, LayerView, Slots, check_count, write_slots
 from multihead.cache.compress import compress
 from multihead.cache.full import KVCache
 from multihead.cache.headwise import HeadwiseCache
+from multihead.cache.hybrid import HybridCache
 from multihead.cache.latent import LatentCache, LatentLayer
 from multihead.cache.layered import LayeredCache
 from multihead.cache.plan import HeadPlan
@@ -37,8 +39,8 @@ from multihead.quant import (
     unpack,
 )
 
-__all__ = ["QUANT_BITS", "BaseCache", "Cache", "DenseKV", "GroupedKV", "HeadPlan", "HeadwiseCache", "KVCache",
-           "KVGroup", "KVView", "LatentCache", "LatentKV", "LatentLayer", "LayerCache", "LayerView", "LayeredCache",
-           "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots", "check_bits", "check_count", "compress",
-           "dequantize", "fake_quantize_keys", "fake_quantize_values", "pack", "quantize", "quantized_tokens",
-           "sink_keep", "unpack", "write_slots"]
+__all__ = ["QUANT_BITS", "BaseCache", "Cache", "DenseKV", "GroupedKV", "HeadPlan", "HeadwiseCache", "HybridCache",
+           "KVCache", "KVGroup", "KVView", "LatentCache", "LatentKV", "LatentLayer", "LayerCache", "LayerView",
+           "LayeredCache", "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots", "check_bits", "check_count",
+           "compress", "dequantize", "fake_quantize_keys", "fake_quantize_values", "pack", "quantize",
+           "quantized_tokens", "sink_keep", "unpack", "write_slots"]

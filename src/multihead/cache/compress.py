@@ -17,23 +17,33 @@ kvpress's presses and DuoAttention's evaluation compress; one prefill then serve
 
 from __future__ import annotations
 
+import torch
+from torch import Tensor
+
 from multihead.cache.base import Cache
 from multihead.cache.full import KVCache
+from multihead.cache.hybrid import HybridCache
+from multihead.cache.sink import SinkCache
 from multihead.errors import MultiheadError
 
 
-def compress(full: KVCache, into: Cache) -> Cache:
+def compress(full: Cache, into: Cache) -> Cache:
     """Put the tokens ``full`` holds into the empty cache ``into`` as ``into``'s own kind keeps them, and return it.
 
-    ``full`` must hold every sequence at one length (a batch of one prompt length: the kinds that evict hold one
-    length); ``into`` must be empty and of the same batch, layers, KV heads and head_dim. ``full`` is left as it
-    was."""
-    if not isinstance(full, KVCache):
-        raise MultiheadError(f"compress reads a full KVCache, not a {type(full).__name__}")
+    ``full`` is a full cache: a :class:`KVCache`, or for a model with sliding layers the
+    :class:`~.hybrid.HybridCache` :func:`multihead.hfcache.new_cache` makes (its global layers' KVCache, each sliding
+    window's ring of its last ``window - 1`` keys). It must hold every sequence at one length (a batch of one prompt
+    length: the kinds that evict hold one length); ``into`` must be empty and of the same batch, layers, KV heads and
+    head_dim. ``full`` is left as it was.
+
+    A sliding layer's ring holds only its last keys: the positions before them, which no later query of the layer
+    can see, are given to ``into`` as copies of the first key held (so a quantized ring's group at the window's
+    edge is quantized from the held keys alone)."""
     if into is full:
         raise MultiheadError("compress writes into another cache, not the cache itself")
     if not isinstance(into, Cache):
         raise MultiheadError(f"compress writes into a cache of keys and values, not a {type(into).__name__}")
+    held = _held_layers(full)
     n = full.used
     if not bool((full.lengths == n).all()):
         raise MultiheadError(f"compress needs every sequence at one length: the full cache holds lengths "
@@ -48,8 +58,46 @@ def compress(full: KVCache, into: Cache) -> Cache:
                              f"{(into.batch, into.n_layers, into.n_kv_heads, into.head_dim)}")
     if n == 0:
         return into
-    slots = into.reserve(n)
-    for layer in range(full.n_layers):
-        into.update(layer, full.k[layer, :, :, :n], full.v[layer, :, :, :n], slots)  # (b, g, n, d) views
+    if isinstance(into, HybridCache):  # a step per window: each part reserves its own slots
+        by_window = {w: into.reserve(n, window=w) for w in dict.fromkeys(into.windows)}
+        slots = [by_window[w] for w in into.windows]
+    else:
+        slots = [into.reserve(n)] * full.n_layers
+    for layer, (keys, values) in enumerate(held):
+        into.update(layer, _padded(keys, n), _padded(values, n), slots[layer])  # (b, g, n, d)
     into.advance(n)
     return into
+
+
+def _held_layers(full: Cache) -> list[tuple[Tensor, Tensor]]:
+    """Each layer's held keys and values (b, g, m, d) in position order, the last m of the ``full.used`` tokens."""
+    n = full.used
+    if isinstance(full, KVCache):
+        return [(full.k[layer, :, :, :n], full.v[layer, :, :, :n]) for layer in range(full.n_layers)]
+    if not isinstance(full, HybridCache):
+        raise MultiheadError(f"compress reads a full cache (a KVCache, or a HybridCache of full layers and sliding "
+                             f"rings), not a {type(full).__name__}")
+    out: list[tuple[Tensor, Tensor]] = []
+    seen: dict[int | None, int] = {}
+    for w in full.windows:
+        index = seen.get(w, 0)
+        seen[w] = index + 1
+        part = full.part(w)
+        if isinstance(part, KVCache) and w is None:
+            out.append((part.k[index, :, :, :n], part.v[index, :, :, :n]))
+        elif isinstance(part, SinkCache) and part.sink_tokens == 0 and part.window == w:
+            m = min(n, part.slots)
+            order = torch.argsort(part.slot_positions[:m])  # the ring's slots in position order: n - m .. n - 1
+            out.append((part.k[index].index_select(2, order), part.v[index].index_select(2, order)))
+        else:
+            raise MultiheadError(f"compress reads a full cache: its layers of window {w} hold a "
+                                 f"{type(part).__name__}, not every key they can see")
+    return out
+
+
+def _padded(x: Tensor, n: int) -> Tensor:
+    """``x`` (b, g, m, d), the last m of n positions, as n: the first m positions given the first held row."""
+    m = x.shape[2]
+    if m == n:
+        return x
+    return torch.cat([x[:, :, :1].expand(-1, -1, n - m, -1), x], dim=2)

@@ -8,6 +8,7 @@
     full heads, global layer      (b, |F_l|, max_len, d)                       every token, at its position
     full heads, sliding layer     (b, |F_l|, W_l - 1, d)                       a ring of the layer's own window
     streaming heads               (b, |S_l|, sinks + min(window, W_l) - 1, d)  the sinks and a ring of the last keys
+    (each ring at most max_len slots: a run shorter than a ring allocates only what it fills)
     slot positions                one (slots,) buffer per kind of ring          the position each ring slot holds
 
 ``bytes`` is the sum of those tensors' nbytes (:func:`multihead.cost.headwise_cache_bytes` predicts it): a
@@ -95,7 +96,7 @@ class HeadwiseCache(Cache):
         for layer in range(n_layers):
             self._groups.append(self._layout(layer, plan))
             for gi, group in enumerate(self._groups[layer]):
-                length = max_len if group.part == FULL else self.rings[group.part - 1].slots
+                length = max_len if group.part == FULL else self._ring_slots(group.part - 1)
                 shape = (batch, len(group.heads), length, d)  # (b, |heads|, max_len or ring slots, d)
                 for name in ("k", "v"):
                     self.register_buffer(f"{name}_{layer}_{gi}", torch.zeros(shape, dtype=dtype, device=device),
@@ -106,8 +107,8 @@ class HeadwiseCache(Cache):
             if len(self._groups[layer]) > 1:  # the order that puts [group 0's heads, group 1's] back in head order
                 order = torch.tensor([h for group in self._groups[layer] for h in group.heads], device=device)
                 self.register_buffer(f"order_{layer}", torch.argsort(order), persistent=False)
-        for i, ring in enumerate(self.rings):
-            self.register_buffer(f"slot_positions_{i}", torch.full((ring.slots,), -1, dtype=torch.long,
+        for i in range(len(self.rings)):
+            self.register_buffer(f"slot_positions_{i}", torch.full((self._ring_slots(i),), -1, dtype=torch.long,
                                                                    device=device), persistent=False)
         self._parts_used = {group.part for groups in self._groups for group in groups}
         self._held = [0] * len(self.rings)
@@ -125,6 +126,11 @@ class HeadwiseCache(Cache):
             if w is not None:
                 check_count(f"window of layer {i}", w, least=2)
         return found
+
+    def _ring_slots(self, i: int) -> int:
+        """Slots of ring kind i: its sinks and window, or fewer when the cache is for fewer tokens (``max_len``: a
+        short run allocates no more than it fills, so it is never larger than a full cache of that run)."""
+        return min(self.rings[i].slots, self.max_len)
 
     def _ring(self, ring: Ring) -> int:
         """The part of a ring kind (1 + its index), added on first use."""
@@ -261,7 +267,7 @@ class HeadwiseCache(Cache):
                      if self._groups[layer][gi].part == 1 + i}
             keep_sinks_and_window(pending, store.__getitem__, self._positions(i), first=self._used, s=s,
                                   sink_tokens=ring.sinks, window=ring.window)
-            self._held[i] = min(self._used + s, ring.slots)
+            self._held[i] = min(self._used + s, self._ring_slots(i))
         self._pending.clear()
         self._placed.clear()
         super().advance(s)

@@ -22,7 +22,10 @@ class SinkCache(Cache):
         sees(p, j) = j <= p and (j > p - window or j < sink_tokens)
 
     ``sink_tokens=0`` is a plain sliding window (the cache StreamingLLM shows failing once the first tokens leave
-    it). Keys keep the positions they had in the text (RoPE is applied before they are cached), so this equals
+    it; with the layer's own window, what a sliding layer of Gemma 2/3 or Mistral can see: transformers' sliding
+    layers keep the same ``window - 1`` keys). ``max_len``: the tokens the cache is for, when known, so a run
+    shorter than the window allocates no more slots than it fills (and more tokens raise, as a KVCache's do).
+    Keys keep the positions they had in the text (RoPE is applied before they are cached), so this equals
     the uncached model under the mask above (:func:`sink_keep`), token for token. The sequences of a batch hold one
     length (prompts of different lengths: one cache each). :meth:`update` keeps a step's tokens beside the slots
     until :meth:`advance` places the ones that stay, so a chunk of many tokens attends exactly as one token at a
@@ -37,8 +40,8 @@ class SinkCache(Cache):
 
     def __init__(self, *, batch: int, n_kv_heads: int, head_dim: int, window: int, sink_tokens: int = 4,
                  n_layers: int = 1, dtype: torch.dtype = torch.float32,
-                 device: torch.device | str | None = None) -> None:
-        super().__init__(batch=batch, n_kv_heads=n_kv_heads, head_dim=head_dim, n_layers=n_layers, max_len=None,
+                 device: torch.device | str | None = None, max_len: int | None = None) -> None:
+        super().__init__(batch=batch, n_kv_heads=n_kv_heads, head_dim=head_dim, n_layers=n_layers, max_len=max_len,
                          device=device)
         self.window = check_count("window", window, least=1)
         self.sink_tokens = check_count("sink_tokens", sink_tokens, least=0)
@@ -46,6 +49,8 @@ class SinkCache(Cache):
             raise MultiheadError(f"sink_tokens ({sink_tokens}) must not exceed the window ({window}): the sinks are "
                                  "a few first tokens kept beside a longer window")
         slots = sink_tokens + window - 1  # a new token joins them: it sees the sinks and the last `window` keys
+        if max_len is not None:
+            slots = min(slots, max_len)  # a run of max_len tokens never fills more (a ring slot is then its position)
         shape = (n_layers, batch, n_kv_heads, slots, head_dim)  # (L, b, g, slots, d)
         self.register_buffer("k", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
         self.register_buffer("v", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
@@ -57,8 +62,9 @@ class SinkCache(Cache):
 
     @property
     def slots(self) -> int:
-        """Tokens held between steps: the sinks and the ``window - 1`` keys before the next token."""
-        return self.sink_tokens + self.window - 1
+        """Tokens held between steps: the sinks and the ``window - 1`` keys before the next token (at most
+        ``max_len`` where one is given: the tokens the cache is for)."""
+        return int(self.k.shape[3])
 
     @property
     def bytes(self) -> int:
