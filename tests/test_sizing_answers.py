@@ -355,3 +355,49 @@ def test_mla_count_says_each_caches_own_context(name: str, flags: list[str],
     assert r["as_mha"]["max_context_in_device_memory"] == min(mha, limit)
     assert r["as_mha"]["max_context_by_memory"] == mha
     assert r["whole_model"]["kv_bytes"] == layers * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 2 * 4096
+
+
+# ---------------------------------------------------------------------------------------------- issue 52 item 3
+def test_gpt_oss_sized_as_it_ships_experts_in_mxfp4(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 52 item 3: gpt-oss ships its experts in MXFP4 (4-bit elements, an 8-bit scale per 32: 4.25 bits) and
+    the rest in bf16; the experts' parameters are counted here from the published config (gate_up and down with
+    their biases, every layer and expert)."""
+    from multihead.presets import published
+
+    _, cfg = published("gpt-oss-20b")
+    D, inner = cfg["hidden_size"], cfg["intermediate_size"]
+    experts = cfg["num_hidden_layers"] * cfg["num_local_experts"] * (D * 2 * inner + 2 * inner + inner * D + D)
+    w = _json_of(["count", "--preset", "gpt-oss-20b", "--weights-dtype", "bf16,experts=mxfp4"], capsys)
+    assert w["parameters_by_part"]["experts"] == experts
+    assert w["weight_bytes"] == -(-experts * 17 // 32) + 2 * (w["total_parameters"] - experts)
+    everything = _json_of(["count", "--preset", "gpt-oss-20b", "--weights-dtype", "mxfp4"], capsys)
+    assert everything["weight_bytes"] == -(-w["total_parameters"] * 17 // 32)
+    nv = _json_of(["count", "--preset", "gpt-oss-20b", "--weights-dtype", "nvfp4"], capsys)
+    assert nv["weight_bytes"] == -(-w["total_parameters"] * 9 // 16)  # 4 bits + an fp8 scale per 16
+
+
+def test_gguf_mix_names_are_taken_and_counted_as_their_base_type(capsys: pytest.CaptureFixture[str]) -> None:
+    q4_k_m = _json_of(["count", "--preset", "llama-3-8b", "--weights-dtype", "Q4_K_M"], capsys)
+    q4_k = _json_of(["count", "--preset", "llama-3-8b", "--weights-dtype", "q4_k"], capsys)
+    assert q4_k_m["weight_bytes"] == q4_k["weight_bytes"] == -(-q4_k["total_parameters"] * 9 // 16)  # 4.5 bits
+    with pytest.raises(SystemExit):
+        main(["count", "--help"])
+    assert "q4_k_m" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ("bf16,experts=mxfp4", "names experts, which llama-3-8b does not have"),
+    ("bf16,mlp=q4_k,fins=q8_0", "part 'fins' is unknown"),
+    ("experts=mxfp4", "gives no default type"),
+    ("bf16,fp8", "gives two default types"),
+    ("bf16,mlp=q4_z", "'q4_z' is unknown"),
+])
+def test_per_part_weight_dtypes_refused_by_name(value: str, message: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
+    _refused(["count", "--preset", "llama-3-8b", "--weights-dtype", value], capsys, message)
+
+
+def _json_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
+    assert main([*argv, "--json"]) == 0
+    whole: dict[str, Any] = json.loads(capsys.readouterr().out)["whole_model"]
+    return whole

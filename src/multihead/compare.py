@@ -93,7 +93,7 @@ def compare_variants(
         mha_bytes = total if mha_bytes is None else mha_bytes
         per_layer = (cost.mla_parameters(m.mla).total if m.mla is not None else cost.parameters(m.attention).total)
         size = _size(m)
-        weights = None if size is None else weight_bytes(size.total, fitting.weights_dtype)
+        weights = None if size is None else parts_weight_bytes(size.parts, fitting.weights_dtype, name=size.name)
         context, by_memory, note = None, None, None
         per_device, speed = None, None
         try:
@@ -159,10 +159,10 @@ def _size(model: ModelConfig) -> ModelSize | None:
         return None
 
 
-def weight_bytes(params: int, dtype: str) -> int:
-    from multihead.sizing import weight_bytes as wb
+def parts_weight_bytes(parts: dict[str, int], dtype: str, *, name: str) -> int:
+    from multihead.sizing import parts_weight_bytes as wb
 
-    return wb(params, dtype)
+    return wb(parts, dtype, name=name)
 
 
 def model_mla(model: ModelConfig) -> MLAConfig | None:

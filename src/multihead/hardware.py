@@ -215,7 +215,7 @@ def estimate(model: ModelConfig, size: ModelSize, device: Hardware, *, seq: int,
         return sum(by_kind[layer.describe()] for layer in layers)
 
     kv = sizing.kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)
-    weights = sizing.weight_bytes(size.active, weights_dtype)
+    weights = sizing.parts_weight_bytes(sizing.size_parts(size, size.active), weights_dtype, name=size.name)
     weights_dev, _ = sizing.weights_on_device(model, size, params=size.active, weights_dtype=weights_dtype, tp=tp,
                                               shard_embeddings=shard_embeddings)
     calls = 2 * model.n_layers  # all-reduces a forward: after attention's W_O and after the MLP, each layer

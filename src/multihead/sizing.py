@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -52,9 +52,21 @@ GGUF_BITS: dict[str, float] = {
     "F32": 32.0, "F16": 16.0, "BF16": 16.0, "Q8_0": 8.5, "Q4_0": 4.5, "Q4_1": 5.0, "Q5_0": 5.5, "Q5_1": 6.0,
     "Q2_K": 2.625, "Q3_K": 3.4375, "Q4_K": 4.5, "Q5_K": 5.5, "Q6_K": 6.5625, "Q8_K": 9.125,
 }
+# llama.cpp's K-quant mixes (the file types quantize writes): most tensors in the base type, a few (attn_v, part of
+# ffn_down) in a wider one. Counted at their base type's bits (Q4_K_M as Q4_K's 4.5), so a real file is somewhat larger.
+GGUF_MIXES = {"q2_k_s": "q2_k", "q3_k_s": "q3_k", "q3_k_m": "q3_k", "q3_k_l": "q3_k", "q4_k_s": "q4_k",
+              "q4_k_m": "q4_k", "q5_k_s": "q5_k", "q5_k_m": "q5_k"}
 WEIGHT_BITS: dict[str, float] = {"fp32": 32.0, "float32": 32.0, "fp16": 16.0, "float16": 16.0, "bf16": 16.0,
                                  "bfloat16": 16.0, "fp8": 8.0, "int8": 8.0, "int4": 4.0,
+                                 # OCP MX FP4: 4-bit elements, one shared 8-bit (E8M0) scale per 32: 4 + 8/32
+                                 "mxfp4": 4.25,
+                                 # NVIDIA's NVFP4: 4-bit elements, an FP8 (E4M3) scale per 16 (+ one fp32 per tensor)
+                                 "nvfp4": 4.5,
                                  **{k.lower(): v for k, v in GGUF_BITS.items()}}
+WEIGHT_BITS.update({mix: WEIGHT_BITS[base] for mix, base in GGUF_MIXES.items()})
+# The parts a whole-model count names (ModelSize.parts), which --weights-dtype may store in their own type
+WEIGHT_PARTS = ("embeddings", "attention", "mlp", "norms", "experts", "shared_experts", "routers", "lm_head",
+                "pooler")
 
 
 class NotCounted(MultiheadError):
@@ -330,13 +342,63 @@ def _moe_layers(cfg: HFConfig, family: str, n_layers: int) -> list[int]:
 
 
 # ---------------------------------------------------------------------------------------------- memory
-def weight_bytes(params: int, dtype: str) -> int:
-    """Bytes of ``params`` weights stored as ``dtype`` (fp32, bf16, int8, int4, or a GGUF type such as q4_1, q8_0:
-    llama.cpp's bits per weight, scales included)."""
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in WEIGHT_BITS:
-        raise MultiheadError(f"weight dtype {dtype!r} is unknown: choose one of {', '.join(sorted(WEIGHT_BITS))}")
-    return math.ceil(params * WEIGHT_BITS[key] / 8)
+def weight_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """(the default type, {part: its type}) of a weight dtype spec: one type (``bf16``), or per part after the
+    default, ``bf16,experts=mxfp4`` (gpt-oss: experts in MXFP4, the rest bf16); parts are :data:`WEIGHT_PARTS`."""
+    default, parts = None, {}
+    for item in str(spec).split(","):
+        part, _, dtype = item.strip().rpartition("=")
+        key = dtype.strip().lower().removeprefix("torch.")
+        if key not in WEIGHT_BITS:
+            raise MultiheadError(f"weight dtype {dtype.strip()!r} is unknown: choose one of "
+                                 f"{', '.join(sorted(WEIGHT_BITS))}")
+        if not part:
+            if default is not None:
+                raise MultiheadError(f"weight dtype {spec!r} gives two default types ({default}, {key}): give one, "
+                                     "then part=type for the parts stored otherwise, e.g. bf16,experts=mxfp4")
+            default = key
+        elif part.strip() not in WEIGHT_PARTS:
+            raise MultiheadError(f"weight dtype {spec!r}: part {part.strip()!r} is unknown: the parts are "
+                                 f"{', '.join(WEIGHT_PARTS)}")
+        else:
+            parts[part.strip()] = key
+    if default is None:
+        raise MultiheadError(f"weight dtype {spec!r} gives no default type: start with it, e.g. bf16,experts=mxfp4")
+    return default, parts
+
+
+def weight_bytes(params: int, dtype: str, *, part: str | None = None) -> int:
+    """Bytes of ``params`` weights stored as ``dtype`` (fp32, bf16, int8, int4, mxfp4 (4.25 bits), nvfp4 (4.5 bits),
+    or a GGUF type such as q4_1, q8_0, q4_k_m: llama.cpp's bits per weight, scales included; a K-quant mix such as
+    q4_k_m at its base type's, :data:`GGUF_MIXES`). A per-part spec (:func:`weight_spec`) needs ``part``: the
+    type it gives that part, else its default."""
+    default, parts = weight_spec(dtype)
+    if parts and part is None:
+        raise MultiheadError(f"weight dtype {dtype!r} stores parts differently: count the bytes part by part "
+                             "(multihead.sizing.parts_weight_bytes)")
+    return math.ceil(params * WEIGHT_BITS[parts.get(part or "", default)] / 8)
+
+
+def parts_weight_bytes(parts: Mapping[str, int], dtype: str, *, name: str = "the model") -> int:
+    """Bytes of a model's weights by part ({part: parameters}, :attr:`ModelSize.parts`), each in the type ``dtype``
+    gives it (:func:`weight_spec`); a part named in ``dtype`` that the model lacks is refused."""
+    missing = [p for p in weight_spec(dtype)[1] if p not in parts]
+    if missing:
+        raise MultiheadError(f"weight dtype {dtype!r} names {', '.join(missing)}, which {name} does not have: its "
+                             f"parts are {', '.join(parts)}")
+    return sum(weight_bytes(n, dtype, part=k) for k, n in parts.items())
+
+
+def size_parts(size: ModelSize, params: int) -> dict[str, int]:
+    """The parts of ``params`` of the model's weights: ``size.total`` (every part) or ``size.active`` (what one
+    token reads: the routed experts it uses)."""
+    if params == size.total:
+        return dict(size.parts)
+    if params == size.active:
+        return {**size.parts, **({"experts": size.parts["experts"] - (size.total - size.active)}
+                                 if "experts" in size.parts else {})}
+    raise MultiheadError(f"{params:,} parameters are neither {size.name}'s total ({size.total:,}) nor its active "
+                         f"({size.active:,})")
 
 
 FLOAT_DTYPES = ("fp32", "float32", "fp16", "float16", "bf16", "bfloat16")
@@ -378,10 +440,10 @@ def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, b
 def kv_bytes(model: ModelConfig, *, context: int, batch: int, dtype: str, cache: str = "full") -> int:
     """The KV cache of the whole model by cache kind, summed layer by layer (``model.layers()``: a sliding layer
     holds min(context, window - 1) tokens, a full one the context, an MLA one its latents): "full", "window:N"
-    (sinks 4 on every layer, or less where the layer holds less), "int8"/"int4"/"int2" (group 32, residual 128; a
-    sliding layer's codes a ring of its window, :func:`multihead.cost.quantized_cache_bytes`), or "latent" (an MLA
-    model's; also what "full" means for one). Each is what :func:`multihead.hfcache.new_cache` allocates."""
-    a, layers = model.attention, model.layers()
+    (sinks 4 on every layer, or less where the layer holds less), "int8"/"int4"/"int2" (group 32, residual 128, on
+    every layer: multihead's QuantizedKVCache has no window), or "latent" (an MLA model's; also what "full" means for
+    one)."""
+    a, n, layers = model.attention, model.n_layers, model.layers()
     if model.mla is not None and cache in ("full", "latent"):
         return cost.layers_kv_bytes(a, layers, context=context, batch=batch, dtype=dtype, mla=model.mla)
     if cache == "latent":
@@ -397,9 +459,8 @@ def kv_bytes(model: ModelConfig, *, context: int, batch: int, dtype: str, cache:
         return sum(min(sink, cost.layers_kv_bytes(a, (layer,), context=context, batch=batch, dtype=dtype))
                    for layer in layers)
     if cache in ("int8", "int4", "int2"):
-        return sum(cost.quantized_cache_bytes(
-            dataclasses.replace(a, window=layer.window), context=context,
-            bits=int(cache[3:]), group=min(32, a.head_dim), batch=batch, dtype=dtype) for layer in layers)
+        return cost.quantized_cache_bytes(a, context=context, bits=int(cache[3:]), group=min(32, a.head_dim),
+                                          batch=batch, n_layers=n, dtype=dtype)
     raise MultiheadError(f"cache {cache!r} is unknown: choose full, window:N, int8, int4, int2 or latent")
 
 
@@ -525,17 +586,18 @@ def weights_on_device(model: ModelConfig, size: ModelSize, *, params: int, weigh
 
         replicated + ceil((weights - replicated - kv_proj) / tp) + ceil(kv_proj x heads on the device / g)
     """
-    weights = weight_bytes(params, weights_dtype)
+    parts = size_parts(size, params)
+    weights = parts_weight_bytes(parts, weights_dtype, name=size.name)
     if tp == 1:
         return weights, weights
-    rep = weight_bytes(sum(size.parts[k] for k in replicated_parts(size, shard_embeddings=shard_embeddings)),
-                       weights_dtype)
+    rep = sum(weight_bytes(size.parts[k], weights_dtype, part=k)
+              for k in replicated_parts(size, shard_embeddings=shard_embeddings))
     heads, copies = kv_share(model, tp)
     kv_proj, kv_proj_dev = 0, 0
     if model.mla is None and copies > 1:
         p = cost.parameters(model.attention)
         g = int(model.attention.n_kv_heads or model.attention.n_heads)
-        kv_proj = weight_bytes(model.n_layers * (p.k_proj + p.v_proj), weights_dtype)
+        kv_proj = weight_bytes(model.n_layers * (p.k_proj + p.v_proj), weights_dtype, part="attention")
         kv_proj_dev = -(-kv_proj * heads // g)
     return rep + -(-(weights - rep - kv_proj) // tp) + kv_proj_dev, rep
 
@@ -548,7 +610,7 @@ def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str
     every device, embeddings and the LM head too unless ``shard_embeddings``: :func:`weights_on_device`), the KV
     cache by KV heads, a head on several devices where there are fewer than ``tp`` (:func:`kv_share`)."""
     check_tp(model, tp)
-    weights = weight_bytes(size.total, weights_dtype)
+    weights = parts_weight_bytes(size.parts, weights_dtype, name=size.name)
     weights_dev, rep = weights_on_device(model, size, params=size.total, weights_dtype=weights_dtype, tp=tp,
                                          shard_embeddings=shard_embeddings)
     kv = kv_bytes(model, context=seq, batch=batch, dtype=dtype, cache=cache)

@@ -47,6 +47,29 @@ def memory_size(text: str) -> int:
     return value
 
 
+class WeightsDtype:
+    """--weights-dtype: one type (any spelling ``one`` takes), or the default then ``part=type`` items,
+    ``bf16,experts=mxfp4``; the canonical spec, checked by multihead.sizing.weight_spec."""
+
+    def __init__(self, one: flags.Dtype) -> None:
+        self.one = one
+
+    def __call__(self, text: str) -> str:
+        from multihead.errors import MultiheadError
+        from multihead.sizing import weight_spec
+
+        items = []
+        for item in flags.items(text, "weight dtypes, e.g. bf16,experts=mxfp4"):
+            part, eq, dtype = item.rpartition("=")
+            items.append(f"{part.strip()}{eq}{self.one.one(dtype)}")
+        spec = ",".join(items)
+        try:
+            weight_spec(spec)
+        except MultiheadError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+        return spec
+
+
 @dataclass(frozen=True)
 class Reserve:
     """--reserve: memory kept back for the runtime, in bytes or as a fraction of the device's memory."""
@@ -137,11 +160,16 @@ def add_fit_flags(p: argparse.ArgumentParser) -> None:
     from multihead.sizing import WEIGHT_BITS
 
     spelled = {s for names in flags.DTYPE_SPELLINGS.values() for s in names}
-    gguf = tuple(k for k in WEIGHT_BITS if k not in spelled)  # int4 and llama.cpp's types, by multihead.sizing
-    weights = flags.Dtype(("fp32", "fp16", "bf16", "int8", "fp8"), extra=gguf, what="weight dtype")
-    p.add_argument("--weights-dtype", type=weights, default=None,
-                   help="how the weights are stored: fp32, bf16, fp8, int8, int4, or a GGUF type such as q4_1, "
-                        "q8_0 (default: --dtype)")
+    gguf = tuple(k for k in WEIGHT_BITS if k not in spelled)  # int4, mxfp4, nvfp4, llama.cpp's types (sizing)
+    p.add_argument("--weights-dtype", type=WeightsDtype(flags.Dtype(("fp32", "fp16", "bf16", "int8", "fp8"),
+                                                                    extra=gguf, what="weight dtype")),
+                   default=None, metavar="DTYPE[,PART=DTYPE...]",
+                   help="how the weights are stored: fp32, bf16, fp8, int8, int4, mxfp4 (4.25 bits: 4-bit elements, "
+                        "an 8-bit scale per 32), nvfp4 (4.5 bits: an fp8 scale per 16), or a GGUF type such as q4_1, "
+                        "q8_0, q4_k (q4_k_m and the other K-quant mixes counted at their base type, q4_k's 4.5 bits: "
+                        "their few q6_k tensors make a real file somewhat larger); per part after the default, e.g. "
+                        "bf16,experts=mxfp4 as gpt-oss ships (parts: embeddings, attention, mlp, norms, experts, "
+                        "shared_experts, routers, lm_head) (default: --dtype)")
     p.add_argument("--tp", type=flags.POSITIVE, default=1, metavar="N",
                    help=f"{TP_HELP} (default 1); here a what-if: memory per device if it were split so")
     p.add_argument("--cache", type=cache_kind, default="full",
