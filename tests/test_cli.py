@@ -179,6 +179,24 @@ def test_shapes_of_a_sliding_window_preset_says_its_window(capsys: pytest.Captur
     assert f"causal sliding window {preset('mistral-7b').attention.window}" in first, first
 
 
+def test_count_reads_a_gguf_files_metadata(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 52 item 4: `count --config FILE.gguf` said the file was not a config instead of reading its metadata.
+    The reference: the config.json transformers would read for the same tiny Llama (written by tiny_checkpoints from
+    the same weights), counted the same way."""
+    from tiny_checkpoints import write_tiny_hf_llama
+
+    folder = write_tiny_hf_llama(tmp_path / "tiny")
+    gguf = tmp_path / "tiny.gguf"
+    from_gguf = _json(["count", "--config", str(gguf), "--device-memory", "1MiB"], capsys)
+    from_json = _json(["count", "--config", str(folder), "--device-memory", "1MiB"], capsys)
+    assert from_gguf["model"] == "tiny"
+    for key in ("params_total", "flops_forward", "kv_cache_bytes_total", "max_context_in_device_memory", "head_dim",
+                "n_kv_heads"):
+        assert from_gguf[key] == from_json[key], key
+    for key in ("total_parameters", "parameters_by_part", "weight_bytes", "largest_context", "largest_batch"):
+        assert from_gguf["whole_model"][key] == from_json["whole_model"][key], key
+
+
 def test_presets_lists_them_all(capsys: pytest.CaptureFixture[str]) -> None:
     from multihead.presets import PRESET_NAMES
 

@@ -130,7 +130,7 @@ def add_model_flags(p: argparse.ArgumentParser, *, seq_default: int = 4096) -> N
     src = p.add_argument_group("model (one of --preset, --config, or --d-model with --heads)")
     src.add_argument("--preset", type=preset_name, help="a named real model (exact name; see `multihead presets`)")
     src.add_argument("--config", type=flags.PATH, metavar="CONFIG_JSON",
-                     help="a Hugging Face config.json, or a folder holding one")
+                     help="a Hugging Face config.json, or a folder holding one, or a .gguf file (its metadata)")
     src.add_argument("--d-model", type=POSITIVE, help="model width d_model")
     src.add_argument("--heads", type=POSITIVE, help="query heads n_heads")
     src.add_argument("--kv-heads", type=POSITIVE, help="key/value heads (default: --heads, MHA)")
@@ -213,6 +213,12 @@ def model_from_args(args: argparse.Namespace) -> ModelConfig:
         )
     if args.preset is not None:
         model = preset(args.preset)
+    elif args.config is not None and str(args.config).lower().endswith(".gguf"):
+        from pathlib import Path
+
+        from multihead.models.gguf_file import hf_config
+
+        model = from_hf_dict(hf_config(args.config), name=Path(args.config).stem, source=str(args.config))
     elif args.config is not None:
         model = from_hf_config(args.config)
     else:

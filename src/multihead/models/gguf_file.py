@@ -183,3 +183,41 @@ class GGUFFile:
 
     def close(self) -> None:
         self._map.close()
+
+
+# GGUF's general.architecture -> the model_type of a Hugging Face config.json (Mistral's GGUF files say "llama")
+_MODEL_TYPES = {"gemma3": "gemma3_text", "qwen3moe": "qwen3_moe", "qwen2moe": "qwen2_moe", "gpt-oss": "gpt_oss",
+                "gptoss": "gpt_oss", "deepseek2": "deepseek_v2"}
+# {arch}.<key> -> the config.json key it fills
+_CONFIG_KEYS = {"embedding_length": "hidden_size", "attention.head_count": "num_attention_heads",
+                "attention.head_count_kv": "num_key_value_heads", "block_count": "num_hidden_layers",
+                "context_length": "max_position_embeddings", "feed_forward_length": "intermediate_size",
+                "attention.key_length": "head_dim", "rope.freq_base": "rope_theta",
+                "attention.sliding_window": "sliding_window", "vocab_size": "vocab_size",
+                "expert_count": "num_local_experts", "expert_used_count": "num_experts_per_tok",
+                "expert_feed_forward_length": "moe_intermediate_size"}
+
+
+def hf_config(path: str | Path) -> dict[str, Any]:
+    """The config.json a GGUF file's metadata describes (its sizes, read as ``{arch}.embedding_length`` and the
+    like; the vocabulary from the tokenizer when the file states no size; tied embeddings when it holds no
+    ``output.weight``), for multihead.presets.from_hf_dict: what `count --config FILE.gguf` sizes. Only the
+    metadata and tensor table are read, never the weights."""
+    gguf = GGUFFile(path)
+    try:
+        arch = gguf.field("general.architecture")
+        if not isinstance(arch, str):
+            raise MultiheadError(f"GGUF file {str(gguf.path)!r}: general.architecture is {arch!r}, not a name")
+        cfg: dict[str, Any] = {"model_type": _MODEL_TYPES.get(arch, arch)}
+        for key, name in _CONFIG_KEYS.items():
+            value = gguf.field(f"{arch}.{key}", None)
+            if isinstance(value, list) and value and all(v == value[0] for v in value):
+                value = value[0]  # a per-layer array holding one value
+            if value is not None:
+                cfg[name] = value
+        if "vocab_size" not in cfg and isinstance(gguf.field("tokenizer.ggml.tokens", None), list):
+            cfg["vocab_size"] = len(gguf.field("tokenizer.ggml.tokens"))
+        cfg["tie_word_embeddings"] = "output.weight" not in gguf.tensors
+        return cfg
+    finally:
+        gguf.close()
