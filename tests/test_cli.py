@@ -123,7 +123,7 @@ def test_compare_table_ratios_and_plot(tmp_path: Path, capsys: pytest.CaptureFix
 
 
 @pytest.mark.parametrize(("argv", "message"), [
-    (["count", "--preset", "llama"], "unknown preset 'llama': known presets are gpt2"),
+    (["count", "--preset", "llama"], "unknown preset 'llama': (did you mean .*\\? )?known presets are gpt2"),
     (["count"], "give exactly one model"),
     (["count", "--preset", "gpt2", "--d-model", "8"], "got --preset and --d-model/--heads"),
     (["count", "--heads", "8"], "--d-model and --heads are both needed"),
@@ -195,6 +195,35 @@ def test_count_reads_a_gguf_files_metadata(tmp_path: Path, capsys: pytest.Captur
         assert from_gguf[key] == from_json[key], key
     for key in ("total_parameters", "parameters_by_part", "weight_bytes", "largest_context", "largest_batch"):
         assert from_gguf["whole_model"][key] == from_json["whole_model"][key], key
+
+
+def test_a_mistyped_preset_is_answered_with_the_closest_names(capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 52 item 5: a typo got a list cut off at 400 characters and no suggestion."""
+    from multihead.presets import PRESET_NAMES
+
+    assert main(["count", "--preset", "llama-3.1-7b"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    suggested = err.split("did you mean ", 1)[1].split("?", 1)[0].split(" or ")
+    assert "llama-3.1-8b" in suggested and all(name in PRESET_NAMES for name in suggested)
+    listed = err.split("known presets are ", 1)[1].split(" (", 1)[0].split(", ")
+    assert listed == list(PRESET_NAMES)
+    assert main(["count", "--preset", "zzzz"]) == 2
+    assert "did you mean" not in capsys.readouterr().err
+
+
+def test_mistral_7b_says_it_is_v0_1(capsys: pytest.CaptureFixture[str]) -> None:
+    from multihead.presets import preset, published
+
+    source, cfg = published("mistral-7b")
+    assert source.startswith("https://huggingface.co/mistralai/Mistral-7B-v0.1/")
+    note = _json(["presets"], capsys)["mistral-7b"]["note"]
+    assert "v0.1" in note and f"{cfg['sliding_window']:,}" in note
+    assert preset("mistral-7b").attention.window == cfg["sliding_window"]
+    assert main(["presets"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    at = next(i for i, line in enumerate(out) if line.startswith("mistral-7b "))
+    assert f"note: {note}" in out[at + 1]
 
 
 def test_presets_lists_them_all(capsys: pytest.CaptureFixture[str]) -> None:

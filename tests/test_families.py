@@ -101,7 +101,7 @@ def test_a_small_config_is_counted_as_transformers_builds_it(name: str, cfg: Any
 
 FAMILY_PRESETS = ["gpt-oss-20b", "gpt-oss-120b", "gemma-3-1b", "gemma-3-4b", "gemma-3-27b", "qwen3-30b-a3b",
                   "qwen3-235b-a22b", "llama-4-scout", "llama-4-maverick", "mistral-small-3.1-24b", "ministral-8b",
-                  "phi-4", "phi-4-mini"]
+                  "phi-4", "phi-4-mini", "llama-3.2-1b", "llama-3.2-3b"]
 
 
 def _transformers_config(name: str) -> Any:
@@ -123,7 +123,8 @@ def test_the_published_config_is_counted_as_transformers_builds_it(name: str) ->
     windows = {"full": None, "sliding": getattr(text, "sliding_window", None),
                "chunked": getattr(text, "attention_chunk_size", None)}
     theirs = [(kinds[t], windows[kinds[t]]) for t in text.layer_types] if getattr(text, "layer_types", None) else \
-        [("sliding", text.sliding_window) if text.sliding_window else ("full", None)] * text.num_hidden_layers
+        [("sliding", text.sliding_window) if getattr(text, "sliding_window", None) else ("full", None)] \
+        * text.num_hidden_layers
     assert [(k.kind, k.window) for k in preset(name).layers()] == theirs
 
 

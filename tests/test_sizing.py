@@ -62,9 +62,25 @@ def test_the_count_equals_transformers_own_model(name: str, config, cls) -> None
     ("gpt2", 124_439_808), ("llama-3-8b", 8_030_261_248), ("llama-3-70b", 70_553_706_496),
     ("mistral-7b", 7_241_732_096), ("llama-2-7b", 6_738_415_616), ("falcon-7b", 6_921_720_704),
     ("deepseek-v3", 671_026_419_200),
+    # issue 52 item 5: Llama 3.1, 3.2 and 3.3 (the totals of their published safetensors)
+    ("llama-3.1-8b", 8_030_261_248), ("llama-3.1-70b", 70_553_706_496), ("llama-3.1-405b", 405_853_388_800),
+    ("llama-3.2-1b", 1_235_814_400), ("llama-3.2-3b", 3_212_749_824), ("llama-3.3-70b", 70_553_706_496),
 ])
 def test_published_totals(name: str, published: int) -> None:
     assert model_size(preset(name)).total == pytest.approx(published, rel=1e-3)
+
+
+@pytest.mark.parametrize("name", ["llama-3.1-8b", "llama-3.1-70b", "llama-3.1-405b", "llama-3.2-1b", "llama-3.2-3b",
+                                  "llama-3.3-70b"])
+def test_llama_3_1_to_3_3_are_made_for_128k(name: str) -> None:
+    """Their model cards' 128K context: max_position_embeddings, which the llama3 rope scaling's factor times 8,192
+    does not stretch further (3.2's factor 32 would claim 262,144)."""
+    from multihead.presets import published
+    from multihead.sizing import context_limit
+
+    _, cfg = published(name)
+    assert context_limit(preset(name)) == cfg["max_position_embeddings"] == 128 * 1024
+    assert cfg["rope_scaling"]["rope_type"] == "llama3"
 
 
 def test_deepseek_v3_is_671b_total_and_about_37b_active() -> None:

@@ -475,14 +475,16 @@ class HFConfig(Mapping[str, Any]):
     @cached_property
     def context_limit(self) -> int | None:
         """The longest context the model is made for: max_position_embeddings, or with a RoPE scaling that gives
-        a factor and original_max_position_embeddings (YaRN, as Qwen2.5 adds it), their product if larger."""
+        a factor and original_max_position_embeddings (YaRN, as Qwen2.5 adds it), their product if larger (not for
+        rope_type llama3, whose max_position_embeddings is the stretched context: Llama 3.2's factor 32 over 8,192
+        would claim 262,144 where it is made for 131,072)."""
         base = self.max_context
         scaling = self.get("rope_scaling") or self.get("rope_parameters")
         if not isinstance(scaling, Mapping):
             return base
         factor, original = scaling.get("factor"), scaling.get("original_max_position_embeddings")
-        if factor is None or original is None:
-            return base
+        if factor is None or original is None or scaling.get("rope_type", scaling.get("type")) == "llama3":
+            return base  # (Llama 3.1's llama3 scaling stretches 8,192 to max_position_embeddings, never past it)
         f = self._check.number("rope_scaling.factor", factor, low=0, high=1e6, open_low=True)
         o = self._check.integer("rope_scaling.original_max_position_embeddings", original, low=1, high=MAX_CONTEXT,
                                 limit="context")

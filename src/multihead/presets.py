@@ -9,6 +9,7 @@ Names are exact (no fuzzy matching): an unknown name raises and lists the known 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,7 @@ class ModelConfig:
     causal: bool
     max_context: int | None = None
     source: str = ""
+    note: str = ""  # what the name alone does not say (a preset's version: NOTES)
     mla: MLAConfig | None = None  # multi-head latent attention (DeepSeek); ``attention`` is then MHA with its heads
     hf: HFConfig | None = None  # the config it was read from (for the whole-model count, multihead.sizing)
     layer_kinds: tuple[LayerAttention, ...] | None = None  # each layer's kind, read from the config (HFConfig)
@@ -46,6 +48,12 @@ class ModelConfig:
         if kinds and not any(k.kind == "latent" for k in kinds):
             return tuple(kinds[i % len(kinds)] for i in range(self.n_layers))
         return (LayerAttention.of(self.attention),) * self.n_layers
+
+
+def _llama3_rope(factor: float) -> dict[str, Any]:
+    """Llama 3.1/3.2/3.3's published rope_scaling (rope_type llama3, from Llama 3's 8,192), with its factor."""
+    return {"factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3"}
 
 
 # Excerpts of the published config.json of each model (Hugging Face Hub, the model's own repository).
@@ -80,6 +88,36 @@ _PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
         "model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
         "num_hidden_layers": 80, "max_position_embeddings": 8192, "rope_theta": 500000.0, "vocab_size": 128256,
         "intermediate_size": 28672, "tie_word_embeddings": False}),
+    "llama-3.1-8b": ("meta-llama/Llama-3.1-8B", {
+        "model_type": "llama", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "num_hidden_layers": 32, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": _llama3_rope(8.0), "vocab_size": 128256, "intermediate_size": 14336,
+        "tie_word_embeddings": False}),
+    "llama-3.1-70b": ("meta-llama/Llama-3.1-70B", {
+        "model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "num_hidden_layers": 80, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": _llama3_rope(8.0), "vocab_size": 128256, "intermediate_size": 28672,
+        "tie_word_embeddings": False}),
+    "llama-3.1-405b": ("meta-llama/Llama-3.1-405B", {
+        "model_type": "llama", "hidden_size": 16384, "num_attention_heads": 128, "num_key_value_heads": 8,
+        "num_hidden_layers": 126, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": _llama3_rope(8.0), "vocab_size": 128256, "intermediate_size": 53248,
+        "tie_word_embeddings": False}),
+    "llama-3.2-1b": ("meta-llama/Llama-3.2-1B", {
+        "model_type": "llama", "hidden_size": 2048, "num_attention_heads": 32, "num_key_value_heads": 8,
+        "head_dim": 64, "num_hidden_layers": 16, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": _llama3_rope(32.0), "vocab_size": 128256, "intermediate_size": 8192,
+        "tie_word_embeddings": True}),
+    "llama-3.2-3b": ("meta-llama/Llama-3.2-3B", {
+        "model_type": "llama", "hidden_size": 3072, "num_attention_heads": 24, "num_key_value_heads": 8,
+        "head_dim": 128, "num_hidden_layers": 28, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": _llama3_rope(32.0), "vocab_size": 128256, "intermediate_size": 8192,
+        "tie_word_embeddings": True}),
+    "llama-3.3-70b": ("meta-llama/Llama-3.3-70B-Instruct", {
+        "model_type": "llama", "hidden_size": 8192, "num_attention_heads": 64, "num_key_value_heads": 8,
+        "num_hidden_layers": 80, "max_position_embeddings": 131072, "rope_theta": 500000.0,
+        "rope_scaling": _llama3_rope(8.0), "vocab_size": 128256, "intermediate_size": 28672,
+        "tie_word_embeddings": False}),
     "mistral-7b": ("mistralai/Mistral-7B-v0.1", {
         "model_type": "mistral", "hidden_size": 4096, "num_attention_heads": 32, "num_key_value_heads": 8,
         "num_hidden_layers": 32, "max_position_embeddings": 32768, "rope_theta": 10000.0, "sliding_window": 4096,
@@ -209,6 +247,13 @@ _PUBLISHED: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 PRESET_NAMES: tuple[str, ...] = tuple(_PUBLISHED)
+# What a preset's name alone does not say (its version, where later ones differ)
+NOTES: dict[str, str] = {
+    "mistral-7b": "Mistral 7B v0.1: a sliding window of 4,096 on every layer (v0.2 and v0.3 have none: they "
+                  "attend to their whole 32,768-token context)",
+    "llama-3-8b": "Llama 3 (April 2024): a context of 8,192; Llama 3.1 is llama-3.1-8b",
+    "llama-3-70b": "Llama 3 (April 2024): a context of 8,192; Llama 3.1 and 3.3 are llama-3.1-70b, llama-3.3-70b",
+}
 
 
 def from_hf_dict(cfg: Mapping[str, Any], *, name: str = "config", source: str = "") -> ModelConfig:
@@ -248,7 +293,12 @@ def published(name: str) -> tuple[str, dict[str, Any]]:
     """(the address of its config.json, a copy of the excerpt the preset holds) of the named preset: what a test
     builds transformers' own model from."""
     if name not in _PUBLISHED:
-        raise MultiheadError(f"unknown preset {name!r}: known presets are {', '.join(PRESET_NAMES)}")
+        import difflib
+
+        close = difflib.get_close_matches(name.lower(), PRESET_NAMES, n=3, cutoff=0.6)
+        hint = f"did you mean {' or '.join(close)}? " if close else ""
+        raise MultiheadError(f"unknown preset {name!r}: {hint}known presets are {', '.join(PRESET_NAMES)} "
+                             "(`multihead presets` shows their shapes)")
     source, cfg = _PUBLISHED[name]
     return f"https://huggingface.co/{source}/blob/main/config.json", copy.deepcopy(cfg)
 
@@ -256,4 +306,4 @@ def published(name: str) -> tuple[str, dict[str, Any]]:
 def preset(name: str) -> ModelConfig:
     """The named preset, by its exact name (see PRESET_NAMES)."""
     source, cfg = published(name)
-    return from_hf_dict(cfg, name=name, source=source)
+    return dataclasses.replace(from_hf_dict(cfg, name=name, source=source), note=NOTES.get(name, ""))

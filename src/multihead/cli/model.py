@@ -25,7 +25,7 @@ def preset_name(text: str) -> str:
     try:
         preset(text)
     except MultiheadError as err:
-        raise argparse.ArgumentTypeError(str(err)[:400]) from None
+        raise argparse.ArgumentTypeError(str(err)) from None
     return text
 
 

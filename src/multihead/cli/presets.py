@@ -24,7 +24,7 @@ def run(args: argparse.Namespace) -> int:
     models = [preset(n) for n in PRESET_NAMES]
     if args.json:
         print(json.dumps({m.name: {"attention": m.attention.to_dict(), "n_layers": m.n_layers, "causal": m.causal,
-                                   "max_context": m.max_context, "source": m.source,
+                                   "max_context": m.max_context, "source": m.source, "note": m.note,
                                    "mla": None if m.mla is None else {**dataclasses.asdict(m.mla),
                                                                       "latent_dim": m.mla.latent_dim},
                                    "layer_kinds": layers_summary(m.layers())} for m in models}, indent=2))
@@ -38,5 +38,6 @@ def run(args: argparse.Namespace) -> int:
             continue
         window = "" if a.window is None else f"  ({layers_summary(m.layers())})"
         print(f"{m.name:<18} d_model {a.d_model:>5}  heads {a.n_heads:>3}/{a.n_kv_heads:<3} ({a.variant})  "
-              f"head_dim {a.head_dim:>3}  layers {m.n_layers:>3}{window}  {m.source}")
+              f"head_dim {a.head_dim:>3}  layers {m.n_layers:>3}{window}  {m.source}"
+              + (f"\n{'':<18} note: {m.note}" if m.note else ""))
     return 0
