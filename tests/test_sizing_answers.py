@@ -401,3 +401,37 @@ def _json_of(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict[str, A
     assert main([*argv, "--json"]) == 0
     whole: dict[str, Any] = json.loads(capsys.readouterr().out)["whole_model"]
     return whole
+
+
+# ---------------------------------------------------------------------------------------------- issue 52 item 6
+@pytest.mark.parametrize(("given", "same_as"), [("24G", "24GiB"), ("80g", "80GiB"), ("512M", "512MiB"),
+                                                ("1.5T", "1.5TiB")])
+def test_device_memory_takes_a_bare_unit_letter_as_binary(given: str, same_as: str,
+                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 52 item 6: `--device-memory 24G` was refused while 24gb was taken; a bare K, M, G or T is now a power
+    of 1024, as nvidia-smi and Slurm write memory, and the help says so."""
+    scale = {"M": 2**20, "G": 2**30, "T": 2**40}[given[-1].upper()]
+    argv = ["count", "--preset", "llama-3-8b", "--seq", "1024"]
+    assert main([*argv, "--device-memory", given, "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["device_memory_bytes"] == int(float(given[:-1]) * scale)
+    assert main([*argv, "--device-memory", same_as, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == r
+    with pytest.raises(SystemExit):
+        main(["count", "--help"])
+    assert "80G is 80GiB" in " ".join(capsys.readouterr().out.split())
+
+
+@pytest.mark.parametrize(("flag", "value", "message"), [
+    ("--device-memory", "-24GiB", "size '-24GiB' is negative"),
+    ("--device-memory", "-24", "size '-24' is negative"),
+    ("--reserve", "-1GiB", "size '-1GiB' is negative"),
+    ("--seq", "-1e3", "'-1e3' is not an integer"),
+])
+def test_a_negative_value_is_named_not_taken_for_a_flag(flag: str, value: str, message: str,
+                                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """argparse took '-24GiB' for an option and said 'expected one argument'; the flag's own check now says what is
+    wrong with the value."""
+    err = _refused(["count", "--preset", "llama-3-8b", "--device-memory", "24GiB", flag, value], capsys, message,
+                   f"argument {flag}")
+    assert "expected one argument" not in err

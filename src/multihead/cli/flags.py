@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import argparse
 import math
+import re
 from collections.abc import Callable
-from typing import NoReturn
+from typing import Any, NoReturn
 
 MAX_INT = 2**50  # sizes and counts: far above any real model, low enough that products stay exact and fast
 MAX_SEED = 2**63 - 1
@@ -23,6 +24,12 @@ class CliError(Exception):
 class Parser(argparse.ArgumentParser):
     """argparse's parser, raising CliError instead of printing usage and exiting (``multihead.cli.main`` prints it
     as every user error: ``multihead <command>: error: <message>``)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        # a value such as -24GiB or -1e3 is a (bad) value, not an unknown option: argparse's own rule takes only
+        # plain negative numbers, and said "expected one argument"; the flag's type then names what is wrong
+        self._negative_number_matcher = re.compile(r"^-\.?[0-9]")
 
     def error(self, message: str) -> NoReturn:
         raise CliError(message)

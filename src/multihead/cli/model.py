@@ -35,7 +35,7 @@ def memory_size(text: str) -> int:
     from multihead.errors import MultiheadError
     from multihead.units import parse_bytes
 
-    if re.fullmatch(r"\s*[0-9.eE+-]+\s*", text):
+    if re.fullmatch(r"\s*[0-9.eE+-]+\s*", text) and not text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"size {flags.show(text)[:40]} has no unit: add a unit: GiB or GB "
                                          "(e.g. 80GiB = 85.9 GB, 80GB = 74.5 GiB)")
     try:
@@ -149,7 +149,8 @@ def add_model_flags(p: argparse.ArgumentParser, *, seq_default: int = 4096) -> N
     p.add_argument("--causal", action=argparse.BooleanOptionalAction, default=None,
                    help="causal attention (default: the model's; decoders are causal, encoders not)")
     p.add_argument("--device-memory", type=memory_size, metavar="SIZE",
-                   help="memory of one device, with its unit, e.g. 80GiB or 80GB (not the same: 80GiB = 85.9 GB): "
+                   help="memory of one device, with its unit, e.g. 80GiB or 80GB (not the same: 80GiB = 85.9 GB; "
+                        "80G is 80GiB, as nvidia-smi and Slurm mean it): "
                         "weights, KV cache, prefill activations and --reserve must fit in it; prints the longest "
                         "context and the largest batch that do")
     p.add_argument("--json", action="store_true", help="print one JSON object")
