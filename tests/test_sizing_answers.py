@@ -435,3 +435,30 @@ def test_a_negative_value_is_named_not_taken_for_a_flag(flag: str, value: str, m
     err = _refused(["count", "--preset", "llama-3-8b", "--device-memory", "24GiB", flag, value], capsys, message,
                    f"argument {flag}")
     assert "expected one argument" not in err
+
+
+# ---------------------------------------------------------------------------------------------- issue 52 item 7
+def test_compare_writes_no_file_unless_asked(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                             capsys: pytest.CaptureFixture[str]) -> None:
+    """Issue 52 item 7: `compare` wrote multihead-compare.png into the current folder by default."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["compare", "--preset", "llama-3-8b"]) == 0
+    assert "plot:" not in capsys.readouterr().out
+    assert main(["compare", "--preset", "llama-3-8b", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["plot"] is None
+    assert list(tmp_path.iterdir()) == []
+    assert main(["compare", "--preset", "llama-3-8b", "--plot", "kv.png"]) == 0
+    assert (tmp_path / "kv.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    capsys.readouterr()
+    _refused(["compare", "--preset", "llama-3-8b", "--plot", "kv.png", "--no-plot"], capsys, "not both")
+
+
+@pytest.mark.parametrize("command", ["compare", "count"])
+def test_a_plot_in_a_missing_folder_is_refused_and_no_folder_made(command: str, tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    """`--plot /nonexistent/dir/kv.png` made the folder; it is refused, naming the folder, and nothing is made."""
+    target = tmp_path / "no" / "such" / "kv.png"
+    extra = ["--hardware", "h100-80g"] if command == "count" else []
+    _refused([command, "--preset", "llama-3-8b", *extra, "--plot", str(target)], capsys,
+             f"the folder {str(target.parent)!r} does not exist")
+    assert list(tmp_path.iterdir()) == []

@@ -269,6 +269,8 @@ def plot_variants(
     ax.legend(fontsize=8, loc="best")
     fig.tight_layout()
     out = Path(path)
-    save_figure(fig, out)
-    plt.close(fig)
+    try:
+        save_figure(fig, out, make_folder=False)  # (a --plot path in a folder that does not exist is refused)
+    finally:
+        plt.close(fig)
     return str(out)

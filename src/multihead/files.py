@@ -12,9 +12,10 @@ from typing import Any
 from multihead.errors import MultiheadError
 
 
-def output_file(path: str | Path, suffixes: Iterable[str] | None = None) -> Path:
+def output_file(path: str | Path, suffixes: Iterable[str] | None = None, *, make_folder: bool = True) -> Path:
     """``path`` checked as a file to write: not a folder, a suffix among ``suffixes`` (lower case, no dot) when
-    given, its folder created if needed; a clear error otherwise."""
+    given, its folder created if needed (``make_folder``; else a missing folder is refused, as for a single file a
+    flag names: a typo in its folder should not make folders); a clear error otherwise."""
     target = Path(path)
     shown = str(path) if len(str(path)) <= 100 else str(path)[:97] + "..."
     if target.name in ("", ".", ".."):
@@ -31,6 +32,9 @@ def output_file(path: str | Path, suffixes: Iterable[str] | None = None) -> Path
     blocking = next((a for a in reversed(target.parents) if a.exists() and not a.is_dir()), None)
     if blocking is not None:
         raise MultiheadError(f"cannot write {shown!r}: {str(blocking)!r} is a file, not a folder")
+    if not make_folder and not target.parent.is_dir():
+        raise MultiheadError(f"cannot write {shown!r}: the folder {str(target.parent)!r} does not exist: create it "
+                             "first, or give a path in a folder that exists")
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -61,9 +65,10 @@ def write_text(path: str | Path, text: str) -> Path:
     return Path(path)
 
 
-def save_figure(fig: Any, path: str | Path) -> Path:
-    """``fig.savefig(path)`` whole or not at all (the format from the target's suffix)."""
-    target = output_file(path, fig.canvas.get_supported_filetypes())
+def save_figure(fig: Any, path: str | Path, *, make_folder: bool = True) -> Path:
+    """``fig.savefig(path)`` whole or not at all (the format from the target's suffix); ``make_folder``: as
+    :func:`output_file`."""
+    target = output_file(path, fig.canvas.get_supported_filetypes(), make_folder=make_folder)
     with atomic_path(target) as partial:
         fig.savefig(partial, format=target.suffix.lstrip(".").lower())
     return target

@@ -299,6 +299,8 @@ def plot_roofline(e: dict[str, Any], path: str | Path, *, title: str) -> str:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()
-    out = save_figure(fig, Path(path))
-    plt.close(fig)
+    try:
+        out = save_figure(fig, Path(path), make_folder=False)  # (a --plot path in a missing folder is refused)
+    finally:
+        plt.close(fig)
     return str(out)

@@ -15,9 +15,10 @@ def add(sub: Any) -> None:
     p = sub.add_parser("compare", help=COMMANDS["compare"])
     add_model_flags(p, seq_default=8192)
     add_fit_flags(p)
-    p.add_argument("--plot", type=flags.PATH, default="multihead-compare.png", metavar="PNG",
-                   help="where to write the plot of cache memory against context (default multihead-compare.png)")
-    p.add_argument("--no-plot", action="store_true", help="print the table only")
+    p.add_argument("--plot", type=flags.PATH, default=None, metavar="PNG",
+                   help="also write the plot of cache memory against context to this PNG (its folder must exist; "
+                        "default: no plot, nothing written)")
+    p.add_argument("--no-plot", action="store_true", help="print the table only (the default; refused with --plot)")
     p.set_defaults(run=run)
 
 
@@ -45,7 +46,11 @@ def run(args: argparse.Namespace) -> int:
         raise cannot_fit(model, memory, "the config has no vocab_size")  # a fit answer counts the weights
     rows = compare_variants(model, seq=args.seq, batch=args.batch, dtype=args.dtype, memory_bytes=memory,
                             fitting=fitting, hardware=device)
-    plot_path = None if args.no_plot else plot_variants(model, rows, args.plot, batch=args.batch, dtype=args.dtype,
+    if args.no_plot and args.plot is not None:
+        from multihead.cli.flags import CliError
+
+        raise CliError("give --plot PNG or --no-plot, not both")
+    plot_path = None if args.plot is None else plot_variants(model, rows, args.plot, batch=args.batch, dtype=args.dtype,
                                                          memory_bytes=memory, seq=args.seq, fitting=fitting)
     whole = rows[0].weight_bytes is not None
     counted = fitting.describe(args.seq) if whole else (
