@@ -1,4 +1,5 @@
-"""`multihead generate`: text from SmolLM2 (or a Llama GGUF/folder) on multihead's layer and KV cache."""
+"""`multihead generate`: text from SmolLM2 (or a Llama GGUF/folder) on multihead's layer and KV cache, or from any
+model transformers loads (another architecture's GGUF file or folder) on multihead's attention and caches."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from multihead.cli import COMMANDS, flags
 from multihead.cli.common import add_tp, is_rank0
 from multihead.cli.flags import CliError
 from multihead.cli.model import DTYPE_HELP, WINDOW_HELP
+from multihead.names import ENGINES
 
 MAX_NEW_TOKENS = flags.Integer(1, flags.MAX_INT, "a positive integer",
                                below="--max-new-tokens ({value}) must be at least 1")
@@ -22,7 +24,11 @@ def add(sub: Any) -> None:
     p = sub.add_parser("generate", help=COMMANDS["generate"])
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--model", type=flags.PATH, metavar="PATH",
-                   help="a Llama GGUF file or Hugging Face folder (default: SmolLM2)")
+                   help="a GGUF file or Hugging Face folder (default: SmolLM2): a Llama runs on multihead's own port, "
+                        "any other model transformers loads on multihead's attention (--engine forces one)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="ours: multihead's Llama port; transformers: the model as transformers builds it, its "
+                        "attention and cache multihead's; auto (default): ours for a Llama, transformers otherwise")
     p.add_argument("--max-new-tokens", type=MAX_NEW_TOKENS, default=64, help="tokens to generate (default 64)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token (the default)")
     p.add_argument("--temperature", type=flags.Number(0, 1e6), default=None, help="sample at this temperature")
@@ -41,9 +47,46 @@ def add(sub: Any) -> None:
     p.add_argument("--plan", type=flags.PATH, default=None, metavar="FILE",
                    help="decode with a head-wise cache: a head plan (JSON, multihead.cache.HeadPlan) saying which KV "
                         "heads keep every key and which keep sinks + a window; refused for a model of another shape")
+    p.add_argument("--bits", type=_bits, default=None, metavar="{4,8}",
+                   help="decode with a quantized cache: keys and values in 4- or 8-bit codes (KIVI, groups of 32 "
+                        "channels or the head's width where smaller, the last 128 tokens in full)")
     p.add_argument("--json", action="store_true", help="print one JSON object at the end instead of streaming")
     add_tp(p)
     p.set_defaults(run=run)
+
+
+def _bits(text: str) -> int:
+    bits = flags.POSITIVE(text)
+    if bits not in (4, 8):
+        raise argparse.ArgumentTypeError(f"{bits} bits: a quantized cache stores 4- or 8-bit codes: give 4 or 8")
+    return bits
+
+
+def _engine(args: argparse.Namespace) -> str:
+    """"ours" (multihead's Llama port: SmolLM2 by default, a Llama GGUF file or folder) or "transformers"."""
+    if args.engine != "auto":
+        return str(args.engine)
+    if args.model is None:
+        return "ours"
+    from pathlib import Path
+
+    p = Path(args.model)
+    if not p.exists():
+        raise CliError(f"--model {str(p)!r} does not exist: give a .gguf file or a model folder")
+    if p.is_file() and p.suffix == ".gguf":
+        from multihead.models.gguf_file import GGUFFile
+        from multihead.models.loaders import SUPPORTED_GGUF
+
+        gguf = GGUFFile(p)
+        arch = gguf.field("general.architecture", None)
+        gguf.close()
+        return "ours" if arch in SUPPORTED_GGUF else "transformers"
+    config = p / "config.json"
+    if p.is_dir() and config.is_file():
+        from multihead.models.loaders import read_json
+
+        return "ours" if read_json(config).get("model_type") == "llama" else "transformers"
+    return "ours"  # the port's loader says what the path lacks
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,6 +114,13 @@ def run(args: argparse.Namespace) -> int:
         if args.compile or args.tp > 1:
             raise CliError("--plan decodes eagerly in one process: drop --compile and --tp")
         plan = HeadPlan.load(args.plan)
+    if args.bits is not None and (args.window is not None or plan is not None or args.compile or args.tp > 1):
+        raise CliError("--bits is one kind of cache, decoded eagerly in one process: drop --window, --plan, "
+                       "--compile and --tp")
+    if _engine(args) == "transformers":
+        if args.compile or args.tp > 1:
+            raise CliError("--compile and --tp run multihead's own port: drop them (or --engine ours, for a Llama)")
+        return _run_transformers(args, sampling, plan)
     model, tok = load_llama(args.model, dtype=getattr(torch, flags.TORCH_NAMES[args.dtype]))
     if plan is not None:
         a = model.config.attention()
@@ -91,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     def produced() -> Iterator[int]:
         for step in generate_ids(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
                                  stop_ids=tok.stop_ids, compile=args.compile, window=args.window,
-                                 sink_tokens=args.sinks, plan=plan, on_cache=caches.append):
+                                 sink_tokens=args.sinks, plan=plan, bits=args.bits, on_cache=caches.append):
             t = step[0]
             if t is None:
                 return
@@ -111,29 +161,128 @@ def run(args: argparse.Namespace) -> int:
             print(piece, end="", flush=True)
         print()
     seconds = time.perf_counter() - start
-    per_second = round(len(out) / seconds, 2) if seconds > 0 else None
     # the cache that ran, read from the cache object; beside it the full cache generate makes without --window or
     # --plan, for the same positions (prompt + --max-new-tokens)
     ran = caches[0]
     full = full_cache_bytes(model, 1, len(prompt) + args.max_new_tokens)
-    cache = {"kind": type(ran).__name__, "bytes": ran.bytes, "full_cache_bytes": full,
-             "of_full": round(ran.bytes / full, 4)}
+    cache: dict[str, Any] = {"kind": type(ran).__name__, "bytes": ran.bytes, "full_cache_bytes": full,
+                             "of_full": round(ran.bytes / full, 4)}
     if args.compile:  # the compiled step's cache is rounded up so that one graph serves many lengths
         cache["positions"] = getattr(ran, "max_len", None)
-    if args.json:
-        shown = [t for t in out if t not in tok.stop_ids]
-        print(json.dumps({"prompt": args.prompt, "chat": args.chat, "prompt_tokens": len(prompt),
-                          "text": tok.decode(shown), "tokens": out, "new_tokens": len(out),
-                          "stopped": bool(out) and out[-1] in tok.stop_ids, "seconds": round(seconds, 3),
-                          "tokens_per_second": per_second, "cache": cache}))
-    else:
-        from multihead.units import format_bytes
+    note = (f"; rounded up to {cache['positions']} positions for the compiled step (a multiple of {CACHE_BUCKET}, so "
+            "that one graph serves many lengths)" if args.compile else "")
+    shown = tok.decode([t for t in out if t not in tok.stop_ids]) if args.json else ""
+    _report(args, prompt, out, tok.stop_ids, shown, seconds, cache, note)
+    return 0
 
-        beside = "" if ran.bytes == full else f"; a full KVCache {format_bytes(full)}, {ran.bytes / full:.2f} of it"
-        if args.compile:
-            beside += (f"; rounded up to {cache['positions']} positions for the compiled step (a multiple of "
-                       f"{CACHE_BUCKET}, so that one graph serves many lengths)")
-        sys.stdout.flush()
-        print(f"multihead generate: {cache['kind']} {format_bytes(ran.bytes)} ({ran.bytes:,} bytes{beside}); "
-              f"{len(out)} new tokens in {seconds:.2f} s, {per_second} tok/s (prompt included)", file=sys.stderr)
+
+def _report(args: argparse.Namespace, prompt: list[int], out: list[int], stop_ids: set[int] | frozenset[int],
+            text: str, seconds: float, cache: dict[str, Any], note: str = "", engine: str = "ours") -> None:
+    """The run's one JSON object, or its line on stderr: the cache that ran (kind, real bytes, a full cache's beside
+    them) and the tokens per second."""
+    per_second = round(len(out) / seconds, 2) if seconds > 0 else None
+    if args.json:
+        print(json.dumps({"prompt": args.prompt, "chat": args.chat, "engine": engine, "prompt_tokens": len(prompt),
+                          "text": text, "tokens": out, "new_tokens": len(out),
+                          "stopped": bool(out) and out[-1] in stop_ids, "seconds": round(seconds, 3),
+                          "tokens_per_second": per_second, "cache": cache}))
+        return
+    from multihead.units import format_bytes
+
+    ran, full = cache["bytes"], cache["full_cache_bytes"]
+    full_kind = cache.get("full_kind", "KVCache")
+    beside = "" if ran == full else f"; a full {full_kind} {format_bytes(full)}, {ran / full:.2f} of it"
+    sys.stdout.flush()
+    print(f"multihead generate: {cache['kind']} {format_bytes(ran)} ({ran:,} bytes{beside}{note}); "
+          f"{len(out)} new tokens in {seconds:.2f} s, {per_second} tok/s (prompt included)", file=sys.stderr)
+
+
+def _run_transformers(args: argparse.Namespace, sampling: Any, plan: Any) -> int:
+    """The model as transformers builds it (multihead.hf.load: multihead's attention), decoding through a multihead
+    cache (multihead.hf.new_cache: full, --window with --sinks, --bits, or --plan), token by token with the same
+    sampling as the port; the cache's real bytes and the tokens per second are reported as the port's are."""
+    from pathlib import Path
+
+    import torch
+
+    from multihead import hf
+    from multihead.errors import MultiheadError
+    from multihead.models.generate import sample
+    from multihead.models.loaders import default_gguf_path
+
+    path = Path(args.model) if args.model is not None else default_gguf_path()
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()  # (stderr holds the run's one line)
+    model = hf.load(path, dtype=getattr(torch, flags.TORCH_NAMES[args.dtype]), task="causal-lm")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = (AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name) if path.is_file()
+               else AutoTokenizer.from_pretrained(str(path)))
+    except (OSError, ValueError, KeyError) as err:
+        raise MultiheadError(f"transformers could not load a tokenizer for {str(path)!r}: {err}") from None
+    if args.chat:
+        if not getattr(tok, "chat_template", None):
+            raise CliError(f"{str(path)!r} has no chat template: drop --chat")
+        text = tok.apply_chat_template([{"role": "user", "content": args.prompt}], add_generation_prompt=True,
+                                       tokenize=False)
+        prompt = [int(i) for i in tok(text, add_special_tokens=False).input_ids]
+    else:
+        prompt = [int(i) for i in tok(args.prompt).input_ids]
+    if not prompt:
+        raise CliError("the prompt has no tokens")
+    eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stop_ids = {int(i) for i in ([eos] if isinstance(eos, int) else list(eos or []))}
+    if tok.eos_token_id is not None:
+        stop_ids.add(int(tok.eos_token_id))
+    total = len(prompt) + args.max_new_tokens
+    if args.window is not None:
+        cache = hf.new_cache(model, window=args.window, sink_tokens=args.sinks)
+    else:
+        text_config: Any = getattr(model, "config").get_text_config()  # noqa: B009 (a Module's attribute: Any)
+        head_dim = getattr(text_config, "head_dim", None) or (text_config.hidden_size
+                                                              // text_config.num_attention_heads)
+        cache = hf.new_cache(model, total, bits=args.bits, plan=plan,
+                             **({"group": min(32, int(head_dim))} if args.bits is not None else {}))
+    device = next(model.parameters()).device
+    out: list[int] = []
+
+    def produced() -> Iterator[int]:
+        gen = sampling.generator()
+        with torch.no_grad():
+            ids = torch.tensor([prompt], dtype=torch.long, device=device)
+            last = model(ids, cache=cache, use_cache=True, logits_to_keep=1).logits[:, -1]  # (1, vocab)
+            for n in range(args.max_new_tokens):
+                t = int(sample(last, sampling, gen)[0])
+                out.append(t)
+                if t in stop_ids:
+                    return
+                yield t
+                if n < args.max_new_tokens - 1:
+                    step = torch.tensor([[t]], dtype=torch.long, device=device)
+                    last = model(step, cache=cache, use_cache=True).logits[:, -1]
+
+    start = time.perf_counter()
+    if args.json:
+        for _ in produced():
+            pass
+    else:
+        printed = ""
+        for _ in produced():
+            text = str(tok.decode([t for t in out if t not in stop_ids], skip_special_tokens=True))
+            if not text.endswith("\ufffd") and text.startswith(printed):  # a character whole, the text grown
+                print(text[len(printed):], end="", flush=True)
+                printed = text
+        print()
+    seconds = time.perf_counter() - start
+    ran = int(cache.bytes)
+    kind = type(cache.inner).__name__
+    plain = args.window is None and args.bits is None and plan is None
+    full_cache = cache if plain else hf.new_cache(model, total)  # the full cache, for the same positions
+    full = int(full_cache.bytes)
+    info: dict[str, Any] = {"kind": kind, "bytes": ran, "full_cache_bytes": full, "of_full": round(ran / full, 4),
+                            "full_kind": type(full_cache.inner).__name__}
+    shown = str(tok.decode([t for t in out if t not in stop_ids], skip_special_tokens=True)) if args.json else ""
+    _report(args, prompt, out, stop_ids, shown, seconds, info, engine="transformers")
     return 0

@@ -108,6 +108,7 @@ def generate_ids(
     window: int | None = None,
     sink_tokens: int = 4,
     plan: HeadPlan | None = None,
+    bits: int | None = None,
     on_cache: Callable[[Cache], None] | None = None,
 ) -> Iterator[list[int | None]]:
     """Yield, at each step, the new token of every prompt (None once a prompt has stopped).
@@ -120,8 +121,9 @@ def generate_ids(
     constant memory, any number of new tokens (also past the model's context); prompts of one length.
     ``plan=`` decodes with a :class:`~multihead.cache.HeadwiseCache` of that :class:`~multihead.cache.HeadPlan`
     (each KV head in full or as the plan's sinks + window; checked against the model's shape); prompts of one
-    length, eagerly. ``on_cache`` is called with the cache once it is made, before the prompt runs (to read its
-    ``bytes``, say).
+    length, eagerly. ``bits=`` (4 or 8) decodes with a :class:`~multihead.cache.QuantizedKVCache` of that width
+    (group 32, or the head's width where smaller; residual 128), the same way. ``on_cache`` is called with the
+    cache once it is made, before the prompt runs (to read its ``bytes``, say).
     """
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise MultiheadError(f"max_new_tokens ({max_new_tokens!r}) must be a positive int")
@@ -135,8 +137,8 @@ def generate_ids(
     lengths = [len(p) for p in prompts]
     longest = max(lengths)
     total = longest + max_new_tokens
-    if window is not None and plan is not None:
-        raise MultiheadError("give either window= (a sink + window cache) or plan= (a head-wise cache), not both")
+    if window is not None and (plan is not None or bits is not None):
+        raise MultiheadError("give either window= (a sink + window cache) or plan= / bits=, not both")
     if window is not None:
         yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                       stop_ids=stop_ids, compile=compile, step=step, on_cache=on_cache,
@@ -147,10 +149,19 @@ def generate_ids(
             f"the prompt ({longest} tokens) and max_new_tokens ({max_new_tokens}) need {total} positions, more than "
             f"the model's context of {model.config.max_context}"
         )
+    if plan is not None and bits is not None:
+        raise MultiheadError("give either plan= (a head-wise cache) or bits= (a quantized one), not both")
     if plan is not None:
         yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                       stop_ids=stop_ids, compile=compile, step=step, on_cache=on_cache,
                                       make=lambda b: model.new_cache(b, total, plan=plan), kind="head-wise")
+        return
+    if bits is not None:
+        group = min(32, model.config.head_dim or model.config.d_model // model.config.n_heads)
+        yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
+                                      stop_ids=stop_ids, compile=compile, step=step, on_cache=on_cache,
+                                      make=lambda b: model.new_cache(b, total, bits=bits, group=group),
+                                      kind="quantized")
         return
     b = len(prompts)
     device = model.device
@@ -201,7 +212,7 @@ def _generate_windowed(model: LlamaModel, prompts: Sequence[Sequence[int]], *, m
     cache (StreamingLLM, memory bounded whatever the length; ``kind`` "windowed") or a head-wise one."""
     if compile or step is not None:
         raise MultiheadError(f"a {kind} cache decodes eagerly: drop compile/step, or the "
-                             f"{'window' if kind == 'windowed' else 'plan'}")
+                             f"{ {'windowed': 'window', 'head-wise': 'plan'}.get(kind, 'bits') }")
     if len({len(p) for p in prompts}) != 1:
         raise MultiheadError(f"a {kind} cache holds sequences of one length: the prompts have lengths "
                              f"{sorted({len(p) for p in prompts})} (generate them one at a time)")
