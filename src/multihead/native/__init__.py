@@ -1,5 +1,6 @@
-"""Native CPU kernels: a few C functions (``kernels.c`` beside this file) built on first use, one build per
-instruction-set variant, the CPU's best variant chosen at run time (as ggml does), and registered as PyTorch
+"""Native CPU kernels: a few C functions (``kernels.c`` beside this file) built by an explicit step (``python -m
+multihead.native build``, ``multihead tune``, the set-up), never inside a forward, one build per instruction-set
+variant, the CPU's best variant chosen at run time (as ggml does), and registered as PyTorch
 operators (``torch.ops.multihead.*``: schemas and fake kernels, so ``torch.compile`` sees them).
 
 The kernels:
@@ -21,10 +22,11 @@ baseline for the machine, portable loops throughout). :func:`variant` picks the 
 and source, ``cc -O3 -fopenmp -shared -fPIC`` and the variant's flags, into ``$MULTIHEAD_NATIVE_DIR`` (default
 ``$XDG_CACHE_HOME/multihead/native``, else ``~/.cache/multihead/native``), named by the variant and a hash of the
 source, the compiler's version and the command, written to a temporary name and renamed into place (processes
-building at once do not see half a file); ``multihead tune`` builds it ahead. Without a compiler, when the build
-fails, or with ``MULTIHEAD_NATIVE=0``, :func:`library` is None, :func:`unavailable` says why (and, except when
-turned off on purpose, a warning says it once a process), and every caller keeps PyTorch's kernels: nothing is lost
-but the speed. The operators then raise, naming the reason.
+building at once do not see half a file). A process loads the built library on first use; before the build step has
+run, without a compiler, when the build failed, or with ``MULTIHEAD_NATIVE=0``, :func:`library` is None,
+:func:`unavailable` says why (and, except when turned off on purpose, a warning says it once a process, with the
+command that builds them), and every caller keeps PyTorch's kernels: nothing is lost but the speed. The operators
+then raise, naming the reason.
 
 In the package's own hot paths (:mod:`multihead.linear`, :mod:`multihead.kernels`) eager calls go to the Python
 functions with ``check=False`` (their callers hold well-formed tensors; the dispatcher's round trip and the checks
@@ -114,9 +116,9 @@ def _compiler() -> str | None:
     return None
 
 
-def build(name: str, cc: str | None = None) -> Path:
-    """The built library of variant ``name`` (built now unless already there); raises RuntimeError naming the
-    failure (no compiler, a compiler that does not run, a failed or timed-out build)."""
+def _target(name: str, cc: str | None) -> tuple[str, tuple[str, ...], Path]:
+    """The compiler, its flags and the library file variant ``name`` of this source is built into (named by a hash of
+    the source, the compiler's version and the command); raises RuntimeError without a compiler that runs."""
     cc = cc or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
@@ -127,7 +129,21 @@ def build(name: str, cc: str | None = None) -> Path:
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"the C compiler {cc} did not run: {e}") from e
     digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode()])).hexdigest()[:16]
-    out = cache_dir() / f"kernels-{name}-{digest}.so"
+    return cc, flags, cache_dir() / f"kernels-{name}-{digest}.so"
+
+
+def built(name: str, cc: str | None = None) -> Path | None:
+    """The library of variant ``name`` if it was built here (never builds it); raises RuntimeError without a
+    compiler (the library's name depends on the compiler's version)."""
+    out = _target(name, cc)[2]
+    return out if out.exists() else None
+
+
+def build(name: str, cc: str | None = None) -> Path:
+    """The built library of variant ``name`` (built now unless already there); raises RuntimeError naming the
+    failure (no compiler, a compiler that does not run, a failed or timed-out build). Only the explicit steps call
+    it (:func:`build_now`: ``python -m multihead.native build``, ``multihead tune``, the set-up), never a forward."""
+    cc, flags, out = _target(name, cc)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -172,12 +188,19 @@ class QuantArgs(ctypes.Structure):
                 ("tk", _PTR), ("tv", _PTR), ("scale", _F32), ("out", _PTR), ("scratch", _PTR), ("threads", _I64))
 
 
+NOT_BUILT = ("not built here yet: run `python -m multihead.native build` (or `multihead tune`) once; the set-up "
+             "(make) does")
+
+
 def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
         return None, "turned off by MULTIHEAD_NATIVE=0", None
     try:
         name = variant()
-        lib = ctypes.CDLL(str(build(name)))
+        path = built(name)
+        if path is None:
+            return None, NOT_BUILT, None
+        lib = ctypes.CDLL(str(path))
     except (RuntimeError, OSError) as e:
         return None, str(e), None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -196,9 +219,30 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
     return lib, None, name
 
 
+def build_now() -> str | None:
+    """Build this CPU's variant now (a no-op when it is built) and load it in this process: None, or why not (no
+    compiler, a failed build: the compiler's own words). The explicit step (``python -m multihead.native build``,
+    ``multihead tune``, the set-up); a forward never builds."""
+    if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
+        return "turned off by MULTIHEAD_NATIVE=0"
+    why: str | None = None
+    try:
+        build(variant())
+    except RuntimeError as e:
+        why = str(e)
+    with _lock:
+        _state.clear()
+    if why is not None:
+        with _lock:
+            _state.update(lib=None, why=why, variant=None, isa=0)
+        return why
+    return unavailable()
+
+
 def library() -> ctypes.CDLL | None:
-    """The loaded kernels (built on the first call of the process), or None when they cannot be had
-    (:func:`unavailable` says why; a warning says it once, unless they were turned off on purpose)."""
+    """The loaded kernels, or None when they cannot be had (:func:`unavailable` says why; a warning says it once a
+    process, unless they were turned off on purpose). Never builds them: until :func:`build_now` has run once on
+    this machine (the set-up does), PyTorch's kernels run and the warning says how to build."""
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
@@ -215,7 +259,7 @@ def library() -> ctypes.CDLL | None:
 
 
 def unavailable() -> str | None:
-    """Why the kernels are not there (None when they are); builds them first if no call has yet."""
+    """Why the kernels are not there (None when they are); loads them first if no call has yet."""
     library()
     why = _state.get("why")
     return why if isinstance(why, str) else None
@@ -239,7 +283,7 @@ _isa: Callable[[], int] = torch.compiler.assume_constant_result(_isa_now)
 
 
 def available() -> bool:
-    """Whether the kernels are loaded (built on the process's first call; :func:`unavailable` says why not)."""
+    """Whether the kernels are loaded (loaded on the process's first call; :func:`unavailable` says why not)."""
     return _isa() >= 0
 
 
