@@ -71,7 +71,7 @@ def test_every_block_has_the_five_points_by_name_on_ports_and_transformers_model
     from multihead import hf
 
     other = _hf(enable=False)
-    other.config.model_type = "gemma2"  # a family whose layers add more than the two sublayers' outputs
+    other.config.model_type = "gpt_neox"  # a family whose layers run attention and MLP side by side: not read
     assert hf.decoder_layers(other) == {}
     assert not [n for n in hook_points(hf.enable(other)) if "resid" in n]
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -208,40 +209,80 @@ def _out_hook(module: nn.Module, _args: Any, output: Any) -> Any:
     return point(output)
 
 
-# decoder layers written as Llama's (residual = h; h = residual + self_attn(input_layernorm(h)); residual = h;
-# h = residual + mlp(post_attention_layernorm(h))): the families whose layers get the residual-stream points. GPT-2's
-# blocks are the same two pre-norm sublayers under other names (attn, mlp, ln_1, ln_2: LayerNorms with a bias)
-RESID_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "gpt2")
+@dataclass(frozen=True)
+class BlockLayout:
+    """How a family's decoder layer names its parts: the attention and the MLP, the norm each reads the stream
+    through, and the modules whose outputs are what each sublayer adds to the stream (``attn_write``,
+    ``mlp_write``): the attention's and the MLP's own outputs in Llama's layout, Gemma 2/3's post-attention and
+    post-feed-forward norms (``h = h + post_attention_layernorm(self_attn(input_layernorm(h)))``, then
+    ``h = h + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(h)))``). ``norm_offset``: 1 where the
+    family's RMSNorms scale by (1 + weight) (Gemma), 0 where by weight."""
 
-# (attention, MLP, the norm before each) as the family's decoder layer names them
-_LLAMA_PARTS = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
-_BLOCK_PARTS: dict[str, tuple[str, str, str, str]] = {"gpt2": ("attn", "mlp", "ln_1", "ln_2")}
+    attention: str = "self_attn"
+    mlp: str = "mlp"
+    attn_norm: str = "input_layernorm"
+    mlp_norm: str = "post_attention_layernorm"
+    attn_write: str = "self_attn"
+    mlp_write: str = "mlp"
+    norm_offset: float = 0.0
+
+
+_LLAMA = BlockLayout()
+_GEMMA = BlockLayout(norm_offset=1.0)
+_GEMMA2 = BlockLayout(mlp_norm="pre_feedforward_layernorm", attn_write="post_attention_layernorm",
+                      mlp_write="post_feedforward_layernorm", norm_offset=1.0)
+
+# the families whose decoder layers get the residual-stream points: each a pre-norm layer adding two sublayers'
+# writes to the stream (residual = h; h = residual + write(attention); residual = h; h = residual + write(MLP)),
+# with the layout that names them. GPT-2's blocks are the same under other names (attn, mlp, ln_1, ln_2: LayerNorms
+# with a bias); Phi-3 fuses q/k/v and gate/up but lays its layer out as Llama; gpt-oss's MLP (experts) returns
+# (output, router scores)
+LAYOUTS: dict[str, BlockLayout] = {
+    "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA, "smollm3": _LLAMA, "olmo": _LLAMA,
+    "phi3": _LLAMA, "gpt_oss": _LLAMA, "gemma": _GEMMA, "gemma2": _GEMMA2, "gemma3_text": _GEMMA2,
+    "gpt2": BlockLayout("attn", "mlp", "ln_1", "ln_2", "attn", "mlp"),
+}
+RESID_FAMILIES = tuple(LAYOUTS)
+
+
+def model_type(model: nn.Module) -> str | None:
+    """The model_type of a transformers model's text config (a multimodal config's text model: Gemma 3's
+    ``gemma3_text``), None for a module without a config."""
+    config: Any = getattr(model, "config", None)
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    found = getattr(text, "model_type", None)
+    return None if found is None else str(found)
+
+
+def block_layout(model: nn.Module) -> BlockLayout:
+    """The :class:`BlockLayout` of ``model``'s family (Llama's for a family not in :data:`LAYOUTS`)."""
+    return LAYOUTS.get(model_type(model) or "", _LLAMA)
 
 
 def block_parts(model: nn.Module) -> tuple[str, str, str, str]:
     """The names of (attention, MLP, attention's norm, MLP's norm) in a decoder layer of ``model``'s family:
-    ``("attn", "mlp", "ln_1", "ln_2")`` for GPT-2, Llama's ``self_attn`` .. ``post_attention_layernorm`` otherwise."""
-    config: Any = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return _BLOCK_PARTS.get(str(getattr(text, "model_type", None)), _LLAMA_PARTS)
+    ``("attn", "mlp", "ln_1", "ln_2")`` for GPT-2, Gemma 2/3's ``pre_feedforward_layernorm`` for the MLP's norm,
+    Llama's ``self_attn`` .. ``post_attention_layernorm`` otherwise."""
+    layout = block_layout(model)
+    return layout.attention, layout.mlp, layout.attn_norm, layout.mlp_norm
 
 
 def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The decoder layers of a transformers model of the :data:`RESID_FAMILIES` (modules holding the family's
-    attention, MLP and their two norms, :func:`block_parts`), by name; empty for other families."""
-    config: Any = getattr(model, "config", None)
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if getattr(text, "model_type", None) not in RESID_FAMILIES:
+    """The decoder layers of a transformers model of the :data:`RESID_FAMILIES` (modules holding every part its
+    :class:`BlockLayout` names), by name; empty for other families."""
+    if model_type(model) not in LAYOUTS:
         return {}
-    parts = block_parts(model)
+    layout = block_layout(model)
+    parts = {layout.attention, layout.mlp, layout.attn_norm, layout.mlp_norm, layout.attn_write, layout.mlp_write}
     return {name: m for name, m in model.named_modules()
             if all(isinstance(getattr(m, p, None), nn.Module) for p in parts)}
 
 
 def _add_resid_points(layer: nn.Module, attention: str = "self_attn", mlp: str = "mlp") -> None:
-    """The five residual-stream points on one Llama-structured decoder layer (its sublayers named ``attention`` and
-    ``mlp``), by module hooks (transformers' forward is not edited): resid_pre on the layer's input, attn_out on the
-    attention's output, resid_mid as resid_pre + attn_out
+    """The five residual-stream points on one pre-norm decoder layer (``attention`` and ``mlp`` name the modules
+    whose outputs the layer adds to the stream: the sublayers themselves, or Gemma 2/3's post-norms), by module
+    hooks (transformers' forward is not edited): resid_pre on the layer's input, attn_out on the attention's write,
+    resid_mid as resid_pre + attn_out
     (a replacement R is handed on as attn_out = R - resid_pre, so what the layer adds is R up to one rounding),
     mlp_out on the MLP's output, resid_post on the layer's output. Points with no hook cost one list test each."""
     pre, attn_out, mid, mlp_out, post = add_resid_points(layer)
@@ -277,7 +318,9 @@ def _add_resid_points(layer: nn.Module, attention: str = "self_attn", mlp: str =
         return (a, *output[1:]) if isinstance(output, tuple) else a
 
     def on_mlp(_m: nn.Module, _args: Any, output: Any) -> Any:
-        return mlp_out(output) if mlp_out.active else None
+        if not mlp_out.active:
+            return None
+        return (mlp_out(output[0]), *output[1:]) if isinstance(output, tuple) else mlp_out(output)  # gpt-oss: a pair
 
     def on_output(_m: nn.Module, _args: Any, output: Any) -> Any:
         if not post.active:
@@ -293,7 +336,8 @@ def _add_resid_points(layer: nn.Module, attention: str = "self_attn", mlp: str =
 def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     """Switch a transformers model to multihead's attention (in place) and give each attention module the hook points
     ``hook_q`` .. ``hook_out`` (``hook_out`` is the module's own output), and each decoder layer of the
-    :data:`RESID_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo, GPT-2) the residual-stream points
+    :data:`RESID_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo, Phi-3, gpt-oss, Gemma 1/2/3, GPT-2) the
+    residual-stream points
     ``hook_resid_pre`` .. ``hook_resid_post`` (``model.layers.3.hook_resid_post``; :mod:`multihead.hooks`).
     Returns the model."""
     register()
@@ -314,10 +358,10 @@ def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
             add_hook_points(module)
             module.register_forward_hook(_out_hook)
         module.multihead_backend = backend  # type: ignore[assignment]
-    attention, mlp = block_parts(model)[:2]
+    layout = block_layout(model)
     for layer in decoder_layers(model).values():
         if "_resid_points" not in layer.__dict__:
-            _add_resid_points(layer, attention, mlp)
+            _add_resid_points(layer, layout.attn_write, layout.mlp_write)
     return model
 
 

@@ -50,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
             raise CliError(f"{model.name} is not a causal language model: patching compares next-token logits")
         result = patch_pairs(model.logits, model.layers(), model.token_ids, pairs, point=f"hook_{args.point}",
                              patching=args.method != "attribution", attribution=args.method != "patching",
-                             progress=not args.json)
+                             progress=not args.json, prompt=model.prompt_ids)
         files = {}
         if out is not None:
             from multihead.heads.report import write_patching_png

@@ -57,9 +57,28 @@ _INTRO = {
 
 
 class Tokenizer(Protocol):
+    """A model's tokenizer as the cases call it: ``encode`` gives a whole text's ids as the model reads a prompt (its
+    BOS first where ``add_bos`` and ``bos_id`` say the tokenizer adds one, as multihead's
+    :class:`~multihead.models.tokenizer.TextTokenizer` and :class:`~multihead.heads.engines.TransformersTokenizer`
+    do); ``decode`` the reverse."""
+
     def encode(self, text: str) -> list[int]: ...
 
     def decode(self, ids: Sequence[int]) -> str: ...
+
+
+def start_ids(tokenizer: Tokenizer) -> list[int]:
+    """The ids every prompt starts with: ``[bos_id]`` where the tokenizer adds a BOS (``add_bos``), else none."""
+    bos = getattr(tokenizer, "bos_id", None)
+    return [int(bos)] if getattr(tokenizer, "add_bos", False) and bos is not None else []
+
+
+def piece_ids(tokenizer: Tokenizer, text: str) -> list[int]:
+    """``text``'s ids as a piece of a longer prompt: without the BOS its tokenizer puts first (a prompt has one BOS,
+    at its start: :func:`start_ids`)."""
+    ids = list(tokenizer.encode(text))
+    start = start_ids(tokenizer)
+    return ids[len(start):] if start and ids[:len(start)] == start else ids
 
 
 @dataclass(frozen=True)
@@ -121,7 +140,7 @@ class Haystacks:
     def __init__(self, tokenizer: Tokenizer, jargon_ids: Sequence[int] | None) -> None:
         self.tokenizer = tokenizer
         self.jargon = list(jargon_ids) if jargon_ids is not None else None
-        self.filler = tokenizer.encode(_FILLER)
+        self.filler = piece_ids(tokenizer, _FILLER)
         self._ends: dict[int, bool] = {}
         self._breaks: dict[int, bool] = {}
 
@@ -210,11 +229,11 @@ def make_prompt_cases(task: str, length: int, depths: Sequence[float], haystack:
         questions.append((f"\n\nWhat are all the special magic numbers for {key}, in the order they appear? The "
                           f"special magic numbers for {key} are",
                           " " + ", ".join(listed[:-1]) + " and " + listed[-1]))
-    intro = tok.encode(_INTRO[kind])
-    needle_ids = [tok.encode(n) for n in needles]
+    intro = start_ids(tok) + piece_ids(tok, _INTRO[kind])  # the model's BOS (if any) once, at the very start
+    needle_ids = [piece_ids(tok, n) for n in needles]
     asked = []
     for q, a in questions:
-        q_ids, full = tok.encode(q), tok.encode(q + a)
+        q_ids, full = piece_ids(tok, q), piece_ids(tok, q + a)
         if full[:len(q_ids)] != q_ids or len(full) == len(q_ids):
             raise MultiheadError(f"the tokenizer does not split {q + a!r} after the question: the answer's tokens "
                                  "cannot be told apart")
@@ -366,5 +385,7 @@ __all__ = [
     "check_task",
     "make_cases",
     "make_prompt_cases",
+    "piece_ids",
     "prompt_depths",
+    "start_ids",
 ]

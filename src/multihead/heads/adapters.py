@@ -106,8 +106,14 @@ class HeadModel:
         raise MultiheadError(f"{self.name} is not a causal language model: patching needs next-token logits")
 
     def token_ids(self, text: str) -> list[int]:
-        """The text's tokens, without special tokens."""
+        """The text's tokens, without special tokens (a piece of a prompt, or an answer token)."""
         raise NotImplementedError
+
+    bos_id: int | None = None  # the BOS the model's tokenizer puts before a prompt (None where it puts none)
+
+    def prompt_ids(self, text: str) -> list[int]:
+        """A prompt's ids as the model reads one: the tokenizer's BOS (``bos_id``) first where it adds one."""
+        return ([] if self.bos_id is None else [self.bos_id]) + self.token_ids(text)
 
     @property
     def n_layers(self) -> int:
@@ -133,6 +139,7 @@ class DecoderHeads(HeadModel):
         self.tokenizer = tokenizer
         self.name = name
         self.max_tokens = model.config.max_context
+        self.bos_id = tokenizer.bos_id if getattr(tokenizer, "add_bos", False) else None
 
     def layers(self) -> list[MultiHeadAttention]:
         return [cast(MultiHeadAttention, block.attn) for block in self.model.layers]
@@ -157,7 +164,12 @@ class DecoderHeads(HeadModel):
         return out
 
     def token_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer.encode(text))
+        return list(self.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
+
+    def wrap_repeat(self, ids: Tensor) -> tuple[Tensor, int]:
+        if self.bos_id is None:
+            return ids, 0
+        return torch.cat([torch.full((ids.shape[0], 1), self.bos_id), ids], dim=1), 1
 
     def _step(self, h: Tensor, batch: Batch) -> Step:
         return self.model.step(h, key_padding_mask=None if bool(batch.valid.all()) else batch.valid)
@@ -307,6 +319,10 @@ class TransformersHeads(HeadModel):
         self._heads = int(text.num_attention_heads)
         self._kv_heads = int(getattr(text, "num_key_value_heads", None) or self._heads)
         self._layers = cast(list[HookedAttention], list(hf.attention_modules(model).values()))
+        if self.causal:  # a decoder's prompts start with its tokenizer's BOS where it adds one (Gemma, Llama)
+            from multihead.heads.engines import transformers_bos
+
+            self.bos_id = transformers_bos(tokenizer)
 
     def layers(self) -> list[HookedAttention]:
         return self._layers
@@ -320,7 +336,9 @@ class TransformersHeads(HeadModel):
         return self._kv_heads
 
     def encode(self, texts: list[str]) -> Batch:
-        encoded = [list(self.tokenizer(t, add_special_tokens=not self.causal)["input_ids"]) for t in texts]
+        """An encoder's texts with all its special tokens ([CLS] .. [SEP]); a decoder's as prompts (BOS first where
+        its tokenizer adds one, no EOS)."""
+        encoded = [self.prompt_ids(t) if self.causal else list(self.tokenizer(t)["input_ids"]) for t in texts]
         return _pad(encoded, self.max_tokens, texts)
 
     def token_strings(self, ids: list[int]) -> list[str]:
@@ -358,7 +376,9 @@ class TransformersHeads(HeadModel):
 
     def wrap_repeat(self, ids: Tensor) -> tuple[Tensor, int]:
         if self.causal:
-            return ids, 0
+            if self.bos_id is None:
+                return ids, 0
+            return torch.cat([torch.full((ids.shape[0], 1), self.bos_id), ids], dim=1), 1
         cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
         if cls is None or sep is None:
             return ids, 0
@@ -415,7 +435,14 @@ def load_head_model(name: str | None, engine: str = "auto") -> HeadModel:
         from multihead.models.loaders import read_json
 
         model_type = read_json(config).get("model_type")
-    is_llama = (path.is_file() and path.suffix == ".gguf") or model_type == "llama"
+    if path.is_file() and path.suffix == ".gguf":  # our port reads Llama's; transformers any other (Gemma 3)
+        from multihead.models.gguf_file import GGUFFile
+        from multihead.models.loaders import SUPPORTED_GGUF
+
+        model_type = str(GGUFFile(path).field("general.architecture", "unknown"))
+        is_llama = model_type in SUPPORTED_GGUF
+    else:
+        is_llama = model_type == "llama"
     is_bert = path.is_dir() and model_type == "bert"
     if engine == "ours" or (engine == "auto" and (is_llama or is_bert)):
         if is_llama:

@@ -107,7 +107,8 @@ def analyse(
     if pairs is not None:
         if not model.causal:
             raise MultiheadError(f"{model.name} is not a causal language model: patching compares next-token logits")
-        result = patch_pairs(model.logits, model.layers(), model.token_ids, pairs, attribution=False)
+        result = patch_pairs(model.logits, model.layers(), model.token_ids, pairs, attribution=False,
+                             prompt=model.prompt_ids)
         assert result.patching is not None
         report.patching = {"method": "activation patching", "point": result.point, "pairs": result.pairs,
                            "clean": result.clean, "corrupted": result.corrupted,

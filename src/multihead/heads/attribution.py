@@ -31,9 +31,15 @@ and the unembedding; the last block's is the model's logits. The **head lens**: 
 z_(l,i) W_O^(l,i) pushes toward, through the final norm with the real run's frozen scale and the unembedding.
 
 Models: multihead's :class:`~multihead.models.llama.LlamaModel` (or its head-analysis adapter), and transformers
-causal models of the Llama-structured families of :data:`multihead.hf.RESID_FAMILIES` with an RMSNorm (llama,
-mistral, qwen2, qwen3, smollm3), and GPT-2 (LayerNorms with a bias, learned absolute positions in block 0's input,
-Conv1D weights read transposed), after :func:`multihead.hf.enable`. The BERT encoder has no unembedding: not here.
+causal models of every family of :data:`multihead.hf.LAYOUTS` after :func:`multihead.hf.enable`: Llama, Mistral,
+Qwen2/3, SmolLM3, Phi-3, gpt-oss (W_O's bias shared among the heads; the sinks are in z), OLMo (a final LayerNorm
+without parameters), Gemma 1/2/3 (norms scaling by 1 + weight; the embeddings' sqrt(d_model) scale is in block 0's
+input; Gemma 2/3 add an RMSNorm after each attention, whose scale 1 / rms(sum of the heads' outputs) is frozen at
+the real run's like the final norm's, so a head's part is z_h W_O,h (1 + w) / rms(.) projected, exactly; the MLP's
+part is its post-feed-forward norm's output), and GPT-2 (LayerNorms with a bias, learned absolute positions in block
+0's input, Conv1D weights read transposed). A final logit softcap (Gemma 2) makes the logits non-linear in the
+stream: attribution and the head lens refuse it by name; the logit lens applies it. Which tool takes which family:
+:data:`multihead.heads.support.SUPPORT`. The BERT encoder has no unembedding: not here.
 """
 
 from __future__ import annotations
@@ -65,6 +71,25 @@ class _Layer:
     n_heads: int
     n_kv_heads: int
     head_dim: int
+    post: _PostNorm | None = None  # Gemma 2/3: the norm the attention's output passes before it joins the stream
+
+
+@dataclass(frozen=True)
+class _PostNorm:
+    """An RMSNorm between the attention's output a = sum_h z_h W_O,h and the stream (Gemma 2/3's
+    post_attention_layernorm): the layer writes a * gamma / rms(a). ``out`` is the attention's hook_out (a)."""
+
+    out: HookPoint
+    gamma: Tensor  # (D,): 1 + weight
+    eps: float
+
+    def inverse_scale(self, a: Tensor) -> Tensor:
+        """1 / rms(a) (..., D) -> (...), the factor frozen at the real run's."""
+        return 1.0 / (a.pow(2).mean(-1) + self.eps).sqrt()
+
+
+SOFTCAP_WHY = ("its final logit softcap (tanh(x / c) * c) makes a logit difference non-linear in the stream, so it "
+               "is not a sum of the writes' parts")
 
 
 @dataclass(frozen=True)
@@ -79,6 +104,19 @@ class _Model:
     center: bool  # LayerNorm (True) or RMSNorm (False)
     unembed: Tensor  # (vocab, D)
     unembed_bias: Tensor | None  # (vocab,)
+    softcap: float | None = None  # the final logit softcap (Gemma 2): logits = tanh(x / c) * c
+    notes: tuple[str, ...] = ()  # what the family adds, said in every result
+
+    def capped(self, logits: Tensor) -> Tensor:
+        """The model's logits from the unembedded stream: its final softcap applied, where it has one."""
+        return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+
+    def linear(self, tool: str) -> None:
+        """Refuse, by name, ``tool`` on a model whose logits are not linear in the stream (a final softcap)."""
+        if self.softcap is not None:
+            raise MultiheadError(f"{tool} on {self.name} (final_logit_softcapping = {self.softcap:g}): "
+                                 f"{SOFTCAP_WHY}; the logit lens and path patching take it")
+
 
     def sigma(self, x: Tensor) -> Tensor:
         """The final norm's divisor for a stream x (..., D), in x's dtype."""
@@ -118,8 +156,7 @@ def read_model(model: Any) -> _Model:
     if isinstance(inner, nn.Module) and hasattr(inner, "_can_set_attn_implementation"):
         return _read_transformers(inner)
     raise MultiheadError(f"direct logit attribution reads multihead's LlamaModel and transformers causal models "
-                         f"(llama, mistral, qwen2, qwen3, smollm3, gpt2) after hf.enable: got a "
-                         f"{type(model).__name__}")
+                         f"({', '.join(READ_FAMILIES)}) after hf.enable: got a {type(model).__name__}")
 
 
 def _read_port(model: Any) -> _Model:
@@ -136,56 +173,87 @@ def _read_port(model: Any) -> _Model:
                   tuple(layers), model.norm.weight.detach(), None, float(model.norm.eps), False, unembed.detach(), None)
 
 
+# the transformers families read here: every family of hf.LAYOUTS
+READ_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "phi3", "gpt_oss", "gemma", "gemma2",
+                 "gemma3_text", "gpt2")
+REFUSED: dict[str, str] = {}  # a family read but refused, with the reason (none at present)
+
+
+def _rms_gamma(norm: Any, offset: float, where: str) -> tuple[Tensor, float]:
+    """An RMSNorm's scale (weight, or 1 + weight where the family's norms are Gemma's) and its eps."""
+    weight = getattr(norm, "weight", None)
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    if not type(norm).__name__.endswith("RMSNorm") or not isinstance(weight, Tensor) or eps is None:
+        raise MultiheadError(f"{where} is a {type(norm).__name__}, not an RMSNorm with a weight and an eps")
+    return weight.detach() + offset, float(eps)
+
+
 def _read_transformers(model: nn.Module) -> _Model:
     from multihead import hf
 
     config: Any = model.config
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     name = type(model).__name__
+    family = hf.model_type(model)
     blocks = list(hf.decoder_layers(model).values())
     head: Any = getattr(model, "lm_head", None)
-    gpt2 = text.model_type == "gpt2"
+    gpt2 = family == "gpt2"
     base: Any = getattr(model, "transformer" if gpt2 else "model", None)
+    base = getattr(base, "language_model", base)  # a multimodal model's text model (Gemma 3)
     norm: Any = getattr(base, "ln_f" if gpt2 else "norm", None)
-    families = [f for f in hf.RESID_FAMILIES if f != "olmo"]
-    if text.model_type not in families or not blocks or not isinstance(head, nn.Linear) or norm is None:
+    if family in REFUSED:
+        raise MultiheadError(f"direct logit attribution on {name} (model_type {family!r}): {REFUSED[family]}")
+    if family not in READ_FAMILIES or not blocks or not isinstance(head, nn.Linear) or norm is None:
         raise MultiheadError(f"direct logit attribution reads transformers causal models of type "
-                             f"{', '.join(families)} (decoder layers at .model.layers or GPT-2's .transformer.h, an "
-                             f"lm_head): {name} (model_type {text.model_type!r}) is not one")
-    if gpt2:
-        if not isinstance(norm, nn.LayerNorm) or norm.normalized_shape != (head.weight.shape[1],):
-            raise MultiheadError(f"{name}: the final norm ln_f is a {type(norm).__name__}, not a LayerNorm over "
-                                 "d_model")
-    elif not type(norm).__name__.endswith("RMSNorm") or not hasattr(norm, "variance_epsilon"):
-        raise MultiheadError(f"{name}: the final norm is a {type(norm).__name__}, not a Llama-style RMSNorm")
-    if getattr(text, "final_logit_softcapping", None):
-        raise MultiheadError(f"{name} softcaps its logits: a logit difference is then not a sum of writes")
+                             f"{', '.join(READ_FAMILIES)} (decoder layers at .model.layers or GPT-2's .transformer.h, "
+                             f"an lm_head): {name} (model_type {family!r}) is not one")
+    layout = hf.block_layout(model)
+    if gpt2 and (not isinstance(norm, nn.LayerNorm) or norm.normalized_shape != (head.weight.shape[1],)):
+        raise MultiheadError(f"{name}: the final norm ln_f is a {type(norm).__name__}, not a LayerNorm over "
+                             "d_model")
+    cap = getattr(text, "final_logit_softcapping", None)
     h = int(text.num_attention_heads)
     g = int(getattr(text, "num_key_value_heads", None) or h)
-    attention = hf.block_parts(model)[0]
     layers = []
     for i, block in enumerate(blocks):
-        attn: Any = getattr(block, attention)
+        attn: Any = getattr(block, layout.attention)
         where = f"layers.{i}"
         o = attn.c_proj if gpt2 else attn.o_proj
         w_o = o.weight.detach().T if gpt2 else o.weight.detach()  # GPT-2's Conv1D holds (in, out): as nn.Linear's
-        layers.append(_Layer(attn, hook_point(attn, "hook_z", f"{where}.{attention}"),
+        post = None
+        if layout.attn_write != layout.attention:  # Gemma 2/3: a norm between the attention and the stream
+            gamma, eps = _rms_gamma(getattr(block, layout.attn_write), layout.norm_offset,
+                                    f"{where}.{layout.attn_write}")
+            post = _PostNorm(hook_point(attn, "hook_out", f"{where}.{layout.attention}"), gamma, eps)
+        layers.append(_Layer(attn, hook_point(attn, "hook_z", f"{where}.{layout.attention}"),
                              hook_point(block, "hook_mlp_out", where), hook_point(block, "hook_resid_post", where),
                              w_o, None if o.bias is None else o.bias.detach(), h, g,
-                             int(getattr(attn, "head_dim", None) or w_o.shape[1] // h)))
+                             int(getattr(attn, "head_dim", None) or w_o.shape[1] // h), post))
 
     def forward(ids: Tensor) -> Tensor:
         out: Tensor = model(ids, use_cache=False).logits
         return out
 
+    embed = hook_point(blocks[0], "hook_resid_pre", "layers.0")
+    unembed_bias = None if head.bias is None else head.bias.detach()
     if gpt2:  # the final LayerNorm: centred, with a bias; block 0's input is the token plus position embeddings
-        return _Model(name, forward, hook_point(blocks[0], "hook_resid_pre", "layers.0"), tuple(layers),
-                      None if norm.weight is None else norm.weight.detach(),
+        return _Model(name, forward, embed, tuple(layers), None if norm.weight is None else norm.weight.detach(),
                       None if norm.bias is None else norm.bias.detach(), float(norm.eps), True,
-                      head.weight.detach(), None if head.bias is None else head.bias.detach())
-    return _Model(name, forward, hook_point(blocks[0], "hook_resid_pre", "layers.0"), tuple(layers),
-                  norm.weight.detach(), None, float(norm.variance_epsilon), False, head.weight.detach(),
-                  None if head.bias is None else head.bias.detach())
+                      head.weight.detach(), unembed_bias)
+    if type(norm).__name__ == "OlmoLayerNorm":  # a LayerNorm without parameters, eps 1e-5 (as OLMo's forward)
+        return _Model(name, forward, embed, tuple(layers), None, None, 1e-5, True, head.weight.detach(),
+                      unembed_bias, None, ("OLMo's final LayerNorm has no parameters: its centring alone",))
+    gamma, eps = _rms_gamma(norm, layout.norm_offset, "the final norm")
+    notes = []
+    if layout.norm_offset:
+        notes.append("Gemma's RMSNorms scale by (1 + weight); the embeddings (block 0's input) carry their "
+                     "sqrt(d_model) scale")
+    if layers[0].post is not None:
+        notes.append("each layer's post-attention RMSNorm scale frozen at the real run's too (its heads' writes "
+                     "z_h W_O,h (1 + w) / rms(sum of the heads' outputs)); an MLP's part is its post-feed-forward "
+                     "norm's output")
+    return _Model(name, forward, embed, tuple(layers), gamma, None, eps, False, head.weight.detach(), unembed_bias,
+                  None if cap is None else float(cap), tuple(notes))
 
 
 @contextmanager
@@ -221,6 +289,8 @@ def _run(m: _Model, ids: Tensor, extra: Sequence[str] = ()) -> tuple[Tensor, dic
     points = {"embed": m.embed}
     for i, layer in enumerate(m.layers):
         points[f"z{i}"], points[f"mlp{i}"] = layer.z, layer.mlp_out
+        if layer.post is not None:
+            points[f"attn{i}"] = layer.post.out
         if "resid" in extra or i == len(m.layers) - 1:
             points[f"post{i}"] = layer.resid_post
     seen: dict[str, Tensor] = {}
@@ -284,6 +354,7 @@ def direct_logit_attribution(model: Any, ids: Tensor, answers: Tokens, wrongs: T
     id or one per row each; without ``wrongs``, on ``logit[answer]``) at every position (see the module). Raises a
     MultiheadError when the parts and the remainder's bound do not reproduce the model's real logits."""
     m = read_model(model)
+    m.linear("direct logit attribution")
     b, s = ids.shape if isinstance(ids, Tensor) and ids.ndim == 2 else (0, 0)
     logits, seen = _run(m, ids)
     vocab = m.unembed.shape[0]
@@ -316,10 +387,15 @@ def direct_logit_attribution(model: Any, ids: Tensor, answers: Tokens, wrongs: T
     for i, layer in enumerate(m.layers):
         h, d = layer.n_heads, layer.head_dim
         w_o = layer.w_o.to(f64).view(-1, h, d)  # (D, h, d)
-        t = torch.einsum("bD,Dhd->bhd", v, w_o)
-        part = torch.einsum("bhsd,bhd->bhs", seen[f"z{i}"].to(f64), t) * inv[:, None]
+        scale = inv  # (b, s): the final norm's frozen 1 / sigma, and a post-attention norm's (Gemma 2/3)
+        vo = v if layer.post is None else v * layer.post.gamma.to(f64)
+        if layer.post is not None:
+            scale = inv * layer.post.inverse_scale(seen[f"attn{i}"].to(f64))
+        t = torch.einsum("bD,Dhd->bhd", vo, w_o)
+        part = torch.einsum("bhsd,bhd->bhs", seen[f"z{i}"].to(f64), t) * scale[:, None]
         if layer.b_o is not None:
-            part = part + (project(layer.b_o.to(f64).expand(b, s, -1)) / h)[:, None]
+            bias = torch.einsum("D,bD->b", layer.b_o.to(f64), vo)[:, None] * scale  # (b, s)
+            part = part + (bias / h)[:, None]
         heads.append(part)
         mlps.append(project(seen[f"mlp{i}"]))
     if len({p.shape[1] for p in heads}) != 1 or len({layer.n_kv_heads for layer in m.layers}) != 1:
@@ -351,7 +427,7 @@ def _notes(m: _Model) -> tuple[str, ...]:
         notes.append("each layer's W_O bias split equally over its heads (b_O / n_heads each)")
     if m.norm_bias is not None or m.unembed_bias is not None:
         notes.append("the final norm's beta and the unembedding bias in 'constant'")
-    return tuple(notes)
+    return (*notes, *m.notes)
 
 
 # ---------------------------------------------------------------------------------------------- logit lens
@@ -384,6 +460,7 @@ def logit_lens(model: Any, ids: Tensor, *, k: int = 5, answers: Tokens | None = 
         logits = normed @ m.unembed.to(normed).T
         if m.unembed_bias is not None:
             logits = logits + m.unembed_bias.to(logits)
+        logits = m.capped(logits)
         top = logits.topk(min(k, vocab), dim=-1)
         tops.append(top.indices)
         values.append(top.values)
@@ -412,6 +489,7 @@ def head_logit_lens(model: Any, ids: Tensor, *, position: int = -1, k: int = 5) 
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise MultiheadError(f"k ({k!r}) must be a positive int")
     m = read_model(model)
+    m.linear("the head lens")
     _, seen = _run(m, ids)
     s = ids.shape[1]
     if not -s <= position < s:
@@ -425,6 +503,9 @@ def head_logit_lens(model: Any, ids: Tensor, *, position: int = -1, k: int = 5) 
         h, d = layer.n_heads, layer.head_dim
         z = seen[f"z{i}"][:, :, position].float()  # (b, h, d)
         write = torch.einsum("bhd,Dhd->bhD", z, layer.w_o.float().view(-1, h, d))
+        if layer.post is not None:  # through the post-attention norm with its real scale (Gemma 2/3)
+            a = seen[f"attn{i}"][:, position].float()  # (b, D)
+            write = write * layer.post.gamma.float() * layer.post.inverse_scale(a)[:, None, None]
         if m.center:
             write = write - write.mean(-1, keepdim=True)
         pushed = (write * gamma * scale[:, None, None]) @ unembed.T  # (b, h, vocab)

@@ -96,14 +96,15 @@ class EncodedPair:
     wrong: int
 
 
-def encode_pairs(pairs: Sequence[PromptPair], encode: Callable[[str], list[int]], max_tokens: int
-                 ) -> list[EncodedPair]:
-    """Each pair tokenized and checked: equal lengths, within the model's context, one-token answers."""
+def encode_pairs(pairs: Sequence[PromptPair], encode: Callable[[str], list[int]], max_tokens: int, *,
+                 prompt: Callable[[str], list[int]] | None = None) -> list[EncodedPair]:
+    """Each pair tokenized and checked: equal lengths, within the model's context, one-token answers. ``encode``
+    tokenizes the answers; ``prompt`` (default ``encode``) the prompts as the model reads them (its BOS first)."""
     if not pairs:
         raise MultiheadError("no prompt pairs given")
     found = []
     for i, pair in enumerate(pairs):
-        clean, corrupt = encode(pair.clean), encode(pair.corrupt)
+        clean, corrupt = (prompt or encode)(pair.clean), (prompt or encode)(pair.corrupt)
         answer, wrong = encode(pair.answer), encode(pair.wrong)
         if not clean or len(clean) != len(corrupt):
             raise MultiheadError(f"pair {i}: the clean prompt has {len(clean)} tokens and the corrupted one "
@@ -468,7 +469,11 @@ def analyse_circuit(model: Any, pairs: Sequence[PromptPair], *, method: str | No
     if not getattr(model, "causal", False):
         raise MultiheadError(f"{getattr(model, 'name', type(model).__name__)} is not a causal language model: a "
                              "circuit is traced to next-token logits")
-    encoded = encode_pairs(pairs, model.token_ids, int(model.max_tokens))
+    if method is not None:  # a model edge attribution refuses is refused before the DLA runs
+        from multihead.heads.eap import check_model
+
+        check_model(model)
+    encoded = encode_pairs(pairs, model.token_ids, int(model.max_tokens), prompt=getattr(model, "prompt_ids", None))
     groups = batches(encoded)
     seconds: dict[str, float] = {}
     start = time.perf_counter()

@@ -68,9 +68,13 @@ from torch import Tensor, nn
 from multihead.errors import MultiheadError
 
 KINDS = ("q", "k", "v", "k_kv", "v_kv")  # per query head of the reader: q, k, v; per KV head: k_kv, v_kv
-_HF_DECODERS = ("llama", "mistral", "qwen2", "qwen3")  # pre-RMSNorm decoders with q/k/v/o_proj (qwen3: q/k norms)
+# pre-norm decoders with q/k/v/o_proj (Phi-3: a fused qkv_proj), read through their input norm (RMSNorm; OLMo's
+# LayerNorm without parameters), with per-head q/k norms (Qwen3, Gemma 3) and Gemma 2/3's post-attention norm
+_HF_DECODERS = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "phi3", "gpt_oss", "gemma", "gemma2",
+                "gemma3_text")
 _HF_ENCODERS = ("bert",)  # post-LayerNorm encoders
 _HF_GPT2 = ("gpt2",)  # pre-LayerNorm decoders with a fused c_attn and c_proj (Conv1D: (in, out) weights)
+HF_FAMILIES = _HF_DECODERS + _HF_GPT2 + _HF_ENCODERS  # the transformers model types read here
 
 
 # ---------------------------------------------------------------------------------------------- what the heads read
@@ -293,8 +297,10 @@ def _bert_port(model: Any, dtype: torch.dtype) -> Circuits:
 
 
 def _transformers(model: nn.Module, dtype: torch.dtype) -> Circuits:
+    from multihead import hf
+
     config: Any = model.config
-    model_type = getattr(config, "model_type", None)
+    model_type = hf.model_type(model)
     name = type(model).__name__
     known = _HF_DECODERS + _HF_GPT2 + _HF_ENCODERS
     if model_type not in known:
@@ -305,40 +311,79 @@ def _transformers(model: nn.Module, dtype: torch.dtype) -> Circuits:
     if model_type in _HF_GPT2:
         return _transformers_gpt2(model, name, dtype)
     base: Any = getattr(model, "model", model)
+    base = getattr(base, "language_model", base)  # a multimodal model's text model (Gemma 3)
     blocks = getattr(base, "layers", None)
     if not isinstance(blocks, nn.ModuleList):
         raise MultiheadError(f"{name} (model_type {model_type!r}) has no decoder layers at .model.layers or .layers")
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     h = int(text.num_attention_heads)
     g = int(getattr(text, "num_key_value_heads", None) or h)
-    layers, biased = [], False
+    layout = hf.block_layout(model)
+    offset = layout.norm_offset
+    layers, biased, qk_normed = [], False, False
     for i, block in enumerate(blocks):
         attn: Any = getattr(block, "self_attn", None)
         where = f"layers.{i}.self_attn"
         norm_module = getattr(block, "input_layernorm", None)
-        parts: list[Any] = [getattr(attn, p, None) for p in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        fused = getattr(attn, "qkv_proj", None)
+        names = ("qkv_proj", "o_proj") if isinstance(fused, nn.Linear) else ("q_proj", "k_proj", "v_proj", "o_proj")
+        parts: list[Any] = [getattr(attn, p, None) for p in names]
         if attn is None or norm_module is None or not all(isinstance(p, nn.Linear) for p in parts):
             raise MultiheadError(f"{name}: layer {i} ({type(block).__name__}) has no self_attn with q_proj, k_proj, "
-                                 "v_proj, o_proj and no input_layernorm: its weights cannot be read")
-        if not type(norm_module).__name__.endswith("RMSNorm"):
-            raise MultiheadError(f"{name}: layers.{i}.input_layernorm is a {type(norm_module).__name__}, not an "
-                                 "RMSNorm: its weight cannot be folded")
+                                 "v_proj (or a fused qkv_proj), o_proj and no input_layernorm: its weights cannot be "
+                                 "read")
         biased = biased or any(p.bias is not None for p in parts)
-        d = int(getattr(attn, "head_dim", None) or parts[0].weight.shape[0] // h)
+        weights = [_plain(p.weight, f"{where}.{n}.weight") for p, n in zip(parts, names, strict=True)]
+        d = int(getattr(attn, "head_dim", None) or weights[-1].shape[1] // h)
+        if len(weights) == 2:  # Phi-3: rows of q (h d), k (g d), v (g d) in one matrix
+            weights = [*weights[0].split([h * d, g * d, g * d], dim=0), weights[1]]
+        norm = _read_norm(norm_module, f"layers.{i}.input_layernorm", offset)
         scales: list[Tensor | None] = [None, None]
-        if model_type == "qwen3":
-            scales = [_weight(getattr(attn, n), f"{where}.{n}") for n in ("q_norm", "k_norm")]
-        norm = Norm(f"layers.{i}.input_layernorm", _weight(norm_module, f"layers.{i}.input_layernorm"), center=False)
-        layers.append(_heads(where, *(_plain(p.weight, f"{where}.{n}.weight")
-                                      for p, n in zip(parts, ("q_proj", "k_proj", "v_proj", "o_proj"), strict=True)),
-                             h=h, g=g, d=d, norm=norm, dtype=dtype, q_scale=scales[0], k_scale=scales[1]))
-    notes = [_RMS_NOTE.format("input_layernorm"), _ROPE_NOTE]
-    if model_type == "qwen3":
+        if all(isinstance(getattr(attn, n, None), nn.Module) for n in ("q_norm", "k_norm")):
+            qk_normed = True
+            scales = [_offset(_weight(getattr(attn, n), f"{where}.{n}"), offset) for n in ("q_norm", "k_norm")]
+        if layout.attn_write != layout.attention:  # Gemma 2/3: the write passes a norm: W_O diag(gamma)
+            post = _read_norm(getattr(block, layout.attn_write), f"layers.{i}.{layout.attn_write}", offset)
+            if post.weight is not None:
+                weights[3] = weights[3] * post.weight.to(weights[3])[:, None]
+        layers.append(_heads(where, *weights, h=h, g=g, d=d, norm=norm, dtype=dtype, q_scale=scales[0],
+                             k_scale=scales[1]))
+    notes = [_RMS_NOTE.format("input_layernorm") if not _is_plain_layer_norm(blocks[0].input_layernorm) else
+             "OLMo's input LayerNorm (no parameters) folded as its centring P", _ROPE_NOTE]
+    if offset:
+        notes.append("Gemma's RMSNorms scale by (1 + weight): that is the scale folded")
+    if qk_normed:
         notes.append("the per-head q_norm and k_norm weights folded into W_Q's and W_K's columns (exact for the "
                      "linear part, up to a per-token, per-head scale)")
+    if layout.attn_write != layout.attention:
+        notes.append(f"the {layout.attn_write} weight folded into W_O's output columns (a head's write passes it "
+                     "before it joins the stream; exact for the linear part: 1/rms is a per-token scale)")
+    if isinstance(getattr(blocks[0].self_attn, "qkv_proj", None), nn.Linear):
+        notes.append("the fused qkv_proj split into W_Q, W_K, W_V by rows")
+    if isinstance(getattr(blocks[0].self_attn, "sinks", None), Tensor):
+        notes.append("gpt-oss's per-head sink logits outside the static circuit (they only rescale the pattern)")
     if biased:
         notes.append(_BIAS_NOTE)
     return Circuits(name, tuple(layers), tuple(() for _ in layers), tuple(notes))
+
+
+def _is_plain_layer_norm(module: Any) -> bool:
+    return type(module).__name__ == "OlmoLayerNorm"
+
+
+def _offset(w: Tensor | None, offset: float) -> Tensor | None:
+    return w if w is None or not offset else w + offset
+
+
+def _read_norm(module: Any, where: str, offset: float) -> Norm:
+    """A pre-norm decoder's norm as a :class:`Norm`: an RMSNorm's weight (1 + weight for Gemma's), or OLMo's
+    LayerNorm without parameters (its centring alone)."""
+    if _is_plain_layer_norm(module):
+        return Norm(where, None, center=True)
+    if not type(module).__name__.endswith("RMSNorm"):
+        raise MultiheadError(f"{where} is a {type(module).__name__}, not an RMSNorm: its weight cannot be folded")
+    w = _weight(module, where)
+    return Norm(where, _offset(w, offset), center=False)
 
 
 def _transformers_gpt2(model: nn.Module, name: str, dtype: torch.dtype) -> Circuits:

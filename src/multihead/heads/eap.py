@@ -51,8 +51,10 @@ of their senders is fed by kept edges (seen on SmolLM2: EAP's top 10 keep 0.0).
 The metric maps logits (rows, s, vocab) to one value per row; the exact forwards repeat the batch, so it must take
 any multiple of b rows (row r belongs to pair r % b), as :func:`multihead.heads.patching.logit_difference` does.
 
-Models: those :func:`multihead.heads.attribution.read_model` reads (our Llama port, transformers Llama-family models
-after ``hf.enable``). Run them in eval mode (dropout off). Not BERT: its blocks normalise after the residual sum
+Models: those :func:`multihead.heads.attribution.read_model` reads (our Llama port, transformers models of the
+families of :data:`multihead.hf.LAYOUTS` after ``hf.enable``) less Gemma 2/3, refused by name (:func:`check_model`):
+their post-attention norm rescales the sum of the heads' outputs, so a head's write is not a term of the stream. Run
+them in eval mode (dropout off). Not BERT: its blocks normalise after the residual sum
 (post-norm), so its stream is not a sum of the writes, and it has no unembedding.
 """
 
@@ -188,18 +190,19 @@ class _Net:
     graph: _Graph
 
 
-def _blocks(model: Any) -> list[nn.Module]:
+def _blocks(model: Any) -> tuple[list[nn.Module], str]:
+    """The decoder blocks, and the name of the norm a transformers block's MLP reads the stream through."""
     from multihead import hf
     from multihead.heads.adapters import DecoderHeads, TransformersHeads
     from multihead.models.llama import LlamaModel
 
     inner = model.model if isinstance(model, DecoderHeads | TransformersHeads) else model
     if isinstance(inner, LlamaModel):
-        return list(inner.layers)
-    return list(hf.decoder_layers(inner).values())
+        return list(inner.layers), "ffn_norm"
+    return list(hf.decoder_layers(inner).values()), hf.block_layout(inner).mlp_norm
 
 
-def _mlp_fn(block: Any) -> Callable[[Tensor], Tensor]:
+def _mlp_fn(block: Any, norm: str) -> Callable[[Tensor], Tensor]:
     if all(hasattr(block, p) for p in ("ffn_norm", "gate_proj", "up_proj", "down_proj")):  # our Llama port
         def port(x: Tensor) -> Tensor:
             n = block.ffn_norm(x)
@@ -208,14 +211,30 @@ def _mlp_fn(block: Any) -> Callable[[Tensor], Tensor]:
         return port
 
     def transformers(x: Tensor) -> Tensor:
-        out: Tensor = block.mlp(block.post_attention_layernorm(x))
-        return out
+        out = block.mlp(getattr(block, norm)(x))
+        y: Tensor = out[0] if isinstance(out, tuple) else out  # gpt-oss's experts return (output, router scores)
+        return y
     return transformers
 
 
-def _net(model: Any) -> _Net:
+POST_NORM_REFUSAL = ("it normalises each attention layer's output before adding it to the stream (Gemma 2/3's "
+                     "post_attention_layernorm), so a head's write is not a term of the stream and its edges are "
+                     "not defined (direct logit attribution freezes that norm's scale; path patching runs through "
+                     "it)")
+
+
+def check_model(model: Any) -> Any:
+    """The model as edge attribution reads it (:func:`multihead.heads.attribution.read_model`), or a
+    MultiheadError saying why it cannot: a family whose heads' writes are not terms of the stream."""
     m = read_model(model)
-    blocks = _blocks(model)
+    if any(layer.post is not None for layer in m.layers):
+        raise MultiheadError(f"edge attribution on {m.name}: {POST_NORM_REFUSAL}")
+    return m
+
+
+def _net(model: Any) -> _Net:
+    m = check_model(model)
+    blocks, mlp_norm = _blocks(model)
     if len(blocks) != len(m.layers):
         raise MultiheadError(f"{m.name}: {len(blocks)} decoder blocks for {len(m.layers)} attention layers")
     heads = {(layer.n_heads, layer.n_kv_heads) for layer in m.layers}
@@ -225,7 +244,7 @@ def _net(model: Any) -> _Net:
     (h, g), = heads
     pre = tuple(hook_point(b, "hook_resid_pre", f"block {i}") for i, b in enumerate(blocks))
     mid = tuple(hook_point(b, "hook_resid_mid", f"block {i}") for i, b in enumerate(blocks))
-    return _Net(m, pre, mid, tuple(_mlp_fn(b) for b in blocks), _graph(len(m.layers), h, g))
+    return _Net(m, pre, mid, tuple(_mlp_fn(b, mlp_norm) for b in blocks), _graph(len(m.layers), h, g))
 
 
 def _check_ids(clean: Any, corrupted: Any) -> None:

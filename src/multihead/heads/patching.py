@@ -391,9 +391,12 @@ class PairsResult:
 
 def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Callable[[str], list[int]],
                 pairs: Sequence[PromptPair], *, point: str = "hook_z", patching: bool = True,
-                attribution: bool = True, chunk: int = 16, progress: bool = False) -> PairsResult:
+                attribution: bool = True, chunk: int = 16, progress: bool = False,
+                prompt: Callable[[str], list[int]] | None = None) -> PairsResult:
     """Activation and/or attribution patching of every head over prompt pairs (each run on its own, pooled);
-    ``progress``: a bar on stderr, one step per pair."""
+    ``progress``: a bar on stderr, one step per pair. ``encode`` tokenizes the answers (no special tokens);
+    ``prompt`` the prompts as the model reads them (a head model's ``prompt_ids``: its tokenizer's BOS first), by
+    default ``encode``."""
     import time
 
     from multihead.heads.progress import progress_bar
@@ -409,7 +412,7 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
     what = " and ".join(name for name, on in (("patching", patching), ("attribution", attribution)) if on)
     for i, pair in enumerate(progress_bar(pairs, desc=f"{what} over {len(pairs)} prompt pair(s)", unit="pair",
                                           progress=progress)):
-        clean, corrupt = encode(pair.clean), encode(pair.corrupt)
+        clean, corrupt = (prompt or encode)(pair.clean), (prompt or encode)(pair.corrupt)
         answer, wrong = encode(pair.answer), encode(pair.wrong)
         if len(clean) != len(corrupt):
             raise MultiheadError(f"pair {i}: the clean prompt has {len(clean)} tokens and the corrupted one "

@@ -19,8 +19,10 @@ its group under GQA and MQA, so patching a receiver's k or v patches what its wh
 every path the sender has (the heads of all later layers and ``"logits"``, in a model whose MLPs write nothing),
 path patching equals activation patching of the sender (tested).
 
-Models: those :func:`multihead.heads.attribution.direct_logit_attribution` reads (our Llama port, transformers
-Llama-family models after ``hf.enable``).
+Models: those :func:`multihead.heads.attribution.read_model` reads (our Llama port, transformers models of the
+families of :data:`multihead.hf.LAYOUTS` after ``hf.enable``). In Gemma 2/3 a layer's write passes its
+post-attention norm: the sender's change of write is that norm's output with the sender's z clean and the other heads'
+frozen at the corrupted run's. A final logit softcap is no obstacle (nothing is linearised).
 """
 
 from __future__ import annotations

@@ -71,15 +71,21 @@ class TransformersDecoder:
 
 
 class TokenizerText:
-    """A transformers tokenizer behind the ``encode`` / ``decode`` multihead's evaluation calls (no special tokens
-    added: the cases place their own)."""
+    """A transformers tokenizer behind the ``encode`` / ``decode`` multihead's evaluation calls, as multihead's own
+    tokenizer: a whole text's ids with the model's BOS first where its tokenizer adds one (``bos_id``, ``add_bos``,
+    read from the tokenizer: :func:`multihead.heads.engines.transformers_bos`), no other special token; the cases
+    join pieces with one BOS at the start (:func:`multihead.evals.needles.piece_ids`)."""
 
     def __init__(self, tokenizer: Any) -> None:
+        from multihead.heads.engines import transformers_bos
+
         self.tokenizer = tokenizer
+        self.bos_id = transformers_bos(tokenizer)
+        self.add_bos = self.bos_id is not None
 
     def encode(self, text: str) -> list[int]:
-        ids: list[int] = self.tokenizer(text, add_special_tokens=False).input_ids
-        return ids
+        ids: list[int] = [int(i) for i in self.tokenizer(text, add_special_tokens=False).input_ids]
+        return [self.bos_id, *ids] if self.bos_id is not None else ids
 
     def decode(self, ids: list[int]) -> str:
         text: str = self.tokenizer.decode(ids)
@@ -90,7 +96,8 @@ def load_decoder(path: str | Any, *, dtype: torch.dtype = torch.float32) -> tupl
     """A local folder (config.json, safetensors, a tokenizer) or a .gguf file as a transformers causal LM on
     multihead's attention (:func:`multihead.hf.load`), behind the decoding interface, with its tokenizer: a
     folder's own (transformers' AutoTokenizer), a GGUF file's as its metadata holds it
-    (:func:`multihead.models.loaders.read_gguf_tokenizer`, llama.cpp's pre-tokenizer for the named type: the
+    (:func:`multihead.models.loaders.read_gguf_tokenizer`, for byte-level BPE; transformers' reading of the file
+    otherwise, e.g. Gemma's SentencePiece; llama.cpp's pre-tokenizer for the named type: the
     tokenizer transformers builds from SmolLM2's GGUF file reads "Introduction\\n\\n1." of the Jargon File as two
     newline tokens where multihead's reading of the file, with llama.cpp's smollm pre-tokenizer, has one: the
     cases' ids would differ)."""
@@ -101,11 +108,14 @@ def load_decoder(path: str | Any, *, dtype: torch.dtype = torch.float32) -> tupl
     p = Path(path)
     model = hf.load(p, dtype=dtype, task="causal-lm")
     if p.is_file():
+        from multihead.models.gguf_file import GGUFFile
         from multihead.models.loaders import read_gguf_tokenizer
 
-        return TransformersDecoder(model).eval(), read_gguf_tokenizer(p)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(p))
+        if GGUFFile(p).field("tokenizer.ggml.model", None) == "gpt2":  # byte-level BPE: multihead reads it
+            return TransformersDecoder(model).eval(), read_gguf_tokenizer(p)
+    try:  # a folder's tokenizer, or a GGUF file's that multihead does not read (Gemma's SentencePiece)
+        tokenizer = (AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name) if p.is_file()
+                     else AutoTokenizer.from_pretrained(str(p)))
     except (OSError, ValueError, KeyError) as err:
         raise MultiheadError(f"transformers could not load a tokenizer for {str(p)!r}: {err}") from None
     return TransformersDecoder(model).eval(), TokenizerText(tokenizer)

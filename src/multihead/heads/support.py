@@ -1,0 +1,95 @@
+"""Which head tool takes which transformers family: one table (:data:`SUPPORT`, family x tool), built from the
+tools' own readers and refusals (:data:`multihead.hf.LAYOUTS`, :data:`multihead.heads.attribution.READ_FAMILIES`
+and its refusals, composition's families, edge attribution's post-norm refusal), so a refusal here is the
+MultiheadError the tool raises, word for word. The README's support matrix is :func:`markdown` of it (a test holds
+the two equal), and tests/test_family_tools.py runs every cell on a tiny model of the family.
+
+A cell is ``Cell(True, note)`` where the tool runs (the note says what the family adds: a frozen norm scale, a
+softcap applied) or ``Cell(False, why)`` where it refuses, with the reason."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from multihead import hf
+from multihead.heads import attribution, composition, eap
+
+# the tools, as the README names them
+TOOLS = {
+    "resid": "residual hook points",
+    "dla": "direct logit attribution",
+    "logit_lens": "logit lens",
+    "head_lens": "head lens",
+    "composition": "composition scores",
+    "path_patching": "path patching",
+    "eap": "EAP / EAP-IG",
+    "circuit": "`multihead circuit`",
+}
+# the families (transformers model_type) and the family a default config of each has a final logit softcap in
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "smollm3", "olmo", "phi3", "gpt_oss", "gemma", "gemma2",
+            "gemma3_text", "gpt2")
+SOFTCAPPED = ("gemma2",)  # final_logit_softcapping is set by default (30.0): refused where linearity is needed
+SOFTCAP_WHY = attribution.SOFTCAP_WHY
+
+
+@dataclass(frozen=True)
+class Cell:
+    ok: bool
+    why: str = ""
+
+
+def _post_norm(family: str) -> bool:
+    layout = hf.LAYOUTS[family]
+    return layout.attn_write != layout.attention
+
+
+def _cells(family: str) -> dict[str, Cell]:
+    reads = family in attribution.READ_FAMILIES
+    refused = attribution.REFUSED.get(family, "")
+    gemma = hf.LAYOUTS[family].norm_offset != 0
+    post = _post_norm(family)
+    capped = family in SOFTCAPPED
+    read_note = "; ".join(n for n, on in (
+        ("Gemma's (1 + weight) norms", gemma),
+        ("the post-attention norm's scale frozen at the real run's", post)) if on)
+    cells = {"resid": Cell(family in hf.LAYOUTS, "writes after Gemma's post-norms" if post else "")}
+    if not reads:
+        for tool in ("dla", "logit_lens", "head_lens", "path_patching", "eap", "circuit"):
+            cells[tool] = Cell(False, refused)
+    else:
+        cells["dla"] = Cell(False, SOFTCAP_WHY) if capped else Cell(True, read_note)
+        cells["head_lens"] = Cell(False, SOFTCAP_WHY) if capped else Cell(True, read_note)
+        cells["logit_lens"] = Cell(True, "the softcap applied, as the model does" if capped else "")
+        cells["path_patching"] = Cell(True, "the sender's write passes its layer's post-attention norm, the other "
+                                            "heads frozen" if post else "")
+        cells["eap"] = Cell(False, eap.POST_NORM_REFUSAL) if post else Cell(True)
+        # a circuit is DLA, EAP and composition together; EAP's refusal is checked first
+        cells["circuit"] = (Cell(False, eap.POST_NORM_REFUSAL) if post else Cell(False, SOFTCAP_WHY) if capped
+                            else Cell(True))
+    folds = "Gemma's (1 + weight) norms folded" + (", the post-attention norm's into W_O" if post else "")
+    cells["composition"] = Cell(True, folds if gemma else "") if family in composition.HF_FAMILIES else Cell(
+        False, "composition scores do not read its weights")
+    return {tool: cells[tool] for tool in TOOLS}
+
+
+SUPPORT: dict[str, dict[str, Cell]] = {family: _cells(family) for family in FAMILIES}
+
+
+def markdown() -> str:
+    """The support matrix as a Markdown table (family x tool: yes, or no with a numbered reason below it)."""
+    reasons: list[str] = []
+    rows = ["| family | " + " | ".join(TOOLS.values()) + " |", "|---" * (len(TOOLS) + 1) + "|"]
+    for family, cells in SUPPORT.items():
+        shown = []
+        for cell in cells.values():
+            if cell.ok:
+                shown.append("yes")
+                continue
+            if cell.why not in reasons:
+                reasons.append(cell.why)
+            shown.append(f"no ({reasons.index(cell.why) + 1})")
+        rows.append(f"| {family} | " + " | ".join(shown) + " |")
+    return "\n".join([*rows, "", *(f"{i}. {why}" for i, why in enumerate(reasons, 1))]) + "\n"
+
+
+__all__ = ["FAMILIES", "SUPPORT", "TOOLS", "Cell", "markdown"]
