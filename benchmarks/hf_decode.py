@@ -1,0 +1,245 @@
+"""The transformers path's speed (issue 50): a model in transformers, its attention on multihead with each cache kind,
+against transformers' own sdpa attention and DynamicCache, in one process, the variants alternating.
+
+For each model, dtype and cached length: the same random context (seeded) is prefilled in chunks of
+``--prefill-chunk`` tokens, once through transformers' DynamicCache (sdpa) and once through a full multihead cache,
+each chunked prefill timed (one run each: seconds); the other kinds are then made from the full prefill
+(:func:`multihead.cache.compress`: sinks + window, int8, int4, head-wise plans) and every variant decodes the same
+greedy continuation one token a step, the variants taking turns step by step (``--steps`` timed steps after one
+untimed step, which also records the kernel :func:`multihead.kernels.explain` names for each variant's first layer).
+The table gives each variant's median ms a step and its speed against transformers' (>1: faster), with the bytes
+each cache holds. ``--load N`` repeats the decode with N busy processes (pure Python loops, one core each) started
+by the benchmark.
+
+Head-wise plans: SmolLM2's shipped ones (docs/experiments/smollm2-duo-50-plan.json, smollm2-duo1024-25-plan.json);
+Gemma 3 270M has one KV head a layer and 15 of its 18 layers slide (their heads are rings of the 512-token window
+whatever a plan says), so its plans keep every key on 2 of the 3 global layers ("50%") or on 1 ("25%"), the others
+streaming with 4 sinks + 256.
+
+    .venv/bin/python benchmarks/hf_decode.py [--models smollm2 gemma3] [--dtypes float32 bfloat16]
+        [--lengths 1024 4096 8192] [--steps 12] [--load 0] [--json out/hf-decode.json] [--record]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime
+import json
+import multiprocessing
+import os
+import statistics
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import bench
+import torch
+from results import publish
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+ROOT = Path(__file__).resolve().parents[1]
+SINKS, WINDOW = 4, 256
+
+
+def load(name: str) -> Any:
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    from multihead.models import default_gemma3_path, default_gguf_path
+
+    logging.set_verbosity_error()
+    path = {"smollm2": default_gguf_path, "gemma3": default_gemma3_path}[name]()
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32).eval()
+
+
+def plans(name: str, model: Any) -> dict[str, Any]:
+    from multihead.cache import HeadPlan
+    from multihead.hfcache import layer_windows
+
+    if name == "smollm2":
+        folder = ROOT / "docs" / "experiments"
+        return {"head-wise 50%": HeadPlan.load(folder / "smollm2-duo-50-plan.json"),
+                "head-wise 25%": HeadPlan.load(folder / "smollm2-duo1024-25-plan.json")}
+    text = model.config
+    n_layers, h = text.num_hidden_layers, text.num_attention_heads
+    g, d = text.num_key_value_heads, text.head_dim
+    globals_ = [i for i, w in enumerate(layer_windows(text, n_layers)) if w is None]
+    out = {}
+    for label, keep in (("head-wise 50%", globals_[:2]), ("head-wise 25%", globals_[:1])):
+        full = [[i in keep] * g for i in range(n_layers)]
+        out[label] = HeadPlan(full=full, sinks=SINKS, window=WINDOW, model=f"{name} (benchmark)",
+                              shape=(n_layers, h, g, d))
+    return out
+
+
+@contextlib.contextmanager
+def recording_kernels(found: list[str]) -> Iterator[None]:
+    """Record what :func:`multihead.kernels.explain` says of each attention call made inside (the calls still run)."""
+    from multihead import hf, kernels
+
+    real = hf.attend
+
+    def attend(call: Any) -> Any:
+        found.append(str(kernels.explain(call)))
+        return real(call)
+
+    hf.attend = attend  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        hf.attend = real  # type: ignore[assignment]
+
+
+def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> float:
+    start = time.perf_counter()
+    with torch.no_grad():
+        for i in range(0, ids.shape[1], chunk):
+            model(ids[:, i:i + chunk], cache=cache, logits_to_keep=1)
+    return time.perf_counter() - start
+
+
+def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, chunk: int, load: int,
+         plan_of: dict[str, Any]) -> dict[str, Any]:
+    from transformers import DynamicCache
+
+    from multihead import hf
+    from multihead.cache import compress
+
+    gen = torch.Generator().manual_seed(length)
+    ids = torch.randint(10, model.config.vocab_size, (1, length), generator=gen)
+    room = length + 2 * (steps + 2)
+    model.set_attn_implementation("sdpa")
+    theirs = DynamicCache(config=model.config)
+    prefill_s = {"transformers sdpa + DynamicCache": prefill(model, ids, theirs, chunk)}
+    hf.enable(model)
+    full = hf.new_cache(model, room)
+    prefill_s["multihead full"] = prefill(model, ids, full, chunk)
+    caches: dict[str, Any] = {"transformers sdpa + DynamicCache": theirs, "multihead full": full}
+    made = {"sinks + window": hf.new_cache(model, room, window=WINDOW, sink_tokens=SINKS),
+            "int8": hf.new_cache(model, room, bits=8), "int4": hf.new_cache(model, room, bits=4),
+            **{label: hf.new_cache(model, room, plan=p) for label, p in plan_of.items()}}
+    for label, cache in made.items():
+        compress(full.inner, cache.inner)
+        caches[f"multihead {label}"] = cache
+    token = {label: ids[:, -1:] for label in caches}
+    kernels: dict[str, str] = {}
+    conditions = [("idle", 0)] + ([(f"{load} busy", load)] if load else [])
+    times: dict[str, dict[str, list[float]]] = {c: {label: [] for label in caches} for c, _ in conditions}
+
+    def step(label: str, record: list[str] | None = None) -> float:
+        model.set_attn_implementation("sdpa" if label.startswith("transformers") else "multihead")
+        with torch.no_grad(), (recording_kernels(record) if record is not None else contextlib.nullcontext()):
+            start = time.perf_counter()
+            logits = model(token[label], cache=caches[label]).logits
+            took = time.perf_counter() - start
+        token[label] = logits[:, -1:].argmax(-1)
+        return took
+
+    for label in caches:  # one untimed step each: warm, and the kernel each runs
+        found: list[str] = []
+        step(label, None if label.startswith("transformers") else found)
+        kernels[label] = found[0] if found else "torch sdpa (transformers)"
+    for condition, busy in conditions:
+        with bench_load(busy):
+            for _ in range(steps):
+                for label in caches:
+                    times[condition][label].append(step(label))
+    rows = []
+    for condition, _ in conditions:
+        anchor = statistics.median(times[condition]["transformers sdpa + DynamicCache"])
+        for label in caches:
+            ms = statistics.median(times[condition][label])
+            cache = caches[label]
+            held = (sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+                    if label.startswith("transformers") else cache.bytes)
+            rows.append({"model": name, "dtype": str(dtype).removeprefix("torch."), "cached": length,
+                         "condition": condition, "variant": label, "ms_per_step": round(1000 * ms, 2),
+                         "speed_vs_transformers": round(anchor / ms, 3), "cache_bytes": held,
+                         "prefill_s": round(prefill_s[label], 2) if label in prefill_s else None,
+                         "kernel": kernels[label]})
+    return {"rows": rows}
+
+
+def _busy() -> None:
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def bench_load(n: int) -> Iterator[None]:
+    """n processes spinning on one core each while the block runs (n = 0: nothing)."""
+    procs = [multiprocessing.Process(target=_busy, daemon=True) for _ in range(n)]
+    for p in procs:
+        p.start()
+    try:
+        if procs:
+            time.sleep(0.5)
+        yield
+    finally:
+        for p in procs:
+            p.terminate()
+            p.join()
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    head = ("| model | dtype | cached | condition | variant | ms a step | vs transformers | cache bytes | prefill s |"
+            "\n|---|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        pre = "" if r["prefill_s"] is None else f"{r['prefill_s']:.1f}"
+        lines.append(f"| {r['model']} | {r['dtype']} | {r['cached']:,} | {r['condition']} | {r['variant']} | "
+                     f"{r['ms_per_step']:.1f} | {r['speed_vs_transformers']:.2f}x | {r['cache_bytes']:,} | {pre} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", nargs="+", choices=("smollm2", "gemma3"), default=["smollm2", "gemma3"])
+    p.add_argument("--dtypes", nargs="+", choices=("float32", "bfloat16"), default=["float32", "bfloat16"])
+    p.add_argument("--lengths", nargs="+", type=int, default=[1024, 4096, 8192])
+    p.add_argument("--steps", type=int, default=12, help="timed decode steps of each variant (default 12)")
+    p.add_argument("--prefill-chunk", type=int, default=512)
+    p.add_argument("--load", type=int, default=0, help="also decode with N busy processes (default 0: idle only)")
+    p.add_argument("--json", type=Path, default=None, help="write the rows and the machine to this JSON file")
+    p.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    args = p.parse_args(argv)
+    for name, value in (("--steps", args.steps), ("--prefill-chunk", args.prefill_chunk)):
+        if value < 1:
+            p.error(f"{name} must be at least 1, got {value}")
+    if args.load < 0 or any(n < 1 for n in args.lengths):
+        p.error(f"--load ({args.load}) must be >= 0 and every --lengths >= 1 ({args.lengths})")
+    from multihead import native
+
+    native.build_now()
+    rows: list[dict[str, Any]] = []
+    for name in args.models:
+        model = load(name)
+        plan_of = plans(name, model)
+        for dtype_name in args.dtypes:
+            dtype = getattr(torch, dtype_name)
+            model.to(dtype)
+            for length in args.lengths:
+                found = cell(name, model, dtype, length, steps=args.steps, chunk=args.prefill_chunk,
+                             load=args.load, plan_of=plan_of)
+                rows.extend(found["rows"])
+                print(table(found["rows"]), flush=True)
+        del model
+    stamp = datetime.date.today().isoformat()
+    kernels = sorted({f"{r['variant']}: {r['kernel']}" for r in rows if r["cached"] == args.lengths[0]})
+    text = (f"### The transformers path's decode against transformers' sdpa + DynamicCache ({stamp})\n"
+            f"machine: {bench.machine()}; {args.steps} steps a variant, alternating step by step, median; "
+            f"prefill in chunks of {args.prefill_chunk}; `benchmarks/hf_decode.py`\n\n{table(rows)}\n\n"
+            "kernels (first layer of the first step, at the shortest length):\n"
+            + "\n".join(f"- {k}" for k in kernels) + "\n")
+    publish(text, args.record)
+    if args.json is not None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps({"machine": bench.machine(), "date": stamp, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
