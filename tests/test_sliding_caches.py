@@ -215,3 +215,27 @@ def test_a_full_prefill_compressed_into_quantized_rings_decodes_as_a_prefill_thr
         got = torch.cat([model(tokens[:, i:i + 1], cache=small).logits for i in range(prompt, N)], 1)
         want = torch.cat([model(tokens[:, i:i + 1], cache=direct).logits for i in range(prompt, N)], 1)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_kind_on_the_global_layers_only_keeps_every_sliding_window_whole() -> None:
+    """layers='global' (a hybrid model's methods that save only where the context grows): the sliding layers keep
+    the full kind's ring, so their part's bytes and logits are the full cache's; the global layers take the kind."""
+    model = hf.enable(_model("gemma3"))
+    tokens = torch.randint(0, 97, (1, N))
+    full = hf.new_cache(model, N)
+    for kind in ({"window": 8, "sink_tokens": 2}, {"bits": 4, "group": 4, "residual": 0}):
+        cache = hf.new_cache(model, N, layers="global", **kind)
+        assert isinstance(cache.inner, HybridCache) and isinstance(full.inner, HybridCache)
+        ring = cache.inner.part(W)
+        assert isinstance(ring, SinkCache) and (ring.window, ring.sink_tokens) == (W, 0)
+        assert ring.bytes == full.inner.part(W).bytes
+        assert type(cache.inner.part(None)) is type(hf.new_cache(model, N, **kind).inner.part(None))  # type: ignore[union-attr]
+    with torch.no_grad():
+        plain = model(tokens).logits
+    # sinks + a window as wide as the context on the global layers: every key seen, the uncached model's logits
+    got, _ = _decode(model, tokens, hf.new_cache(model, N, layers="global", window=N, sink_tokens=0))
+    torch.testing.assert_close(got, plain, atol=2e-5, rtol=2e-5)
+    with pytest.raises(MultiheadError, match="every layer of this model slides"):
+        hf.new_cache(hf.enable(_model("mistral")), N, layers="global", bits=8)
+    with pytest.raises(MultiheadError, match="layers='everything' is not a choice"):
+        hf.new_cache(model, N, layers="everything")

@@ -214,7 +214,7 @@ class MultiheadCache(TransformersCache):
 
 def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window: int | None = None,
               sink_tokens: int = 0, bits: int | None = None, group: int = 32, residual: int = 128,
-              plan: HeadPlan | None = None) -> MultiheadCache:
+              plan: HeadPlan | None = None, layers: str = "all") -> MultiheadCache:
     """A multihead cache for a transformers model switched to multihead's attention (:func:`multihead.hf.enable`),
     as :meth:`multihead.models.LlamaModel.new_cache` makes one for our port: every key (``max_len``), ``window=``
     with ``sink_tokens=`` (sinks + a window; ``max_len`` optional, the tokens it is for), ``bits=`` (4- or 8-bit
@@ -226,7 +226,11 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
     cache keeps a sliding layer's last ``window - 1`` keys in a ring, a quantized one its codes in a ring of whole
     groups (or the window in full precision where that is smaller: a window within the residual), a sinks + window
     cache no more than the layer's own window; a head plan's cache does the same per KV head. ``bytes`` is then
-    transformers' own cache's after the same tokens (:func:`multihead.cost.layers_kv_bytes` predicts it)."""
+    transformers' own cache's after the same tokens (:func:`multihead.cost.layers_kv_bytes` predicts it).
+
+    ``layers="global"``: the kind on the global layers only, every sliding layer keeping its whole window (a ring of
+    ``window - 1`` keys in full precision), as a method that saves bytes only where the context grows (a hybrid
+    model's sinks + window or int8 on its global layers); ``"all"`` (default) applies it to every layer."""
     config: Any = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "multihead":
         raise MultiheadError("the model does not run multihead's attention: call multihead.hf.enable(model) first "
@@ -241,6 +245,15 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
     where: dict[str, Any] = {"batch": batch, "dtype": param.dtype, "device": param.device}
     if max_len is not None and context and max_len > context:
         raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({context})")
+    if layers not in ("all", "global"):
+        raise MultiheadError(f"layers={layers!r} is not a choice: 'all' (the kind on every layer) or 'global' (on the "
+                             "global layers only, the sliding ones keeping their window)")
+    if layers == "global" and None not in windows:
+        raise MultiheadError(f"layers='global' but every layer of this model slides (windows {sorted(set(windows))}): "
+                             "there is no global layer to apply the kind to")
+    if layers == "global" and plan is not None:
+        raise MultiheadError("a head plan says what each layer keeps, sliding ones included: give plan= without "
+                             "layers='global'")
     if plan is not None:
         if window is not None or sink_tokens or bits is not None:
             raise MultiheadError("a head plan brings its own sinks and window and stores keys in full: give "
@@ -266,6 +279,8 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
 
     def part(layer_window: int | None, n: int) -> Cache:
         """The cache of ``n`` layers of this attention window (None: global)."""
+        if layer_window is not None and layers == "global":  # the whole window, as the full kind keeps it
+            return SinkCache(window=layer_window, sink_tokens=0, n_layers=n, max_len=max_len, **shape)
         if window is not None:  # sinks + a window: within a sliding layer's own window
             if layer_window is not None and window >= layer_window:
                 return SinkCache(window=layer_window, sink_tokens=0, n_layers=n, max_len=max_len, **shape)
