@@ -249,8 +249,9 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
         raise MultiheadError(f"layers={layers!r} is not a choice: 'all' (the kind on every layer) or 'global' (on the "
                              "global layers only, the sliding ones keeping their window)")
     if layers == "global" and None not in windows:
-        raise MultiheadError(f"layers='global' but every layer of this model slides (windows {sorted(set(windows))}): "
-                             "there is no global layer to apply the kind to")
+        sliding = sorted({w for w in windows if w is not None})
+        raise MultiheadError(f"layers='global' but every layer of this model slides (windows {sliding}): there is no "
+                             "global layer to apply the kind to")
     if layers == "global" and plan is not None:
         raise MultiheadError("a head plan says what each layer keeps, sliding ones included: give plan= without "
                              "layers='global'")
