@@ -308,3 +308,20 @@ def test_patch_pairs_keeps_each_pairs_figures() -> None:
     first = activation_patching(model, torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[1, 2, 9, 4, 5]]),
                                 logit_difference(3, 5))
     np.testing.assert_allclose(result.per_pair_patching[0], first.effects, rtol=1e-6, atol=1e-7)
+
+
+def test_printing_an_attribution_is_a_short_summary_not_every_tensor() -> None:
+    """Issue 52 item 10: printing the result dumped every tensor; it is one line with the top heads, and the last
+    position's logit difference is the model's own (read from its logits here)."""
+    model = _port(2)
+    ids = _ids()
+    result = direct_logit_attribution(model, ids, ANSWERS, WRONGS)
+    shown = repr(result)
+    assert "tensor(" not in shown and "\n" not in shown and len(shown) < 500, shown
+    assert f"logit_diff {float(_real_diff(model, ids)[:, -1].mean()):+.3f}" in shown
+    parts = {"embed": float(result.embed[:, -1].mean())}
+    parts |= {f"L{la}H{h}": float(result.heads[:, la, h, -1].mean()) for la in range(2) for h in range(H)}
+    parts |= {f"MLP{la}": float(result.mlps[:, la, -1].mean()) for la in range(2)}
+    largest = sorted(parts, key=lambda name: -abs(parts[name]))[:5]
+    assert shown.split("top: ", 1)[1] == ", ".join(f"{n} {parts[n]:+.3f}" for n in largest) + ")"
+    assert f"2 layers x {H} heads" in shown

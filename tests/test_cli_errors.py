@@ -8,6 +8,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 
@@ -55,3 +56,70 @@ def test_the_process_prints_the_same_line() -> None:
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == "multihead count: error: unrecognized arguments: --bogus\n"
+
+
+# ---------------------------------------------------------------------------------------------- issue 52 item 10
+@pytest.mark.parametrize("command", ["heads", "patch", "circuit", "tradeoff"])
+@pytest.mark.parametrize("path", ["/no/such/model.gguf", "missing.gguf", "./no-such-folder"])
+def test_a_missing_model_path_is_said_not_to_exist(command: str, path: str, capsys: pytest.CaptureFixture[str],
+                                                   tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """It said 'unknown model' as for a mistyped name."""
+    monkeypatch.chdir(tmp_path)
+    assert main([command, "--model", path]) == 2
+    err = capsys.readouterr().err.strip()
+    assert f"model path {path!r} does not exist" in err and "unknown model" not in err, err
+
+
+def test_an_unreadable_file_is_named_once(tmp_path: Any, capsys: pytest.CaptureFixture[str],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """An OSError's own text names the file again ("cannot read --file 'x': [Errno 21] Is a directory: 'x'")."""
+    from pathlib import Path
+
+    from multihead.errors import MultiheadError
+    from multihead.evals.text import read_text
+
+    folder = tmp_path / "a-folder"
+    folder.mkdir()
+    assert main(["heads", "--file", str(folder)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count(str(folder)) == 1 and "Is a directory" in err, err
+    text = tmp_path / "text.txt"
+    text.write_text("some text")
+
+    def refused(self: Path) -> bytes:
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "read_bytes", refused)
+    with pytest.raises(MultiheadError, match="Permission denied") as caught:
+        read_text(text)
+    assert str(caught.value).count(str(text)) == 1, caught.value
+
+
+def test_one_kv_head_is_one_kv_head(tmp_path: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """'(1 KV heads)': a tiny MQA Llama (the tiny GGUF with one KV head) through `multihead heads`."""
+    from tiny_checkpoints import TINY, gguf_bytes, tiny_llama_gguf
+
+    fields, tensors = tiny_llama_gguf()
+    fields = [(k, t, 1 if k.endswith("head_count_kv") else v) for k, t, v in fields]
+    for name in list(tensors):
+        if name.endswith(("attn_k.weight", "attn_v.weight")):
+            tensors[name] = tensors[name][:TINY["head_dim"]]  # one KV head's rows
+    gguf = tmp_path / "mqa.gguf"
+    gguf.write_bytes(gguf_bytes(fields, tensors))
+    assert main(["heads", "--model", str(gguf), "--text", "the cat sat on the mat", "--out", str(tmp_path / "o")]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert f"{TINY['n_heads']} query heads (1 KV head)," in first, first
+
+
+def test_the_readme_and_the_help_give_tradeoff_long_one_duration(capsys: pytest.CaptureFixture[str]) -> None:
+    """The README said `tradeoff --long` takes 10 min 44 s where its --help said about 20 minutes."""
+    from pathlib import Path
+
+    readme = (Path(__file__).parents[1] / "README.md").read_text()
+    line = next(x for x in readme.splitlines() if x.startswith("multihead tradeoff --long ") and "#" in x)
+    duration = re.search(r"(\d+ min \d+ s) on 2 idle cores", line)
+    assert duration is not None, line
+    with pytest.raises(SystemExit):
+        main(["tradeoff", "--help"])
+    shown = " ".join(capsys.readouterr().out.split())
+    assert f"{duration.group(1)} on 2 idle cores" in shown and "about 20 minutes" not in shown

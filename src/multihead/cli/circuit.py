@@ -9,7 +9,7 @@ from typing import Any
 
 from multihead.cli import COMMANDS, flags
 from multihead.cli.common import out_folder
-from multihead.cli.flags import CliError
+from multihead.cli.flags import CliError, kv_heads
 from multihead.names import ENGINES
 
 STEPS = 5  # EAP-IG's default steps
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
 def _print(report: Any, top: int) -> None:
     d = report.dla
     print(f"{report.model} ({report.engine}): {report.n_layers} layers x {report.n_heads} query heads "
-          f"({report.n_kv_heads} KV heads); {len(report.pairs)} prompt pair(s), logit difference {d.logit_diff:.3f} "
+          f"({kv_heads(report.n_kv_heads)}); {len(report.pairs)} prompt pair(s), logit difference {d.logit_diff:.3f} "
           "(mean, clean prompts' last token)")
     print(f"direct logit attribution: embed {d.embed:+.3f} + heads {d.heads.sum():+.3f} + MLPs {d.mlps.sum():+.3f} "
           f"+ constant {d.constant:+.3f} + remainder {d.remainder:+.1e}")

@@ -134,8 +134,28 @@ class Text:
         return text
 
 
+class ModelArg(Text):
+    """--model: a name (smollm2, minilm, ...) or a path; a path (one holding a slash, or a .gguf file) that does not
+    exist is refused here, saying so (the library's message for a name it does not know is its own)."""
+
+    def __call__(self, text: str) -> str:
+        import os
+
+        text = super().__call__(text)
+        looks_like_path = "/" in text or os.sep in text or text.lower().endswith(".gguf") or text.startswith(("~", "."))
+        if looks_like_path and not os.path.exists(os.path.expanduser(text)):
+            raise argparse.ArgumentTypeError(f"model path {show(text)} does not exist: give an existing .gguf file "
+                                             "or model folder (or a model's name, as --model's help lists them)")
+        return text
+
+
+def kv_heads(n: int) -> str:
+    """'1 KV head', '8 KV heads'."""
+    return f"{n} KV head" + ("" if n == 1 else "s")
+
+
 PATH = Text("path", path=True)
-MODEL = Text("model name or path", path=True)
+MODEL = ModelArg("model name or path", path=True)
 TEXT = Text("text")
 TOKEN = Text("token", blank=True)  # a token may be a space
 

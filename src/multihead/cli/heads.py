@@ -8,7 +8,7 @@ from typing import Any
 
 from multihead.cli import COMMANDS, flags
 from multihead.cli.common import out_folder
-from multihead.cli.flags import CliError
+from multihead.cli.flags import CliError, kv_heads
 from multihead.names import ENGINES, head_name
 
 
@@ -109,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         try:
             text = Path(args.file).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as err:
-            raise CliError(f"cannot read --file {args.file!r}: {err}") from None
+            why = err.strerror if isinstance(err, OSError) and err.strerror else str(err)  # (an OSError's own
+            raise CliError(f"cannot read --file {args.file!r}: {why}") from None  # text names the file again)
     if text is not None and not text.strip():
         raise CliError("the text is empty: give some text to analyse")
     if not args.retrieval:
@@ -133,7 +134,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps({**result_json(report), "files": files, **({"plans": plans} if args.retrieval else {})}))
         return 0
     scores = report.scores
-    print(f"{report.model}: {report.n_layers} layers x {report.n_heads} query heads ({report.n_kv_heads} KV heads), "
+    print(f"{report.model}: {report.n_layers} layers x {report.n_heads} query heads ({kv_heads(report.n_kv_heads)}), "
           f"{'causal' if report.causal else 'bidirectional'}; engine: {report.engine}")
     names = ["previous_token", "induction", "duplicate_token", "first_token", "self", "local", "entropy"]
     if not report.causal:

@@ -45,7 +45,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("long context (--long)")
     g.add_argument("--long", action="store_true",
                    help="judge the methods by retrieval at long context (needles, passkeys) instead of perplexity "
-                        "on short windows; about 20 minutes on 2 cores by default")
+                        "on short windows; by default 10 min 44 s on 2 idle cores (measured: "
+                        "docs/experiments/long-context.md)")
     g.add_argument("--lengths", type=flags.LENGTHS, default=None, metavar="N,N",
                    help="prompt lengths in tokens (default 2048,4096; 8144 is the longest that leaves SmolLM2's "
                         "8,192-token context room for the answer)")

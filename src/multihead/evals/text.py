@@ -34,7 +34,8 @@ def read_text(path: str | Path | None = None) -> str:
         raw = gzip.decompress(file.read_bytes()) if file.suffix == ".gz" else file.read_bytes()
         text = raw.decode("utf-8")
     except (OSError, EOFError, UnicodeDecodeError, gzip.BadGzipFile) as err:
-        raise MultiheadError(f"the evaluation text {file} cannot be read: {err}") from None
+        why = err.strerror if isinstance(err, OSError) and err.strerror else err  # (an OSError's own text names
+        raise MultiheadError(f"the evaluation text {file} cannot be read: {why}") from None  # the file again)
     return reflow(text)
 
 

@@ -348,6 +348,20 @@ class Attribution:
             rows.append((f"MLP{layer}", float(mlps[layer])))
         return sorted(rows, key=lambda r: -abs(r[1]))[:n]
 
+    def __repr__(self) -> str:
+        """A short summary instead of every tensor: the shape, the last position's split, the top five parts."""
+        b, n_layers, h, s = self.heads.shape
+        if b == 0 or s == 0:
+            return f"Attribution(model={self.model!r}, {n_layers} layers x {h} heads, no positions)"
+        heads = float(self.heads[..., -1].sum((1, 2)).mean())
+        last = (f"embed {float(self.embed[:, -1].mean()):+.3f} + heads {heads:+.3f}"
+                f" + MLPs {float(self.mlps[..., -1].sum(1).mean()):+.3f} + constant "
+                f"{float(self.constant[:, -1].mean()):+.3f} + remainder {float(self.remainder[:, -1].mean()):+.1e}")
+        top = ", ".join(f"{name} {value:+.3f}" for name, value in self.top(5))
+        return (f"Attribution(model={self.model!r}, {n_layers} layers x {h} heads ({self.n_kv_heads} KV), {b} row"
+                f"{'' if b == 1 else 's'} x {s} positions; last position, mean over rows: logit_diff "
+                f"{float(self.logit_diff[:, -1].mean()):+.3f} = {last}; top: {top})")
+
 
 def direct_logit_attribution(model: Any, ids: Tensor, answers: Tokens, wrongs: Tokens | None = None) -> Attribution:
     """Each head's, MLP's and the embeddings' direct effect on ``logit[answer] - logit[wrong]`` (per row: one token
