@@ -321,3 +321,27 @@ def test_cli_generate_plan(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert "does not exist" in capsys.readouterr().err
     assert main([*argv, "--plan", str(tmp_path / "full-plan.json"), "--window", "8"]) == 2
     assert "--plan brings its own sinks and window" in capsys.readouterr().err
+
+
+def test_the_write_up_says_the_head_wise_cache_runs_through_hf_enable() -> None:
+    """Issue 52 item 11: docs/experiments/head-wise-cache.md said the head-wise cache does not run through
+    hf.enable; it does (multihead.hf.new_cache(model, max_len, plan=)), which this checks on a tiny transformers Llama
+    before checking what the write-up says."""
+    import transformers
+
+    from multihead import hf
+
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = hf.enable(transformers.LlamaForCausalLM(config).eval())
+    plan = HeadPlan(full=[[True, False], [False, True]], sinks=1, window=3, model="tiny", shape=(2, 4, 2, 8))
+    cache = hf.new_cache(model, 12, plan=plan)
+    with torch.no_grad():
+        model(torch.randint(0, 64, (1, 10)), cache=cache, use_cache=True)
+    assert isinstance(cache.inner, HeadwiseCache)
+    assert cache.bytes == cost.headwise_cache_bytes(plan, batch=1, max_len=12, dtype="fp32")
+    text = (Path(__file__).parents[1] / "docs" / "experiments" / "head-wise-cache.md").read_text()
+    bullet = " ".join(text.split("- **`HeadwiseCache`**", 1)[1].split("\n- **", 1)[0].split())
+    assert "Not through `hf.enable`" not in bullet
+    assert "Through `hf.enable` too" in bullet and "`multihead.hf.new_cache(model, max_len, plan=plan)`" in bullet
