@@ -107,8 +107,8 @@ def test_one_kv_head_is_one_kv_head(tmp_path: Any, capsys: pytest.CaptureFixture
     gguf = tmp_path / "mqa.gguf"
     gguf.write_bytes(gguf_bytes(fields, tensors))
     assert main(["heads", "--model", str(gguf), "--text", "the cat sat on the mat", "--out", str(tmp_path / "o")]) == 0
-    first = capsys.readouterr().out.splitlines()[0]
-    assert f"{TINY['n_heads']} query heads (1 KV head)," in first, first
+    summary = next(line for line in capsys.readouterr().out.splitlines() if " query heads (" in line)
+    assert f"{TINY['n_heads']} query heads (1 KV head)," in summary, summary
 
 
 def test_the_readme_and_the_help_give_tradeoff_long_one_duration(capsys: pytest.CaptureFixture[str]) -> None:

@@ -181,7 +181,7 @@ def test_compare_under_tp_shows_and_plots_one_devices_memory(tmp_path: Path, mon
 
     common = ["--preset", "llama-2-70b", "--seq", "4096", "--device-memory", "80GiB", "--tp", "2"]
     figures: list[Any] = []
-    monkeypatch.setattr(compare, "save_figure", lambda fig, out: figures.append(fig) or out)
+    monkeypatch.setattr(compare, "save_figure", lambda fig, out, **_: figures.append(fig) or out)
     c = _json(["compare", *common, "--plot", str(tmp_path / "c.png")], capsys)
     model_row = next(r for r in c["variants"] if r["is_model"])
     w = _json(["count", *common], capsys)["whole_model"]

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn
 
-from multihead.cli.flags import CliError, Parser, show
+from multihead.cli.flags import CliError, Parser, check_models, show
 from multihead.errors import MultiheadError
 from multihead.names import ENGINES
 
@@ -175,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             parser.print_help()
             return 2
+        check_models(args)  # a --model path that does not exist: said before the command loads anything
         status = int(args.run(args))
         if status == 0 and getattr(args, "tp_processes", False) and args.tp > 1:  # ranks leave their group together
             from multihead import parallel

@@ -134,19 +134,32 @@ class Text:
         return text
 
 
-class ModelArg(Text):
-    """--model: a name (smollm2, minilm, ...) or a path; a path (one holding a slash, or a .gguf file) that does not
-    exist is refused here, saying so (the library's message for a name it does not know is its own)."""
+class ModelName(str):
+    """--model's value: a name (smollm2, minilm, ...) or a path. :func:`check_models` refuses a path (one holding a
+    slash, or a .gguf file) that does not exist, saying so, when the command runs (the library's message for a name
+    it does not know is its own); the parser takes it as written, so a README placeholder still parses."""
 
-    def __call__(self, text: str) -> str:
+    def check(self, flag: str) -> None:
         import os
 
-        text = super().__call__(text)
-        looks_like_path = "/" in text or os.sep in text or text.lower().endswith(".gguf") or text.startswith(("~", "."))
-        if looks_like_path and not os.path.exists(os.path.expanduser(text)):
-            raise argparse.ArgumentTypeError(f"model path {show(text)} does not exist: give an existing .gguf file "
-                                             "or model folder (or a model's name, as --model's help lists them)")
-        return text
+        looks_like_path = "/" in self or os.sep in self or self.lower().endswith(".gguf") or self.startswith(("~", "."))
+        if looks_like_path and not os.path.exists(os.path.expanduser(self)):
+            raise CliError(f"argument {flag}: model path {show(self)} does not exist: give an existing .gguf file or "
+                           "model folder (or a model's name, as --model's help lists them)")
+
+
+def check_models(args: argparse.Namespace) -> None:
+    """Every :class:`ModelName` the command line gave, checked (``multihead.cli.main`` calls it before the run)."""
+    for dest, value in vars(args).items():
+        if isinstance(value, ModelName):
+            value.check("--" + dest.replace("_", "-"))
+
+
+class ModelArg(Text):
+    """--model: non-empty text, kept as a :class:`ModelName`."""
+
+    def __call__(self, text: str) -> str:
+        return ModelName(super().__call__(text))
 
 
 def kv_heads(n: int) -> str:
