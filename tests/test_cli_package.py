@@ -95,7 +95,7 @@ def test_values_once_taken_silently_are_refused_naming_the_flag(argv: list[str],
 def test_a_failed_heads_run_leaves_no_folder(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "new" / "report"
     assert main(["heads", "--model", "gpt5", "--out", str(out)]) == 2
-    assert "unknown model 'gpt5'" in capsys.readouterr().err
+    assert "model 'gpt5' does not exist: give one of smollm2, minilm, gemma3" in capsys.readouterr().err
     assert list(tmp_path.iterdir()) == []
     kept = tmp_path / "kept"
     kept.mkdir()
@@ -127,9 +127,9 @@ def test_count_reports_the_whole_model_of_multihead_sizing(capsys: pytest.Captur
 def test_engines_have_one_source() -> None:
     from multihead import names
     from multihead.cli import ENGINES
-    from multihead.heads import adapters
+    from multihead.models import route
 
-    assert ENGINES is names.ENGINES and adapters.ENGINES is names.ENGINES
+    assert ENGINES is names.ENGINES and route.ENGINES is names.ENGINES
 
 
 def test_patch_names_heads_l0h1_and_shows_progress(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

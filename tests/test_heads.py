@@ -266,7 +266,7 @@ def test_the_report_defines_every_column_and_every_label_rule(tmp_path: Path) ->
 @pytest.mark.parametrize(("argv", "message"), [
     (["heads", "--model", "minilm", "--text", "   "], "the text is empty"),
     (["heads", "--model", "minilm", "--text", "word " * 400], "more than the model's context of 256"),
-    (["heads", "--model", "gpt5"], "unknown model 'gpt5': give one of smollm2, minilm"),
+    (["heads", "--model", "gpt5"], "model 'gpt5' does not exist: give one of smollm2, minilm, gemma3"),
     (["heads", "--model", "minilm", "--file", "/nonexistent.txt"], "cannot read --file"),
 ])
 def test_heads_bad_input(argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

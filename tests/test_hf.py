@@ -349,10 +349,10 @@ def test_the_heads_command_runs_any_transformers_folder(tmp_path: Any, capsys: p
     assert [r["n_kv_heads"] for r in data["conversion"]] == [1]
     assert (out / "report.html").is_file()
     assert main(["heads", "--model", str(folder), "--engine", "ours", "--out", str(out)]) == 2
-    assert "has no port of ours" in capsys.readouterr().err
+    assert "multihead has no port of it" in capsys.readouterr().err
     assert main(["heads", "--model", "minilm", "--patch", "--out", str(tmp_path / "enc")]) == 2
     assert "not a causal language model" in capsys.readouterr().err
     from multihead import cli
-    from multihead.heads import adapters
+    from multihead.models import route
 
-    assert cli.ENGINES == adapters.ENGINES
+    assert cli.ENGINES == route.ENGINES

@@ -86,22 +86,25 @@ def test_the_transformers_engine_answers_as_the_port_for_every_cache_kind_and_pl
 
 
 def test_the_engine_is_resolved_from_the_path_and_refused_by_name(tmp_path: Path) -> None:
+    from multihead.models import default_gemma3_path, default_gguf_path
     from multihead.tradeoff.longctx.runner import resolve_engine
 
     folder = tmp_path / "qwen"
     folder.mkdir()
     (folder / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
-    gguf = tmp_path / "m.gguf"
-    gguf.write_bytes(b"GGUF")
+    gguf, gemma = default_gguf_path(), default_gemma3_path()  # (the GGUFs' metadata is read, never their weights)
     assert resolve_engine(None) == "ours" and resolve_engine(None, "transformers") == "transformers"
     assert resolve_engine(str(gguf)) == "ours" and resolve_engine(str(gguf), "transformers") == "transformers"
     assert resolve_engine(str(folder)) == "transformers"
-    with pytest.raises(MultiheadError, match=r"\(qwen2\) has no port of ours"):
+    assert resolve_engine(str(gemma)) == "transformers" and resolve_engine("gemma3") == "transformers"
+    with pytest.raises(MultiheadError, match="qwen is a qwen2 folder: multihead has no port of it"):
         resolve_engine(str(folder), "ours")
     with pytest.raises(MultiheadError, match="engine 'vllm' is unknown"):
         resolve_engine(None, "vllm")
     with pytest.raises(MultiheadError, match="does not exist"):
         resolve_engine(str(tmp_path / "nothing"))
+    with pytest.raises(MultiheadError, match="minilm is a bert sentence encoder"):
+        resolve_engine("minilm")
     done = subprocess.run([sys.executable, "-m", "multihead", "tradeoff", "--engine", "transformers"],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "--engine is for `tradeoff --long`: add --long" in done.stderr

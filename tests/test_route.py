@@ -55,3 +55,19 @@ def test_what_cannot_be_routed_is_refused_naming_it(tmp_path: Path) -> None:
     damaged.write_bytes(b"GGUF\x03\0\0\0garbage")
     with pytest.raises(MultiheadError, match=r"damaged\.gguf"):
         route(str(damaged))
+
+
+def test_every_command_that_takes_model_routes_it_the_same_way(capsys: pytest.CaptureFixture[str]) -> None:
+    """heads, patch, circuit, generate and tradeoff take the shipped names, refuse a port that does not exist in one
+    line naming the architecture, and the short tradeoff (our port's KV heads) sends other models to --long."""
+    from multihead.cli import main
+
+    for command in (["heads"], ["patch"], ["circuit"], ["generate", "hello"], ["tradeoff", "--long"]):
+        assert main([*command, "--model", "gemma3", "--engine", "ours"]) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "gemma3 is a gemma3 GGUF: multihead has no port of it" in err, err
+    assert main(["tradeoff", "--model", "gemma3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "pools, prunes and uptrains multihead's own port's KV heads: gemma3 (gemma3 GGUF) on transformers" in err
+    assert main(["generate", "hello", "--model", "minilm"]) == 2
+    assert "generate decodes with a causal language model: minilm (bert folder)" in capsys.readouterr().err

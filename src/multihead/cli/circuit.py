@@ -8,7 +8,7 @@ import json
 from typing import Any
 
 from multihead.cli import COMMANDS, flags
-from multihead.cli.common import out_folder
+from multihead.cli.common import out_folder, say_model
 from multihead.cli.flags import CliError, kv_heads
 from multihead.names import ENGINES
 
@@ -18,7 +18,7 @@ STEPS = 5  # EAP-IG's default steps
 def add(sub: Any) -> None:
     p = sub.add_parser("circuit", help=COMMANDS["circuit"])
     p.add_argument("--model", type=flags.MODEL, default="smollm2",
-                   help="smollm2 (default), a .gguf file or a causal model folder (Llama family)")
+                   help="smollm2 (default), gemma3, a .gguf file of any architecture or a causal model folder")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="as for 'heads': our port where one applies (default), or transformers")
     p.add_argument("--pairs", type=flags.PATH, default=None, metavar="FILE",
@@ -81,6 +81,7 @@ def run(args: argparse.Namespace) -> int:
         from multihead.heads.circuit import analyse_circuit
         from multihead.heads.circuit_report import write_report
 
+        say_model(args.model, args.engine, quiet=args.json)
         model = load_head_model(args.model, engine=args.engine)
         report = analyse_circuit(model, pairs, method=args.method, steps=args.steps or STEPS, edges=args.edges,
                                  top=args.top, check=args.check, ablation=args.ablation, select=args.select,

@@ -51,3 +51,14 @@ def out_folder(out: str | Path) -> Iterator[Path]:
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only if empty
         raise
+
+
+def say_model(model: str | None, engine: str, *, quiet: bool = False, default: str = "smollm2") -> None:
+    """One line on stdout before the model loads (none when ``quiet``: --json): the model --model names and which
+    engine runs it, as --engine decided (:func:`multihead.models.route.route`); a model that cannot be routed
+    raises, naming it (the command's one error line, on stderr)."""
+    from multihead.models.route import route
+
+    found = route(model, engine, default=default)
+    if not quiet:
+        print(f"model: {found.describe()}", flush=True)

@@ -24,8 +24,8 @@ def add(sub: Any) -> None:
     p = sub.add_parser("generate", help=COMMANDS["generate"])
     p.add_argument("prompt", metavar="PROMPT")
     p.add_argument("--model", type=flags.PATH, metavar="PATH",
-                   help="a GGUF file or Hugging Face folder (default: SmolLM2): a Llama runs on multihead's own port, "
-                        "any other model transformers loads on multihead's attention (--engine forces one)")
+                   help="smollm2 (default), gemma3, a GGUF file or Hugging Face folder: a Llama runs on multihead's "
+                        "own port, any other model transformers loads on multihead's attention (--engine forces one)")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="ours: multihead's Llama port; transformers: the model as transformers builds it, its "
                         "attention and cache multihead's; auto (default): ours for a Llama, transformers otherwise")
@@ -63,30 +63,14 @@ def _bits(text: str) -> int:
 
 
 def _engine(args: argparse.Namespace) -> str:
-    """"ours" (multihead's Llama port: SmolLM2 by default, a Llama GGUF file or folder) or "transformers"."""
-    if args.engine != "auto":
-        return str(args.engine)
-    if args.model is None:
-        return "ours"
-    from pathlib import Path
+    """"ours" (multihead's Llama port: SmolLM2 by default, a Llama GGUF file or folder) or "transformers", as every
+    command routes --model (:func:`multihead.models.route.route`)."""
+    from multihead.models.route import route
 
-    p = Path(args.model)
-    if not p.exists():
-        raise CliError(f"--model {str(p)!r} does not exist: give a .gguf file or a model folder")
-    if p.is_file() and p.suffix == ".gguf":
-        from multihead.models.gguf_file import GGUFFile
-        from multihead.models.loaders import SUPPORTED_GGUF
-
-        gguf = GGUFFile(p)
-        arch = gguf.field("general.architecture", None)
-        gguf.close()
-        return "ours" if arch in SUPPORTED_GGUF else "transformers"
-    config = p / "config.json"
-    if p.is_dir() and config.is_file():
-        from multihead.models.loaders import read_json
-
-        return "ours" if read_json(config).get("model_type") == "llama" else "transformers"
-    return "ours"  # the port's loader says what the path lacks
+    found = route(args.model, args.engine)
+    if found.engine == "ours" and found.port != "llama":
+        raise CliError(f"generate decodes with a causal language model: {found.describe()}")
+    return found.engine
 
 
 def run(args: argparse.Namespace) -> int:
@@ -121,7 +105,9 @@ def run(args: argparse.Namespace) -> int:
         if args.compile or args.tp > 1:
             raise CliError("--compile and --tp run multihead's own port: drop them (or --engine ours, for a Llama)")
         return _run_transformers(args, sampling, plan)
-    model, tok = load_llama(args.model, dtype=getattr(torch, flags.TORCH_NAMES[args.dtype]))
+    from multihead.models.route import route
+
+    model, tok = load_llama(route(args.model, args.engine).path, dtype=getattr(torch, flags.TORCH_NAMES[args.dtype]))
     if plan is not None:
         a = model.config.attention()
         assert a.n_kv_heads is not None and a.head_dim is not None
@@ -201,16 +187,15 @@ def _run_transformers(args: argparse.Namespace, sampling: Any, plan: Any) -> int
     """The model as transformers builds it (multihead.hf.load: multihead's attention), decoding through a multihead
     cache (multihead.hf.new_cache: full, --window with --sinks, --bits, or --plan), token by token with the same
     sampling as the port; the cache's real bytes and the tokens per second are reported as the port's are."""
-    from pathlib import Path
 
     import torch
 
     from multihead import hf
     from multihead.errors import MultiheadError
     from multihead.models.generate import sample
-    from multihead.models.loaders import default_gguf_path
+    from multihead.models.route import route
 
-    path = Path(args.model) if args.model is not None else default_gguf_path()
+    path = route(args.model, args.engine).path
     import transformers
 
     transformers.utils.logging.disable_progress_bar()  # (stderr holds the run's one line)

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from multihead.cli import COMMANDS, flags
-from multihead.cli.common import out_folder
+from multihead.cli.common import out_folder, say_model
 from multihead.cli.flags import CliError, kv_heads
 from multihead.names import ENGINES, head_name
 
@@ -15,7 +15,8 @@ from multihead.names import ENGINES, head_name
 def add(sub: Any) -> None:
     p = sub.add_parser("heads", help=COMMANDS["heads"])
     p.add_argument("--model", type=flags.MODEL, default="smollm2",
-                   help="smollm2 (default), minilm, a .gguf file or a model folder")
+                   help="smollm2 (default), minilm, gemma3, a .gguf file of any architecture or a model folder "
+                        "(multihead.models.route: our port where one reads it, else transformers)")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="auto (default): multihead's own port where one applies (Llama-style GGUF or folder, BERT), "
                         "else transformers with its attention on multihead; or force one")
@@ -123,6 +124,7 @@ def run(args: argparse.Namespace) -> int:
         from multihead.heads.patching import shipped_pairs
         from multihead.heads.report import result_json, write_all
 
+        say_model(args.model, args.engine, quiet=args.json)
         model = load_head_model(args.model, engine=args.engine)
         report = analyse(model, text, display_tokens=args.tokens, ablate=args.ablate, convert=args.convert,
                          pairs=shipped_pairs() if args.patch else None, progress=not args.json)

@@ -7,7 +7,7 @@ import json
 from typing import Any
 
 from multihead.cli import COMMANDS, flags
-from multihead.cli.common import out_folder
+from multihead.cli.common import out_folder, say_model
 from multihead.cli.flags import CliError
 from multihead.names import ENGINES, head_name
 
@@ -15,7 +15,7 @@ from multihead.names import ENGINES, head_name
 def add(sub: Any) -> None:
     p = sub.add_parser("patch", help=COMMANDS["patch"])
     p.add_argument("--model", type=flags.MODEL, default="smollm2",
-                   help="smollm2 (default), a .gguf file or a causal model folder")
+                   help="smollm2 (default), gemma3, a .gguf file of any architecture or a causal model folder")
     p.add_argument("--engine", choices=ENGINES, default="auto",
                    help="as for 'heads': our port where one applies (default), or transformers")
     p.add_argument("--clean", type=flags.TEXT, help="the clean prompt (default: the shipped indirect-object pairs)")
@@ -45,6 +45,7 @@ def run(args: argparse.Namespace) -> int:
 
         pairs = ([PromptPair(args.clean, args.corrupt, args.answers[0], args.answers[1])] if all(given)
                  else shipped_pairs())
+        say_model(args.model, args.engine, quiet=args.json)
         model = load_head_model(args.model, engine=args.engine)
         if not model.causal:
             raise CliError(f"{model.name} is not a causal language model: patching compares next-token logits")

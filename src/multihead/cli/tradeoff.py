@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 from typing import Any
 
 from multihead.cli import COMMANDS, flags, tradeoff_long
@@ -16,7 +15,8 @@ from multihead.cli.model import WINDOW_HELP
 def add(sub: Any) -> None:
     p = sub.add_parser("tradeoff", help=COMMANDS["tradeoff"])
     p.add_argument("--model", type=flags.MODEL, default="smollm2",
-                   help="smollm2 (default), minilm (the encoder: 1 - cosine), or a .gguf file or Llama model folder")
+                   help="smollm2 (default), minilm (the encoder: 1 - cosine), gemma3 (--long), or a .gguf file or "
+                        "model folder (a Llama; --long takes any causal LM)")
     p.add_argument("--text", type=flags.PATH, default=None,
                    help="another evaluation text (plain or .gz; default: the Jargon File)")
     p.add_argument("--texts", type=POSITIVE, default=256, help="minilm: held-out paragraphs embedded (default 256)")
@@ -56,11 +56,16 @@ def add(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.model not in ("smollm2", "minilm") and not Path(args.model).exists():
-        raise CliError(f"--model {args.model!r} is neither smollm2, minilm nor an existing .gguf file or folder")
+    from multihead.models.route import route
+
+    found = route(args.model, "auto" if args.engine is None else args.engine)  # names what --model cannot be
     if args.long:
         return tradeoff_long.run(args)
     tradeoff_long.refuse_without_long(args)
+    if found.engine != "ours":
+        raise CliError(f"the perplexity trade-off pools, prunes and uptrains multihead's own port's KV heads: "
+                       f"{found.describe()}; give a Llama-architecture model (or --long, which takes any causal "
+                       "LM)")
     for name, default in (("context", 1024), ("stride", 512), ("windows", 10), ("chunk", 64), ("window", 256),
                           ("sinks", (1, 4)), ("prune", (0.1, 0.25, 0.5))):
         if getattr(args, name) is None:

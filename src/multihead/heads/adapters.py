@@ -21,8 +21,6 @@ from multihead.models.llama import LlamaModel
 from multihead.models.tokenizer import TextTokenizer
 from multihead.step import Step
 
-MODEL_NAMES = ("smollm2", "minilm")
-
 
 @dataclass
 class Batch:
@@ -408,53 +406,28 @@ class TransformersHeads(HeadModel):
             return float(losses[batch.valid[:, 1:]].mean())
 
 
-from multihead.names import ENGINES  # noqa: E402  (one list, shared with the CLI, which must not import this file)
 
 
 def load_head_model(name: str | None, engine: str = "auto") -> HeadModel:
-    """'smollm2' (default), 'minilm', a GGUF file or a model folder.
+    """'smollm2' (default), 'minilm', 'gemma3', a GGUF file of any architecture or a model folder, on the engine
+    :func:`multihead.models.route.route` decides (the one model route of every command).
 
     ``engine`` "ours" runs multihead's own ports (Llama-style decoders from GGUF or a Llama folder, BERT sentence
     encoders), "transformers" any model transformers loads, with its attention on multihead; "auto" takes our port
     where one applies (the fast path) and transformers otherwise.
     """
-    if engine not in ENGINES:
-        raise MultiheadError(f"engine {engine!r} is unknown: choose one of {', '.join(ENGINES)}")
-    from multihead.models import default_gguf_path, default_minilm_dir, load_llama, load_sentence_encoder
+    from multihead.models import load_llama, load_sentence_encoder
+    from multihead.models.route import route
 
-    known = {"smollm2": default_gguf_path, "minilm": default_minilm_dir}
-    key = "smollm2" if name is None else name
-    path = known[key]() if key in known else Path(key)
-    if key not in known and not path.exists():
-        raise MultiheadError(f"unknown model {name!r}: give one of {', '.join(MODEL_NAMES)}, a .gguf file or a model "
-                             "folder")
-    label = key if key in known else (path.stem if path.is_file() else path.name)
-    config = path / "config.json"
-    model_type = None
-    if path.is_dir() and config.is_file():
-        from multihead.models.loaders import read_json
-
-        model_type = read_json(config).get("model_type")
-    if path.is_file() and path.suffix == ".gguf":  # our port reads Llama's; transformers any other (Gemma 3)
-        from multihead.models.gguf_file import GGUFFile
-        from multihead.models.loaders import SUPPORTED_GGUF
-
-        model_type = str(GGUFFile(path).field("general.architecture", "unknown"))
-        is_llama = model_type in SUPPORTED_GGUF
-    else:
-        is_llama = model_type == "llama"
-    is_bert = path.is_dir() and model_type == "bert"
-    if engine == "ours" or (engine == "auto" and (is_llama or is_bert)):
-        if is_llama:
-            model, tok = load_llama(path)
-            return DecoderHeads(model, tok, name=label)
-        if is_bert:
-            return EncoderHeads(load_sentence_encoder(path), name=label)
-        raise MultiheadError(f"{str(path)!r} ({model_type or 'no config.json'}) has no port of ours (Llama-style "
-                             "decoders and BERT sentence encoders): use --engine transformers")
+    found = route(name, engine)
+    if found.engine == "ours":
+        if found.port == "llama":
+            model, tok = load_llama(found.path)
+            return DecoderHeads(model, tok, name=found.label)
+        return EncoderHeads(load_sentence_encoder(found.path), name=found.label)
     from multihead import hf
 
-    return TransformersHeads(hf.load(path), _hf_tokenizer(path), name=label)
+    return TransformersHeads(hf.load(found.path), _hf_tokenizer(found.path), name=found.label)
 
 
 def _hf_tokenizer(path: Path) -> Any:

@@ -23,7 +23,6 @@ from multihead.errors import MultiheadError
 from multihead.evals.answers import run_prompt
 from multihead.evals.case_files import write_jsonl
 from multihead.evals.needles import Case, Tokenizer, check_length, make_cases
-from multihead.names import ENGINES
 from multihead.tradeoff.longctx.methods import Method, load_plan
 from multihead.tradeoff.longctx.perplexity import long_perplexity
 from multihead.tradeoff.longctx.report import table
@@ -36,9 +35,8 @@ def build_cases(settings: Settings, *, model_path: str | None = None,
     """The cases of a run with the real model's tokenizer and the held-out text (what :func:`run` measures), e.g.
     to write them with :func:`write_jsonl` for another implementation."""
     from multihead.evals.text import read_text, token_splits
-    from multihead.models.loaders import load_llama
 
-    model, tokenizer = load_llama(model_path)
+    model, tokenizer, _ = load_decoder(model_path)  # the engine the run would take: its tokenizer, its context
     test = token_splits(tokenizer.encode(read_text(text_path))).test
     return make_cases(settings, tokenizer, test, max_context=model.config.max_context)
 
@@ -81,31 +79,28 @@ def _prompts(cases: Sequence[Case]) -> Iterator[list[Case]]:
 
 
 def resolve_engine(model_path: str | None, engine: str = "auto") -> str:
-    """Which engine decodes ``model_path``: multihead's own port ("ours": Llama-style GGUF files and folders, and
-    the default SmolLM2 without a path) or transformers on multihead's attention and caches ("transformers", any
-    causal LM folder or GGUF); "auto" takes our port where one applies. Read from the path, nothing loaded."""
-    if engine not in ENGINES:
-        raise MultiheadError(f"engine {engine!r} is unknown: choose one of {', '.join(ENGINES)}")
-    if model_path is None:
-        return "transformers" if engine == "transformers" else "ours"
-    path = Path(model_path)
-    if not path.exists():
-        raise MultiheadError(f"model {str(path)!r} does not exist: give a .gguf file or a model folder")
-    llama = path.is_file() or _model_type(path) == "llama"
-    if engine == "ours" and not llama:
-        raise MultiheadError(f"{str(path)!r} ({_model_type(path) or 'no config.json'}) has no port of ours "
-                             "(Llama-style decoders): use engine transformers")
-    return "ours" if engine == "ours" or (engine == "auto" and llama) else "transformers"
+    """Which engine decodes ``model_path`` (None: SmolLM2), as every command decides
+    (:func:`multihead.models.route.route`): multihead's own port ("ours": Llama-architecture GGUF files and
+    folders) or transformers on multihead's attention and caches ("transformers": any causal LM, a Gemma 3 GGUF
+    among them); "auto" takes our port where one applies. Read from the file's metadata, nothing loaded."""
+    from multihead.models.route import route
+
+    found = route(model_path, engine)
+    if found.engine == "ours" and found.port != "llama":
+        raise MultiheadError(f"{found.label} is a {found.arch} sentence encoder: the long-context evaluation decodes "
+                             "with a causal language model")
+    return found.engine
 
 
 def load_decoder(model_path: str | None, engine: str = "auto", *, dtype: torch.dtype = torch.float32
                  ) -> tuple[Any, Any, str]:
     """The model a run decodes (in ``dtype``), its tokenizer and the engine that runs it (:func:`resolve_engine`):
     :func:`multihead.models.load_llama`, or :func:`multihead.tradeoff.longctx.hf_engine.load_decoder`."""
-    from multihead.models.loaders import default_gguf_path, load_llama
+    from multihead.models.loaders import load_llama
+    from multihead.models.route import route
 
     ran = resolve_engine(model_path, engine)
-    path = default_gguf_path() if model_path is None else Path(model_path)
+    path = route(model_path, engine).path
     if ran == "ours":
         model, tokenizer = load_llama(path, dtype=dtype)
         return model, tokenizer, "ours"
@@ -113,16 +108,6 @@ def load_decoder(model_path: str | None, engine: str = "auto", *, dtype: torch.d
 
     decoder, text = load_transformers(path, dtype=dtype)
     return decoder, text, "transformers"
-
-
-def _model_type(folder: Path) -> str | None:
-    config = folder / "config.json"
-    if not (folder.is_dir() and config.is_file()):
-        return None
-    from multihead.models.loaders import read_json
-
-    found = read_json(config).get("model_type")
-    return None if found is None else str(found)
 
 
 def run(settings: Settings, *, out: str | Path, progress: bool = True, model_path: str | None = None,
