@@ -440,10 +440,10 @@ def prefill_activation_bytes(model: ModelConfig, size: ModelSize, *, seq: int, b
 def kv_bytes(model: ModelConfig, *, context: int, batch: int, dtype: str, cache: str = "full") -> int:
     """The KV cache of the whole model by cache kind, summed layer by layer (``model.layers()``: a sliding layer
     holds min(context, window - 1) tokens, a full one the context, an MLA one its latents): "full", "window:N"
-    (sinks 4 on every layer, or less where the layer holds less), "int8"/"int4"/"int2" (group 32, residual 128, on
-    every layer: multihead's QuantizedKVCache has no window), or "latent" (an MLA model's; also what "full" means for
-    one)."""
-    a, n, layers = model.attention, model.n_layers, model.layers()
+    (sinks 4 on every layer, or less where the layer holds less), "int8"/"int4"/"int2" (group 32, residual 128; a
+    sliding layer's codes a ring of its window, :func:`multihead.cost.quantized_cache_bytes`), or "latent" (an MLA
+    model's; also what "full" means for one). Each is what :func:`multihead.hfcache.new_cache` allocates."""
+    a, layers = model.attention, model.layers()
     if model.mla is not None and cache in ("full", "latent"):
         return cost.layers_kv_bytes(a, layers, context=context, batch=batch, dtype=dtype, mla=model.mla)
     if cache == "latent":
@@ -459,8 +459,9 @@ def kv_bytes(model: ModelConfig, *, context: int, batch: int, dtype: str, cache:
         return sum(min(sink, cost.layers_kv_bytes(a, (layer,), context=context, batch=batch, dtype=dtype))
                    for layer in layers)
     if cache in ("int8", "int4", "int2"):
-        return cost.quantized_cache_bytes(a, context=context, bits=int(cache[3:]), group=min(32, a.head_dim),
-                                          batch=batch, n_layers=n, dtype=dtype)
+        return sum(cost.quantized_cache_bytes(
+            dataclasses.replace(a, window=layer.window), context=context,
+            bits=int(cache[3:]), group=min(32, a.head_dim), batch=batch, dtype=dtype) for layer in layers)
     raise MultiheadError(f"cache {cache!r} is unknown: choose full, window:N, int8, int4, int2 or latent")
 
 
