@@ -71,3 +71,13 @@ def test_every_command_that_takes_model_routes_it_the_same_way(capsys: pytest.Ca
     assert "pools, prunes and uptrains multihead's own port's KV heads: gemma3 (gemma3 GGUF) on transformers" in err
     assert main(["generate", "hello", "--model", "minilm"]) == 2
     assert "generate decodes with a causal language model: minilm (bert folder)" in capsys.readouterr().err
+
+
+def test_embed_and_tune_name_the_port_they_run(capsys: pytest.CaptureFixture[str]) -> None:
+    from multihead.cli import main
+
+    assert main(["embed", "hello", "--model", "gemma3"]) == 2
+    assert "embed runs multihead's sentence-encoder port (BERT): gemma3 (gemma3 GGUF)" in capsys.readouterr().err
+    assert main(["tune", "--model", "minilm"]) == 2
+    assert "tune measures the decisions of multihead's own Llama port: minilm (bert folder)" in (
+        capsys.readouterr().err)

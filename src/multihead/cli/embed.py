@@ -15,7 +15,7 @@ def add(sub: Any) -> None:
     p = sub.add_parser("embed", help=COMMANDS["embed"])
     p.add_argument("texts", nargs="+", metavar="TEXT", help="one or more texts")
     p.add_argument("--model", type=flags.PATH, metavar="DIR",
-                   help="a sentence-transformers folder (default: the installed MiniLM)")
+                   help="minilm (default: the installed all-MiniLM-L6-v2) or a sentence-transformers folder")
     p.add_argument("--json", action="store_true", help="print one JSON object with the vectors")
     add_tp(p)
     p.set_defaults(run=run)
@@ -23,8 +23,12 @@ def add(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from multihead.models import load_sentence_encoder
+    from multihead.models.route import route
 
-    encoder = load_sentence_encoder(args.model)
+    found = route(args.model, "auto", default="minilm")
+    if found.port != "bert":
+        raise flags.CliError(f"embed runs multihead's sentence-encoder port (BERT): {found.describe()}")
+    encoder = load_sentence_encoder(found.path)
     if args.tp > 1:
         from multihead import parallel
 

@@ -17,7 +17,7 @@ from multihead.cli.model import DTYPE_HELP
 def add(sub: Any) -> None:
     p = sub.add_parser("tune", help=COMMANDS["tune"])
     p.add_argument("--model", type=flags.PATH, metavar="PATH",
-                   help="a Llama GGUF file or Hugging Face folder (default: SmolLM2)")
+                   help="smollm2 (default), or a Llama GGUF file or Hugging Face folder (the port's decisions)")
     p.add_argument("--dtype", type=flags.Dtype(("fp32", "bf16"), many=True), default=("fp32", "bf16"),
                    help=f"{DTYPE_HELP}, here those to tune: comma-separated of fp32, bf16 (default: both)")
     p.add_argument("--lengths", type=flags.LENGTHS, default=(1024, 2048, 4096, 8192),
@@ -54,12 +54,17 @@ def run(args: argparse.Namespace) -> int:
 
     from multihead import native
     from multihead.models import load_llama
+    from multihead.models.route import route
 
+    routed = route(args.model, "auto")
+    if routed.engine != "ours" or routed.port != "llama":
+        raise flags.CliError(f"tune measures the decisions of multihead's own Llama port: {routed.describe()}")
+    path = routed.path
     native.build_now()  # the explicit build step: a forward never builds them
     found: dict[str, str] = {}
     say = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     for name in args.dtype:
-        model, _ = load_llama(args.model, dtype=getattr(torch, flags.TORCH_NAMES[name]))
+        model, _ = load_llama(path, dtype=getattr(torch, flags.TORCH_NAMES[name]))
         lengths = sorted({min(t, model.config.max_context) for t in args.lengths})
         if say is not None:
             print(f"tuning {name} (lengths {', '.join(map(str, lengths))}, batch {args.batch}):", file=sys.stderr)
