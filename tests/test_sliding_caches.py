@@ -239,3 +239,33 @@ def test_a_kind_on_the_global_layers_only_keeps_every_sliding_window_whole() -> 
         hf.new_cache(hf.enable(_model("mistral")), N, layers="global", bits=8)
     with pytest.raises(MultiheadError, match="layers='everything' is not a choice"):
         hf.new_cache(model, N, layers="everything")
+
+
+def test_the_long_context_methods_take_the_global_layers_only_on_a_hybrid_model() -> None:
+    """tradeoff --long --layers global: the windowed and quantized methods are made with layers='global' (a hybrid
+    model's sliding layers keep their window); the full cache and the plans are as they were; on a model whose
+    layers are all global (our Llama port) the caches are the same as with 'all'."""
+    from multihead.models import LlamaConfig, LlamaModel
+    from multihead.tradeoff import longctx as lc
+    from multihead.tradeoff.longctx.hf_engine import TransformersDecoder
+
+    settings = lc.Settings(lengths=(64,), tasks=("passkey",), sinks=2, keep=(0.5,), window_keep=(), bits=(4,),
+                           group=4, residual=0, mqa=False, prune=(), layers="global")
+    methods = {m.name: m for m in settings.methods(1)}
+    assert set(methods) == {"full cache", "2 sinks + window 50%, global layers", "int4 (g4, r0), global layers"}
+    decoder = TransformersDecoder(hf.enable(_model("gemma3")))
+    for name in ("2 sinks + window 50%, global layers", "int4 (g4, r0), global layers"):
+        cache = methods[name].cache(decoder, 64, 64)
+        assert isinstance(cache.inner, HybridCache)
+        ring = cache.inner.part(W)
+        assert isinstance(ring, SinkCache) and (ring.window, ring.sink_tokens) == (W, 0)
+    port = LlamaModel(LlamaConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                  max_context=128))
+    everywhere = {m.name.removesuffix(", global layers"): m for m in lc.Settings(
+        lengths=(64,), tasks=("passkey",), sinks=2, keep=(0.5,), window_keep=(), bits=(4,), group=4, residual=0,
+        mqa=False, prune=()).methods(2)}
+    for name, method in methods.items():
+        got, want = method.cache(port, 64, 64), everywhere[name.removesuffix(", global layers")].cache(port, 64, 64)
+        assert type(got) is type(want) and got.bytes == want.bytes
+    with pytest.raises(MultiheadError, match=r"layers \('some'\) must be 'all'"):
+        lc.Settings(lengths=(64,), tasks=("passkey",), layers="some")

@@ -20,7 +20,7 @@ from multihead.cli.flags import POSITIVE, SEED, CliError
 
 LONG_ONLY = ("lengths", "tasks", "haystacks", "prompts", "keys", "values", "seed", "keep", "window_keep",
              "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan", "engine", "protocol", "dtype",
-             "split")
+             "split", "layers")
 
 
 def _names(allowed: Callable[[], tuple[str, ...]], what: str) -> flags.Listed:
@@ -84,6 +84,10 @@ def add_flags(p: argparse.ArgumentParser) -> None:
                         "shared: each case prefilled once with the full cache and every method's cache compressed "
                         "from it (kvpress's protocol: N methods for one prefill; one JSON line a case, resumable; "
                         "accuracy with Wilson intervals, McNemar against the full cache and each plan's control)")
+    g.add_argument("--layers", choices=("all", "global"), default=None,
+                   help="where the windowed and quantized methods apply: all (default) or global, a hybrid model's "
+                        "global layers only, its sliding layers keeping their window (Gemma 2/3 through "
+                        "transformers)")
     g.add_argument("--dtype", type=flags.Dtype(("fp32", "bf16")), default=None,
                    help="the model's element type with --protocol shared: fp32 (default) or bf16")
     g.add_argument("--split", choices=("test", "train"), default=None,
@@ -120,7 +124,7 @@ def settings(args: argparse.Namespace) -> Any:
         "uptrain_lr": args.uptrain_lr, "uptrain_train": args.train, "uptrain_from": args.uptrain_from,
         "ppl_context": context, "ppl_scored": scored, "ppl_windows": args.windows,
         "threshold": args.threshold, "bootstrap": args.bootstrap,
-        "plans": None if args.plan is None else tuple(args.plan),
+        "plans": None if args.plan is None else tuple(args.plan), "layers": args.layers,
     }
     if args.no_mqa:
         chosen["mqa"] = False

@@ -4,6 +4,7 @@ a head-wise cache reads."""
 from __future__ import annotations
 
 import functools
+import inspect
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,10 @@ class Method:
     ``window``: an absolute window instead; ``bits``: a quantized cache; ``plan``: a head-wise cache made by the
     :class:`~multihead.cache.HeadPlan` saved in that file (each KV head full or its sinks + window);
     ``equal_to``: a sinks + window cache holding as many slots per KV head as that plan's cache holds on average
-    at each length (the uniform control at equal bytes); none of them: the full cache."""
+    at each length (the uniform control at equal bytes); none of them: the full cache. ``layers``: "global" puts a
+    windowed or quantized method on a hybrid model's global layers only, its sliding layers keeping their window
+    (:func:`multihead.hfcache.new_cache`; on a model whose every layer is global, as our Llama port's, the same as
+    "all")."""
 
     name: str
     series: str
@@ -30,6 +34,7 @@ class Method:
     residual: int = 128
     plan: str | None = None
     equal_to: str | None = None
+    layers: str = "all"
 
     def window_at(self, length: int) -> int | None:
         if self.keep is not None:
@@ -42,11 +47,14 @@ class Method:
         """This method's real cache for a prompt of ``length`` tokens (room for ``max_len`` in a full one)."""
         if self.plan is not None:
             return model.new_cache(1, max_len, plan=load_plan(self.plan))
+        at: dict[str, str] = {}
+        if self.layers != "all" and "layers" in inspect.signature(model.new_cache).parameters:
+            at["layers"] = self.layers  # (a model without that choice has no sliding layer: all are global)
         window = self.window_at(length)
         if window is not None:
-            return model.new_cache(1, window=window, sink_tokens=self.sinks)
+            return model.new_cache(1, window=window, sink_tokens=self.sinks, **at)
         if self.bits is not None:
-            return model.new_cache(1, max_len, bits=self.bits, group=self.group, residual=self.residual)
+            return model.new_cache(1, max_len, bits=self.bits, group=self.group, residual=self.residual, **at)
         return model.new_cache(1, max_len)
 
     @property

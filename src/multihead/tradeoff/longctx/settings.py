@@ -47,6 +47,7 @@ class Settings:
     ppl_windows: int = 1
     threshold: float = 0.8
     bootstrap: int = 2000
+    layers: str = "all"  # "global": windowed and quantized methods on a hybrid model's global layers only
 
     def __post_init__(self) -> None:
         from multihead.cache import check_bits
@@ -91,6 +92,9 @@ class Settings:
             load_plan(path)  # a missing or bad file is refused now, not after the full cache has run
         if not 0 <= self.threshold <= 1:
             raise MultiheadError(f"threshold ({self.threshold!r}) must lie in [0, 1]")
+        if self.layers not in ("all", "global"):
+            raise MultiheadError(f"layers ({self.layers!r}) must be 'all' (each method on every layer) or 'global' "
+                                 "(the windowed and quantized methods on a hybrid model's global layers only)")
 
     def cases(self) -> CaseSettings:
         """The cases this run measures (:func:`multihead.evals.needles.make_cases` reads the same fields)."""
@@ -105,13 +109,16 @@ class Settings:
                                every=max(1, min(10, self.uptrain_steps)))
 
     def methods(self, n_kv_heads: int) -> list[Method]:
-        s = self.sinks
+        s, at = self.sinks, self.layers
+        on = "" if at == "all" else ", global layers"
         out = [Method("full cache", "full")]
-        out += [Method(f"window {share:.0%}", "window", keep=share) for share in self.window_keep]
-        out += [Method(f"{s} sinks + window {share:.0%}", "sinks + window", keep=share, sinks=s) for share in self.keep]
-        out += [Method(f"{s} sinks + window {w}", "sinks + window (fixed)", window=w, sinks=s) for w in self.windows]
-        out += [Method(f"int{b} (g{self.group}, r{self.residual})", "quantized", bits=b, group=self.group,
-                       residual=self.residual) for b in self.bits]
+        out += [Method(f"window {share:.0%}{on}", "window", keep=share, layers=at) for share in self.window_keep]
+        out += [Method(f"{s} sinks + window {share:.0%}{on}", "sinks + window", keep=share, sinks=s, layers=at)
+                for share in self.keep]
+        out += [Method(f"{s} sinks + window {w}{on}", "sinks + window (fixed)", window=w, sinks=s, layers=at)
+                for w in self.windows]
+        out += [Method(f"int{b} (g{self.group}, r{self.residual}){on}", "quantized", bits=b, group=self.group,
+                       residual=self.residual, layers=at) for b in self.bits]
         if self.mqa and n_kv_heads > 1:
             out.append(Method(f"MQA, pooled {n_kv_heads} -> 1", "fewer KV heads", model="mqa"))
             if self.uptrain_steps:
