@@ -5,7 +5,8 @@ checked by exact single-edge path patching, and a circuit's faithfulness measure
 earlier writer (a *sender*) along its own edge. Nodes:
 
 - ``"embed"``: a sender, the token embeddings (block 0's ``hook_resid_pre``);
-- ``"L{l}.H{h}"``: query head h of layer l; as a sender its write z_h W_O,h, as a receiver its query input (the
+- ``"L{l}.H{h}"``: query head h of layer l; as a sender its write z_h W_O,h (Gemma 2/3: through the post-attention
+  norm, below), as a receiver its query input (the
   stream that reaches q_h through the layer's input norm, W_Q,h and RoPE: this head only);
 - ``"L{l}.KV{g}.k"``, ``"L{l}.KV{g}.v"``: KV head g of layer l as a receiver by its key / value input. A KV head is
   shared by the h / g query heads of its group (GQA, MQA), so it is one receiver, not h / g repeated ones;
@@ -52,9 +53,13 @@ The metric maps logits (rows, s, vocab) to one value per row; the exact forwards
 any multiple of b rows (row r belongs to pair r % b), as :func:`multihead.heads.patching.logit_difference` does.
 
 Models: those :func:`multihead.heads.attribution.read_model` reads (our Llama port, transformers models of the
-families of :data:`multihead.hf.LAYOUTS` after ``hf.enable``) less Gemma 2/3, refused by name (:func:`check_model`):
-their post-attention norm rescales the sum of the heads' outputs, so a head's write is not a term of the stream. Run
-them in eval mode (dropout off). Not BERT: its blocks normalise after the residual sum
+families of :data:`multihead.hf.LAYOUTS` after ``hf.enable``). Run them in eval mode (dropout off). Gemma 2/3 add a
+norm between each attention and the stream: the layer writes sum_h z_h W_O,h (1 + w) / rms(a), a = sum_h z_h W_O,h,
+so a head's write is z_h W_O,h (1 + w) / rms(a) with the scale of the run it is taken from (the writes of a run sum
+to what its layer adds, exactly); an edge's exact check gives the receiver the sender's change of that write. A
+sender's scores then do not sum to attribution patching's estimate at its z (which also moves rms(a), the other
+heads' scale): the scores are held against the exact checks instead (tests/test_family_tools.py).
+Not BERT: its blocks normalise after the residual sum
 (post-norm), so its stream is not a sum of the writes, and it has no unembedding.
 """
 
@@ -190,19 +195,21 @@ class _Net:
     graph: _Graph
 
 
-def _blocks(model: Any) -> tuple[list[nn.Module], str]:
-    """The decoder blocks, and the name of the norm a transformers block's MLP reads the stream through."""
+def _blocks(model: Any) -> tuple[list[nn.Module], tuple[str, str, str]]:
+    """The decoder blocks, and the names of (the norm a transformers block's MLP reads the stream through, the MLP,
+    the module whose output the block adds: the MLP, or Gemma 2/3's post-feed-forward norm)."""
     from multihead import hf
     from multihead.heads.adapters import DecoderHeads, TransformersHeads
     from multihead.models.llama import LlamaModel
 
     inner = model.model if isinstance(model, DecoderHeads | TransformersHeads) else model
     if isinstance(inner, LlamaModel):
-        return list(inner.layers), "ffn_norm"
-    return list(hf.decoder_layers(inner).values()), hf.block_layout(inner).mlp_norm
+        return list(inner.layers), ("ffn_norm", "", "")
+    layout = hf.block_layout(inner)
+    return list(hf.decoder_layers(inner).values()), (layout.mlp_norm, layout.mlp, layout.mlp_write)
 
 
-def _mlp_fn(block: Any, norm: str) -> Callable[[Tensor], Tensor]:
+def _mlp_fn(block: Any, names: tuple[str, str, str]) -> Callable[[Tensor], Tensor]:
     if all(hasattr(block, p) for p in ("ffn_norm", "gate_proj", "up_proj", "down_proj")):  # our Llama port
         def port(x: Tensor) -> Tensor:
             n = block.ffn_norm(x)
@@ -210,31 +217,26 @@ def _mlp_fn(block: Any, norm: str) -> Callable[[Tensor], Tensor]:
             return out
         return port
 
+    norm, mlp, write = names
+
     def transformers(x: Tensor) -> Tensor:
-        out = block.mlp(getattr(block, norm)(x))
+        out = getattr(block, mlp)(getattr(block, norm)(x))
         y: Tensor = out[0] if isinstance(out, tuple) else out  # gpt-oss's experts return (output, router scores)
+        if write != mlp:  # Gemma 2/3: the post-feed-forward norm before the stream
+            y = getattr(block, write)(y)
         return y
     return transformers
 
 
-POST_NORM_REFUSAL = ("it normalises each attention layer's output before adding it to the stream (Gemma 2/3's "
-                     "post_attention_layernorm), so a head's write is not a term of the stream and its edges are "
-                     "not defined (direct logit attribution freezes that norm's scale; path patching runs through "
-                     "it)")
-
-
 def check_model(model: Any) -> Any:
     """The model as edge attribution reads it (:func:`multihead.heads.attribution.read_model`), or a
-    MultiheadError saying why it cannot: a family whose heads' writes are not terms of the stream."""
-    m = read_model(model)
-    if any(layer.post is not None for layer in m.layers):
-        raise MultiheadError(f"edge attribution on {m.name}: {POST_NORM_REFUSAL}")
-    return m
+    MultiheadError saying why it cannot."""
+    return read_model(model)
 
 
 def _net(model: Any) -> _Net:
     m = check_model(model)
-    blocks, mlp_norm = _blocks(model)
+    blocks, mlp_names = _blocks(model)
     if len(blocks) != len(m.layers):
         raise MultiheadError(f"{m.name}: {len(blocks)} decoder blocks for {len(m.layers)} attention layers")
     heads = {(layer.n_heads, layer.n_kv_heads) for layer in m.layers}
@@ -244,7 +246,7 @@ def _net(model: Any) -> _Net:
     (h, g), = heads
     pre = tuple(hook_point(b, "hook_resid_pre", f"block {i}") for i, b in enumerate(blocks))
     mid = tuple(hook_point(b, "hook_resid_mid", f"block {i}") for i, b in enumerate(blocks))
-    return _Net(m, pre, mid, tuple(_mlp_fn(b, mlp_norm) for b in blocks), _graph(len(m.layers), h, g))
+    return _Net(m, pre, mid, tuple(_mlp_fn(b, mlp_names) for b in blocks), _graph(len(m.layers), h, g))
 
 
 def _check_ids(clean: Any, corrupted: Any) -> None:
@@ -266,10 +268,17 @@ def _rows(metric: Metric, logits: Tensor, b: int) -> Tensor:
     return rows
 
 
-def _head_writes(layer: Any, z: Tensor) -> Tensor:
-    """z (b, h, s, d) -> each head's write z_h W_O,h (b, h, s, D)."""
+def _head_writes(layer: Any, z: Tensor, a: Tensor | None = None) -> Tensor:
+    """z (b, h, s, d) -> each head's write z_h W_O,h (b, h, s, D); through a post-attention norm (Gemma 2/3) with
+    its scale from the attention's output ``a`` (b, s, D) of the same run: z_h W_O,h (1 + w) / rms(a)."""
     h, d = layer.n_heads, layer.head_dim
-    return torch.einsum("bhsd,Dhd->bhsD", z, layer.w_o.to(z.dtype).view(-1, h, d))
+    out = torch.einsum("bhsd,Dhd->bhsD", z, layer.w_o.to(z.dtype).view(-1, h, d))
+    if layer.post is None:
+        return out
+    if a is None:
+        raise MultiheadError("a head's write through a post-attention norm needs the attention's output")
+    scaled: Tensor = out * layer.post.gamma.to(z.dtype) * layer.post.inverse_scale(a)[:, None, :, None]
+    return scaled
 
 
 def _writes(net: _Net, ids: Tensor) -> tuple[Tensor, list[Tensor], dict[str, Tensor]]:
@@ -279,12 +288,14 @@ def _writes(net: _Net, ids: Tensor) -> tuple[Tensor, list[Tensor], dict[str, Ten
     for i, layer in enumerate(m.layers):
         points |= {f"z{i}": layer.z, f"mlp{i}": layer.mlp_out, f"q{i}": layer.attn.hook_q,
                    f"k{i}": layer.attn.hook_k, f"v{i}": layer.attn.hook_v}
+        if layer.post is not None:
+            points[f"attn{i}"] = layer.post.out
     seen: dict[str, Tensor] = {}
     with torch.no_grad(), recording(points, seen):
         logits = m.forward(ids)
     writes = [seen["embed"]]
     for i, layer in enumerate(m.layers):
-        writes += [*_head_writes(layer, seen[f"z{i}"]).unbind(1), seen[f"mlp{i}"]]
+        writes += [*_head_writes(layer, seen[f"z{i}"], seen.get(f"attn{i}")).unbind(1), seen[f"mlp{i}"]]
     return logits, writes, seen
 
 
@@ -485,10 +496,23 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
             return out.view(x.shape)
         return fn
 
+    held: dict[int, Tensor] = {}  # a post-norm layer's z (copy 0), until its attention's output is seen
+
     def on_z(layer: int) -> Callable[[Tensor, HookPoint], None]:
         def fn(x: Tensor, _p: HookPoint) -> None:
             z = view(x)[:, 0].reshape(n_runs * b, *x.shape[1:])
+            if m.layers[layer].post is not None:
+                held[layer] = z
+                return
             writes = _head_writes(m.layers[layer], z).view(n_runs, b, x.shape[1], s, -1)
+            cur.extend(writes.unbind(2))
+        return fn
+
+    def on_out(layer: int) -> Callable[[Tensor, HookPoint], None]:
+        def fn(x: Tensor, _p: HookPoint) -> None:
+            z = held.pop(layer)
+            a = view(x)[:, 0].reshape(n_runs * b, *x.shape[1:])
+            writes = _head_writes(m.layers[layer], z, a).view(n_runs, b, z.shape[1], s, -1)
             cur.extend(writes.unbind(2))
         return fn
 
@@ -534,6 +558,8 @@ def _patched_runs(net: _Net, clean: Tensor, metric: Metric, runs: Sequence[Tenso
         edits += [(net.pre[i], on_pre(i)), (layer.attn.hook_q, on_qkv(i, "q")), (layer.attn.hook_k, on_qkv(i, "k")),
                   (layer.attn.hook_v, on_qkv(i, "v")), (layer.z, on_z(i)), (net.mid[i], on_mid(i)),
                   (layer.mlp_out, on_mlp(i))]
+        if layer.post is not None:
+            edits.append((layer.post.out, on_out(i)))
     edits.append((m.layers[-1].resid_post, on_final))
     seen: dict[str, Tensor] = {}
     with torch.no_grad(), recording({"final": m.layers[-1].resid_post}, seen, edits):

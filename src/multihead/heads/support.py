@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from multihead import hf
-from multihead.heads import attribution, composition, eap
+from multihead.heads import attribution, composition
 
 # the tools, as the README names them
 TOOLS = {
@@ -62,10 +62,10 @@ def _cells(family: str) -> dict[str, Cell]:
         cells["logit_lens"] = Cell(True, "the softcap applied, as the model does" if capped else "")
         cells["path_patching"] = Cell(True, "the sender's write passes its layer's post-attention norm, the other "
                                             "heads frozen" if post else "")
-        cells["eap"] = Cell(False, eap.POST_NORM_REFUSAL) if post else Cell(True)
-        # a circuit is DLA, EAP and composition together; EAP's refusal is checked first
-        cells["circuit"] = (Cell(False, eap.POST_NORM_REFUSAL) if post else Cell(False, SOFTCAP_WHY) if capped
-                            else Cell(True))
+        cells["eap"] = Cell(True, "a head's write through the post-attention norm with its run's scale" if post
+                            else "")
+        # a circuit is DLA, EAP and composition together
+        cells["circuit"] = Cell(False, SOFTCAP_WHY) if capped else Cell(True)
     folds = "Gemma's (1 + weight) norms folded" + (", the post-attention norm's into W_O" if post else "")
     cells["composition"] = Cell(True, folds if gemma else "") if family in composition.HF_FAMILIES else Cell(
         False, "composition scores do not read its weights")
