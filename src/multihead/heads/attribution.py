@@ -38,8 +38,9 @@ input; Gemma 2/3 add an RMSNorm after each attention, whose scale 1 / rms(sum of
 the real run's like the final norm's, so a head's part is z_h W_O,h (1 + w) / rms(.) projected, exactly; the MLP's
 part is its post-feed-forward norm's output), and GPT-2 (LayerNorms with a bias, learned absolute positions in block
 0's input, Conv1D weights read transposed). A final logit softcap (Gemma 2) makes the logits non-linear in the
-stream: attribution and the head lens refuse it by name; the logit lens applies it. Which tool takes which family:
-:data:`multihead.heads.support.SUPPORT`. The BERT encoder has no unembedding: not here.
+stream: attribution and the head lens take the logits before it (c atanh(logit / c) of the model's own logits, which
+the parts sum to exactly) and say so in the notes; the logit lens applies it, as the model does. Which tool takes
+which family: :data:`multihead.heads.support.SUPPORT`. The BERT encoder has no unembedding: not here.
 """
 
 from __future__ import annotations
@@ -88,10 +89,6 @@ class _PostNorm:
         return 1.0 / (a.pow(2).mean(-1) + self.eps).sqrt()
 
 
-SOFTCAP_WHY = ("its final logit softcap (tanh(x / c) * c) makes a logit difference non-linear in the stream, so it "
-               "is not a sum of the writes' parts")
-
-
 @dataclass(frozen=True)
 class _Model:
     name: str
@@ -111,12 +108,16 @@ class _Model:
         """The model's logits from the unembedded stream: its final softcap applied, where it has one."""
         return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
 
-    def linear(self, tool: str) -> None:
-        """Refuse, by name, ``tool`` on a model whose logits are not linear in the stream (a final softcap)."""
-        if self.softcap is not None:
-            raise MultiheadError(f"{tool} on {self.name} (final_logit_softcapping = {self.softcap:g}): "
-                                 f"{SOFTCAP_WHY}; the logit lens and path patching take it")
-
+    def uncapped(self, picked: Tensor) -> Tensor:
+        """Logits picked from the model's output (float64) as they were before its final softcap:
+        c atanh(logit / c) (Gemma 2); themselves without one."""
+        if self.softcap is None:
+            return picked
+        x = picked / self.softcap
+        if bool((x.abs() >= 1 - 1e-6).any()):
+            raise MultiheadError(f"{self.name}: a logit of {float(picked.abs().max()):.6g} sits at its softcap "
+                                 f"({self.softcap:g}): the logit before the cap cannot be recovered from it")
+        return torch.atanh(x) * self.softcap
 
     def sigma(self, x: Tensor) -> Tensor:
         """The final norm's divisor for a stream x (..., D), in x's dtype."""
@@ -252,6 +253,9 @@ def _read_transformers(model: nn.Module) -> _Model:
         notes.append("each layer's post-attention RMSNorm scale frozen at the real run's too (its heads' writes "
                      "z_h W_O,h (1 + w) / rms(sum of the heads' outputs)); an MLP's part is its post-feed-forward "
                      "norm's output")
+    if cap is not None:
+        notes.append(f"the logits before the final softcap ({float(cap):g} tanh(x / {float(cap):g})), recovered from "
+                     "the model's own as c atanh(logit / c): the parts sum to those exactly, the cap then bends them")
     return _Model(name, forward, embed, tuple(layers), gamma, None, eps, False, head.weight.detach(), unembed_bias,
                   None if cap is None else float(cap), tuple(notes))
 
@@ -325,7 +329,8 @@ class Attribution:
     embed: Tensor  # (b, s)
     constant: Tensor  # (b, s) the final norm's beta and the unembedding bias, projected
     remainder: Tensor  # (b, s) the real logit difference minus the parts
-    logit_diff: Tensor  # (b, s) the model's real logit difference (or logit, with no wrong answer)
+    logit_diff: Tensor  # (b, s) the model's real logit difference (or logit, with no wrong answer); before its
+    # final softcap where it has one (Gemma 2: c atanh(logit / c) of its own logits)
     n_kv_heads: int
     notes: tuple[str, ...]
 
@@ -368,20 +373,19 @@ def direct_logit_attribution(model: Any, ids: Tensor, answers: Tokens, wrongs: T
     id or one per row each; without ``wrongs``, on ``logit[answer]``) at every position (see the module). Raises a
     MultiheadError when the parts and the remainder's bound do not reproduce the model's real logits."""
     m = read_model(model)
-    m.linear("direct logit attribution")
     b, s = ids.shape if isinstance(ids, Tensor) and ids.ndim == 2 else (0, 0)
     logits, seen = _run(m, ids)
     vocab = m.unembed.shape[0]
     a = _tokens(answers, b, "answers", vocab).to(logits.device)
     w = None if wrongs is None else _tokens(wrongs, b, "wrongs", vocab).to(logits.device)
     f64 = torch.float64
-    real = logits.to(f64).gather(-1, a.view(b, 1, 1).expand(b, s, 1))[..., 0]
+    real = m.uncapped(logits.to(f64).gather(-1, a.view(b, 1, 1).expand(b, s, 1))[..., 0])
     u = m.unembed[a].to(f64)  # (b, D): the answer rows only (not the whole unembedding in float64)
     const = torch.zeros(b, dtype=f64, device=logits.device)
     if m.unembed_bias is not None:
         const = const + m.unembed_bias.to(f64)[a]
     if w is not None:
-        real = real - logits.to(f64).gather(-1, w.view(b, 1, 1).expand(b, s, 1))[..., 0]
+        real = real - m.uncapped(logits.to(f64).gather(-1, w.view(b, 1, 1).expand(b, s, 1))[..., 0])
         u = u - m.unembed[w].to(f64)
         if m.unembed_bias is not None:
             const = const - m.unembed_bias.to(f64)[w]
@@ -499,11 +503,10 @@ class HeadLens:
 
 def head_logit_lens(model: Any, ids: Tensor, *, position: int = -1, k: int = 5) -> HeadLens:
     """The top ``k`` tokens of z_(l,i) W_O^(l,i) gamma / sigma W_U^T for every head at ``position`` (W_O's bias
-    left out: it is no head's)."""
+    left out: it is no head's; logits before a final softcap, as in :func:`direct_logit_attribution`)."""
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise MultiheadError(f"k ({k!r}) must be a positive int")
     m = read_model(model)
-    m.linear("the head lens")
     _, seen = _run(m, ids)
     s = ids.shape[1]
     if not -s <= position < s:
