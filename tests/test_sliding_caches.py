@@ -269,3 +269,26 @@ def test_the_long_context_methods_take_the_global_layers_only_on_a_hybrid_model(
         assert type(got) is type(want) and got.bytes == want.bytes
     with pytest.raises(MultiheadError, match=r"layers \('some'\) must be 'all'"):
         lc.Settings(lengths=(64,), tasks=("passkey",), layers="some")
+
+
+def test_a_windowed_cache_takes_max_len_in_the_port_too() -> None:
+    """Issue 52 item 9: new_cache(b, n, window=w, sink_tokens=s) is a windowed cache for at most n tokens (it was
+    refused with 'a windowed cache has no max_len'), in our port as in hf.new_cache; window with bits is refused
+    saying what to write."""
+    from multihead.models import LlamaConfig, LlamaModel
+
+    port = LlamaModel(LlamaConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
+                                  max_context=128))
+    short = port.new_cache(1, 10, window=256, sink_tokens=4)
+    assert isinstance(short, SinkCache) and short.slots == 10 and short.max_len == 10
+    assert port.new_cache(1, window=256, sink_tokens=4).slots == 4 + 256 - 1
+    tokens = torch.randint(0, 97, (1, 10))
+    with torch.no_grad():
+        torch.testing.assert_close(port(tokens, cache=short), port(tokens), atol=1e-5, rtol=1e-5)
+    short.advance(10)
+    with pytest.raises(MultiheadError, match="overflow"):
+        short.check_room(1)
+    with pytest.raises(MultiheadError, match=r"give window= \(with sink_tokens=\) or bits=8, not both"):
+        port.new_cache(1, 10, window=8, bits=8)
+    with pytest.raises(MultiheadError, match=r"max_len \(200\) exceeds the model's context \(128\)"):
+        port.new_cache(1, 200, window=8)

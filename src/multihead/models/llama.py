@@ -144,7 +144,8 @@ class LlamaModel(nn.Module):
 
         - ``new_cache(b, max_len)``: every token in full (:class:`KVCache`);
         - ``new_cache(b, window=w, sink_tokens=n)``: n attention sinks and a window of w (:class:`SinkCache`),
-          constant memory for any length;
+          constant memory for any length (``new_cache(b, max_len, window=w)``: for at most max_len tokens, no more
+          slots than they fill);
         - ``new_cache(b, max_len, bits=4, group=32, residual=128)``: quantized keys and values
           (:class:`QuantizedKVCache`);
         - ``new_cache(b, max_len, plan=plan)``: each KV head in full or as the plan's sinks + window
@@ -156,9 +157,11 @@ class LlamaModel(nn.Module):
         kv_heads = [cast(LlamaBlock, block).attn.local_kv_heads for block in self.layers]
         where: dict[str, Any] = {"batch": batch, "head_dim": a.head_dim, "dtype": self.dtype, "device": self.device}
         if window is not None:
-            if max_len is not None or bits is not None:
-                raise MultiheadError("a windowed cache has no max_len and stores keys in full: give window= alone "
-                                     "(with sink_tokens=)")
+            if bits is not None:
+                raise MultiheadError(f"a sinks + window cache stores its keys in full precision: give window= (with "
+                                     f"sink_tokens=) or bits={bits}, not both")
+            if max_len is not None:
+                self._check_max_len(max_len, "")  # the tokens the windowed cache is for: at most the context
         else:
             self._check_max_len(max_len, "new_cache needs max_len (the tokens it holds), or window= for a windowed "
                                 "cache")
@@ -169,7 +172,7 @@ class LlamaModel(nn.Module):
         def make(n_kv_heads: int, n_layers: int) -> Cache:
             shape = {**where, "n_kv_heads": n_kv_heads, "n_layers": n_layers}
             if window is not None:
-                return SinkCache(window=window, sink_tokens=sink_tokens, **shape)
+                return SinkCache(window=window, sink_tokens=sink_tokens, max_len=max_len, **shape)
             assert max_len is not None
             if bits is not None:
                 return QuantizedKVCache(max_len=max_len, bits=bits, group=group, residual=residual, **shape)
