@@ -65,7 +65,8 @@ def test_patch_and_dla_on_gemma3_with_its_bos(gemma3: Any) -> None:
             own[name] = float(logits[answer] - logits[wrong])
     with attention(model, "multihead"):
         heads = TransformersHeads(model, tok, "gemma3")
-        result = patch_pairs(heads.logits, heads.layers(), heads.token_ids, [pair], attribution=False,
+        # one layer's heads patched (the clean and corrupted figures are the command's whatever it patches)
+        result = patch_pairs(heads.logits, heads.layers()[11:12], heads.token_ids, [pair], attribution=False,
                              prompt=heads.prompt_ids)
         ids = torch.tensor([heads.prompt_ids(pair.clean)])
         dla = direct_logit_attribution(model, ids, answer, wrong)
@@ -74,7 +75,7 @@ def test_patch_and_dla_on_gemma3_with_its_bos(gemma3: Any) -> None:
           f"{own['clean']:.4f}, {own['corrupt']:.4f}); DLA parts {float(dla.total()[0, -1]):.6f} + remainder "
           f"{float(dla.remainder[0, -1]):.2e} = {float(dla.logit_diff[0, -1]):.6f}")
     assert abs(result.clean - own["clean"]) < 1e-3 and abs(result.corrupted - own["corrupt"]) < 1e-3
-    assert result.clean > result.corrupted
+    assert result.clean > result.corrupted and result.patching is not None and result.patching.shape == (1, 4)
     assert abs(float(dla.logit_diff[0, -1]) - own["clean"]) < 1e-3
     assert float(dla.remainder.abs().max()) < 1e-3
     with torch.no_grad():
