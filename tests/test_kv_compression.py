@@ -192,7 +192,7 @@ def test_cache_bytes_per_token_fall_with_the_bit_width_and_include_the_scales() 
      r"supported cache width: choose one of 2, 4, 8"),
     (lambda: QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=8, max_len=8, bits=4, group=3), r"group \(3\) must "
      r"divide head_dim \(8\)"),
-    (lambda: _model().new_cache(1, 8, window=4), "give window= alone"),
+    (lambda: _model().new_cache(1, 8, window=4, bits=4), r"give window= \(with sink_tokens=\) or bits=4, not both"),
     (lambda: _model().new_cache(1, 8, sink_tokens=2), r"sink_tokens \(2\) go with a window"),
     (lambda: cost.quantized_cache_bytes(AttentionConfig(d_model=32, n_heads=4), context=8, bits=5), r"bits \(5\)"),
 ])
