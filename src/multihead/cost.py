@@ -292,7 +292,9 @@ def quantized_cache_bytes(config: AttentionConfig, *, context: int, bits: int, g
     groups = -(-context // group)
     rows = context
     if config.window is not None:
-        groups = min(groups, max(0, -(-(config.window - 1 - residual) // group)))
+        from multihead.cache.quantized import ring_groups
+
+        groups = min(groups, ring_groups(config.window, group=group, residual=residual))
         rows = groups * group
     codes = 2 * rows * d * bits // 8
     scales = 2 * groups * d * 2 + 2 * rows * (d // group) * 2

@@ -81,11 +81,6 @@ class HybridCache(Cache):
     def _parts(self) -> list[Cache]:
         return [cast(Cache, p) for p in self.parts.values()]
 
-    def layer_window(self, index: int) -> int | None:
-        """The attention window of one layer (None: global)."""
-        self._check_layer(index)
-        return self._where[index][0]
-
     @property
     def bytes(self) -> int:
         return sum(part.bytes for part in self._parts())
