@@ -1,15 +1,20 @@
-"""Every code block of README.md runs (issue 42 item 5: its first snippet failed as pasted).
+"""Every code block of README.md and of the guides, docs/guides/*.md, runs (issue 42 item 5: the README's first
+snippet failed as pasted; issue 51 item 7 moved all but the newcomer's part of the README into the guides).
 
-- ```python blocks run in order, one namespace per ``##`` section (a later block of a section may continue from an
-  earlier one; the first block of a section stands alone, as a reader pastes it). They run in a fresh folder that
+- ```python blocks run in order, one namespace per file and ``##`` section (a later block of a section may continue
+  from an earlier one; the first block of a section stands alone, as a reader pastes it). They run in a fresh folder
+  that
   holds a link to the checkout's docs/, so `docs/experiments/...` paths resolve and written files land there. The
   real models load once: ``load_llama()`` and ``load_sentence_encoder()`` are memoised, nothing else is set up.
 - ```sh blocks: every `multihead ...` command line (also under torchrun) is parsed by the command's own parser, and
   the cheap commands (shapes, count, compare, presets) run for real; `make` targets must exist in the Makefile,
   `benchmarks/...` scripts and `python -m` modules must exist.
-- The sections that load a real model are marked ``slow`` (``pytest -m "not slow"`` leaves them out).
+- The sections that load a real model are marked ``slow`` (``pytest -m "not slow"`` leaves them out). A test's id
+  names the file and the section (``docs/guides/layer.md:The layer``).
 - A block in any other language, a line of an sh block the test cannot check, or a python block that raises fails
   the test: nothing is skipped.
+- Every relative link of these files points at a file of the checkout (and a ``#fragment`` into a Markdown file at
+  one of its headings), and the README stays under 400 lines, linking every guide.
 """
 
 from __future__ import annotations
@@ -30,6 +35,9 @@ from multihead.cli import COMMANDS, build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
+GUIDES = sorted((ROOT / "docs" / "guides").glob("*.md"))
+DOCS = [README, *GUIDES]
+README_LINES = 400  # the README is what a newcomer reads (issue 51 item 7): under this many lines
 LANGUAGES = {"python", "sh", ""}  # "": a block of plain text (the architecture tree)
 RUN = {"shapes", "count", "compare", "presets"}  # cheap commands (no model): run for real
 # a placeholder a reader replaces, and what the test puts there
@@ -40,15 +48,21 @@ CONFIG = {"model_type": "llama", "hidden_size": 576, "num_attention_heads": 9, "
 
 @dataclass(frozen=True)
 class Block:
+    file: str  # relative to the checkout: README.md, docs/guides/layer.md
     language: str
     line: int  # of the opening fence, 1-based
     section: str  # the ## heading above it
     code: str
 
 
-def readme_blocks() -> list[Block]:
+def _name(path: Path) -> str:
+    return path.relative_to(ROOT).as_posix()
+
+
+def doc_blocks(path: Path) -> list[Block]:
+    name = _name(path)
     blocks, section, fence, body, start = [], "", None, [], 0
-    for number, line in enumerate(README.read_text(encoding="utf-8").splitlines(), 1):
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
         if fence is None:
             if line.startswith("## "):
                 section = line[3:].strip()
@@ -56,28 +70,43 @@ def readme_blocks() -> list[Block]:
             if opened:
                 fence, body, start = opened[1], [], number
         elif line.strip() == "```":
-            blocks.append(Block(fence, start, section, "\n".join(body) + "\n"))
+            blocks.append(Block(name, fence, start, section, "\n".join(body) + "\n"))
             fence = None
         else:
             body.append(line)
-    assert fence is None, f"README.md:{start}: a code block is never closed"
+    assert fence is None, f"{name}:{start}: a code block is never closed"
     return blocks
 
 
-BLOCKS = readme_blocks()
-SECTIONS = list(dict.fromkeys(b.section for b in BLOCKS if b.language == "python"))
+BLOCKS = [block for path in DOCS for block in doc_blocks(path)]
+SECTIONS = list(dict.fromkeys((b.file, b.section) for b in BLOCKS if b.language == "python"))
 REAL_MODELS = ("load_llama(", "load_sentence_encoder(", "hf.load(")  # a section that loads one is a slow test
 
 
-def _section(name: str) -> object:
-    real = any(m in b.code for b in BLOCKS if b.section == name for m in REAL_MODELS)
-    return pytest.param(name, marks=pytest.mark.slow) if real else name
+def _blocks_of(key: tuple[str, str]) -> list[Block]:
+    return [b for b in BLOCKS if (b.file, b.section) == key]
+
+
+def _section(key: tuple[str, str]) -> object:
+    real = any(m in b.code for b in _blocks_of(key) for m in REAL_MODELS)
+    return pytest.param(key, marks=[pytest.mark.slow] if real else [], id=f"{key[0]}:{key[1]}")
 
 
 def test_every_block_is_in_a_language_the_test_runs() -> None:
-    odd = [f"README.md:{b.line} ```{b.language}" for b in BLOCKS if b.language not in LANGUAGES]
+    odd = [f"{b.file}:{b.line} ```{b.language}" for b in BLOCKS if b.language not in LANGUAGES]
     assert not odd, f"blocks this test cannot run: {odd}"
     assert len([b for b in BLOCKS if b.language == "python"]) >= 10  # the parser found them
+
+
+def test_the_readme_is_short_and_links_every_guide() -> None:
+    """What a newcomer reads; the rest is in the guides, each a title and a sentence saying what it covers."""
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) < README_LINES, f"README.md has {len(text.splitlines())} lines"
+    assert len(GUIDES) >= 8
+    for guide in GUIDES:
+        assert f"](docs/guides/{guide.name})" in text, f"README.md does not link {_name(guide)}"
+        title, blank, sentence = guide.read_text(encoding="utf-8").splitlines()[:3]
+        assert title.startswith("# ") and not blank and sentence.startswith("This guide covers "), _name(guide)
 
 
 @pytest.fixture(scope="module")
@@ -117,19 +146,21 @@ def one_process_group() -> Iterator[None]:
                 dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("section", [_section(name) for name in SECTIONS])
-def test_python_blocks_run(section: str, readme_folder: Path) -> None:
+@pytest.mark.parametrize("section", [_section(key) for key in SECTIONS])
+def test_python_blocks_run(section: tuple[str, str], readme_folder: Path) -> None:
     namespace: dict[str, object] = {"__name__": "__readme__"}
-    uses_torchrun = any("parallel.init()" in b.code for b in BLOCKS if b.section == section)
+    blocks = _blocks_of(section)
+    uses_torchrun = any("parallel.init()" in b.code for b in blocks)
     with one_process_group() if uses_torchrun else contextlib.nullcontext(), \
             contextlib.redirect_stdout(io.StringIO()):
-        for block in (b for b in BLOCKS if b.section == section and b.language == "python"):
-            code = compile(block.code, f"README.md:{block.line}", "exec")
-            exec(code, namespace)  # a failure's traceback names README.md and the block's line
+        for block in (b for b in blocks if b.language == "python"):
+            code = compile(block.code, f"{block.file}:{block.line}", "exec")
+            exec(code, namespace)  # a failure's traceback names the file and the block's line
 
 
 @dataclass(frozen=True)
 class Command:
+    file: str
     line: int
     words: tuple[str, ...]
 
@@ -142,7 +173,7 @@ def sh_commands() -> list[Command]:
         for offset, line in enumerate(text.splitlines(), 1):
             words = shlex.split(line, comments=True)
             if words:
-                found.append(Command(block.line + offset, tuple(words)))
+                found.append(Command(block.file, block.line + offset, tuple(words)))
     return found
 
 
@@ -164,11 +195,12 @@ def _makefile_targets() -> set[str]:
     return set(re.findall(r"^([A-Za-z][\w-]*):", text, re.M))
 
 
-@pytest.mark.parametrize("command", COMMAND_LINES, ids=[f"{c.line}-{' '.join(c.words)[:50]}" for c in COMMAND_LINES])
+@pytest.mark.parametrize("command", COMMAND_LINES,
+                         ids=[f"{c.file}:{c.line}-{' '.join(c.words)[:50]}" for c in COMMAND_LINES])
 def test_sh_commands_parse_and_the_cheap_ones_run(command: Command, readme_folder: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     words = command.words
-    where = f"README.md:{command.line}: {' '.join(words)}"
+    where = f"{command.file}:{command.line}: {' '.join(words)}"
     for path in re.findall(r"\b(?:docs|benchmarks)/[\w./-]+\.\w+", " ".join(words)):
         assert (ROOT / path).exists(), f"{where}: {path} does not exist"
     args = _multihead_args(words)
@@ -212,3 +244,46 @@ def test_sh_commands_parse_and_the_cheap_ones_run(command: Command, readme_folde
 def test_the_sh_blocks_show_every_command() -> None:
     shown = {args[0] for c in COMMAND_LINES if (args := _multihead_args(c.words))}
     assert shown == set(COMMANDS)
+    overview = README.read_text(encoding="utf-8").split("\n## The command line\n")[1].split("\n## ")[0]
+    assert {name for name in COMMANDS if f"`{name}`" not in overview} == set(), "the README's command table"
+
+
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def _prose(text: str) -> str:
+    """The text outside code blocks and code spans, where a Markdown link is a link."""
+    text = re.sub(r"^```.*?^```[ \t]*$", "", text, flags=re.M | re.S)
+    return re.sub(r"(`+).+?\1", "", text, flags=re.S)
+
+
+def _anchors(path: Path) -> set[str]:
+    """GitHub's anchors of a Markdown file's headings: lower case, punctuation dropped, spaces to hyphens, a repeated
+    one numbered."""
+    found: set[str] = set()
+    for heading in re.findall(r"^#{1,6} (.+?)\s*$", re.sub(r"^```.*?^```[ \t]*$", "", path.read_text(
+            encoding="utf-8"), flags=re.M | re.S), flags=re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        anchor, n = slug, 0
+        while anchor in found:
+            n += 1
+            anchor = f"{slug}-{n}"
+        found.add(anchor)
+    return found
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=[_name(p) for p in DOCS])
+def test_every_relative_link_points_at_a_file(doc: Path) -> None:
+    links = LINK.findall(_prose(doc.read_text(encoding="utf-8")))
+    assert links or doc is not README
+    bad = []
+    for link in links:
+        if re.match(r"[a-z]+:", link):  # https:, mailto:
+            continue
+        file, _, fragment = link.partition("#")
+        target = (doc.parent / file).resolve() if file else doc
+        if not target.is_file() or not target.is_relative_to(ROOT):
+            bad.append(f"{link}: no such file")
+        elif fragment and target.suffix == ".md" and fragment not in _anchors(target):
+            bad.append(f"{link}: no heading #{fragment} in {_name(target)}")
+    assert not bad, f"{_name(doc)}: {bad}"
