@@ -33,6 +33,7 @@ from multihead.evals.needles import Case
 from multihead.heads.capture import capture_weights
 from multihead.heads.engines import TransformersEngine, as_engine
 from multihead.heads.retrieval import RetrievalSettings, copyable_steps, needle_spans, retrieval_scores
+from multihead.hfcache import layer_windows
 from multihead.tradeoff import duo
 from tiny_checkpoints import write_tiny_hf_qwen2
 
@@ -152,10 +153,16 @@ def test_a_plan_has_the_configs_shape_and_says_what_was_scored(family: str, tmp_
                            name=f"tiny-{family}")
     plan = got.plan(0.5)
     assert plan.model == f"tiny-{family}" and plan.shape == SHAPE and (plan.sinks, plan.window) == (2, 4)
-    assert sum(map(sum, plan.full)) == 2  # half of the 4 KV heads
     c = model.config
+    windows = layer_windows(c, c.num_hidden_layers)
+    assert plan.windows == tuple(windows) and plan.hybrid == (family in ("gemma2", "gemma3"))
+    if plan.hybrid:  # the sliding layer keeps its window (both KV heads full); half the global layer's 2 heads
+        assert plan.full[0] == (True, True) and sum(plan.full[1]) == 1 and plan.global_full_fraction == 0.5
+        assert "over the 1 global layers' KV heads, the 1 sliding layers keeping their window" in plan.method
+    else:
+        assert sum(map(sum, plan.full)) == 2  # half of the 4 KV heads
     plan.check(n_layers=c.num_hidden_layers, n_heads=c.num_attention_heads, n_kv_heads=c.num_key_value_heads,
-               head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+               head_dim=getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads, windows=windows)
     assert plan.method.startswith("retrieval: Wu et al.'s retrieval score per KV head")
     assert "in transformers, attention on multihead" in plan.method
     if sliding:

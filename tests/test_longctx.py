@@ -124,6 +124,40 @@ def test_cases_are_fixed_by_their_seed_and_cover_the_depths() -> None:
     assert all(0 <= c.depth <= 1 for c in a)
 
 
+def test_each_passkey_wording_asks_the_same_key_in_its_own_words() -> None:
+    """--passkey-prompt: every wording of PASSKEY_PROMPTS hides the same key in the same haystack (one seed), with
+    its own intro, needle and cue, the answer the key alone; a wording other than the default is named in the id;
+    the other tasks are unchanged; an unknown wording is refused naming the choices."""
+    from multihead.evals.needles import PASSKEY_PROMPTS
+
+    def cases(wording: str) -> list[lc.Case]:
+        return lc.make_cases(lc.Settings(lengths=(700,), tasks=("passkey", "single-number"), prompts=2,
+                                         passkey_prompt=wording), TOK, JARGON, max_context=2048)
+
+    default = cases("cue")
+    assert [c.id for c in default] == ["passkey-700-jargon-p0", "passkey-700-filler-p1", "single-number-700-filler-p0",
+                                       "single-number-700-jargon-p1"]
+    assert set(PASSKEY_PROMPTS) == {"cue", "colon", "number", "important"}
+    for name, wording in PASSKEY_PROMPTS.items():
+        got = cases(name)
+        for mine, theirs in zip(got, default, strict=True):
+            assert len(mine.context_ids) + len(mine.question_ids) == 700
+            assert mine.answer == theirs.answer and mine.depth == theirs.depth
+            if mine.task != "passkey":
+                assert mine.to_json() == theirs.to_json()
+                continue
+            assert mine.id == theirs.id.replace("passkey-", "passkey~" + name + "-" if name != "cue" else "passkey-")
+            text = TOK.decode(mine.context_ids)
+            assert text.startswith(wording.intro) and wording.needle.format(v=mine.answer) in text
+            assert TOK.decode(mine.question_ids).endswith(wording.question)
+            assert TOK.decode(mine.answer_ids) == " " + mine.answer
+            span = mine.needles[0]
+            assert TOK.decode(mine.context_ids[span[0]:span[1]]) == wording.needle.format(v=mine.answer)
+    with pytest.raises(MultiheadError, match="unknown passkey prompt 'loud': choose from cue, colon, number, "
+                                             "important"):
+        lc.Settings(lengths=(700,), tasks=("passkey",), passkey_prompt="loud")
+
+
 def test_cases_round_trip_through_the_jsonl_the_kvpress_side_reads(tmp_path: Path) -> None:
     settings = lc.Settings(lengths=(900,), tasks=lc.TASKS, keys=2, values=2, sinks=2)
     cases = lc.make_cases(settings, TOK, JARGON, max_context=2048)

@@ -201,6 +201,18 @@ def test_the_cli_runs_the_shared_protocol_resumes_it_and_refuses_other_settings(
     other = [json.loads(x) for x in (train / shared.FILE).read_text().splitlines()]
     assert len(other) == 4 and all(r["methods"]["full cache"]["answer_logprob"]
                                    != mine[r["id"]]["methods"]["full cache"]["answer_logprob"] for r in other)
+    # a folder written before --passkey-prompt and --layers existed resumes under their defaults, not another
+    stamp = json.loads((train / "shared-settings.json").read_text())
+    del stamp["settings"]["passkey_prompt"], stamp["settings"]["layers"]
+    (train / "shared-settings.json").write_text(json.dumps(stamp))
+    assert main([*argv[:-3], "--split", "train", "--seed", "1", "--out", str(train)]) == 0
+    capsys.readouterr()
+    assert len((train / shared.FILE).read_text().splitlines()) == 4
+    (train / "shared-settings.json").write_text(json.dumps(stamp))
+    assert main([*argv[:-3], "--split", "train", "--seed", "1", "--passkey-prompt", "colon", "--out", str(train)]) == 2
+    assert "holds a shared-prefill run with other settings" in capsys.readouterr().err
+    assert main([*argv[:-3], "--passkey-prompt", "loud", "--out", str(tmp_path / "o3")]) == 2
+    assert "passkey prompt 'loud' is unknown: choose from cue, colon, number, important" in capsys.readouterr().err
 
 
 def test_the_report_combines_runs_and_chooses_each_shares_plan_on_disjoint_cases(

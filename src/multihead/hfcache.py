@@ -263,7 +263,7 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
             raise MultiheadError("new_cache(model, max_len, plan=plan) needs max_len (the tokens a full KV head holds)")
         if not isinstance(plan, HeadPlan):
             raise MultiheadError(f"plan must be a HeadPlan (HeadPlan.load(path)), got {type(plan).__name__}")
-        plan.check(n_layers=n_layers, n_heads=h, n_kv_heads=g, head_dim=d)
+        plan.check(n_layers=n_layers, n_heads=h, n_kv_heads=g, head_dim=d, windows=windows)
         return MultiheadCache(HeadwiseCache(plan, max_len=max_len, windows=windows, **where), n_heads=h,
                               windows=windows)
     if window is not None:

@@ -8,6 +8,12 @@
     model, shape                              the model it was made for: (n_layers, n_heads, n_kv_heads, head_dim)
     method, budget, scores                    how it was chosen (free text), the fraction of KV heads asked to be
                                               full (or None), the per-(layer, KV head) scores that chose it
+    windows                                   each layer's own attention window in the model (None: a global
+                                              layer), or None (every layer global, or not recorded)
+
+On a model with sliding layers (Gemma 2/3) a plan is made over its global layers (``from_scores(..., windows=)``):
+the sliding layers' KV heads are full, which there means a ring of the layer's window, and ``budget`` is the share
+of the global layers' KV heads kept whole.
 
 A plan is saved as JSON (:meth:`HeadPlan.save`, :meth:`HeadPlan.load`) with the model's name and shape, and a
 model refuses a plan of another shape (:meth:`HeadPlan.check`). :class:`~multihead.cache.HeadwiseCache` stores what
@@ -32,6 +38,7 @@ FORMAT = "multihead-head-plan"
 VERSION = 1
 SHAPE_NAMES = ("n_layers", "n_heads", "n_kv_heads", "head_dim")
 FIELDS = ("format", "version", "model", "shape", "method", "budget", "sinks", "window", "full", "scores")
+OPTIONAL = ("windows",)  # fields a plan written before them does not have (read as None)
 
 
 def _is_int(value: object) -> bool:
@@ -40,6 +47,18 @@ def _is_int(value: object) -> bool:
 
 def _shape_text(shape: Sequence[int]) -> str:
     return "(" + ", ".join(f"{n} {v}" for n, v in zip(SHAPE_NAMES, shape, strict=True)) + ")"
+
+
+def _windows_text(windows: Sequence[int | None]) -> str:
+    """Layer windows in a message: "global" or the window of each layer, runs of one value joined."""
+    runs: list[tuple[int, int, int | None]] = []
+    for i, w in enumerate(windows):
+        if runs and runs[-1][2] == w and runs[-1][1] == i - 1:
+            runs[-1] = (runs[-1][0], i, w)
+        else:
+            runs.append((i, i, w))
+    return "(" + ", ".join(f"{'layer' if a == b else 'layers'} {a if a == b else f'{a}-{b}'} "
+                           f"{'global' if w is None else f'window {w}'}" for a, b, w in runs) + ")"
 
 
 def _short(value: object) -> str:
@@ -67,6 +86,7 @@ class HeadPlan:
     method: str = ""
     budget: float | None = None
     scores: tuple[tuple[float, ...], ...] | None = None
+    windows: tuple[int | None, ...] | None = None
 
     def __post_init__(self) -> None:
         self._validate("a HeadPlan")
@@ -99,6 +119,13 @@ class HeadPlan:
         object.__setattr__(self, "full", self._matrix("full", self.full, bool, bad))
         if self.scores is not None:
             object.__setattr__(self, "scores", self._matrix("scores", self.scores, float, bad))
+        windows = self.windows
+        if windows is not None:
+            if (not isinstance(windows, (tuple, list)) or len(windows) != self.shape[0]
+                    or not all(w is None or (_is_int(w) and w >= 2) for w in windows)):
+                raise bad("windows", windows, f"must give each of the {self.shape[0]} layers' attention window (an "
+                          "int of at least 2, or null for a global layer)")
+            object.__setattr__(self, "windows", tuple(windows))
         budget = self.budget
         if budget is not None:
             if isinstance(budget, bool) or not isinstance(budget, (int, float)) or not 0.0 <= budget <= 1.0:
@@ -129,16 +156,24 @@ class HeadPlan:
                 rows.append(tuple(float(x) for x in row))
         return tuple(rows)
 
-    def check(self, *, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, model: str | None = None) -> None:
-        """Refuse a model of another shape, with both shapes named. ``model`` (the model's name) only names it in
-        the message: a plan fits any model of its shape (a local copy of the same checkpoint, say)."""
+    def check(self, *, n_layers: int, n_heads: int, n_kv_heads: int, head_dim: int, model: str | None = None,
+              windows: Sequence[int | None] | None = None) -> None:
+        """Refuse a model of another shape, with both shapes named, or (``windows``: the model's layer windows, None
+        for a global layer) of other sliding windows than the plan records. ``model`` (the model's name) only names
+        it in the message: a plan fits any model of its shape (a local copy of the same checkpoint, say)."""
         other = (n_layers, n_heads, n_kv_heads, head_dim)
+        named = f" {model}" if model else ""
         if other != self.shape:
-            named = f" {model}" if model else ""
             raise MultiheadError(
                 f"this head plan was made for {self.model} of shape {_shape_text(self.shape)} but the "
                 f"model{named} has shape {_shape_text(other)}: make a plan for this model"
             )
+        if self.windows is not None:
+            theirs = tuple(windows) if windows is not None else (None,) * n_layers
+            if theirs != self.windows:
+                raise MultiheadError(
+                    f"this head plan was made for {self.model} with layer windows {_windows_text(self.windows)} but "
+                    f"the model{named} has {_windows_text(theirs)}: make a plan for this model")
 
     # ------------------------------------------------------------------ what it says
     @property
@@ -153,6 +188,27 @@ class HeadPlan:
     def full_fraction(self) -> float:
         """The fraction of KV heads that are full."""
         return sum(map(sum, self.full)) / (self.n_layers * self.n_kv_heads)
+
+    @property
+    def hybrid(self) -> bool:
+        """Whether the plan's model has sliding and global layers (``windows`` recorded with both)."""
+        return self.windows is not None and None in self.windows and any(w is not None for w in self.windows)
+
+    @property
+    def global_layers(self) -> list[int]:
+        """The layers without a sliding window (every layer where ``windows`` is not recorded)."""
+        if self.windows is None:
+            return list(range(self.n_layers))
+        return [i for i, w in enumerate(self.windows) if w is None]
+
+    @property
+    def global_full_fraction(self) -> float:
+        """The fraction of the global layers' KV heads that are full (:attr:`full_fraction` on a model without
+        sliding layers)."""
+        layers = self.global_layers
+        if not layers:
+            return 0.0
+        return sum(sum(self.full[i]) for i in layers) / (len(layers) * self.n_kv_heads)
 
     def full_heads(self, layer: int) -> list[int]:
         """The full KV heads of one layer, in order."""
@@ -181,10 +237,15 @@ class HeadPlan:
     # ------------------------------------------------------------------ made from scores
     @classmethod
     def from_scores(cls, scores: Tensor | Sequence[Sequence[float]], fraction: float, *, sinks: int, window: int,
-                    model: str, shape: Sequence[int], method: str) -> HeadPlan:
+                    model: str, shape: Sequence[int], method: str,
+                    windows: Sequence[int | None] | None = None) -> HeadPlan:
         """The plan whose full KV heads are the top ``round(fraction * n_layers * n_kv_heads)`` by score (higher =
         keeps every key). Equal scores are ranked in (layer, head) order: the earlier layer, then the lower head,
-        is full first. ``budget`` records ``fraction`` and ``scores`` the scores."""
+        is full first. ``budget`` records ``fraction`` and ``scores`` the scores.
+
+        ``windows``: each layer's attention window (None: global). Where some layers slide, only the global layers'
+        KV heads are ranked (the top ``round(fraction * global heads)``) and every sliding layer's are full: a
+        sliding layer never holds more than its window, and a plan is about the keys beyond it."""
         if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0.0 <= fraction <= 1.0:
             raise MultiheadError(f"fraction ({fraction!r}) must be a fraction of the KV heads in [0, 1]")
         shape4 = tuple(shape) if isinstance(shape, (tuple, list)) else shape
@@ -192,15 +253,17 @@ class HeadPlan:
         empty = tuple(tuple(False for _ in range(shape4[2])) for _ in range(shape4[0])) if ok else ()
         rows = scores.tolist() if isinstance(scores, Tensor) else scores
         probe = cls(full=empty, sinks=sinks, window=window, model=model, shape=shape4,  # type: ignore[arg-type]
-                    method=method, scores=rows)  # type: ignore[arg-type]  # checks every field, scores included
+                    method=method, scores=rows, windows=windows)  # type: ignore[arg-type]  # checks every field
         assert probe.scores is not None
-        flat = [(-score, layer, head) for layer, row in enumerate(probe.scores) for head, score in enumerate(row)]
+        ranked = probe.global_layers if probe.hybrid else range(probe.n_layers)
+        flat = [(-probe.scores[layer][head], layer, head) for layer in ranked for head in range(probe.n_kv_heads)]
         keep = round(fraction * len(flat))
         chosen = {(layer, head) for _, layer, head in sorted(flat)[:keep]}
-        full = tuple(tuple((layer, head) in chosen for head in range(probe.n_kv_heads))
+        sliding = set(range(probe.n_layers)) - set(ranked)
+        full = tuple(tuple(layer in sliding or (layer, head) in chosen for head in range(probe.n_kv_heads))
                      for layer in range(probe.n_layers))
         return cls(full=full, sinks=sinks, window=window, model=model, shape=probe.shape, method=method,
-                   budget=float(fraction), scores=probe.scores)
+                   budget=float(fraction), scores=probe.scores, windows=probe.windows)
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict[str, Any]:
@@ -208,7 +271,8 @@ class HeadPlan:
                 "shape": dict(zip(SHAPE_NAMES, self.shape, strict=True)), "method": self.method,
                 "budget": self.budget, "sinks": self.sinks, "window": self.window,
                 "full": [list(r) for r in self.full],
-                "scores": None if self.scores is None else [list(r) for r in self.scores]}
+                "scores": None if self.scores is None else [list(r) for r in self.scores],
+                **({} if self.windows is None else {"windows": list(self.windows)})}
 
     def save(self, path: str | Path) -> Path:
         """Write the plan as JSON (whole or absent: :func:`multihead.files.write_text`); returns the path."""
@@ -234,9 +298,10 @@ class HeadPlan:
         missing = [f for f in FIELDS if f not in data]
         if missing:
             raise MultiheadError(f"{where}: field {missing[0]!r} is missing")
-        unknown = sorted(set(data) - set(FIELDS))
+        unknown = sorted(set(data) - set(FIELDS) - set(OPTIONAL))
         if unknown:
-            raise MultiheadError(f"{where}: field {unknown[0]!r} is unknown (the fields are {', '.join(FIELDS)})")
+            raise MultiheadError(f"{where}: field {unknown[0]!r} is unknown (the fields are "
+                                 f"{', '.join(FIELDS + OPTIONAL)})")
         shape = data["shape"]
         if not isinstance(shape, dict) or sorted(shape) != sorted(SHAPE_NAMES):
             raise MultiheadError(f"{where}: field 'shape' ({_short(shape)}) must be an object of "
@@ -244,7 +309,7 @@ class HeadPlan:
         plan = object.__new__(cls)
         values = {"full": data["full"], "sinks": data["sinks"], "window": data["window"], "model": data["model"],
                   "shape": tuple(shape[n] for n in SHAPE_NAMES), "method": data["method"],
-                  "budget": data["budget"], "scores": data["scores"]}
+                  "budget": data["budget"], "scores": data["scores"], "windows": data.get("windows")}
         for name, value in values.items():
             object.__setattr__(plan, name, value)
         plan._validate(where)

@@ -48,6 +48,14 @@ def add(sub: Any) -> None:
                                                               "{names}"), "tasks"),
                    default=None, help="needle tasks (default passkey,single-number)")
     r.add_argument("--prompts", type=flags.POSITIVE, default=None, help="prompts per (length, task) (default 2)")
+    r.add_argument("--seed", type=flags.SEED, default=None, help="seed of the needle cases (default 0)")
+    r.add_argument("--split", choices=("test", "train"), default=None,
+                   help="the text split the jargon haystacks come from: test (default: the long-context "
+                        "evaluation's, seed 0 its cases) or train (cases to choose a plan on: give another --seed "
+                        "too, as the filler haystack is the same text in both)")
+    r.add_argument("--passkey-prompt", type=flags.OneOf(_passkey_prompts, "passkey prompt {value} is unknown: "
+                                                                          "choose from {names}"), default=None,
+                   help="the passkey task's wording, as tradeoff --long takes it (default cue)")
     r.add_argument("--sinks", type=flags.COUNT, default=None, help="sink tokens of the dropped-mass score (default 4)")
     r.add_argument("--window", type=flags.POSITIVE, default=None,
                    help="window of the dropped-mass score (default 256)")
@@ -72,8 +80,16 @@ def add(sub: Any) -> None:
 
 
 PLAN_SCORES = ("retrieval", "mass", "razor")
-RETRIEVAL_ONLY = ("lengths", "tasks", "prompts", "sinks", "window", "block", "ablate_top", "draws", "all_cases",
-                  "budget", "plan_by")
+
+
+def _passkey_prompts() -> tuple[str, ...]:
+    from multihead.evals.needles import PASSKEY_PROMPTS
+
+    return tuple(PASSKEY_PROMPTS)
+
+
+RETRIEVAL_ONLY = ("lengths", "tasks", "prompts", "seed", "split", "passkey_prompt", "sinks", "window", "block",
+                  "ablate_top", "draws", "all_cases", "budget", "plan_by")
 
 
 def _retrieval(args: argparse.Namespace, model: Any, report: Any) -> Any:
@@ -97,6 +113,7 @@ def _retrieval(args: argparse.Namespace, model: Any, report: Any) -> Any:
     report.retrieval = analyse_retrieval(
         runnable, model.tokenizer, lengths=tuple(args.lengths or (2048,)),
         tasks=tuple(args.tasks or ("passkey", "single-number")), prompts=args.prompts or 2, settings=settings,
+        seed=args.seed or 0, split=args.split or "test", passkey_prompt=args.passkey_prompt or "cue",
         razor=razor_from_head_scores(report.scores), ablate_top=args.ablate_top or 0, draws=args.draws or 5,
         name=model.name, progress=not args.json)
     return report.retrieval

@@ -20,7 +20,7 @@ from multihead.cli.flags import POSITIVE, SEED, CliError
 
 LONG_ONLY = ("lengths", "tasks", "haystacks", "prompts", "keys", "values", "seed", "keep", "window_keep",
              "threshold", "bootstrap", "no_mqa", "uptrain_from", "cases_jsonl", "plan", "engine", "protocol", "dtype",
-             "split", "layers")
+             "split", "layers", "passkey_prompt")
 
 
 def _names(allowed: Callable[[], tuple[str, ...]], what: str) -> flags.Listed:
@@ -31,6 +31,12 @@ def _tasks() -> tuple[str, ...]:
     from multihead.tradeoff.longctx import TASKS
 
     return TASKS
+
+
+def _passkey_prompts() -> tuple[str, ...]:
+    from multihead.evals.needles import PASSKEY_PROMPTS
+
+    return tuple(PASSKEY_PROMPTS)
 
 
 def _haystacks() -> tuple[str, ...]:
@@ -60,6 +66,11 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--values", type=flags.Integer(2, flags.MAX_INT, "an integer of at least 2"), default=None,
                    help="values of the one key of a multivalue prompt (default 3)")
     g.add_argument("--seed", type=SEED, default=None, help="seed of the cases (default 0)")
+    g.add_argument("--passkey-prompt", type=flags.OneOf(_passkey_prompts, "passkey prompt {value} is unknown: "
+                                                                          "choose from {names}"), default=None,
+                   help="the passkey task's wording: cue (default), colon, number or important "
+                        "(multihead.evals.needles.PASSKEY_PROMPTS; Gemma 3 270M continues cue's 'The pass key is' "
+                        "with words about the key, not the key)")
     g.add_argument("--keep", type=flags.FRACTIONS, default=None,
                    help="sink + window caches holding these shares of the prompt (default 0.5,0.25: the bytes of "
                         "kvpress at 50%% and 75%% compression)")
@@ -117,7 +128,8 @@ def settings(args: argparse.Namespace) -> Any:
     scored = args.stride or max(1, context // 4)
     chosen: dict[str, Any] = {
         "lengths": args.lengths, "tasks": args.tasks, "haystacks": args.haystacks, "prompts": args.prompts,
-        "keys": args.keys, "values": args.values, "seed": args.seed, "chunk": args.chunk,
+        "keys": args.keys, "values": args.values, "seed": args.seed, "passkey_prompt": args.passkey_prompt,
+        "chunk": args.chunk,
         "sinks": None if args.sinks is None else args.sinks[0], "keep": args.keep, "window_keep": args.window_keep,
         "windows": None if args.window is None else (args.window,), "bits": args.bits, "group": args.group,
         "residual": args.residual, "prune": args.prune, "uptrain_steps": args.uptrain_steps,

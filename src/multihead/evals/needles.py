@@ -6,7 +6,8 @@ Written for multihead and for a small model that follows instructions poorly: ev
 
 Tasks (``TASKS``)::
 
-    passkey        one pass key (5 digits) in the haystack; cue "The pass key is"
+    passkey        one pass key (5 digits) in the haystack; cue "The pass key is" (or another wording of
+                   ``PASSKEY_PROMPTS``: a model may read one wording's cue as the start of a sentence about the key)
     single-number  one needle "The special magic number for <key> is <7 digits>."; cue asks that key
     single-word    the same with a word value (adjective-noun)
     multikey       ``keys`` needles with distinct keys; each key is asked in its own case (the cases share a prompt)
@@ -54,6 +55,42 @@ _INTRO = {
     "word": "Special magic words are hidden in the long text below. Remember them: you will be asked about them "
             "at the end.\n\n",
 }
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    """One wording of the passkey task: the ``intro`` before the haystack, the ``needle`` (``{v}`` the key) and the
+    ``question`` whose continuation is the key."""
+
+    intro: str
+    needle: str
+    question: str
+
+
+PASSKEY_PROMPTS = {
+    # multihead's first wording, the SmolLM2 runs': Gemma 3 270M continues its cue with "a hidden key ..."
+    "cue": PasskeyPrompt(_INTRO["passkey"], " The pass key is {v}. Remember it. {v} is the pass key.",
+                         "\n\nWhat is the pass key? The pass key is"),
+    # the key after a colon, in the needle and in the cue, so that only the key continues "The pass key is:"
+    "colon": PasskeyPrompt(_INTRO["passkey"], " The pass key is: {v}. Remember it. The pass key is: {v}.",
+                           "\n\nWhat is the pass key? The pass key is:"),
+    # the key named a number, in the needle and in the cue
+    "number": PasskeyPrompt(_INTRO["passkey"], " The pass key is number {v}. Remember it. {v} is the pass key.",
+                            "\n\nWhat is the pass key? The pass key is number"),
+    # the intro of the passkey test of Mohtashami & Jaggi (2023), as RULER and LongLoRA ask it, with our cue
+    "important": PasskeyPrompt("There is an important info hidden inside a lot of irrelevant text. Find it and "
+                               "memorize it. I will quiz you about the important information there.\n\n",
+                               " The pass key is {v}. Remember it. {v} is the pass key.",
+                               "\n\nWhat is the pass key? The pass key is"),
+}
+DEFAULT_PASSKEY_PROMPT = "cue"
+
+
+def check_passkey_prompt(name: object) -> str:
+    """A wording of :data:`PASSKEY_PROMPTS`, or a MultiheadError naming the choices."""
+    if not isinstance(name, str) or name not in PASSKEY_PROMPTS:
+        raise MultiheadError(f"unknown passkey prompt {name!r}: choose from {', '.join(PASSKEY_PROMPTS)}")
+    return name
 
 
 class Tokenizer(Protocol):
@@ -190,10 +227,14 @@ def _number(rng: random.Random, digits: int) -> str:
 
 
 def make_prompt_cases(task: str, length: int, depths: Sequence[float], haystack: str, seed: int,
-                      sources: Haystacks, *, max_context: int, group: str = "", values: int = 3) -> list[Case]:
+                      sources: Haystacks, *, max_context: int, group: str = "", values: int = 3,
+                      passkey_prompt: str = DEFAULT_PASSKEY_PROMPT) -> list[Case]:
     """The cases of one prompt. ``depths``: one per needle (``keys`` of them for multikey, ``values`` for
-    multivalue, else one). Each case asks one question; multikey gives one case per key, asked in turn."""
+    multivalue, else one). Each case asks one question; multikey gives one case per key, asked in turn.
+    ``passkey_prompt``: the passkey task's wording (:data:`PASSKEY_PROMPTS`); the key and haystack are the same in
+    every wording, and a case of a wording other than the default has the wording in its id."""
     check_task(task)
+    wording = PASSKEY_PROMPTS[check_passkey_prompt(passkey_prompt)]
     check_length(length, max_context)
     depths = [check_depth(d) for d in depths]
     rng = random.Random(seed)
@@ -206,8 +247,8 @@ def make_prompt_cases(task: str, length: int, depths: Sequence[float], haystack:
         if len(depths) != 1:
             raise MultiheadError(f"passkey takes one depth, got {len(depths)}")
         v = _number(rng, 5)
-        needles.append(f" The pass key is {v}. Remember it. {v} is the pass key.")
-        questions.append(("\n\nWhat is the pass key? The pass key is", f" {v}"))
+        needles.append(wording.needle.format(v=v))
+        questions.append((wording.question, f" {v}"))
     elif task in ("single-number", "single-word", "multikey"):
         if task != "multikey" and len(depths) != 1:
             raise MultiheadError(f"{task} takes one depth, got {len(depths)}")
@@ -229,7 +270,8 @@ def make_prompt_cases(task: str, length: int, depths: Sequence[float], haystack:
         questions.append((f"\n\nWhat are all the special magic numbers for {key}, in the order they appear? The "
                           f"special magic numbers for {key} are",
                           " " + ", ".join(listed[:-1]) + " and " + listed[-1]))
-    intro = start_ids(tok) + piece_ids(tok, _INTRO[kind])  # the model's BOS (if any) once, at the very start
+    intro_text = wording.intro if kind == "passkey" else _INTRO[kind]
+    intro = start_ids(tok) + piece_ids(tok, intro_text)  # the model's BOS (if any) once, at the very start
     needle_ids = [piece_ids(tok, n) for n in needles]
     asked = []
     for q, a in questions:
@@ -267,7 +309,8 @@ def make_prompt_cases(task: str, length: int, depths: Sequence[float], haystack:
         ordered = (spans[first], *(spans[j] for j in range(len(needles)) if j != first))
         suffix = f"-k{i}" if task == "multikey" else ""
         name = group or str(seed)
-        cases.append(Case(id=f"{task}-{length}-{haystack}-{name}{suffix}", task=task, length=length,
+        worded = f"~{passkey_prompt}" if task == "passkey" and passkey_prompt != DEFAULT_PASSKEY_PROMPT else ""
+        cases.append(Case(id=f"{task}{worded}-{length}-{haystack}-{name}{suffix}", task=task, length=length,
                           depth=round(depths[first], 4), haystack=haystack, seed=seed, context_ids=tuple(context),
                           question_ids=tuple(question), answer_ids=tuple(a_ids), answer=answer, needles=ordered,
                           group=name))
@@ -318,6 +361,9 @@ class CaseSpec(Protocol):
     @property
     def seed(self) -> int: ...
 
+    @property
+    def passkey_prompt(self) -> str: ...
+
 
 @dataclass(frozen=True)
 class CaseSettings:
@@ -331,6 +377,7 @@ class CaseSettings:
     keys: int = 4
     values: int = 3
     seed: int = 0
+    passkey_prompt: str = DEFAULT_PASSKEY_PROMPT  # the passkey task's wording (PASSKEY_PROMPTS)
 
     def __post_init__(self) -> None:
         if not self.lengths:
@@ -348,6 +395,7 @@ class CaseSettings:
         _positive("keys", self.keys, 2)
         _positive("values", self.values, 2)
         _positive("seed", self.seed, 0)
+        check_passkey_prompt(self.passkey_prompt)
 
 
 def make_cases(settings: CaseSpec, tokenizer: Tokenizer, jargon_ids: Sequence[int] | None, *,
@@ -364,24 +412,29 @@ def make_cases(settings: CaseSpec, tokenizer: Tokenizer, jargon_ids: Sequence[in
                 seed = case_seed(settings.seed, task, length, index)
                 depths = prompt_depths(task, index, keys=settings.keys, values=settings.values)
                 cases += make_prompt_cases(task, length, depths, haystack, seed, sources, max_context=max_context,
-                                           group=f"p{index}", values=settings.values)
+                                           group=f"p{index}", values=settings.values,
+                                           passkey_prompt=settings.passkey_prompt)
     return cases
 
 
 __all__ = [
     "ANSWER_ROOM",
+    "DEFAULT_PASSKEY_PROMPT",
     "DEFAULT_TASKS",
     "HAYSTACKS",
     "JSONL_KEYS",
+    "PASSKEY_PROMPTS",
     "TASKS",
     "Case",
     "CaseSettings",
     "CaseSpec",
     "Haystacks",
+    "PasskeyPrompt",
     "Tokenizer",
     "case_seed",
     "check_depth",
     "check_length",
+    "check_passkey_prompt",
     "check_task",
     "make_cases",
     "make_prompt_cases",

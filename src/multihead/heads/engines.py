@@ -129,6 +129,12 @@ class Engine:
         """(n_layers, n_heads, n_kv_heads, head_dim), as a :class:`~multihead.cache.HeadPlan` takes it."""
         raise NotImplementedError
 
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        """Each layer's attention window (None: global), as a :class:`~multihead.cache.HeadPlan` records it; every
+        layer global unless the engine says otherwise."""
+        return (None,) * self.shape[0]
+
     def gate_shape(self) -> tuple[int, int]:
         """(n_layers, n_kv_heads): one value per KV head of every layer (a plan's, a gate's)."""
         sites = self.sites()
@@ -351,6 +357,10 @@ class TransformersEngine(Engine):
     def shape(self) -> tuple[int, int, int, int]:
         c = self.config
         return c.n_layers, c.n_heads, c.n_kv_heads, int(c.head_dim or c.d_model // c.n_heads)
+
+    @property
+    def windows(self) -> tuple[int | None, ...]:
+        return tuple(int(k.window) if k.kind == "sliding" and k.window else None for k in self.config.layer_kinds())
 
     @property
     def scored(self) -> str:

@@ -247,6 +247,7 @@ class RetrievalScores:
     ablation: dict[str, Any] | None = None
     shape: tuple[int, int, int, int] | None = None  # the model's (n_layers, n_heads, n_kv_heads, head_dim)
     scored: str = ""  # what the scores were taken on (the engine, sliding layers ...), for a plan's method
+    windows: tuple[int | None, ...] | None = None  # each layer's attention window (None: global), for a plan
 
     @property
     def kv(self) -> np.ndarray:
@@ -309,10 +310,17 @@ class RetrievalScores:
                         f"its query heads, over {self.mass_rows} prefill rows)",
                 "razor": "RazorAttention's echo / induction score per KV head (max of the two, max over its query "
                          "heads)"}[by]
+        drawn = (f", {st['split']} split, seed {st.get('seed', 0)}, passkey prompt {st.get('passkey_prompt', 'cue')}"
+                 if "split" in st else "")
         method = (f"{by}: {what}; on {used} of {len(self.cases)} needle cases ({', '.join(tasks)} at "
-                  f"{', '.join(map(str, lengths))} tokens); {self.scored or self.model}")
+                  f"{', '.join(map(str, lengths))} tokens{drawn}); {self.scored or self.model}")
+        windows = self.windows
+        if windows is not None and None in windows and any(w is not None for w in windows):
+            n_global = sum(w is None for w in windows)
+            method += (f"; over the {n_global} global layers' KV heads, the {len(windows) - n_global} sliding "
+                       "layers keeping their window")
         return HeadPlan.from_scores(ranked.tolist(), fraction, sinks=int(st["sinks"]), window=int(st["window"]),
-                                    model=self.model, shape=self.shape, method=method)
+                                    model=self.model, shape=self.shape, method=method, windows=windows)
 
     def top(self, k: int = 10, *, kind: str = "kv") -> list[tuple[int, int, float]]:
         """The k heads with the highest score: (layer, head, score); ``kind`` "kv", "query" or "mass_outside"."""
@@ -333,6 +341,7 @@ class RetrievalScores:
             **({} if self.shape is None else {"shape": dict(zip(("n_layers", "n_heads", "n_kv_heads", "head_dim"),
                                                                   self.shape, strict=True))}),
             **({"scored": self.scored} if self.scored else {}),
+            **({} if self.windows is None else {"windows": list(self.windows)}),
             "cases": self.cases, "cases_used": sum(1 for c in self.cases if c["used"]),
             "query": r(self.query), "kv": r(self.kv), "kv_mean": r(self.kv_mean),
             "mass_outside": r(self.mass_outside), "mass_outside_kv": r(self.mass_outside_kv),
@@ -451,7 +460,7 @@ def retrieval_scores(model: Any, cases: Sequence[Case], settings: RetrievalSetti
     shape = engine.shape
     return RetrievalScores(model=engine.name, n_kv_heads=shape[2], query=hits_sum / used, mass_outside=mass,
                            cases=records, settings=dataclasses.asdict(st), mass_rows=probe.rows, shape=shape,
-                           scored=engine.scored)
+                           scored=engine.scored, windows=engine.windows)
 
 
 # ---------------------------------------------------------------------------------------------------- RazorAttention
@@ -546,15 +555,19 @@ def ablation(model: Any, cases: Sequence[Case], ranking: np.ndarray, k: int, *, 
 # ---------------------------------------------------------------------------------------------------------- real models
 def long_cases(tokenizer: Any, max_context: int, *, lengths: Sequence[int] = (2048,),
                tasks: Sequence[str] = ("passkey", "single-number"), prompts: int = 2, seed: int = 0,
-               text_path: str | None = None) -> list[Case]:
+               text_path: str | None = None, split: str = "test", passkey_prompt: str = "cue") -> list[Case]:
     """Needle cases of :mod:`multihead.evals.needles` (its generator and seeds, both haystacks taking turns) for the
-    retrieval scores: the same cases the long-context trade-off (:mod:`multihead.tradeoff.longctx`) measures at these
-    lengths and tasks."""
+    retrieval scores: with ``split`` "test" and seed 0 the same cases the long-context trade-off
+    (:mod:`multihead.tradeoff.longctx`) measures at these lengths and tasks; "train" (with another seed) cases
+    disjoint from them, to choose a plan on. ``passkey_prompt``: the passkey task's wording."""
     from multihead.evals.needles import CaseSettings, make_cases
     from multihead.evals.text import read_text, token_splits
 
-    settings = CaseSettings(lengths=tuple(lengths), tasks=tuple(tasks), prompts=prompts, seed=seed)
-    jargon = token_splits(tokenizer.encode(read_text(text_path))).test
+    if split not in ("test", "train"):
+        raise MultiheadError(f"split {split!r}: the cases come from the text's test or train split")
+    settings = CaseSettings(lengths=tuple(lengths), tasks=tuple(tasks), prompts=prompts, seed=seed,
+                            passkey_prompt=passkey_prompt)
+    jargon = getattr(token_splits(tokenizer.encode(read_text(text_path)), least=2), split)
     return make_cases(settings, tokenizer, jargon, max_context=max_context)
 
 
@@ -562,7 +575,8 @@ def analyse_retrieval(model: Any, tokenizer: Any, *, lengths: Sequence[int] = (2
                       tasks: Sequence[str] = ("passkey", "single-number"), prompts: int = 2, seed: int = 0,
                       settings: RetrievalSettings | None = None, text_path: str | None = None,
                       razor: dict[str, np.ndarray] | None = None, ablate_top: int = 0, draws: int = 5,
-                      name: str = "", progress: bool = True) -> RetrievalScores:
+                      name: str = "", progress: bool = True, split: str = "test",
+                      passkey_prompt: str = "cue") -> RetrievalScores:
     """The retrieval scores of a causal model (ours, e.g. SmolLM2 from :func:`multihead.models.load_llama`, or a
     transformers one: :func:`retrieval_scores`) on :func:`long_cases` made with ``tokenizer`` (ours or a
     transformers tokenizer), with ``razor`` scores attached (default: :func:`razor_scores` on random tokens) and,
@@ -571,13 +585,14 @@ def analyse_retrieval(model: Any, tokenizer: Any, *, lengths: Sequence[int] = (2
     engine = as_engine(model, name)
     tokenizer = as_tokenizer(tokenizer)
     cases = long_cases(tokenizer, engine.max_context, lengths=lengths, tasks=tasks, prompts=prompts,
-                       seed=seed, text_path=text_path)
+                       seed=seed, text_path=text_path, split=split, passkey_prompt=passkey_prompt)
     scores = retrieval_scores(engine, cases, st, progress=progress)
     if razor is None:
         low = max(17, max(getattr(tokenizer, "stop_ids", set()) | {0}) + 1)
         razor = razor_scores(engine, vocab=(low, engine.vocab_size))
     scores.razor = dict(razor)
-    scores.settings.update(lengths=list(lengths), tasks=list(tasks), prompts=prompts, seed=seed)
+    scores.settings.update(lengths=list(lengths), tasks=list(tasks), prompts=prompts, seed=seed, split=split,
+                           passkey_prompt=passkey_prompt)
     if ablate_top:
         scores.ablation = ablation(engine, cases, scores.query, ablate_top, draws=draws, seed=seed,
                                    chunk=st.chunk, progress=progress)

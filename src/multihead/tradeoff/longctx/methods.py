@@ -80,11 +80,47 @@ def _load_plan(path: str, stamp: int) -> Any:
 
 def equal_bytes_slots(plan: Any, length: int) -> int:
     """Slots per KV head of a sinks + window cache holding the bytes of ``plan``'s head-wise cache at ``length``
-    tokens: a full KV head holds ``length``, a streaming one ``min(length, sinks + window - 1)``."""
+    tokens: a full KV head holds ``length``, a streaming one ``min(length, sinks + window - 1)``.
+
+    A plan of a model with sliding layers (``plan.hybrid``) is matched by a sinks + window cache on the global
+    layers only (``layers="global"``), every sliding layer keeping a ring of its window: the slots per global KV
+    head that make the two caches' totals equal (the plan's sliding heads hold their window when full, sinks and
+    a window within it when streaming)."""
     stream: int = min(length, plan.sinks + plan.window - 1)
-    share: float = plan.full_fraction
-    slots: int = round(share * length + (1 - share) * stream)
+    if not plan.hybrid:
+        share: float = plan.full_fraction
+        return max(1, round(share * length + (1 - share) * stream))
+    held = 0  # the plan's slots beyond what the control holds on the sliding layers
+    for layer, w in enumerate(plan.windows):
+        for full in plan.full[layer]:
+            if w is None:
+                held += length if full else stream
+            else:
+                ring = min(length, w - 1)
+                held += ring if full else min(length, plan.sinks + min(plan.window, w) - 1)
+                held -= ring  # the control's ring on this sliding layer
+    slots: int = round(held / (len(plan.global_layers) * plan.n_kv_heads))
     return max(1, slots)
+
+
+def control_key(plan: Any) -> tuple[Any, ...]:
+    """What a plan's uniform control depends on: plans with one key share one control (their caches hold the same
+    bytes): the share of full KV heads, sinks and window, and on a model with sliding layers its windows and the
+    full heads among its global layers and among each window's sliding ones."""
+    if not plan.hybrid:
+        return (plan.full_fraction, plan.sinks, plan.window)
+    by_window: dict[int | None, int] = {}
+    for layer, w in enumerate(plan.windows):
+        by_window[w] = by_window.get(w, 0) + sum(plan.full[layer])
+    return (plan.windows, plan.sinks, plan.window, tuple(sorted(by_window.items(), key=lambda kv: kv[0] or 0)))
+
+
+def control_name(plan: Any, sinks: int) -> str:
+    """The table's name of the uniform control of ``plan`` (``sinks``: the run's sink count)."""
+    if plan.hybrid:
+        return (f"{sinks} sinks + window = bytes of {plan.global_full_fraction:.0%} of global full, "
+                f"{plan.sinks} + {plan.window}, global layers")
+    return f"{sinks} sinks + window = bytes of {plan.full_fraction:.0%} full, {plan.sinks} + {plan.window}"
 
 
 def plan_label(path: str) -> str:
@@ -96,4 +132,4 @@ def plan_label(path: str) -> str:
     return name
 
 
-__all__ = ["Method", "equal_bytes_slots", "load_plan", "plan_label"]
+__all__ = ["Method", "control_key", "control_name", "equal_bytes_slots", "load_plan", "plan_label"]

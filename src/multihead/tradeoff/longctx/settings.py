@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from multihead.errors import MultiheadError
-from multihead.evals.needles import DEFAULT_TASKS, HAYSTACKS, CaseSettings
-from multihead.tradeoff.longctx.methods import Method, load_plan, plan_label
+from multihead.evals.needles import DEFAULT_PASSKEY_PROMPT, DEFAULT_TASKS, HAYSTACKS, CaseSettings
+from multihead.tradeoff.longctx.methods import Method, control_key, control_name, load_plan, plan_label
 
 
 def _positive(name: str, value: object, least: int = 1) -> None:
@@ -27,6 +27,7 @@ class Settings:
     keys: int = 4
     values: int = 3
     seed: int = 0
+    passkey_prompt: str = DEFAULT_PASSKEY_PROMPT  # the passkey task's wording (needles.PASSKEY_PROMPTS)
     chunk: int = 512
     sinks: int = 4
     keep: tuple[float, ...] = (0.5, 0.25)  # sinks + window holding these shares of the prompt
@@ -53,7 +54,7 @@ class Settings:
         from multihead.cache import check_bits
         from multihead.tradeoff.prune import check_fraction
 
-        self.cases()  # the cases' own checks: lengths, tasks, haystacks, prompts, keys, values, seed
+        self.cases()  # the cases' own checks: lengths, tasks, ..., seed, passkey_prompt
         for name in ("chunk", "group", "ppl_context", "ppl_scored", "ppl_windows", "bootstrap"):
             _positive(name, getattr(self, name))
         for name in ("sinks", "residual", "uptrain_steps"):
@@ -99,7 +100,7 @@ class Settings:
     def cases(self) -> CaseSettings:
         """The cases this run measures (:func:`multihead.evals.needles.make_cases` reads the same fields)."""
         return CaseSettings(lengths=self.lengths, tasks=self.tasks, haystacks=self.haystacks, prompts=self.prompts,
-                            keys=self.keys, values=self.values, seed=self.seed)
+                            keys=self.keys, values=self.values, seed=self.seed, passkey_prompt=self.passkey_prompt)
 
     def uptrain(self) -> Any:
         """The uptraining settings of the uptrained MQA model (:class:`multihead.tradeoff.uptrain.UptrainSettings`)."""
@@ -126,14 +127,13 @@ class Settings:
                                   model="uptrained"))
         out += [Method(f"pruned {f:.0%} of KV groups", "pruned", model=f"pruned-{round(f * 100)}")
                 for f in self.prune]
-        controls: dict[tuple[float, int, int], Method] = {}  # plans of one share, sinks and window: one control
+        controls: dict[tuple[Any, ...], Method] = {}  # plans of the same bytes: one control
         for path in self.plans:
             plan, label = load_plan(path), plan_label(path)
             out.append(Method(f"head-wise {label}", f"head-wise ({plan.method or 'plan'})", plan=path))
-            key = (plan.full_fraction, plan.sinks, plan.window)
-            controls.setdefault(key, Method(
-                f"{s} sinks + window = bytes of {plan.full_fraction:.0%} full, {plan.sinks} + {plan.window}",
-                "sinks + window (bytes of a plan)", sinks=s, equal_to=path))
+            controls.setdefault(control_key(plan), Method(
+                control_name(plan, s), "sinks + window (bytes of a plan)", sinks=s, equal_to=path,
+                layers="global" if plan.hybrid else "all"))
         return out + list(controls.values())
 
 

@@ -231,7 +231,7 @@ def summary(records: Sequence[dict[str, Any]], methods: Sequence[Method], *, con
 # ---------------------------------------------------------------------------------------------- a whole run
 def controls_of(methods: Sequence[Method]) -> dict[str, str]:
     """Each head-wise method's uniform control of the same bytes (the sinks + window method sized to its plan)."""
-    from multihead.tradeoff.longctx.methods import load_plan
+    from multihead.tradeoff.longctx.methods import control_key, load_plan
 
     out: dict[str, str] = {}
     for m in methods:
@@ -239,11 +239,24 @@ def controls_of(methods: Sequence[Method]) -> dict[str, str]:
             continue
         plan = load_plan(m.plan)
         for c in methods:
-            if c.equal_to is not None:
-                other = load_plan(c.equal_to)
-                if (other.full_fraction, other.sinks, other.window) == (plan.full_fraction, plan.sinks, plan.window):
-                    out[m.name] = c.name
-                    break
+            if c.equal_to is not None and control_key(load_plan(c.equal_to)) == control_key(plan):
+                out[m.name] = c.name
+                break
+    return out
+
+
+def _older(stamp: Any, settings: Any) -> Any:
+    """A folder's settings stamp with what a run from before a setting existed took: the test split and each later
+    field's default (a run from before --passkey-prompt asked the default wording)."""
+    import dataclasses
+
+    if not isinstance(stamp, dict):
+        return stamp
+    out = {"split": "test", **stamp}
+    if isinstance(out.get("settings"), dict):
+        defaults = {f.name: f.default for f in dataclasses.fields(type(settings))
+                    if f.default is not dataclasses.MISSING}
+        out["settings"] = json.loads(json.dumps({**defaults, **out["settings"]}))
     return out
 
 
@@ -277,8 +290,8 @@ def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_p
              "engine": "given" if model is not None else resolve_engine(model_path, engine), "dtype": dtype,
              "split": split}
     settings_file = folder / "shared-settings.json"
-    if settings_file.exists() and {"split": "test", **json.loads(settings_file.read_text())} != json.loads(
-            json.dumps(stamp)):  # a run from before --split took the test split
+    if settings_file.exists() and _older(json.loads(settings_file.read_text()), settings) != json.loads(
+            json.dumps(stamp)):
         raise MultiheadError(f"{folder} holds a shared-prefill run with other settings ({settings_file}): resume "
                              "with the same settings or use another folder")
     if model is None:
