@@ -224,7 +224,7 @@ class CopyModel:
     def __init__(self, copy: bool = True) -> None:
         self.copy = copy
 
-    def new_cache(self, batch: int, max_len: int | None = None, **_: Any) -> _Held:
+    def new_cache(self, batch: int, max_len: int | None = None, **_: Any) -> _Held:  # any kind, spec= too
         return _Held()
 
     def __call__(self, tokens: torch.Tensor, *, cache: _Held, logits_to_keep: int = 0) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from multihead import MultiheadError
+from multihead.cache import CacheSpec
 from multihead.cli import main
 from multihead.evals.text import JARGON, read_text, reflow, token_splits
 from multihead.models.llama import LlamaConfig, LlamaModel
@@ -79,7 +80,7 @@ def test_every_cache_method_runs_its_real_cache_and_the_full_one_equals_a_plain_
     settings = lm.Settings(context=32, stride=16, windows=3, chunk=8, window=8, sinks=(2,), bits=(4,), group=8,
                            residual=0)
     test = torch.randint(0, 40, (80,)).tolist()
-    methods = [*settings.methods(), lm.Method("full, through the cache", "check", {})]
+    methods = [*settings.methods(), lm.Method("full, through the cache", "check", CacheSpec(32))]
     rows = {r.method: r for r in lm.evaluate({"original": model}, methods, test, settings)}
     # the reference: cross-entropy of a plain forward over the same windows, scoring the last stride tokens
     nll = []

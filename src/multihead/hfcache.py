@@ -40,7 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from multihead.cache import Cache, HeadPlan, HeadwiseCache, HybridCache, KVCache, QuantizedKVCache, SinkCache
+from multihead.cache import Cache, HeadPlan
+from multihead.cache.spec import CacheShape, CacheSpec, spec_of
 from multihead.cache.view import DenseKV, KVView
 from multihead.errors import MultiheadError, require
 from multihead.step import Step, build_step
@@ -214,7 +215,7 @@ class MultiheadCache(TransformersCache):
 
 def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window: int | None = None,
               sink_tokens: int = 0, bits: int | None = None, group: int = 32, residual: int = 128,
-              plan: HeadPlan | None = None, layers: str = "all") -> MultiheadCache:
+              plan: HeadPlan | None = None, layers: str = "all", spec: CacheSpec | None = None) -> MultiheadCache:
     """A multihead cache for a transformers model switched to multihead's attention (:func:`multihead.hf.enable`),
     as :meth:`multihead.models.LlamaModel.new_cache` makes one for our port: every key (``max_len``), ``window=``
     with ``sink_tokens=`` (sinks + a window; ``max_len`` optional, the tokens it is for), ``bits=`` (4- or 8-bit
@@ -230,7 +231,19 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
 
     ``layers="global"``: the kind on the global layers only, every sliding layer keeping its whole window (a ring of
     ``window - 1`` keys in full precision), as a method that saves bytes only where the context grows (a hybrid
-    model's sinks + window or int8 on its global layers); ``"all"`` (default) applies it to every layer."""
+    model's sinks + window or int8 on its global layers); ``"all"`` (default) applies it to every layer.
+    ``spec=``: a :class:`~multihead.cache.CacheSpec` instead of the options (they are its fields)."""
+    chosen = spec_of(spec, max_len, {"window": window, "sink_tokens": sink_tokens, "bits": bits, "group": group,
+                                     "residual": residual, "plan": plan, "layers": layers})
+    shape = cache_shape(model)
+    param = next(model.parameters())
+    inner = chosen.build(shape, batch=batch, dtype=param.dtype, device=param.device)
+    return MultiheadCache(inner, n_heads=shape.n_heads, windows=list(shape.windows))
+
+
+def cache_shape(model: Any) -> CacheShape:
+    """What a :class:`~multihead.cache.CacheSpec` builds for in a transformers model switched to multihead's
+    attention: its text config's layers, KV heads, head_dim, context and each layer's attention window."""
     config: Any = getattr(model, "config", None)
     if config is None or getattr(config, "_attn_implementation", None) != "multihead":
         raise MultiheadError("the model does not run multihead's attention: call multihead.hf.enable(model) first "
@@ -239,74 +252,9 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
     n_layers, h = int(text.num_hidden_layers), int(text.num_attention_heads)
     g = int(getattr(text, "num_key_value_heads", None) or h)
     d = int(getattr(text, "head_dim", None) or text.hidden_size // h)
-    context = int(getattr(text, "max_position_embeddings", 0) or 0)
-    windows = layer_windows(text, n_layers)
-    param = next(model.parameters())
-    where: dict[str, Any] = {"batch": batch, "dtype": param.dtype, "device": param.device}
-    if max_len is not None and context and max_len > context:
-        raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({context})")
-    if layers not in ("all", "global"):
-        raise MultiheadError(f"layers={layers!r} is not a choice: 'all' (the kind on every layer) or 'global' (on the "
-                             "global layers only, the sliding ones keeping their window)")
-    if layers == "global" and None not in windows:
-        sliding = sorted({w for w in windows if w is not None})
-        raise MultiheadError(f"layers='global' but every layer of this model slides (windows {sliding}): there is no "
-                             "global layer to apply the kind to")
-    if layers == "global" and plan is not None:
-        raise MultiheadError("a head plan says what each layer keeps, sliding ones included: give plan= without "
-                             "layers='global'")
-    if plan is not None:
-        if window is not None or sink_tokens or bits is not None:
-            raise MultiheadError("a head plan brings its own sinks and window and stores keys in full: give "
-                                 "new_cache(model, max_len, plan=plan) without window=, sink_tokens= or bits=")
-        if max_len is None:
-            raise MultiheadError("new_cache(model, max_len, plan=plan) needs max_len (the tokens a full KV head holds)")
-        if not isinstance(plan, HeadPlan):
-            raise MultiheadError(f"plan must be a HeadPlan (HeadPlan.load(path)), got {type(plan).__name__}")
-        plan.check(n_layers=n_layers, n_heads=h, n_kv_heads=g, head_dim=d, windows=windows)
-        return MultiheadCache(HeadwiseCache(plan, max_len=max_len, windows=windows, **where), n_heads=h,
-                              windows=windows)
-    if window is not None:
-        if bits is not None:
-            raise MultiheadError(f"a sinks + window cache stores its keys in full precision: give window= (with "
-                                 f"sink_tokens=) or bits={bits}, not both")
-    else:
-        if max_len is None:
-            raise MultiheadError("new_cache needs max_len (the tokens it holds), or window= for a windowed cache")
-        if sink_tokens:
-            raise MultiheadError(f"sink_tokens ({sink_tokens}) go with a window: new_cache(model, window=w, "
-                                 "sink_tokens=n)")
-    shape = {"n_kv_heads": g, "head_dim": d, **where}
-
-    def part(layer_window: int | None, n: int) -> Cache:
-        """The cache of ``n`` layers of this attention window (None: global)."""
-        if layer_window is not None and layers == "global":  # the whole window, as the full kind keeps it
-            return SinkCache(window=layer_window, sink_tokens=0, n_layers=n, max_len=max_len, **shape)
-        if window is not None:  # sinks + a window: within a sliding layer's own window
-            if layer_window is not None and window >= layer_window:
-                return SinkCache(window=layer_window, sink_tokens=0, n_layers=n, max_len=max_len, **shape)
-            return SinkCache(window=window, sink_tokens=sink_tokens, n_layers=n, max_len=max_len, **shape)
-        assert max_len is not None
-        if layer_window is not None:
-            ring = SinkCache(window=layer_window, sink_tokens=0, n_layers=n, max_len=max_len, **shape)
-            if bits is None:
-                return ring
-            codes = QuantizedKVCache(bits=bits, group=group, residual=residual, max_len=max_len, window=layer_window,
-                                     n_layers=n, **shape)
-            return codes if codes.bytes < ring.bytes else ring  # a window within the residual: the window as it is
-        if bits is not None:
-            return QuantizedKVCache(bits=bits, group=group, residual=residual, max_len=max_len, n_layers=n, **shape)
-        return KVCache(max_len=max_len, n_layers=n, **shape)
-
-    counts: dict[int | None, int] = {}
-    for w in windows:
-        counts[w] = counts.get(w, 0) + 1
-    inner: Cache
-    if set(counts) == {None}:
-        inner = part(None, n_layers)
-    else:
-        inner = HybridCache({w: part(w, n) for w, n in counts.items()}, windows)
-    return MultiheadCache(inner, n_heads=h, windows=windows)
+    context = int(getattr(text, "max_position_embeddings", 0) or 0) or None
+    return CacheShape.uniform(n_layers=n_layers, n_kv_heads=g, n_heads=h, head_dim=d, context=context,
+                              windows=layer_windows(text, n_layers))
 
 
 def layer_windows(text_config: Any, n_layers: int) -> list[int | None]:

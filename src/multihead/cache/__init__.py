@@ -14,7 +14,8 @@ Kinds: :class:`KVCache` (every token, at its positions), :class:`SinkCache` (att
 :class:`QuantizedKVCache` (low-bit codes, KIVI), :class:`LayeredCache` (one cache per layer of its own width),
 :class:`LatentCache` (MLA's latents), :class:`HeadwiseCache` (each KV head full or sinks + window, as a
 :class:`HeadPlan` says: its view has one group of keys per kind of KV head), :class:`HybridCache` (the layers of each
-attention window in a part of their own: a sliding layer stores what it can see).
+attention window in a part of their own: a sliding layer stores what it can see). :class:`CacheSpec` says which kind
+to build, once, for our models and transformers models alike (:mod:`multihead.cache.spec`).
 """
 
 from multihead.cache.base import BaseCache, Cache, LayerCache, LayerView, Slots, check_count, write_slots
@@ -27,6 +28,7 @@ from multihead.cache.layered import LayeredCache
 from multihead.cache.plan import HeadPlan
 from multihead.cache.quantized import QuantizedKVCache, quantized_tokens
 from multihead.cache.sink import SinkCache, sink_keep
+from multihead.cache.spec import CacheShape, CacheSpec
 from multihead.cache.view import DenseKV, GroupedKV, KVGroup, KVView, LatentKV, QuantizedKV
 from multihead.quant import (
     QUANT_BITS,
@@ -39,8 +41,8 @@ from multihead.quant import (
     unpack,
 )
 
-__all__ = ["QUANT_BITS", "BaseCache", "Cache", "DenseKV", "GroupedKV", "HeadPlan", "HeadwiseCache", "HybridCache",
-           "KVCache", "KVGroup", "KVView", "LatentCache", "LatentKV", "LatentLayer", "LayerCache", "LayerView",
-           "LayeredCache", "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots", "check_bits", "check_count",
-           "compress", "dequantize", "fake_quantize_keys", "fake_quantize_values", "pack", "quantize",
-           "quantized_tokens", "sink_keep", "unpack", "write_slots"]
+__all__ = ["QUANT_BITS", "BaseCache", "Cache", "CacheShape", "CacheSpec", "DenseKV", "GroupedKV", "HeadPlan",
+           "HeadwiseCache", "HybridCache", "KVCache", "KVGroup", "KVView", "LatentCache", "LatentKV", "LatentLayer",
+           "LayerCache", "LayerView", "LayeredCache", "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots",
+           "check_bits", "check_count", "compress", "dequantize", "fake_quantize_keys", "fake_quantize_values", "pack",
+           "quantize", "quantized_tokens", "sink_keep", "unpack", "write_slots"]

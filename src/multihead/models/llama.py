@@ -23,12 +23,9 @@ from multihead.cache import (
     Cache,
     HeadPlan,
     HeadwiseCache,
-    KVCache,
     LayerCache,
-    LayeredCache,
-    QuantizedKVCache,
-    SinkCache,
 )
+from multihead.cache.spec import CacheShape, CacheSpec, spec_of
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint, add_resid_points, resid_block
@@ -136,9 +133,12 @@ class LlamaModel(nn.Module):
     @overload
     def new_cache(self, batch: int, max_len: int | None = None, *, plan: HeadPlan) -> HeadwiseCache: ...
 
+    @overload
+    def new_cache(self, batch: int, max_len: int | None = None, *, spec: CacheSpec) -> Cache: ...
+
     def new_cache(self, batch: int, max_len: int | None = None, *, window: int | None = None, sink_tokens: int = 0,
-                  bits: int | None = None, group: int = 32, residual: int = 128, plan: HeadPlan | None = None
-                  ) -> Cache:
+                  bits: int | None = None, group: int = 32, residual: int = 128, plan: HeadPlan | None = None,
+                  spec: CacheSpec | None = None) -> Cache:
         """A cache for this model, n_layers layers of (batch, n_kv_heads, *, head_dim) in the model's dtype (this
         rank's KV heads only, when the model is split over processes):
 
@@ -149,68 +149,23 @@ class LlamaModel(nn.Module):
         - ``new_cache(b, max_len, bits=4, group=32, residual=128)``: quantized keys and values
           (:class:`QuantizedKVCache`);
         - ``new_cache(b, max_len, plan=plan)``: each KV head in full or as the plan's sinks + window
-          (:class:`HeadwiseCache`, :class:`HeadPlan`), the plan checked against this model's shape.
+          (:class:`HeadwiseCache`, :class:`HeadPlan`), the plan checked against this model's shape;
+        - ``new_cache(b, spec=spec)``: the kind a :class:`~multihead.cache.CacheSpec` says (the options above are
+          its fields).
         """
+        chosen = spec_of(spec, max_len, {"window": window, "sink_tokens": sink_tokens, "bits": bits, "group": group,
+                                         "residual": residual, "plan": plan})
+        return chosen.build(self.cache_shape(), batch=batch, dtype=self.dtype, device=self.device)
+
+    def cache_shape(self) -> CacheShape:
+        """What a :class:`~multihead.cache.CacheSpec` builds for: each layer's KV heads in this process, every layer
+        global, the model's context."""
         a = self.config.attention()
-        if plan is not None:
-            return self._headwise_cache(batch, max_len, plan, window=window, sink_tokens=sink_tokens, bits=bits)
-        kv_heads = [cast(LlamaBlock, block).attn.local_kv_heads for block in self.layers]
-        where: dict[str, Any] = {"batch": batch, "head_dim": a.head_dim, "dtype": self.dtype, "device": self.device}
-        if window is not None:
-            if bits is not None:
-                raise MultiheadError(f"a sinks + window cache stores its keys in full precision: give window= (with "
-                                     f"sink_tokens=) or bits={bits}, not both")
-            if max_len is not None:
-                self._check_max_len(max_len, "")  # the tokens the windowed cache is for: at most the context
-        else:
-            self._check_max_len(max_len, "new_cache needs max_len (the tokens it holds), or window= for a windowed "
-                                "cache")
-            if sink_tokens:
-                raise MultiheadError(f"sink_tokens ({sink_tokens}) go with a window: new_cache(b, window=w, "
-                                     "sink_tokens=n)")
-
-        def make(n_kv_heads: int, n_layers: int) -> Cache:
-            shape = {**where, "n_kv_heads": n_kv_heads, "n_layers": n_layers}
-            if window is not None:
-                return SinkCache(window=window, sink_tokens=sink_tokens, max_len=max_len, **shape)
-            assert max_len is not None
-            if bits is not None:
-                return QuantizedKVCache(max_len=max_len, bits=bits, group=group, residual=residual, **shape)
-            return KVCache(max_len=max_len, **shape)
-
-        if len(set(kv_heads)) == 1:
-            return make(kv_heads[0], len(kv_heads))
-        return LayeredCache([make(g, 1) for g in kv_heads])  # layers of different widths (a pruned model)
-
-    def _check_max_len(self, max_len: int | None, missing: str) -> int:
-        """``max_len``, given (else ``missing`` is the error) and within the model's context."""
-        if max_len is None:
-            raise MultiheadError(missing)
-        if max_len > self.config.max_context:
-            raise MultiheadError(f"max_len ({max_len}) exceeds the model's context ({self.config.max_context})")
-        return max_len
-
-    def _headwise_cache(self, batch: int, max_len: int | None, plan: HeadPlan, *, window: int | None,
-                        sink_tokens: int, bits: int | None) -> HeadwiseCache:
-        if not isinstance(plan, HeadPlan):
-            raise MultiheadError(f"plan must be a HeadPlan (HeadPlan.load(path)), got {type(plan).__name__}")
-        if window is not None or sink_tokens or bits is not None:
-            raise MultiheadError("a head plan brings its own sinks and window and stores keys in full: give "
-                                 "new_cache(b, max_len, plan=plan) without window=, sink_tokens= or bits=")
-        max_len = self._check_max_len(max_len, "new_cache(b, max_len, plan=plan) needs max_len (the tokens a full KV "
-                                      "head holds)")
-        c = self.config
-        a = c.attention()
-        assert a.n_kv_heads is not None and a.head_dim is not None
-        local = {cast(LlamaBlock, block).attn.local_kv_heads for block in self.layers}
-        if c.layer_heads is not None and len(set(c.layer_heads)) > 1:
-            raise MultiheadError(f"this model's layers hold different numbers of heads ({list(c.layer_heads)}): a "
-                                 "head plan is for a model of one shape")
-        if local != {a.n_kv_heads}:
-            raise MultiheadError("a head-wise cache runs in one process: this model's KV heads are split over "
-                                 "processes")
-        plan.check(n_layers=c.n_layers, n_heads=a.n_heads, n_kv_heads=a.n_kv_heads, head_dim=a.head_dim)
-        return HeadwiseCache(plan, batch=batch, max_len=max_len, dtype=self.dtype, device=self.device)
+        assert a.head_dim is not None
+        kv_heads = tuple(cast(LlamaBlock, block).attn.local_kv_heads for block in self.layers)
+        split = any(local != self.config.attention(i).n_kv_heads for i, local in enumerate(kv_heads))
+        return CacheShape(kv_heads=kv_heads, windows=(None,) * len(kv_heads), n_heads=a.n_heads,
+                          head_dim=a.head_dim, context=self.config.max_context, split=split)
 
     def forward(self, tokens: Tensor, *, positions: Tensor | None = None, cache: Cache | None = None,
                 key_padding_mask: Tensor | None = None, mask: Tensor | None = None,

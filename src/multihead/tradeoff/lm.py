@@ -24,19 +24,20 @@ import torch
 from torch import Tensor
 
 from multihead import cost
-from multihead.cache import Cache, check_bits
+from multihead.cache import Cache, CacheSpec, check_bits
 from multihead.errors import MultiheadError
 from multihead.models.llama import LlamaModel
 
 
 @dataclass(frozen=True)
 class Method:
-    """One point of the chart: a cache kind (``cache`` holds new_cache's options; None = the full cache) on a
-    model (``model`` names it: "original", or one made by a model method such as "mqa")."""
+    """One point of the chart: a cache kind (``cache``, the :class:`~multihead.cache.CacheSpec` the windows run
+    through; None = a plain forward, which stands for the full cache) on a model (``model`` names it: "original", or
+    one made by a model method such as "mqa")."""
 
     name: str
     series: str
-    cache: dict[str, int] | None = None
+    cache: CacheSpec | None = None
     model: str = "original"
 
 
@@ -77,11 +78,11 @@ class Settings:
 
     def methods(self) -> list[Method]:
         out = [Method("full cache", "full")]
-        out.append(Method(f"window {self.window}", "window", {"window": self.window, "sink_tokens": 0}))
+        out.append(Method(f"window {self.window}", "window", CacheSpec(window=self.window)))
         out += [Method(f"{n} sink{'s' if n > 1 else ''} + window {self.window}", "sinks + window",
-                       {"window": self.window, "sink_tokens": n}) for n in self.sinks if n]
+                       CacheSpec(window=self.window, sink_tokens=n)) for n in self.sinks if n]
         out += [Method(f"int{b} (g{self.group}, r{self.residual})", "quantized",
-                       {"bits": b, "group": self.group, "residual": self.residual}) for b in self.bits]
+                       CacheSpec(self.context, bits=b, group=self.group, residual=self.residual)) for b in self.bits]
         return out
 
 
@@ -97,25 +98,27 @@ def window_starts(n_tokens: int, settings: Settings) -> list[int]:
 def kv_bytes(model: LlamaModel, method: Method, settings: Settings, dtype: str = "bf16") -> int:
     """The cache bytes of one sequence of ``context`` tokens under this method, from multihead.cost (summed over
     layers, which a pruned model holds at different widths)."""
-    opts = method.cache or {}
+    spec = method.cache or CacheSpec(settings.context)
     total = 0
     for layer in range(model.config.n_layers):
         attn = model.config.attention(layer)
-        if "window" in opts:
-            total += cost.sink_cache_bytes(attn, window=opts["window"], sink_tokens=opts["sink_tokens"], dtype=dtype)
-        elif "bits" in opts:
-            total += cost.quantized_cache_bytes(attn, context=settings.context, bits=opts["bits"],
-                                                group=opts["group"], residual=opts["residual"], dtype=dtype)
-        else:
+        if spec.kind == "window":
+            assert spec.window is not None
+            total += cost.sink_cache_bytes(attn, window=spec.window, sink_tokens=spec.sink_tokens, dtype=dtype)
+        elif spec.kind == "quantized":
+            assert spec.bits is not None
+            total += cost.quantized_cache_bytes(attn, context=settings.context, bits=spec.bits, group=spec.group,
+                                                residual=spec.residual, dtype=dtype)
+        elif spec.kind == "full":
             total += cost.kv_cache_bytes(attn, context=settings.context, dtype=dtype)
+        else:
+            raise MultiheadError(f"{method.name}: the perplexity trade-off sizes full, window and quantized caches, "
+                                 f"not a {spec.kind} one")
     return total
 
 
 def _make_cache(model: LlamaModel, method: Method, settings: Settings) -> Cache:
-    opts = method.cache or {}
-    if "window" in opts:
-        return model.new_cache(1, **opts)
-    return model.new_cache(1, settings.context, **opts)
+    return model.new_cache(1, spec=method.cache or CacheSpec(settings.context))
 
 
 @torch.no_grad()

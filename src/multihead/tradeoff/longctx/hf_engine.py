@@ -62,11 +62,10 @@ class TransformersDecoder:
         logits: Tensor = out.logits
         return logits
 
-    def new_cache(self, batch: int, max_len: int | None = None, *, layers: str = "all", **kind: Any
-                  ) -> MultiheadCache:
-        """:func:`multihead.hfcache.new_cache` of the model: any kind; ``layers="global"`` on a hybrid model's
-        global layers only."""
-        return new_cache(self.model, max_len, batch=batch, layers=layers, **kind)
+    def new_cache(self, batch: int, max_len: int | None = None, **kind: Any) -> MultiheadCache:
+        """:func:`multihead.hfcache.new_cache` of the model: any kind, as options or ``spec=`` (a
+        :class:`~multihead.cache.CacheSpec`); ``layers="global"`` on a hybrid model's global layers only."""
+        return new_cache(self.model, max_len, batch=batch, **kind)
 
     def eval(self) -> TransformersDecoder:
         self.model.eval()

@@ -4,11 +4,12 @@ a head-wise cache reads."""
 from __future__ import annotations
 
 import functools
-import inspect
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from multihead.cache.spec import CacheSpec
 
 
 @dataclass(frozen=True)
@@ -43,19 +44,22 @@ class Method:
             return max(1, equal_bytes_slots(load_plan(self.equal_to), length) - self.sinks + 1)
         return self.window
 
-    def cache(self, model: Any, length: int, max_len: int) -> Any:
-        """This method's real cache for a prompt of ``length`` tokens (room for ``max_len`` in a full one)."""
+    def spec(self, length: int, max_len: int) -> CacheSpec:
+        """The :class:`~multihead.cache.CacheSpec` of this method's cache for a prompt of ``length`` tokens (room
+        for ``max_len`` in a full one)."""
         if self.plan is not None:
-            return model.new_cache(1, max_len, plan=load_plan(self.plan))
-        at: dict[str, str] = {}
-        if self.layers != "all" and "layers" in inspect.signature(model.new_cache).parameters:
-            at["layers"] = self.layers  # (a model without that choice has no sliding layer: all are global)
+            return CacheSpec(max_len, plan=load_plan(self.plan))
         window = self.window_at(length)
         if window is not None:
-            return model.new_cache(1, window=window, sink_tokens=self.sinks, **at)
+            return CacheSpec(window=window, sink_tokens=self.sinks, layers=self.layers)
         if self.bits is not None:
-            return model.new_cache(1, max_len, bits=self.bits, group=self.group, residual=self.residual, **at)
-        return model.new_cache(1, max_len)
+            return CacheSpec(max_len, bits=self.bits, group=self.group, residual=self.residual, layers=self.layers)
+        return CacheSpec(max_len)
+
+    def cache(self, model: Any, length: int, max_len: int) -> Any:
+        """This method's real cache for a prompt of ``length`` tokens (room for ``max_len`` in a full one): the
+        model's ``new_cache(1, spec=self.spec(length, max_len))``."""
+        return model.new_cache(1, spec=self.spec(length, max_len))
 
     @property
     def slug(self) -> str:
