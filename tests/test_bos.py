@@ -20,7 +20,6 @@ from multihead.heads.adapters import TransformersHeads
 from multihead.heads.engines import TransformersTokenizer, transformers_bos
 from multihead.heads.patching import PromptPair, patch_pairs
 from multihead.models.tokenizer import TextTokenizer
-from multihead.tradeoff.longctx.hf_engine import TokenizerText
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -55,7 +54,7 @@ def test_the_bos_is_read_from_the_tokenizer(template: str | None, expected: int 
     tok = _tokenizer(template)
     assert transformers_bos(tok) == expected
     full = tok("the cat sat")["input_ids"]  # the tokenizer's own encoding, its special tokens added
-    for wrapped in (TransformersTokenizer(tok), TokenizerText(tok)):
+    for wrapped in (TransformersTokenizer(tok),):
         assert wrapped.bos_id == expected and wrapped.add_bos == (expected is not None)
         ids = wrapped.encode("the cat sat")
         assert ids == (full if template != "<bos> $A <eos>" else full[:-1])  # a prompt never ends in an EOS
@@ -119,16 +118,14 @@ def _port_tokenizer(add_bos: bool) -> TextTokenizer:
     return TextTokenizer(inner, bos_id=BOS, eos_id=2, add_bos=add_bos)
 
 
-@pytest.mark.parametrize("kind", ["transformers", "port", "longctx"])
+@pytest.mark.parametrize("kind", ["transformers", "port"])
 def test_needle_prompts_hold_one_bos_at_their_start(kind: str) -> None:
     """Every case's prompt (context + question) starts with the BOS and holds no other; its length is exact; with
     the BOS taken away it is the prompt the same tokenizer makes without one."""
     tok: Any = {"transformers": lambda: TransformersTokenizer(_tokenizer("<bos> $A")),
-                "port": lambda: _port_tokenizer(True),
-                "longctx": lambda: TokenizerText(_tokenizer("<bos> $A"))}[kind]()
+                "port": lambda: _port_tokenizer(True)}[kind]()
     plain: Any = {"transformers": lambda: TransformersTokenizer(_tokenizer(None)),
-                  "port": lambda: _port_tokenizer(False),
-                  "longctx": lambda: TokenizerText(_tokenizer(None))}[kind]()
+                  "port": lambda: _port_tokenizer(False)}[kind]()
     assert start_ids(tok) == [BOS] and start_ids(plain) == []
     settings = CaseSettings(lengths=(120,), tasks=("passkey", "multikey"), haystacks=("filler",), keys=2)
     cases = make_cases(settings, tok, None, max_context=256)

@@ -72,28 +72,6 @@ class TransformersDecoder:
         return self
 
 
-class TokenizerText:
-    """A transformers tokenizer behind the ``encode`` / ``decode`` multihead's evaluation calls, as multihead's own
-    tokenizer: a whole text's ids with the model's BOS first where its tokenizer adds one (``bos_id``, ``add_bos``,
-    read from the tokenizer: :func:`multihead.heads.engines.transformers_bos`), no other special token; the cases
-    join pieces with one BOS at the start (:func:`multihead.evals.needles.piece_ids`)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        from multihead.heads.engines import transformers_bos
-
-        self.tokenizer = tokenizer
-        self.bos_id = transformers_bos(tokenizer)
-        self.add_bos = self.bos_id is not None
-
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = [int(i) for i in self.tokenizer(text, add_special_tokens=False).input_ids]
-        return [self.bos_id, *ids] if self.bos_id is not None else ids
-
-    def decode(self, ids: list[int]) -> str:
-        text: str = self.tokenizer.decode(ids)
-        return text
-
-
 def load_decoder(path: str | Any, *, dtype: torch.dtype = torch.float32) -> tuple[TransformersDecoder, Any]:
     """A local folder (config.json, safetensors, a tokenizer) or a .gguf file as a transformers causal LM on
     multihead's attention (:func:`multihead.hf.load`), behind the decoding interface, with its tokenizer: a
@@ -106,6 +84,8 @@ def load_decoder(path: str | Any, *, dtype: torch.dtype = torch.float32) -> tupl
     from pathlib import Path
 
     from transformers import AutoTokenizer
+
+    from multihead.heads.engines import TransformersTokenizer  # the one wrapper of a transformers tokenizer
 
     p = Path(path)
     model = hf.load(p, dtype=dtype, task="causal-lm")
@@ -120,7 +100,7 @@ def load_decoder(path: str | Any, *, dtype: torch.dtype = torch.float32) -> tupl
                      else AutoTokenizer.from_pretrained(str(p)))
     except (OSError, ValueError, KeyError) as err:
         raise MultiheadError(f"transformers could not load a tokenizer for {str(p)!r}: {err}") from None
-    return TransformersDecoder(model).eval(), TokenizerText(tokenizer)
+    return TransformersDecoder(model).eval(), TransformersTokenizer(tokenizer)
 
 
-__all__ = ["DecoderShape", "TokenizerText", "TransformersDecoder", "load_decoder"]
+__all__ = ["DecoderShape", "TransformersDecoder", "load_decoder"]
