@@ -137,3 +137,19 @@ def test_gemma2_9b_is_sized_layer_by_layer(tmp_path, capsys: pytest.CaptureFixtu
 def test_a_layer_kind_validates_itself(kind: str, window: int | None, message: str) -> None:
     with pytest.raises(MultiheadError, match=message):
         LayerAttention(kind, window)
+
+
+@pytest.mark.parametrize("cache", ["int8", "int4", "window:256"])
+def test_an_mla_model_refuses_a_cache_of_keys_and_values_it_does_not_hold(
+        cache: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """`count --cache int8` on DeepSeek-V2-Lite printed "as int8: 519.8 MiB", the int8 bytes of the MHA-expanded
+    keys and values, above its real latent cache of 121.5 MiB: an MLA model caches latents, and multihead builds no
+    quantized or windowed latent cache, so the figure counted a cache that does not exist. Its full cache (the
+    latent) is still counted."""
+    model = preset("deepseek-v2-lite")
+    with pytest.raises(MultiheadError, match=rf"deepseek-v2-lite caches MLA latents \(576 values a token and layer\)"
+                                             rf".*--cache {cache} sizes a cache of keys and values"):
+        kv_bytes(model, context=4096, batch=1, dtype="bf16", cache=cache)
+    assert kv_bytes(model, context=4096, batch=1, dtype="bf16") == 27 * 576 * 2 * 4096  # 27 layers' latents, bf16
+    assert main(["count", "--preset", "deepseek-v2-lite", "--seq", "4096", "--cache", cache]) == 2
+    assert "give --cache full (its latent cache)" in capsys.readouterr().err

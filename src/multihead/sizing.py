@@ -444,8 +444,13 @@ def kv_bytes(model: ModelConfig, *, context: int, batch: int, dtype: str, cache:
     sliding layer's codes a ring of its window, :func:`multihead.cost.quantized_cache_bytes`), or "latent" (an MLA
     model's; also what "full" means for one). Each is what :func:`multihead.hfcache.new_cache` allocates."""
     a, layers = model.attention, model.layers()
-    if model.mla is not None and cache in ("full", "latent"):
-        return cost.layers_kv_bytes(a, layers, context=context, batch=batch, dtype=dtype, mla=model.mla)
+    if model.mla is not None:
+        if cache in ("full", "latent"):
+            return cost.layers_kv_bytes(a, layers, context=context, batch=batch, dtype=dtype, mla=model.mla)
+        raise MultiheadError(f"{model.name} caches MLA latents ({model.mla.latent_dim} values a token and layer), "
+                             f"not keys and values per head: --cache {cache} sizes a cache of keys and values, which "
+                             "multihead does not build for an MLA model (no quantized or windowed latent cache); give "
+                             "--cache full (its latent cache)")
     if cache == "latent":
         raise MultiheadError(f"{model.name} has no latent attention: --cache latent is for MLA models")
     if cache == "full":
