@@ -53,3 +53,31 @@ def test_a_full_multihead_cache_holds_transformers_bytes_and_count_says_so(gemma
     assert main(["count", "--config", str(config), "--seq", str(n), "--dtype", "fp32", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["kv_cache_bytes_total"] == report["kv_cache_bytes_as_cached"] == their_bytes
+
+
+def test_the_shipped_plans_fit_gemma3_and_their_controls_hold_their_bytes(gemma3) -> None:  # type: ignore[no-untyped-def]
+    """docs/experiments/gemma3-retrieval-{33,67}-plan.json (issue 49 item 5: chosen over the 3 global layers from
+    retrieval scores on training cases) fit the real model's shape and windows, keep every sliding layer (its
+    window ring), and the long-context run's uniform control of each (sinks + window on the global layers) holds the
+    plan's bytes to one slot per global layer at 4,096 tokens: the caches are the real ones hf.new_cache makes."""
+    from multihead.cache import HeadPlan, HeadwiseCache
+    from multihead.hfcache import layer_windows
+    from multihead.tradeoff.longctx.hf_engine import TransformersDecoder
+    from multihead.tradeoff.longctx.methods import Method
+
+    model, _ = gemma3
+    windows = layer_windows(model.config, 18)
+    assert [i for i, w in enumerate(windows) if w is None] == [5, 11, 17]
+    with attention(model, "multihead"):
+        decoder = TransformersDecoder(model)
+        for share, whole in ((33, [5]), (67, [5, 11])):
+            path = str(Path(__file__).parents[1] / "docs" / "experiments" / f"gemma3-retrieval-{share}-plan.json")
+            plan = HeadPlan.load(path)
+            assert plan.windows == tuple(windows) and plan.hybrid
+            assert [i for i in plan.global_layers if plan.full[i][0]] == whole
+            assert all(plan.full[i] == (True,) for i, w in enumerate(windows) if w is not None)
+            headwise = Method("plan", "x", plan=path).cache(decoder, 4096, 4096)
+            control = Method("control", "x", sinks=4, equal_to=path, layers="global").cache(decoder, 4096, 4096)
+            assert isinstance(headwise.inner, HeadwiseCache) and isinstance(control.inner, HybridCache)
+            slot = 2 * 256 * 4  # K and V of one token of the one KV head (head_dim 256), float32
+            assert abs(headwise.bytes - control.bytes) <= 3 * slot
