@@ -86,3 +86,24 @@ def test_p3_compares_the_same_step_against_an_anchor_that_takes_no_fresh_pages()
     if sys.platform.startswith("linux"):
         anchor_faults = int(result.note.rsplit("anchor ", 1)[1].replace(",", ""))
         assert anchor_faults < 100, result.note  # a fresh 9.4 MB repeat per step would be 2,300 pages
+
+
+def test_the_hf_decode_bytes_bound_scales_the_full_cache_step_by_the_bytes_read() -> None:
+    """benchmarks/hf_decode.py's bytes bound (issue 50 item 2): a kind's step against the full cache's step scaled by
+    weights + cache bytes; the weights a step reads count a tied LM head once and leave an untied input table out."""
+    import transformers
+    from hf_decode import bytes_bound, weights_read
+
+    rows = [{"condition": "idle", "variant": "transformers sdpa + DynamicCache", "ms_per_step": 10.0,
+             "cache_bytes": 600},
+            {"condition": "idle", "variant": "multihead full", "ms_per_step": 8.0, "cache_bytes": 600},
+            {"condition": "idle", "variant": "multihead half", "ms_per_step": 7.0, "cache_bytes": 300}]
+    bytes_bound(rows, 400)
+    assert rows[2]["ms_bound"] == 8.0 * 700 / 1000 and rows[2]["of_bound"] == round(7.0 / 5.6, 3)
+    assert rows[1]["of_bound"] == 1.0 and "of_bound" not in rows[0] and rows[0]["bytes_read"] == 1000
+    config = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=1)
+    for tied in (True, False):
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, tie_word_embeddings=tied))
+        every = sum(p.numel() * p.element_size() for p in model.parameters())
+        assert weights_read(model) == every - (0 if tied else 50 * 16 * 4)
