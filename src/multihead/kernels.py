@@ -192,10 +192,11 @@ PATTERN_BESIDE = ("; the pattern (b, h, s, t) is made from the same q, k and mas
 
 
 NATIVE_CODES = ("a decode step over the codes as they are stored (multihead.native.attend_q4 / attend_q8: read once "
-                "inside the attention, never dequantised; every key visible, nothing hooked at the core)")
+                "inside the attention, never dequantised; every key visible, or the keys the step hides masked in the "
+                "kernel; nothing hooked at the core)")
 
 NATIVE_DECODE = ("this CPU decode step runs in multihead.native.attend_dense (each KV head read once for its query "
-                 "heads, every key visible; {why})")
+                 "heads, every key visible, or the keys the step hides masked in the kernel; {why})")
 
 
 def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) -> Dispatch:
@@ -254,14 +255,27 @@ def _native_quantized_refused(call: AttentionCall, kv: QuantizedKV, device: torc
     step_wide: str | None = None if compiling else spec.memo.get(("native codes", kv.bits))
     if step_wide is None:
         step_wide = ""
-        if spec.padding is not None or not _visible(spec):
-            step_wide = "not every key is visible to every query"
+        if spec.padding is not None or not (_visible(spec) or _key_keep(spec, device) is not None):
+            step_wide = "not every key is visible to every query, and the keys seen are not one choice for every head"
         elif not cpu.native_quantized_decode(kv.bits):
             why = native.unavailable()
             step_wide = "the native kernels are off or not built here" + (f" ({why})" if why else "")
         if not compiling:
             spec.memo[("native codes", kv.bits)] = step_wide
     return step_wide or None
+
+
+def _key_keep(spec: MaskSpec, device: torch.device) -> Tensor | None:
+    """The keys a decode step's queries see, as the native kernels take them ((b, t) bool, the same for every
+    head), or None: a mask of another form, or under torch.compile (whose operators take no mask)."""
+    if torch.compiler.is_compiling():
+        return None
+    return spec.key_keep(device)
+
+
+def _native_keep(spec: MaskSpec, device: torch.device) -> Tensor | None:
+    """What a native kernel the decision chose is given to hide: None where every key is visible."""
+    return None if _visible(spec) else _key_keep(spec, device)
 
 
 def _visible(spec: MaskSpec) -> bool:
@@ -276,8 +290,8 @@ def _native_dense(call: AttentionCall) -> str | None:
             or call.softcap is not None or call.sinks is not None or call.backend != "auto"):
         return None
     k, v = call.k, call.v
-    if not native.dense_fits(q, k, v) or not _visible(spec):  # (the mask's values are read last)
-        return None
+    if not native.dense_fits(q, k, v) or not (_visible(spec) or _key_keep(spec, q.device) is not None):
+        return None  # (the mask's values are read last)
     return cpu.native_decode_attention(q.shape[0], q.shape[1], k.shape[1], k.dtype, k.shape[2])
 
 
@@ -512,7 +526,8 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         else:
             kernel = native.attend_q4 if kv.bits == 4 else native.attend_q8
             out = kernel(q, kv.codes_k, kv.scale_k, kv.min_k, kv.codes_v, kv.scale_v, kv.min_v, kv.n, kv.group,
-                         kv.tail_k, kv.tail_v, call.scale, check=False)  # the store's own buffers, laid out for it
+                         kv.tail_k, kv.tail_v, call.scale, keep=_native_keep(spec, q.device),
+                         check=False)  # the store's own buffers, laid out for it
     elif plan.backend == "math":
         out, weights = math_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p,
                                       softcap=call.softcap, sinks=call.sinks, pattern=pattern)
@@ -523,7 +538,7 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         if torch.compiler.is_compiling():
             out = torch.ops.multihead.attend_dense(q, call.k, call.v, call.scale)
         else:
-            out = native.attend_dense(q, call.k, call.v, call.scale, check=False)
+            out = native.attend_dense(q, call.k, call.v, call.scale, keep=_native_keep(spec, q.device), check=False)
     else:
         out = sdpa_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
     if plan.pattern_beside:

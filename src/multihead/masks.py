@@ -102,6 +102,28 @@ class MaskSpec:
             seen = self.memo["every key visible"] = bool((self.q_positions >= self.t - 1).all())
         return bool(seen)
 
+    def key_keep(self, device: torch.device) -> Tensor | None:
+        """For one decode query a sequence (s == 1) whose mask is a choice of keys, the same for every head (a
+        sliding layer's ring, a streaming head's sinks and window): that choice as a (b, t) bool tensor (True = seen),
+        which the native decode kernels take. None for any other mask (a float bias, document ids, key padding, a
+        choice that differs by head, or a row with no key). Made once and kept on the spec."""
+        if (self.s != 1 or self.bias is not None or self.documents is not None or self.padding is not None
+                or torch.compiler.is_compiling()):
+            return None
+        key = ("key keep", device)
+        if key in self.memo:
+            found: Tensor | None = self.memo[key]
+            return found
+        keep, _, has_key = self.dense(device, torch.float32)
+        found = None
+        if keep is not None and (has_key is None or bool(has_key.all())):
+            if keep.ndim == 4 and keep.shape[1] == 1:  # (b | 1, 1, 1, t)
+                found = keep[:, 0, 0, :].expand(self.batch, self.t).contiguous()
+            elif keep.ndim == 2:  # (s, t): the same for every sequence
+                found = keep[0].expand(self.batch, self.t).contiguous()
+        self.memo[key] = found
+        return found
+
     @property
     def is_plain_causal(self) -> bool:
         """True when the mask is exactly the square lower triangle (what fused kernels' is_causal flag means)."""

@@ -173,7 +173,8 @@ class DenseArgs(ctypes.Structure):
     _fields_ = (("B", _I64), ("G", _I64), ("HPG", _I64), ("D", _I64), ("t", _I64), ("q", _PTR),
                 ("k", _PTR), ("k_b", _I64), ("k_g", _I64), ("k_t", _I64),
                 ("v", _PTR), ("v_b", _I64), ("v_g", _I64), ("v_t", _I64),
-                ("bf16", _I64), ("scale", _F32), ("out", _PTR), ("scratch", _PTR), ("threads", _I64))
+                ("bf16", _I64), ("scale", _F32), ("out", _PTR), ("scratch", _PTR), ("threads", _I64),
+                ("keep", _PTR), ("keep_b", _I64))
 
 
 class QuantArgs(ctypes.Structure):
@@ -185,7 +186,8 @@ class QuantArgs(ctypes.Structure):
                 ("sk", _PTR), ("mk", _PTR), ("sk_b", _I64), ("sk_g", _I64),
                 ("cv", _PTR), ("cv_b", _I64), ("cv_g", _I64),
                 ("sv", _PTR), ("mv", _PTR), ("sv_b", _I64), ("sv_g", _I64),
-                ("tk", _PTR), ("tv", _PTR), ("scale", _F32), ("out", _PTR), ("scratch", _PTR), ("threads", _I64))
+                ("tk", _PTR), ("tv", _PTR), ("scale", _F32), ("out", _PTR), ("scratch", _PTR), ("threads", _I64),
+                ("keep", _PTR), ("keep_b", _I64))
 
 
 NOT_BUILT = ("not built here yet: run `python -m multihead.native build` (or `multihead tune`) once; the set-up "
@@ -362,7 +364,7 @@ def _check_gemv(x: Tensor, weight: Tensor, bias: Tensor | None, in_features: int
 # ---------------------------------------------------------------------------------------------- attend_q4 / q8
 def attend_q4(q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor, scale_v: Tensor,
               min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
-              threads: int | None = None, *, check: bool = True) -> Tensor:
+              threads: int | None = None, *, keep: Tensor | None = None, check: bool = True) -> Tensor:
     """One decode step's attention over a 4-bit KIVI store read as codes (never dequantised into memory), with its
     full-precision tail: softmax(q K^T * scale) V over the ``n`` quantized tokens then ``tail_k``/``tail_v``.
 
@@ -371,26 +373,28 @@ def attend_q4(q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_
     ``group`` tokens); scale_v, min_v (b, g, >= n, d / group) float16 (values per token over groups of ``group``
     channels); tail_k, tail_v (b, g, m, d) in any float dtype (read as float32). Returns (b, h, 1, d) in q's dtype;
     sums in float32 (the reference, dequantise then SDPA, rounds the keys to the cache's dtype first: the two agree
-    within that rounding). Inference only, CPU only; raises ValueError naming what does not fit. ``check=False``
+    within that rounding). ``keep`` (b, n + m) bool, where given, hides the keys it marks False (a sliding layer's
+    ring: slots out of the window or not yet written); every row must keep at least one key. Inference only, CPU only;
+    raises ValueError naming what does not fit. ``check=False``
     skips the checks of the tensors' shapes, dtypes and layouts, for a caller that holds them well formed
     (:func:`multihead.kernels.attend` with a :class:`~multihead.cache.QuantizedKV` of the cache's own buffers: a
     wrong layout there reads the wrong memory)."""
     return _attend_codes(4, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n, group, tail_k, tail_v, scale,
-                         threads, check)
+                         threads, check, keep)
 
 
 def attend_q8(q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor, scale_v: Tensor,
               min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
-              threads: int | None = None, *, check: bool = True) -> Tensor:
+              threads: int | None = None, *, keep: Tensor | None = None, check: bool = True) -> Tensor:
     """:func:`attend_q4` for an 8-bit store: codes_k, codes_v (b, g, >= n, d) uint8, one code a byte; the rest as
     there (any group dividing d and n)."""
     return _attend_codes(8, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n, group, tail_k, tail_v, scale,
-                         threads, check)
+                         threads, check, keep)
 
 
 def _attend_codes(bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor,
                   scale_v: Tensor, min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
-                  threads: int | None, check: bool) -> Tensor:
+                  threads: int | None, check: bool, keep: Tensor | None = None) -> Tensor:
     """attend_q4 / attend_q8: the checks, then the kernel (mh_attend_quantized) for ``bits`` 4 or 8."""
     name = f"attend_q{bits}"
     lib = _required()
@@ -399,6 +403,8 @@ def _attend_codes(bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k:
     m = tail_k.shape[2]
     if check:
         _check_codes(name, bits, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n, group, tail_k, tail_v)
+        _check_keep(name, keep, b, n + m)
+    kept = _keep_bytes(keep)
     f32 = torch.float32
     qg = q.reshape(b, g, h // g, d).to(f32).contiguous()
     tk, tv = tail_k.to(f32).contiguous(), tail_v.to(f32).contiguous()
@@ -410,7 +416,8 @@ def _attend_codes(bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k:
                      codes_v.data_ptr(), codes_v.stride(0), codes_v.stride(1),
                      scale_v.data_ptr(), min_v.data_ptr(), scale_v.stride(0), scale_v.stride(1),
                      tk.data_ptr(), tv.data_ptr(), scale, out.data_ptr(), work.data_ptr(),
-                     torch.get_num_threads() if threads is None else threads)
+                     torch.get_num_threads() if threads is None else threads,
+                     None if kept is None else kept.data_ptr(), 0 if kept is None else kept.stride(0))
     if lib.mh_attend_quantized(ctypes.byref(args)):
         raise ValueError(f"{name}: the kernel refused head_dim {d}, group {group}, n {n}, m {m}")
     return out.view(b, h, 1, d).to(q.dtype)
@@ -476,11 +483,12 @@ def dense_fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
 
 
 def attend_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, threads: int | None = None, *,
-                 check: bool = True) -> Tensor:
+                 keep: Tensor | None = None, check: bool = True) -> Tensor:
     """One decode step's attention: softmax(q k^T * scale) v for q (b, h, 1, d) over every key of k, v (b, g, t, d)
     (query head i reads KV head i // (h / g)), each KV head read once for all its query heads; float32 sums, the
     result (b, h, 1, d) in q's dtype. Where SDPA's CPU kernel reads a bfloat16 cache at ~6 GB/s (8,192 keys, SmolLM2's
-    heads) this reads it once, near the memory's speed. Raises ValueError when :func:`dense_fits` says no
+    heads) this reads it once, near the memory's speed. ``keep`` (b, t) bool, where given, hides the keys it marks
+    False (every row keeping at least one). Raises ValueError when :func:`dense_fits` says no
     (``check=False``: not asked, for a caller that asked it already, :func:`multihead.kernels.attend`)."""
     lib = _required()
     if check and not dense_fits(q, k, v):
@@ -490,15 +498,38 @@ def attend_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, threads: int | N
                          "float32 or bfloat16 k and v alike with contiguous rows, AVX-512)")
     b, h, _, d = q.shape
     g, t = k.shape[1], k.shape[2]
+    if check:
+        _check_keep("attend_dense", keep, b, t)
+    kept = _keep_bytes(keep)
     qg = q.reshape(b, g, h // g, d).to(torch.float32).contiguous()
     out = torch.empty(b, g, h // g, d, dtype=torch.float32)
     work = scratch(lib.mh_attend_dense_scratch(b, g, h // g, d, t))
     args = DenseArgs(b, g, h // g, d, t, qg.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
                      v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), int(k.dtype == torch.bfloat16), scale,
-                     out.data_ptr(), work.data_ptr(), torch.get_num_threads() if threads is None else threads)
+                     out.data_ptr(), work.data_ptr(), torch.get_num_threads() if threads is None else threads,
+                     None if kept is None else kept.data_ptr(), 0 if kept is None else kept.stride(0))
     if lib.mh_attend_dense(ctypes.byref(args)):
         raise ValueError(f"attend_dense: the kernel refused head_dim {d}, {h // g} query heads a KV head, {t} keys")
     return out.view(b, h, 1, d).to(q.dtype)
+
+
+def _check_keep(name: str, keep: Tensor | None, b: int, t: int) -> None:
+    """A ValueError unless ``keep`` is None or a (b, t) bool mask on the CPU keeping a key in every row."""
+    if keep is None:
+        return
+    if keep.dtype != torch.bool or tuple(keep.shape) != (b, t) or not keep.is_cpu:
+        raise ValueError(f"{name}: keep of shape {tuple(keep.shape)}, {keep.dtype} on {keep.device} (expected ({b}, "
+                         f"{t}) bool on the CPU: True = a key the query sees)")
+    empty = (~keep.any(dim=1)).nonzero().flatten().tolist()
+    if empty:
+        raise ValueError(f"{name}: keep hides every key of batch row(s) {empty}: each row must see at least one")
+
+
+def _keep_bytes(keep: Tensor | None) -> Tensor | None:
+    """The mask as the kernels read it: one byte a key, rows contiguous (a bool tensor already is)."""
+    if keep is None:
+        return None
+    return keep.contiguous().view(torch.uint8)
 
 
 # ---------------------------------------------------------------------------------------------- the operators

@@ -215,11 +215,33 @@ static inline float softmax_part(float *r, int64_t n, float *mx_out) {
 }
 #endif
 
+/* a key mask (keep[i] 0: key i hidden) applied to one head's scores: hidden scores -inf (their weight 0, the
+   values they would weight never read into the sum); returns how many keys stay (0: the row is set to zeros) */
+static inline int64_t mask_scores(float *restrict r, int64_t n, const uint8_t *restrict keep) {
+    int64_t seen = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (keep[i]) {
+            seen++;
+        } else {
+            r[i] = -INFINITY;
+        }
+    }
+    if (seen == 0)
+        for (int64_t i = 0; i < n; i++) r[i] = 0.0f;
+    return seen;
+}
+
 /* the chunk's unnormalised softmax of each query head: sc (HPG x n) -> exp(sc - max) in place, each head's max and sum
    into its partial (part: HPG x (D + 2), max then sum then D weighted values) */
-static inline void chunk_softmax(int64_t HPG, int64_t D, int64_t n, float *restrict sc, float *restrict part) {
+static inline void chunk_softmax(int64_t HPG, int64_t D, int64_t n, float *restrict sc, float *restrict part,
+                                 const uint8_t *restrict keep) {
     for (int64_t h = 0; h < HPG; h++) {
         float *r = sc + h * n, mx;
+        if (keep != NULL && !mask_scores(r, n, keep)) { /* every key of the chunk hidden: weight 0 */
+            part[h * (D + 2)] = -INFINITY;
+            part[h * (D + 2) + 1] = 0.0f;
+            continue;
+        }
 #if defined(__AVX512F__)
         float l = softmax_part(r, n, &mx);
 #else
@@ -290,7 +312,7 @@ static inline __attribute__((always_inline)) void q4_chunk(
         int64_t HPG, int64_t D, int64_t group, int64_t t0, int64_t t1, const float *restrict q,
         const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
         const uint8_t *restrict cv, const uint16_t *restrict sv, const uint16_t *restrict mv, float scale,
-        float *restrict part, float *restrict work) {
+        float *restrict part, float *restrict work, const uint8_t *restrict keep) {
     int64_t half = D / 2, n = t1 - t0, vg = D / group;
     float *qe = work, *qo = qe + HPG * half, *qm = qo + HPG * half, *sc = qm + HPG;  /* sc: HPG x n */
     float *lo = sc + HPG * n, *hi = lo + half, *s = hi + half, *mn = s + D, *w = mn + D, *wm = w + HPG * vg;
@@ -319,7 +341,7 @@ static inline __attribute__((always_inline)) void q4_chunk(
             }
         }
     }
-    chunk_softmax(HPG, D, n, sc, part);
+    chunk_softmax(HPG, D, n, sc, part, keep);
     float *acc = work + HPG * n + 4 * D + 2 * HPG * half + HPG + 2 * HPG * vg; /* HPG x D: even then odd halves */
     memset(acc, 0, sizeof(float) * (size_t)(HPG * D));
     memset(wm, 0, sizeof(float) * (size_t)(HPG * vg));
@@ -397,7 +419,7 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
         const int64_t HPG, const int64_t PIECES, int64_t t0, int64_t t1, const float *restrict q,
         const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
         const uint8_t *restrict cv, const uint16_t *restrict sv, const uint16_t *restrict mv, float scale,
-        float *restrict part, float *restrict work) {
+        float *restrict part, float *restrict work, const uint8_t *restrict keep) {
     const int64_t D = 32 * PIECES, half = D / 2, n = t1 - t0;
     float *qe = work, *qo = qe + HPG * half, *qm = qo + HPG * half, *sc = qm + HPG; /* sc: HPG x n */
     const __m512i rows = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
@@ -405,7 +427,7 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
     const __m512i nibble = _mm512_set1_epi32(15);
     for (int64_t t = t0; t < t1; t += 32) {
         const uint16_t *sg = sk + (t / 32) * D, *mg = mk + (t / 32) * D;
-        __m512 s16[8], m16[8]; /* the group's scales and minimums, 16 channels a vector */
+        __m512 s16[16], m16[16]; /* the group's scales and minimums, 16 channels a vector */
         for (int64_t p = 0; p < 2 * PIECES; p++) {
             s16[p] = _mm512_mul_ps(_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sg + 16 * p))),
                                    _mm512_set1_ps(scale));
@@ -413,7 +435,7 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
         }
         for (int64_t h = 0; h < HPG; h++) {
             const float *qh = q + h * D;
-            float qs[128];
+            float qs[256];
             __m512 m0 = _mm512_setzero_ps();
             for (int64_t p = 0; p < 2 * PIECES; p++) {
                 __m512 qv = _mm512_loadu_ps(qh + 16 * p);
@@ -450,9 +472,9 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
             for (int64_t h = 0; h < HPG; h++) _mm512_storeu_ps(sc + h * n + (tb - t0), acc[h]);
         }
     }
-    chunk_softmax(HPG, D, n, sc, part);
-    __m512 lo_acc[8][4], hi_acc[8][4]; /* [head][piece]: even channels (low nibbles), odd (high) */
-    float wm[8][4];
+    chunk_softmax(HPG, D, n, sc, part, keep);
+    __m512 lo_acc[8][8], hi_acc[8][8]; /* [head][piece]: even channels (low nibbles), odd (high) */
+    float wm[8][8];
     for (int64_t h = 0; h < HPG; h++)
         for (int64_t p = 0; p < PIECES; p++) {
             lo_acc[h][p] = hi_acc[h][p] = _mm512_setzero_ps();
@@ -492,7 +514,7 @@ static inline __attribute__((always_inline)) void q4_chunk_avx512(
 
 /* the full-precision tail (m keys and values, float32) of one (batch, KV head) */
 static void f32_tail(int64_t HPG, int64_t D, int64_t m, const float *q, const float *tk, const float *tv, float scale,
-                     float *part, float *work) {
+                     float *part, float *work, const uint8_t *keep) {
     for (int64_t h = 0; h < HPG; h++) {
         const float *qh = q + h * D;
         float *r = work, mx = -INFINITY, l = 0.0f, *dst = part + h * (D + 2) + 2;
@@ -501,11 +523,11 @@ static void f32_tail(int64_t HPG, int64_t D, int64_t m, const float *q, const fl
             const float *k = tk + i * D;
 #pragma omp simd reduction(+ : a)
             for (int64_t c = 0; c < D; c++) a += qh[c] * k[c];
-            r[i] = a * scale;
+            r[i] = keep != NULL && !keep[i] ? -INFINITY : a * scale;
             mx = r[i] > mx ? r[i] : mx;
         }
         for (int64_t c = 0; c < D; c++) dst[c] = 0.0f;
-        for (int64_t i = 0; i < m; i++) {
+        for (int64_t i = 0; i < m && mx > -INFINITY; i++) {
             float p = exp_neg(r[i] - mx);
             const float *v = tv + i * D;
             l += p;
@@ -550,7 +572,7 @@ static inline __m512 hsum16(const __m512 *v) {
 static inline __attribute__((always_inline)) void dense_chunk(
         const int64_t HPG, const int64_t P, const int bf16, int64_t t0, int64_t t1, const float *restrict q,
         const char *restrict k, const char *restrict v, int64_t ts_bytes, float scale, float *restrict part,
-        float *restrict sc) {
+        float *restrict sc, const uint8_t *restrict keep) {
     const int64_t D = 16 * P, n = t1 - t0, es = bf16 ? 2 : 4;
     __m512 qv[8][8];
     for (int64_t h = 0; h < HPG; h++)
@@ -585,7 +607,7 @@ static inline __attribute__((always_inline)) void dense_chunk(
             sc[h * n + (tt - t0)] = _mm512_reduce_add_ps(a);
         }
     }
-    chunk_softmax(HPG, D, n, sc, part);
+    chunk_softmax(HPG, D, n, sc, part, keep);
     __m512 o[8][8];
     for (int64_t h = 0; h < HPG; h++)
         for (int64_t p = 0; p < P; p++) o[h][p] = _mm512_setzero_ps();
@@ -627,6 +649,8 @@ typedef struct {
     float scale;
     float *out, *scratch;
     int64_t threads;
+    const uint8_t *keep; /* NULL: every key visible; else (B, t) bytes, row b at keep + b * keep_b, 0 = hidden */
+    int64_t keep_b;
 } mh_dense_args;
 
 int mh_attend_dense(const mh_dense_args *a) {
@@ -647,14 +671,15 @@ int mh_attend_dense(const mh_dense_args *a) {
         const char *kp = (const char *)a->k + (b * a->k_b + g * a->k_g) * es;
         const char *vp = (const char *)a->v + (b * a->v_b + g * a->v_g) * es;
         float *part = parts + it * part_size, *sc = works + it * HPG * MH_CHUNK;
+        const uint8_t *kb = a->keep == NULL ? NULL : a->keep + b * a->keep_b + t0;
         if (D == 64 && HPG == 3 && bf16)
-            dense_chunk(3, 4, 1, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
+            dense_chunk(3, 4, 1, t0, t1, qg, kp, vp, k_t * es, scale, part, sc, kb);
         else if (D == 64 && HPG == 3)
-            dense_chunk(3, 4, 0, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
+            dense_chunk(3, 4, 0, t0, t1, qg, kp, vp, k_t * es, scale, part, sc, kb);
         else if (D == 64)
-            dense_chunk(HPG, 4, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
+            dense_chunk(HPG, 4, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc, kb);
         else
-            dense_chunk(HPG, 8, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc);
+            dense_chunk(HPG, 8, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc, kb);
     }
     merge_parts(B * G, HPG, D, per, parts, a->out);
     return 0;
@@ -673,7 +698,7 @@ static inline __attribute__((always_inline)) void q8_chunk(
         int64_t HPG, int64_t D, int64_t group, int64_t t0, int64_t t1, const float *restrict q,
         const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
         const uint8_t *restrict cv, const uint16_t *restrict sv, const uint16_t *restrict mv, float scale,
-        float *restrict part, float *restrict work) {
+        float *restrict part, float *restrict work, const uint8_t *restrict keep) {
     int64_t n = t1 - t0, vg = D / group;
     float *qs = work, *qm = qs + HPG * D, *sc = qm + HPG; /* sc: HPG x n */
     float *s = sc + HPG * n, *mn = s + D, *cf = mn + D, *w = cf + D, *wm = w + HPG * vg, *acc = wm + HPG * vg;
@@ -694,7 +719,7 @@ static inline __attribute__((always_inline)) void q8_chunk(
             }
         }
     }
-    chunk_softmax(HPG, D, n, sc, part);
+    chunk_softmax(HPG, D, n, sc, part, keep);
     memset(acc, 0, sizeof(float) * (size_t)(HPG * D));
     memset(wm, 0, sizeof(float) * (size_t)(HPG * vg));
     for (int64_t tt = t0; tt < t1; tt++) {
@@ -729,19 +754,19 @@ static inline __m512 codes16(const uint8_t *p) {
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
 
-/* q8_chunk for group 32 and head_dim 16 * P (P 4 or 8) with AVX-512: keys 16 tokens at a time, each converted once
+/* q8_chunk for group 32 and head_dim 16 * P (P 4, 8 or 16: head_dim 64, 128 or 256) with AVX-512: keys 16 tokens at a time, each converted once
    with its channels in the lanes and the 16 scores of a query head summed across lanes in one tree (hsum16); values
    a token at a time with the channels in the lanes (the 16 channels of piece p lie in value group p / 2). */
 static inline __attribute__((always_inline)) void q8_chunk_avx512(
         const int64_t HPG, const int64_t P, int64_t t0, int64_t t1, const float *restrict q,
         const uint8_t *restrict ck, const uint16_t *restrict sk, const uint16_t *restrict mk,
         const uint8_t *restrict cv, const uint16_t *restrict sv, const uint16_t *restrict mv, float scale,
-        float *restrict part, float *restrict work) {
+        float *restrict part, float *restrict work, const uint8_t *restrict keep) {
     const int64_t D = 16 * P, n = t1 - t0, VG = P / 2;
     float *sc = work; /* HPG x n */
     for (int64_t t = t0; t < t1; t += 32) {
         const uint16_t *sg = sk + (t / 32) * D, *mg = mk + (t / 32) * D;
-        __m512 qv[8][8];
+        __m512 qv[8][16];
         float qm[8];
         for (int64_t h = 0; h < HPG; h++) {
             __m512 m0 = _mm512_setzero_ps();
@@ -758,7 +783,7 @@ static inline __attribute__((always_inline)) void q8_chunk_avx512(
             const uint8_t *base = ck + tb * D;
             for (int64_t i = 0; i < 16; i++)
                 for (int64_t off = 0; off < D; off += 64) _mm_prefetch((const char *)(base + (16 + i) * D + off), _MM_HINT_T0);
-            float kf[16 * 16 * 8]; /* the 16 keys' codes as floats, converted once for every query head */
+            float kf[16 * 16 * 16]; /* the 16 keys' codes as floats, converted once for every query head */
             for (int64_t i = 0; i < 16; i++)
                 for (int64_t p = 0; p < P; p++) _mm512_storeu_ps(kf + (i * P + p) * 16, codes16(base + i * D + 16 * p));
             for (int64_t h = 0; h < HPG; h++) {
@@ -772,9 +797,9 @@ static inline __attribute__((always_inline)) void q8_chunk_avx512(
             }
         }
     }
-    chunk_softmax(HPG, D, n, sc, part);
-    __m512 o[8][8];
-    float wm[8][4];
+    chunk_softmax(HPG, D, n, sc, part, keep);
+    __m512 o[8][16];
+    float wm[8][8];
     for (int64_t h = 0; h < HPG; h++) {
         for (int64_t p = 0; p < P; p++) o[h][p] = _mm512_setzero_ps();
         for (int64_t k = 0; k < VG; k++) wm[h][k] = 0.0f;
@@ -784,8 +809,8 @@ static inline __attribute__((always_inline)) void q8_chunk_avx512(
         _mm_prefetch((const char *)(code + 8 * D), _MM_HINT_T0);
         if (D > 64) _mm_prefetch((const char *)(code + 8 * D + 64), _MM_HINT_T0);
         const uint16_t *st = sv + tt * VG, *mt = mv + tt * VG;
-        __m512 vv[8];
-        float s[4], mn[4];
+        __m512 vv[16];
+        float s[8], mn[8];
         for (int64_t p = 0; p < P; p++) vv[p] = codes16(code + 16 * p);
         for (int64_t k = 0; k < VG; k++) {
             s[k] = _cvtsh_ss(st[k]);
@@ -817,24 +842,25 @@ int64_t mh_attend_quantized_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D
 /* one chunk of a (batch, KV head)'s codes, `bits` 4 or 8: the AVX-512 chunk where it fits, else the portable one */
 static void quantized_chunk(int bits, int64_t HPG, int64_t D, int64_t group, int64_t t0, int64_t t1, const float *q,
                             const uint8_t *ck, const uint16_t *sk, const uint16_t *mk, const uint8_t *cv,
-                            const uint16_t *sv, const uint16_t *mv, float scale, float *part, float *work) {
+                            const uint16_t *sv, const uint16_t *mv, float scale, float *part, float *work,
+                            const uint8_t *keep) {
 #if defined(__AVX512F__)
-    if (group == 32 && (D == 64 || D == 128) && HPG <= 8 && (t1 - t0) % 16 == 0) {
+    if (group == 32 && (D == 64 || D == 128 || D == 256) && HPG <= 8 && (t1 - t0) % 16 == 0) {
         if (bits == 4 && D == 64 && HPG == 3) /* SmolLM2's shape: constant trip counts throughout */
-            q4_chunk_avx512(3, 2, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+            q4_chunk_avx512(3, 2, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work, keep);
         else if (bits == 4)
-            q4_chunk_avx512(HPG, D / 32, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+            q4_chunk_avx512(HPG, D / 32, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work, keep);
         else if (D == 64 && HPG == 3)
-            q8_chunk_avx512(3, 4, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+            q8_chunk_avx512(3, 4, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work, keep);
         else
-            q8_chunk_avx512(HPG, D / 16, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+            q8_chunk_avx512(HPG, D / 16, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work, keep);
         return;
     }
 #endif
     if (bits == 4)
-        q4_chunk(HPG, D, group, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+        q4_chunk(HPG, D, group, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work, keep);
     else
-        q8_chunk(HPG, D, group, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work);
+        q8_chunk(HPG, D, group, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work, keep);
 }
 
 /* the arguments of mh_attend_quantized: q and out (B, G, HPG, D) float32 contiguous; code rows ck, cv of
@@ -855,6 +881,8 @@ typedef struct {
     float scale;
     float *out, *scratch;
     int64_t threads;
+    const uint8_t *keep; /* NULL: every key visible; else (B, n + m) bytes, row b at keep + b * keep_b, 0 = hidden */
+    int64_t keep_b;
 } mh_quant_args;
 
 /* One decode step's attention over a `bits`-bit (4 or 8) KIVI store and its full-precision tail: work items (batch,
@@ -878,12 +906,14 @@ int mh_attend_quantized(const mh_quant_args *a) {
         float *part = parts + it * part_size, *work = works + it * work_size;
         if (c < nq) {
             int64_t t0 = c * chunk, t1 = t0 + chunk < n ? t0 + chunk : n;
+            const uint8_t *kb = a->keep == NULL ? NULL : a->keep + b * a->keep_b + t0;
             quantized_chunk(bits, HPG, D, group, t0, t1, qg, a->ck + b * a->ck_b + g * a->ck_g,
                             a->sk + b * a->sk_b + g * a->sk_g, a->mk + b * a->sk_b + g * a->sk_g,
                             a->cv + b * a->cv_b + g * a->cv_g, a->sv + b * a->sv_b + g * a->sv_g,
-                            a->mv + b * a->sv_b + g * a->sv_g, a->scale, part, work);
+                            a->mv + b * a->sv_b + g * a->sv_g, a->scale, part, work, kb);
         } else {
-            f32_tail(HPG, D, m, qg, a->tk + bg * m * D, a->tv + bg * m * D, a->scale, part, work);
+            f32_tail(HPG, D, m, qg, a->tk + bg * m * D, a->tv + bg * m * D, a->scale, part, work,
+                     a->keep == NULL ? NULL : a->keep + b * a->keep_b + n);
         }
     }
     merge_parts(a->B * G, HPG, D, per, parts, a->out);
