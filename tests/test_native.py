@@ -506,11 +506,17 @@ def test_attend_dense_names_what_does_not_fit() -> None:
         native.attend_dense(torch.randn(1, 4, 2, 64), k, k, 0.125)
 
 
-def test_a_decode_step_attends_natively_unless_the_table_says_sdpa_and_agrees_either_way(
+def test_a_decode_step_attends_natively_from_its_length_or_where_the_table_says_and_agrees_either_way(
         monkeypatch: pytest.MonkeyPatch, tuning_table) -> None:  # type: ignore[no-untyped-def]
-    """A full cache's decode steps: the native dense kernel by default, every step (no call timed); SDPA for the
-    shape and power-of-two range of lengths where the host's table says so; the logits equal the plain path's
-    (multihead.cpu off) within float32 rounding either way, and explain names the kernel that runs."""
+    """A full cache's decode steps: untuned, SDPA below NATIVE_DECODE_KEYS keys (a short cache: its call costs less)
+    and the native dense kernel from there; where the host's table says native for the shape and power-of-two range
+    of lengths, every step runs natively (no call timed); the logits equal the plain path's (multihead.cpu off)
+    within float32 rounding either way, and explain names the kernel that runs."""
+    threads = torch.get_num_threads()
+    for dtype, least in cpu.NATIVE_DECODE_KEYS.items():
+        assert cpu.native_decode_attention(1, 9, 3, dtype, least - 1) is None
+        assert f"from {least:,} keys" in str(cpu.native_decode_attention(1, 9, 3, dtype, least))
+        assert cpu.native_decode_attention(1, 9, 3, dtype, 4 * least) is not None
     calls = []
     kernel = native.attend_dense
     monkeypatch.setattr(native, "attend_dense", lambda *a, **k: calls.append(1) or kernel(*a, **k))
@@ -531,17 +537,15 @@ def test_a_decode_step_attends_natively_unless_the_table_says_sdpa_and_agrees_ei
             h = torch.randn(1, 1, layer.config.d_model)
             return layer.explain(h, step=layer.step(h, causal=True, cache=cache.layer(1)), cache=cache.layer(1)).kernel
 
-    got = decode()
-    assert len(calls) == 2 * 20  # two layers, twenty decode steps: every one
     with cpu.disabled():
         want = decode()
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
-    assert explained() == "multihead.native.attend_dense"
-    tuning_table({cpu.attention_key("native-attention", 1, 3, 1, torch.float32, t, torch.get_num_threads()): "sdpa"
-                  for t in (64, 128)})  # the ranges 64-127 and 128-255: keys 100 .. 120
-    calls.clear()
     torch.testing.assert_close(decode(), want, atol=1e-4, rtol=1e-4)
-    assert calls == [] and explained() != "multihead.native.attend_dense"
+    assert calls == [] and explained() != "multihead.native.attend_dense"  # 100 .. 120 keys, untuned: SDPA
+    tuning_table({cpu.attention_key("native-attention", 1, 3, 1, torch.float32, t, threads): "native"
+                  for t in (64, 128)})  # the ranges 64-127 and 128-255: keys 100 .. 120
+    torch.testing.assert_close(decode(), want, atol=1e-4, rtol=1e-4)
+    assert len(calls) == 2 * 20  # two layers, twenty decode steps: every one
+    assert explained() == "multihead.native.attend_dense"
 
 
 @pytest.mark.parametrize("bits", [4, 8])

@@ -542,6 +542,9 @@ def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: t
                                                                threads)) == "folded"))
 
 
+NATIVE_DECODE_KEYS = {torch.float32: 1024, torch.bfloat16: 2048}  # untuned: native decode from this many keys
+
+
 def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, t: int) -> str | None:
     """Whether a decode step that :func:`multihead.native.attend_dense` takes (one query a head, every key visible,
     no gradient: the dispatcher checks) runs there instead of SDPA's CPU kernel: the reason it does, or None.
@@ -549,16 +552,22 @@ def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: to
     The native kernel reads each KV head once for all the query heads it serves, float32 sums, with software
     prefetch. Measured (SmolLM2's 9/3 heads, head_dim 64, 30 layers' caches in turn, one process, alternating,
     medians of 7, the host of 2026-12-01): 8,192 keys float32 25.8 ms against SDPA's 62.9, bfloat16 15.3 against
-    27.1; 2,048 keys float32 8.8 / 12.4, bfloat16 7.4 / 7.7. The table decides per (b, h, g, dtype, power-of-two
-    range of t, threads); without an entry, native."""
+    27.1; 2,048 keys float32 8.8 / 12.4, bfloat16 7.4 / 7.7. Below that SDPA's kernel wins (its call costs less
+    than the native kernel's, whose advantage is reading the keys once): SmolLM2 in transformers, whole decode steps
+    with the two kernels alternating, the 2-core Intel Xeon host of 2026-12-06: a 260-key sinks + window ring in
+    either dtype and 1,024 bfloat16 keys ran 1-4% faster through SDPA, 1,024 float32 keys 2% faster natively. The
+    table decides per (b, h, g, dtype, power-of-two range of t, threads); without an entry, native from
+    NATIVE_DECODE_KEYS keys (by dtype), SDPA below."""
     if not _enabled or (not torch.compiler.is_compiling() and in_a_mode()):
         return None
     threads = intra_op_threads()
 
     def look_up() -> str | None:
         found = _entries().get(attention_key("native-attention", batch, n_heads, n_kv_heads, dtype, t, threads))
-        return (None if found == "sdpa" else "the host's tuning table" if found == "native"
-                else "the default where no tuning says otherwise")
+        if found is None:
+            least = NATIVE_DECODE_KEYS.get(dtype, NATIVE_DECODE_KEYS[torch.float32])
+            return f"the default from {least:,} keys where no tuning says otherwise" if t >= least else None
+        return None if found == "sdpa" else "the host's tuning table"
 
     return _memoised(("native-attention", batch, n_heads, n_kv_heads, dtype, t.bit_length(), threads),
                      look_up)  # type: ignore[return-value]

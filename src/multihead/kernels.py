@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -213,6 +213,39 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
     kv = call.kv
     if isinstance(kv, GroupedKV):
         raise MultiheadError("a head-wise view is decided group by group: multihead.kernels.group_calls(call)")
+    key = _dispatch_key(call, device)
+    if key is None:
+        return _resolve(call, device)
+    found: Dispatch | None = call.mask.memo.get(key)
+    if found is None:
+        found = call.mask.memo[key] = _resolve(call, device)
+    return found
+
+
+def _dispatch_key(call: AttentionCall, device: torch.device) -> tuple[Any, ...] | None:
+    """Everything of a call the decision reads beside its mask, as the key it is kept under in the mask's memo: the
+    layers of one step share the step's mask and mostly ask with the same shapes, so the decision is made once a
+    step for each form of call (a decode step of SmolLM2 asks 30 times). None (not kept) for a call with hooks or
+    sink logits, under torch.compile, or in a mode watching the calls."""
+    if call.hooks is not None or call.sinks is not None or torch.compiler.is_compiling() or cpu.in_a_mode():
+        return None
+    q, kv = call.q, call.kv
+    view: tuple[Any, ...]
+    if isinstance(kv, DenseKV):
+        k, v = kv.keys, kv.values
+        view = (k.shape, k.stride(), k.dtype, k.device, k.requires_grad, v.shape, v.stride(), v.dtype, v.device,
+                v.requires_grad)
+    elif isinstance(kv, QuantizedKV):
+        view = (kv.bits, kv.group, kv.n, kv.tail_k.shape, kv.tail_k.requires_grad, kv.tail_v.requires_grad)
+    else:
+        return None
+    return ("dispatch", device, q.shape, q.dtype, q.device, q.requires_grad, torch.is_grad_enabled(), view,
+            call.dropout_p, call.backend, call.need_weights, call.softcap, call.rows_are_heads, call.masks is None)
+
+
+def _resolve(call: AttentionCall, device: torch.device) -> Dispatch:
+    """:func:`resolve_backend`'s decision, made."""
+    kv = call.kv
     if isinstance(kv, QuantizedKV):
         why_not = _native_quantized_refused(call, kv, device)
         if why_not is None:

@@ -47,8 +47,8 @@ class QuantizedKV:
     uint8; ``scale_k``, ``min_k`` (b, g, >= n / group, d) float16, keys per channel over groups of ``group``
     tokens; ``scale_v``, ``min_v`` (b, g, >= n, d / group) float16, values per token over groups of ``group``
     channels. Then ``tail_k``, ``tail_v`` (b, g, m, d): the residual tokens and the step's own, t = n + m keys in
-    all, in the cache's ``dtype`` or, for a decode step, in float32 holding values of that dtype (the form a kernel
-    over the codes reads). The buffers are the store's own (rows contiguous), never copies.
+    all, in the cache's ``dtype`` (a decode step's: a view of the store's residual buffer, rows contiguous). The
+    code buffers are the store's own (rows contiguous), never copies.
     """
 
     bits: int
