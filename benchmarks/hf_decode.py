@@ -12,13 +12,19 @@ each cache holds and each multihead kind's step against its bytes bound (:func:`
 scaled by the weights + cache bytes read). ``--load N`` repeats the decode with N busy processes (pure Python loops,
 one core each) started by the benchmark.
 
+transformers' compiled decoding runs beside them as a second anchor (issue 50 item 3): its StaticCache prefilled
+eagerly, then ``torch.compile(model.forward)`` one token a step (:class:`CompiledStatic`; compiled afresh for each
+cell, ~30 s on 2 cores, in the untimed warm-up; ``--no-compiled`` leaves it out; a model it fails on is said and
+left out). "vs compiled" is each variant's speed against it. multihead's caches do not compile: their view reaches
+the attention function as an attribute of the keys tensor, which torch.compile does not carry.
+
 Head-wise plans: SmolLM2's shipped ones (docs/experiments/smollm2-duo-50-plan.json, smollm2-duo1024-25-plan.json);
 Gemma 3 270M has one KV head a layer and 15 of its 18 layers slide (their heads are rings of the 512-token window
 whatever a plan says), so its plans keep every key on 2 of the 3 global layers ("50%") or on 1 ("25%"), the others
 streaming with 4 sinks + 256.
 
     .venv/bin/python benchmarks/hf_decode.py [--models smollm2 gemma3] [--dtypes float32 bfloat16]
-        [--lengths 1024 4096 8192] [--steps 12] [--load 0] [--json out/hf-decode.json] [--record]
+        [--lengths 1024 4096 8192] [--steps 12] [--load 0] [--no-compiled] [--json out/hf-decode.json] [--record]
 """
 
 from __future__ import annotations
@@ -129,7 +135,7 @@ def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> float:
 
 
 def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, chunk: int, load: int,
-         plan_of: dict[str, Any]) -> dict[str, Any]:
+         plan_of: dict[str, Any], compiled: bool = True) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from multihead import hf
@@ -151,13 +157,23 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
     for label, cache in made.items():
         compress(full.inner, cache.inner)
         caches[f"multihead {label}"] = cache
+    compiled_step = _compiled_static(model, ids, room, chunk) if compiled else None
+    if isinstance(compiled_step, str):
+        print(f"{name} {dtype} {length}: transformers' compiled StaticCache did not run: {compiled_step}", flush=True)
+        compiled_step = None
+    if compiled_step is not None:
+        caches[COMPILED] = compiled_step.cache
     token = {label: ids[:, -1:] for label in caches}
     kernels: dict[str, str] = {}
     conditions = [("idle", 0)] + ([(f"{load} busy", load)] if load else [])
-    times: dict[str, dict[str, list[float]]] = {c: {label: [] for label in caches} for c, _ in conditions}
 
     def step(label: str, record: list[str] | None = None) -> float:
         model.set_attn_implementation("sdpa" if label.startswith("transformers") else "multihead")
+        if label == COMPILED:
+            assert compiled_step is not None
+            took, logits = compiled_step(token[label])
+            token[label] = logits[:, -1:].argmax(-1)
+            return took
         with torch.no_grad(), (recording_kernels(record) if record is not None else contextlib.nullcontext()):
             start = time.perf_counter()
             logits = model(token[label], cache=caches[label]).logits
@@ -165,10 +181,21 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
         token[label] = logits[:, -1:].argmax(-1)
         return took
 
-    for label in caches:  # one untimed step each: warm, and the kernel each runs
+    for label in list(caches):  # one untimed step each: warm (the compiled one: compiles), and the kernel each runs
         found: list[str] = []
+        if label == COMPILED:
+            try:
+                step(label)
+                step(label)
+            except Exception as e:
+                print(f"{name} {dtype} {length}: transformers' compiled StaticCache did not run: "
+                      f"{type(e).__name__}: {str(e)[:300]}", flush=True)
+                del caches[label]
+                continue
         step(label, None if label.startswith("transformers") else found)
-        kernels[label] = found[0] if found else "torch sdpa (transformers)"
+        kernels[label] = found[0] if found else ("torch sdpa (transformers), torch.compile (inductor)"
+                                                 if label == COMPILED else "torch sdpa (transformers)")
+    times: dict[str, dict[str, list[float]]] = {c: {label: [] for label in caches} for c, _ in conditions}
     for condition, busy in conditions:
         with bench_load(busy):
             for _ in range(steps):
@@ -177,18 +204,58 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
     rows = []
     for condition, _ in conditions:
         anchor = statistics.median(times[condition]["transformers sdpa + DynamicCache"])
+        fastest = statistics.median(times[condition][COMPILED]) if COMPILED in caches else None
         for label in caches:
             ms = statistics.median(times[condition][label])
             cache = caches[label]
-            held = (sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers)
+            held = (sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
                     if label.startswith("transformers") else cache.bytes)
             rows.append({"model": name, "dtype": str(dtype).removeprefix("torch."), "cached": length,
                          "condition": condition, "variant": label, "ms_per_step": round(1000 * ms, 2),
-                         "speed_vs_transformers": round(anchor / ms, 3), "cache_bytes": held,
+                         "speed_vs_transformers": round(anchor / ms, 3),
+                         "speed_vs_compiled": None if fastest is None else round(fastest / ms, 3), "cache_bytes": held,
                          "prefill_s": round(prefill_s[label], 2) if label in prefill_s else None,
                          "kernel": kernels[label]})
     bytes_bound(rows, weights_read(model))
     return {"rows": rows}
+
+
+COMPILED = "transformers sdpa + StaticCache, compiled"
+
+
+class CompiledStatic:
+    """transformers' own compiled decoding: a StaticCache prefilled eagerly, then ``torch.compile(model.forward)``
+    (inductor; sizes that change between steps made dynamic after the first recompile, torch.compile's default) one
+    token a step at explicit cache positions. Built after :func:`multihead.hf.enable`, so the model's inactive hook
+    points are traced in with it (they add no work when inactive). ``cache`` the StaticCache; calling it with a
+    token returns (seconds, logits)."""
+
+    def __init__(self, model: Any, cache: Any, position: int) -> None:
+        self.model, self.cache, self.position = model, cache, position
+        self.forward = torch.compile(model.forward)
+
+    def __call__(self, token: torch.Tensor) -> tuple[float, torch.Tensor]:
+        at = torch.tensor([self.position])
+        with torch.no_grad():
+            start = time.perf_counter()
+            logits = self.forward(token, cache=self.cache, cache_position=at, position_ids=at[None]).logits
+            took = time.perf_counter() - start
+        self.position += 1
+        return took, logits
+
+
+def _compiled_static(model: Any, ids: torch.Tensor, room: int, chunk: int) -> CompiledStatic | str:
+    """transformers' StaticCache compiled, for this model, dtype and length, or why it does not run here."""
+    from transformers import StaticCache
+
+    torch._dynamo.reset()  # a fresh compile for this cell's shapes (each cell would otherwise count as a recompile)
+    try:
+        model.set_attn_implementation("sdpa")
+        cache = StaticCache(config=model.config, max_cache_len=room)
+        prefill(model, ids, cache, chunk)
+        return CompiledStatic(model, cache, ids.shape[1])
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"[:300]
 
 
 def _busy() -> None:
@@ -213,15 +280,16 @@ def bench_load(n: int) -> Iterator[None]:
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    head = ("| model | dtype | cached | condition | variant | ms a step | vs transformers | cache bytes | "
-            "of bytes bound | prefill s |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = ("| model | dtype | cached | condition | variant | ms a step | vs transformers | vs compiled | "
+            "cache bytes | of bytes bound | prefill s |\n|---|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         pre = "" if r["prefill_s"] is None else f"{r['prefill_s']:.1f}"
         bound = "" if r.get("of_bound") is None else f"{r['of_bound']:.2f}"
+        fast = "" if r.get("speed_vs_compiled") is None else f"{r['speed_vs_compiled']:.2f}x"
         lines.append(f"| {r['model']} | {r['dtype']} | {r['cached']:,} | {r['condition']} | {r['variant']} | "
-                     f"{r['ms_per_step']:.1f} | {r['speed_vs_transformers']:.2f}x | {r['cache_bytes']:,} | {bound} | "
-                     f"{pre} |")
+                     f"{r['ms_per_step']:.1f} | {r['speed_vs_transformers']:.2f}x | {fast} | {r['cache_bytes']:,} | "
+                     f"{bound} | {pre} |")
     return "\n".join(lines)
 
 
@@ -233,6 +301,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12, help="timed decode steps of each variant (default 12)")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--load", type=int, default=0, help="also decode with N busy processes (default 0: idle only)")
+    p.add_argument("--no-compiled", action="store_true",
+                   help="leave out transformers' compiled StaticCache (each cell compiles it: ~30 s on 2 cores)")
     p.add_argument("--json", type=Path, default=None, help="write the rows and the machine to this JSON file")
     p.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
     args = p.parse_args(argv)
@@ -253,7 +323,7 @@ def main(argv: list[str] | None = None) -> int:
             model.to(dtype)
             for length in args.lengths:
                 found = cell(name, model, dtype, length, steps=args.steps, chunk=args.prefill_chunk,
-                             load=args.load, plan_of=plan_of)
+                             load=args.load, plan_of=plan_of, compiled=not args.no_compiled)
                 rows.extend(found["rows"])
                 print(table(found["rows"]), flush=True)
         del model
