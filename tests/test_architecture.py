@@ -313,3 +313,16 @@ def test_a_walk_of_the_forward_visits_each_room_once_in_order() -> None:
         top, _ = _walk(lambda: layer(torch.randn(2, 10, 384), causal=True))  # uncached: the layer makes its step
     assert top == ["multihead.step", "multihead.linear", "multihead.rope", "multihead.hooks", "multihead.kernels",
                    "multihead.linear"], top
+
+
+def test_module_docstrings_hold_no_dated_measurements() -> None:
+    """A module's docstring says what the module is and does; measurements are tied to a host and a day and live in
+    benchmarks/RESULTS.md (issue 51 item 6), where they are recorded with both. No module docstring names a date."""
+    import re
+
+    dated = re.compile(r"\b20\d\d-\d\d-\d\d\b")
+    found = []
+    for name, path in sorted(_modules().items()):
+        doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False) or ""
+        found += [f"{name}: {line.strip()}" for line in doc.splitlines() if dated.search(line)]
+    assert found == []

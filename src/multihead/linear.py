@@ -21,11 +21,10 @@ A prefill's many-row bfloat16 product runs in float32 on x86 CPUs without bfloat
 decided by :func:`multihead.cpu.upcast_product`): about 3x faster there.
 
 Same weights, same parameters and state_dict, no copy of W; the kinds differ at the last bits of the dtype's
-rounding (the same sums in another order), and a shape always runs the same kind in a process. Measured on the
-2-core machine of benchmarks/RESULTS.md (SmolLM2-135M greedy decoding, decode.py, one process, alternating,
-2026-12-01): bfloat16 16.3 tok/s with each shape's fastest kind against 11.7 with the speed paths off; with
-"native" among the kinds (every shape chose it) 25.9 against 15.8 plain and transformers' 15.8. Which calls may
-choose is decided in :func:`multihead.cpu.split_product` (with the other CPU speed paths, behind one switch).
+rounding (the same sums in another order), and a shape always runs the same kind in a process. What each kind
+gains in SmolLM2-135M's greedy decoding (benchmarks/decode.py, one process, alternating) is recorded with its host
+and date in benchmarks/RESULTS.md. Which calls may choose is decided in :func:`multihead.cpu.split_product` (with
+the other CPU speed paths, behind one switch).
 """
 
 from __future__ import annotations

@@ -6,10 +6,9 @@ operators (``torch.ops.multihead.*``: schemas and fake kernels, so ``torch.compi
 The kernels:
 
 - :func:`gemv_bf16` (``torch.ops.multihead.gemv_bf16``), decoding's one-row bfloat16 product
-  ``F.linear(x, W, bias)``. Measured on the 2-core Xeon of benchmarks/RESULTS.md (AVX512-BF16, one process, 60
-  weights in turn, median of 7): 1536 x 576 75-88 us against F.linear's 240-278 (oneDNN) and 235-243 with oneDNN
-  off; PyTorch's kernels read a bfloat16 weight at 6-11 GB/s there, this one at 21-25. The product kind "native"
-  of :func:`multihead.cpu.product_kind`.
+  ``F.linear(x, W, bias)``, with software prefetch: it reads a bfloat16 weight at about twice the speed of
+  PyTorch's one-row kernels on an AVX512-BF16 host (the figures, host and date: benchmarks/RESULTS.md, "The native
+  CPU kernels"). The product kind "native" of :func:`multihead.cpu.product_kind`.
 - :func:`attend_dense` (``torch.ops.multihead.attend_dense``), a decode step's attention over a float32 or
   bfloat16 cache, each KV head read once for all its query heads.
 - :func:`attend_q4` and :func:`attend_q8` (``torch.ops.multihead.attend_quantized``), a decode step's attention
@@ -29,8 +28,8 @@ command that builds them), and every caller keeps PyTorch's kernels: nothing is 
 then raise, naming the reason.
 
 In the package's own hot paths (:mod:`multihead.linear`, :mod:`multihead.kernels`) eager calls go to the Python
-functions with ``check=False`` (their callers hold well-formed tensors; the dispatcher's round trip and the checks
-cost ~2-10 us a call, 200 calls a decoded token); compiled graphs call the operators.
+functions with ``check=False`` (their callers hold well-formed tensors, and the dispatcher's round trip and the checks
+would cost more than some of the kernels, on every layer of every step); compiled graphs call the operators.
 """
 
 from __future__ import annotations

@@ -22,10 +22,8 @@ same hooks serve multihead's own models and any transformers decoder whose atten
 (:func:`multihead.hf.enable`, :mod:`multihead.heads.engines`): there the streaming part keeps the layer's scale and
 softcap and stays inside its own mask (a sliding-window layer streams within its window), and
 :func:`plan_from_gates` makes the plan with the shape read from the model's config.
-Measured on SmolLM2-135M (float32, one step = the full model's forward, the gated forward and its backward): on 2
-idle cores (AMD EPYC, 2026-12-05) 512 tokens 3.4 s, 1,024 tokens 8.2 s (1.7 + 2.5 + 4.1 s). On 2 cores shared with
-other work, earlier: 1,024 tokens 297 s and 1.6 GiB above the loaded model (2.8 GiB peak); 2,048 tokens 392 s and
-4.1 GiB above it (5.4 GiB peak); 512 tokens a median of 83 s over 28 steps.
+A step is the full model's forward, the gated forward and its backward; its time and memory on SmolLM2-135M are
+recorded with their hosts and dates in benchmarks/RESULTS.md ("DuoAttention gate training: a step's time").
 
 Training data: passkey and single-number prompts from the long-context generator
 (:func:`multihead.evals.needles.make_prompt_cases`) built on the *training* split of the text, with seeds of their
