@@ -264,3 +264,39 @@ def test_smollm2_in_transformers_decodes_with_a_head_plan_as_multiheads_own_port
     want = [t[0] for t in generate_ids(ours, [prompt], max_new_tokens=new, plan=plan)]
     assert got[0, len(prompt):].tolist() == want
     assert cache.bytes == ours.new_cache(1, len(prompt) + new, plan=plan).bytes
+
+
+@pytest.mark.usefixtures("two_threads")
+def test_a_switched_models_step_follows_the_load_as_our_models_do_and_gives_the_threads_back() -> None:
+    """hf.enable makes each forward a step of multihead.cpu.step_threads: following the load with one core left
+    free, the attention runs with one intra-op thread (an op spread over two waits for the thread the scheduler
+    left off its core); the configured two come back after the forward, and after one that raised; idle, or not
+    following the load (the default), every step keeps the configured threads. The logits are the same each way."""
+    from multihead import cpu
+
+    model = _model("llama")
+    seen: list[int] = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    tokens = torch.randint(0, 97, (1, 12))
+    with torch.no_grad():
+        want = model(tokens).logits
+    try:
+        cpu.follow_load(True)
+        for spare, threads in [(1.0, 1), (2.0, 2)]:
+            cpu.pin_spare_cores(spare)
+            with torch.no_grad():
+                torch.testing.assert_close(model(tokens).logits, want, atol=1e-5, rtol=1e-5)
+            assert seen[-1] == threads and torch.get_num_threads() == 2
+        cpu.pin_spare_cores(1.0)
+        handle = model.model.layers[1].register_forward_pre_hook(lambda *_: (_ for _ in ()).throw(RuntimeError("x")))
+        with pytest.raises(RuntimeError), torch.no_grad():
+            model(tokens)  # raises in the second layer, after the first ran with one thread
+        handle.remove()
+        assert seen[-1] == 1 and torch.get_num_threads() == 2
+        cpu.follow_load(False)
+        with torch.no_grad():
+            model(tokens)
+        assert seen[-1] == 2
+    finally:
+        cpu.pin_spare_cores(None)
+        cpu.follow_load(None)

@@ -26,7 +26,8 @@ beside it (:data:`DEFAULTS` says which). Nothing in a forward pass reads the clo
 
 **The machine's load** can change how many threads a step runs with, never what it computes: off by default;
 :func:`follow_load` (or ``MULTIHEAD_FOLLOW_LOAD=1``) runs each model step with the threads of the cores other
-processes leave free (:func:`step_threads`), and a split low-precision product in one thread where cores are busy.
+processes leave free (:func:`step_threads`; a transformers model switched by :func:`multihead.hf.enable` too, each
+forward a step), and a split low-precision product in one thread where cores are busy.
 Every decision above keys by the process's configured thread count, not the step's, so the same kernels run and the
 outputs do not change (a test checks it bit for bit).
 
@@ -281,8 +282,9 @@ DEFAULTS = {
                 "benchmarks/RESULTS.md)"),
     "fold": ("folded where the rule decides it (a KV head serving >= 4 query heads, or the b * g work items sharing "
              "evenly among the threads or at least two a thread); otherwise not folded (SDPA's own GQA)"),
-    "native-attention": ("the native kernel wherever it fits (it read a float32 cache 1.4-2.4x and a bfloat16 one "
-                         "1.0-1.8x as fast as SDPA from 2,048 to 8,192 keys on the host of 2026-12-01)"),
+    "native-attention": ("the native kernel wherever it fits from 1,024 keys in float32 and 2,048 in bfloat16, SDPA "
+                         "below (it read a float32 cache 1.4-2.4x and a bfloat16 one 1.0-1.8x as fast as SDPA from "
+                         "2,048 to 8,192 keys on the host of 2026-12-01; on shorter caches SDPA's call costs less)"),
 }
 
 _table_lock = threading.Lock()

@@ -33,7 +33,9 @@ Anything else (flash-attention's packed ``cu_seq_lens_*``, say) raises a Multihe
 from __future__ import annotations
 
 import inspect
+import threading
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,6 +43,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from multihead import cpu
 from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError, require
 from multihead.hooks import HookPoint, add_hook_points, add_resid_points, call_hooks
@@ -362,7 +365,31 @@ def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     for layer in decoder_layers(model).values():
         if "_resid_points" not in layer.__dict__:
             _add_resid_points(layer, layout.attn_write, layout.mlp_write)
+    if "_multihead_step_threads" not in model.__dict__:  # each forward is a step: its threads follow the load
+        model.register_forward_pre_hook(_enter_step)
+        model.register_forward_hook(_leave_step, always_call=True)
+        model.__dict__["_multihead_step_threads"] = True
     return model
+
+
+_steps = threading.local()  # the step_threads contexts of the forwards running in this thread
+
+
+def _enter_step(_module: nn.Module, _args: Any) -> None:
+    """Before a switched model's forward: its step runs with the threads :func:`multihead.cpu.step_threads` gives
+    (fewer than configured only when following the load, :func:`multihead.cpu.follow_load`, on a busy machine), as
+    a step of multihead's own models does."""
+    entered: list[AbstractContextManager[int]] = _steps.__dict__.setdefault("entered", [])
+    context = cpu.step_threads()
+    context.__enter__()
+    entered.append(context)
+
+
+def _leave_step(_module: nn.Module, _args: Any, _output: Any) -> None:
+    """After the forward, or after it raised: the thread count given back."""
+    entered: list[AbstractContextManager[int]] = _steps.__dict__.get("entered", [])
+    if entered:
+        entered.pop().__exit__(None, None, None)
 
 
 def load(path: str | Path, *, dtype: torch.dtype = torch.float32, task: str | None = None,
