@@ -135,15 +135,21 @@ def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> float:
 
 
 def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, chunk: int, load: int,
-         plan_of: dict[str, Any], compiled: bool = True) -> dict[str, Any]:
+         plan_of: dict[str, Any], compiled: bool = True, follow: bool = False) -> dict[str, Any]:
     from transformers import DynamicCache
 
-    from multihead import hf
+    from multihead import cpu, hf
     from multihead.cache import compress
 
+    extra = 2 * (steps + 2)  # the decode steps' tokens (idle and loaded, and the warm-up)
+    context = getattr(model.config, "max_position_embeddings", None)
+    if context is not None and length + extra > context:  # SmolLM2's 8,192: cache as many as leave room to decode
+        print(f"{name}: {length:,} cached tokens and {extra} decode steps exceed the context ({context:,}): "
+              f"{context - extra:,} cached instead", flush=True)
+        length = context - extra
     gen = torch.Generator().manual_seed(length)
     ids = torch.randint(10, model.config.vocab_size, (1, length), generator=gen)
-    room = length + 2 * (steps + 2)
+    room = length + extra
     model.set_attn_implementation("sdpa")
     theirs = DynamicCache(config=model.config)
     prefill_s = {"transformers sdpa + DynamicCache": prefill(model, ids, theirs, chunk)}
@@ -169,6 +175,7 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
 
     def step(label: str, record: list[str] | None = None) -> float:
         model.set_attn_implementation("sdpa" if label.startswith("transformers") else "multihead")
+        cpu.follow_load(follow and label.startswith("multihead"))  # transformers' own steps never follow it
         if label == COMPILED:
             assert compiled_step is not None
             took, logits = compiled_step(token[label])
@@ -301,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12, help="timed decode steps of each variant (default 12)")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--load", type=int, default=0, help="also decode with N busy processes (default 0: idle only)")
+    p.add_argument("--follow-load", action="store_true",
+                   help="multihead's steps follow the machine's load (multihead.cpu.follow_load: as many threads as "
+                        "cores are free); transformers' steps never do")
     p.add_argument("--no-compiled", action="store_true",
                    help="leave out transformers' compiled StaticCache (each cell compiles it: ~30 s on 2 cores)")
     p.add_argument("--json", type=Path, default=None, help="write the rows and the machine to this JSON file")
@@ -323,7 +333,8 @@ def main(argv: list[str] | None = None) -> int:
             model.to(dtype)
             for length in args.lengths:
                 found = cell(name, model, dtype, length, steps=args.steps, chunk=args.prefill_chunk,
-                             load=args.load, plan_of=plan_of, compiled=not args.no_compiled)
+                             load=args.load, plan_of=plan_of, compiled=not args.no_compiled,
+                             follow=args.follow_load)
                 rows.extend(found["rows"])
                 print(table(found["rows"]), flush=True)
         del model
@@ -331,13 +342,15 @@ def main(argv: list[str] | None = None) -> int:
     kernels = sorted({f"{r['variant']}: {r['kernel']}" for r in rows if r["cached"] == args.lengths[0]})
     text = (f"### The transformers path's decode against transformers' sdpa + DynamicCache ({stamp})\n"
             f"machine: {bench.machine()}; {args.steps} steps a variant, alternating step by step, median; "
-            f"prefill in chunks of {args.prefill_chunk}; `benchmarks/hf_decode.py`\n\n{table(rows)}\n\n"
+            + ("multihead's steps following the load (transformers' not); " if args.follow_load else "")
+            + f"prefill in chunks of {args.prefill_chunk}; `benchmarks/hf_decode.py`\n\n{table(rows)}\n\n"
             "kernels (first layer of the first step, at the shortest length):\n"
             + "\n".join(f"- {k}" for k in kernels) + "\n")
     publish(text, args.record)
     if args.json is not None:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": bench.machine(), "date": stamp, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps({"machine": bench.machine(), "date": stamp, "follow_load": args.follow_load,
+                                         "rows": rows}, indent=1))
     return 0
 
 
