@@ -300,3 +300,25 @@ def test_a_switched_models_step_follows_the_load_as_our_models_do_and_gives_the_
     finally:
         cpu.pin_spare_cores(None)
         cpu.follow_load(None)
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_a_quantized_caches_decode_steps_write_in_place_and_equal_the_concatenating_path(bits: int) -> None:
+    """Decode steps of a quantized cache write their token into the residual buffer in place (no gradient asked); with
+    gradients on, the same steps concatenate the residual and the token (the path before the in-place write). The
+    logits agree at every step, including the steps that quantize a group (here every 16 tokens, from token 40),
+    where the commit comes before the last layer's attention in a transformers model."""
+    model = _model("llama")
+    tokens = torch.randint(0, 97, (1, P + 40))
+    n = tokens.shape[1]
+
+    def run(grad: bool) -> Tensor:
+        cache = hf.new_cache(model, n, bits=bits, group=16, residual=8)
+        with torch.set_grad_enabled(grad):
+            out = [model(tokens[:, :P], cache=cache).logits.detach()]
+            for i in range(P, n):
+                out.append(model(tokens[:, i:i + 1], cache=cache).logits.detach())
+        assert cache.inner.quantized == 48  # groups were quantized during the decode steps
+        return torch.cat(out, 1)
+
+    torch.testing.assert_close(run(False), run(True), atol=1e-6, rtol=1e-6)

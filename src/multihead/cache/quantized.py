@@ -138,15 +138,17 @@ class QuantizedKVCache(Cache):
         """The layer's codes as they are stored and the full-precision tail: the residual and the new keys and values
         (b, g, s, d), t = used + s keys in all; the tail waits for :meth:`advance` (``read_only``: it is not kept).
 
-        A decode step's token (one new token, no gradient asked) is written into the residual buffer's next row, in
-        the cache's dtype, and the tail is a view of that buffer: nothing is copied but the token (advance moves rows
-        only when a group is quantized). Otherwise the tail is the residual and the new tokens concatenated, in the
-        cache's dtype; under autograd the new keys' gradient flows through it."""
+        A decode step's token (one new token, no gradient asked) that quantizes no group is written into the residual
+        buffer's next row, in the cache's dtype, and the tail is a view of that buffer: nothing is copied but the
+        token, and advance moves nothing (so a view handed out before the commit still reads what it was given: a
+        transformers model commits before its last layer attends). Otherwise the tail is the residual and the new
+        tokens concatenated, in the cache's dtype; under autograd the new keys' gradient flows through it."""
         self._check_keys(layer, k)
         n, r, s = self.held_codes, self._used - self._quantized, k.shape[2]
         dtype = self.res_k.dtype
         grad = torch.is_grad_enabled() and (k.requires_grad or v.requires_grad)
-        if s == 1 and not read_only and not grad and r < self.res_k.shape[3]:
+        if (s == 1 and not read_only and not grad and r < self.res_k.shape[3]
+                and self.quantized_tokens(self._used + 1) == self._quantized):
             self.res_k[layer, :, :, r] = k[:, :, 0]  # (b, g, d): rounded to the cache's dtype
             self.res_v[layer, :, :, r] = v[:, :, 0]
             tail_k, tail_v = self.res_k[layer, :, :, :r + 1], self.res_v[layer, :, :, :r + 1]  # (b, g, r + 1, d) views
@@ -172,15 +174,11 @@ class QuantizedKVCache(Cache):
                 part = slice(first * self.group - n0, (first + count) * self.group - n0)
                 self._store_codes(layer, tail_k[:, :, part], tail_v[:, :, part], slot * self.group,
                                   (slot + count) * self.group, slot, slot + count)
-            in_place = tail_k.data_ptr() == self.res_k[layer].data_ptr()  # a decode step's view of the residual
-            if in_place and new == 0:
-                continue  # the token is in its row already
+            if tail_k.data_ptr() == self.res_k[layer].data_ptr():
+                continue  # a decode step's view of the residual (update wrote it so only when nothing is quantized)
             rest = tail_k.shape[2] - new
-            kept_k, kept_v = tail_k[:, :, new:], tail_v[:, :, new:]
-            if in_place:  # the rows move down within the same buffer: copied out first
-                kept_k, kept_v = kept_k.clone(), kept_v.clone()
-            self.res_k[layer, :, :, :rest] = kept_k
-            self.res_v[layer, :, :, :rest] = kept_v
+            self.res_k[layer, :, :, :rest] = tail_k[:, :, new:]
+            self.res_v[layer, :, :, :rest] = tail_v[:, :, new:]
         if self.window is not None:
             for first, slot, count in runs:
                 held = torch.arange(first * self.group, (first + count) * self.group, device=self.code_positions.device)
