@@ -1,13 +1,14 @@
 """SmolLM2 decode steps at a long context through each cache kind: this checkout against another git revision, in one
 process, step by step interleaved.
 
-    .venv/bin/python benchmarks/ab_cache_steps.py --base REV [--length 8100] [--caches full int4 int8 sink]
+    .venv/bin/python benchmarks/ab_cache_steps.py --base REV [--length 8100] [--caches full int4 int8 sink headwise]
         [--dtypes float32 bfloat16] [--steps 40] [--record]
 
 The package at ``--base`` is loaded beside the current one (``ab_decode.export``, its imports and torch operators
 renamed); both prefill the same random prompt of ``--length`` tokens into a cache of the kind (in chunks of 512),
 then each of ``--steps`` rounds takes one greedy decode step of each side, the side first alternating, after 4
-untimed rounds. The ratio is the new side's median step over the base's (below 1: the current checkout is faster).
+untimed rounds. ``headwise`` is SmolLM2's shipped 50% plan (docs/experiments/smollm2-duo-50-plan.json). The ratio is
+the new side's median step over the base's (below 1: the current checkout is faster).
 Where ``benchmarks/cache_steps.py`` interleaves cache kinds and transformers within one tree, this interleaves the
 two trees for one kind, so a change of the cache protocol or the dispatcher is seen apart from the host's drift.
 """
@@ -31,7 +32,8 @@ import torch
 from ab_decode import ROOT, export
 from results import publish
 
-CACHES = {"full": {}, "int4": {"bits": 4}, "int8": {"bits": 8}, "sink": {"window": 256, "sink_tokens": 4}}
+CACHES = {"full": {}, "int4": {"bits": 4}, "int8": {"bits": 8}, "sink": {"window": 256, "sink_tokens": 4},
+          "headwise": {"plan": "docs/experiments/smollm2-duo-50-plan.json"}}
 CHUNK = 512
 
 
@@ -39,7 +41,9 @@ def runner(pkg: str, dtype: torch.dtype, cache_kind: str, prompt: torch.Tensor) 
     """One greedy decode step a call, of ``pkg``'s SmolLM2 after ``prompt`` went into a cache of the kind."""
     models: Any = importlib.import_module(f"{pkg}.models")
     model, _ = models.load_llama(dtype=dtype)
-    options = CACHES[cache_kind]
+    options = dict(CACHES[cache_kind])
+    if "plan" in options:  # the shipped 50% plan, read by this side's own HeadPlan
+        options["plan"] = importlib.import_module(f"{pkg}.cache").HeadPlan.load(ROOT / options["plan"])
     length = prompt.shape[1]
     cache = (model.new_cache(1, **options) if "window" in options
              else model.new_cache(1, min(length + 64, model.config.max_context), **options))

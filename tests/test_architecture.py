@@ -326,3 +326,25 @@ def test_module_docstrings_hold_no_dated_measurements() -> None:
         doc = ast.get_docstring(ast.parse(path.read_text(encoding="utf-8")), clean=False) or ""
         found += [f"{name}: {line.strip()}" for line in doc.splitlines() if dated.search(line)]
     assert found == []
+
+
+def test_the_step_and_the_kernel_call_know_no_cache_kind() -> None:
+    """Issue 51 item 2: what differs by cache kind travels in the view a cache's update returns. A head-wise layer's
+    groups carry their own masks (made once a step by the cache at reserve); the step holds one mask and the
+    cache's slots, the kernels' call one view and one mask, and neither module reads a head-wise cache's parts or
+    a list of masks."""
+    import dataclasses
+
+    from multihead.cache.view import KVGroup
+    from multihead.kernels import AttentionCall
+    from multihead.masks import MaskSpec
+    from multihead.step import Step
+
+    assert [f.name for f in dataclasses.fields(Step)] == ["mask", "positions", "rope", "slots"]
+    assert "masks" not in {f.name for f in dataclasses.fields(AttentionCall)}
+    assert {f.name: f.type for f in dataclasses.fields(KVGroup)}["mask"] in (MaskSpec, "MaskSpec")
+    import re
+
+    reads = re.compile(r"(?<!multihead)\.(parts|masks)\b")
+    for name in ("multihead.step", "multihead.kernels"):
+        assert reads.findall(_modules()[name].read_text(encoding="utf-8")) == [], name

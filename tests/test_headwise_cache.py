@@ -169,21 +169,26 @@ def test_explain_names_each_groups_kernel_and_leaves_the_cache_unchanged() -> No
 
 def test_a_layer_update_returns_each_group_of_kv_heads_with_its_keys_and_the_order_back() -> None:
     """The one verb: a head-wise layer's update gives a GroupedKV, the full heads' keys and the streaming heads'
-    each with their KV heads and mask part, and the permutation that puts them back in head order; a plain view is
-    refused where keys must be one tensor."""
+    each with their KV heads and their own mask (the view carries what the kernel needs: full heads causal, streaming
+    heads their sinks and window), and the permutation that puts them back in head order; a plain view is refused
+    where keys must be one tensor."""
     from multihead.cache import GroupedKV
     from multihead.kernels import dense_view
 
     plan = HeadPlan(full=[[False, True, True, False]], sinks=1, window=2, model="tiny", shape=(1, 4, 4, 8))
     cache = HeadwiseCache(plan, batch=1, max_len=8)
-    k = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 3, 8).contiguous()  # KV head j holds the value j
-    view = cache.layer(0).update(k, -k, cache.reserve(3))
+    k = torch.arange(4.0).view(1, 4, 1, 1).expand(1, 4, 5, 8).contiguous()  # KV head j holds the value j
+    view = cache.layer(0).update(k, -k, cache.reserve(5))
     assert isinstance(view, GroupedKV) and view.n_kv_heads == 4
     full, stream = view.groups
     assert full.heads.tolist() == [1, 2] and stream.heads.tolist() == [0, 3]  # type: ignore[union-attr]
     assert torch.equal(full.kv.keys[0, :, 0, 0], torch.tensor([1.0, 2.0]))
     assert torch.equal(stream.kv.values[0, :, 0, 0], torch.tensor([-0.0, -3.0]))
-    assert (full.part, stream.part) == (0, 1)
+    q, key = torch.arange(5)[:, None], torch.arange(5)[None]
+    seen = {name: group.mask.dense(torch.device("cpu"), torch.float32)[0] for name, group in
+            (("full", full), ("stream", stream))}
+    assert torch.equal(seen["full"].reshape(5, 5), key <= q)  # type: ignore[union-attr]
+    assert torch.equal(seen["stream"].reshape(5, 5), (key <= q) & ((key == 0) | (key > q - 2)))  # type: ignore[union-attr]
     assert torch.cat([full.heads, stream.heads])[view.order].tolist() == [0, 1, 2, 3]  # type: ignore[index,list-item]
     with pytest.raises(MultiheadError, match="no one"):
         dense_view(view)

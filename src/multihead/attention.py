@@ -245,7 +245,7 @@ class MultiHeadAttention(nn.Module):
         return AttentionCall(q, kv, spec, scale=self.config.softmax_scale,
                              dropout_p=self.config.dropout if self.training else 0.0,
                              backend=self.backend if backend is None else check_backend(backend),
-                             need_weights=return_weights, hooks=call_hooks(self), masks=step.masks)
+                             need_weights=return_weights, hooks=call_hooks(self))
 
     # ------------------------------------------------------------------ input checks
     def _check(self, x: Tensor, context: Tensor | None, value: Tensor | None, cache: LayerCache | None,

@@ -153,8 +153,8 @@ def check_no_padding(attention_mask: Tensor | None, positions: Tensor, window: i
 def _over_cache_view(module: nn.Module, query: Tensor, found: Any, attention_mask: Tensor | None, dropout: float,
                      scaling: float | None, softcap: float | None, s_aux: Tensor | None, position_bias: Tensor | None,
                      output_attentions: bool) -> tuple[Tensor, Tensor | None]:
-    """attention_forward over a multihead cache's view (:mod:`multihead.hfcache`): the step's masks (one per group of
-    KV heads for a head-wise cache), transformers' mask only checked to have no padding."""
+    """attention_forward over a multihead cache's view (:mod:`multihead.hfcache`): the step's mask (a head-wise
+    cache's view carries one per group of KV heads), transformers' mask only checked to have no padding."""
     if position_bias is not None:
         raise MultiheadError(f"{type(module).__name__} passed a position_bias: a multihead cache takes causal decoders")
     if found.positions is not None:  # the step's first layer of its kind: transformers' mask, checked once
@@ -164,8 +164,7 @@ def _over_cache_view(module: nn.Module, query: Tensor, found: Any, attention_mas
     hooked = call_hooks(module) if isinstance(getattr(module, "hook_z", None), HookPoint) else None  # type: ignore[arg-type]
     call = AttentionCall(query, found.view, step.mask, scale=d**-0.5 if scaling is None else float(scaling),
                          dropout_p=float(dropout), backend=getattr(module, "multihead_backend", "auto"),
-                         need_weights=bool(output_attentions), softcap=softcap, sinks=s_aux, hooks=hooked,
-                         masks=step.masks)
+                         need_weights=bool(output_attentions), softcap=softcap, sinks=s_aux, hooks=hooked)
     z, weights = attend(call)  # (b, h, s, dv)
     return z.transpose(1, 2).contiguous(), weights
 

@@ -113,8 +113,8 @@ class AttentionCall:
 
     q (b, h, s, d); ``kv`` the keys and values as a view (:mod:`multihead.cache.view`; a :class:`DenseKV` of k
     (b, g, t, d) and v (b, g, t, dv) without a cache) with g dividing h (query head i reads KV head i // (h / g));
-    ``mask`` the call's :class:`~multihead.masks.MaskSpec`; ``masks`` a head-wise view's mask for each part
-    (:attr:`multihead.step.Step.masks`), None otherwise; ``dropout_p`` the dropout on the weights (0 outside
+    ``mask`` the call's :class:`~multihead.masks.MaskSpec` (a head-wise view's groups carry their own);
+    ``dropout_p`` the dropout on the weights (0 outside
     training); ``backend`` one of BACKENDS; ``need_weights`` whether the (b, h, s, t) weights are returned;
     ``softcap`` caps the scaled scores as ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); ``sinks``
     (h,) are learned sink logits, one per query head, that take part in each row's softmax denominator and add
@@ -134,7 +134,6 @@ class AttentionCall:
     sinks: Tensor | None = None
     hooks: CallHooks | None = None
     rows_are_heads: bool = False
-    masks: tuple[MaskSpec | None, ...] | None = None
 
     @property
     def k(self) -> Tensor:
@@ -240,7 +239,7 @@ def _dispatch_key(call: AttentionCall, device: torch.device) -> tuple[Any, ...] 
     else:
         return None
     return ("dispatch", device, q.shape, q.dtype, q.device, q.requires_grad, torch.is_grad_enabled(), view,
-            call.dropout_p, call.backend, call.need_weights, call.softcap, call.rows_are_heads, call.masks is None)
+            call.dropout_p, call.backend, call.need_weights, call.softcap, call.rows_are_heads)
 
 
 def _resolve(call: AttentionCall, device: torch.device) -> Dispatch:
@@ -588,9 +587,6 @@ def _check_keys(call: AttentionCall) -> None:
     if call.mask.t != t:
         raise MultiheadError(f"the step's mask covers {call.mask.t} keys but this call has {t}: make the step for "
                              "the same inputs and cache")
-    if call.masks is not None:
-        raise MultiheadError("the step's slots were reserved by a head-wise cache but this layer's cache holds one "
-                             "kind of KV head: make the step with the cache the layers are given")
 
 
 def dense_view(kv: KVView) -> DenseKV:
@@ -632,9 +628,6 @@ def group_calls(call: AttentionCall) -> tuple[list[AttentionCall], Tensor | None
     refused: the groups' keys are not one (b, g, t, d) tensor."""
     kv = call.kv
     assert isinstance(kv, GroupedKV)
-    if call.masks is None:
-        raise MultiheadError("the cache's layer is head-wise but the step was made without its slots: make the step "
-                             "with that cache (layer.step(x, causal=True, cache=cache))")
     if call.need_weights:
         raise MultiheadError("return_weights cannot be used with a HeadwiseCache: its KV heads attend to different "
                              "keys, so there is no (b, h, s, t) matrix; run uncached with the plan's mask "
@@ -657,9 +650,8 @@ def group_calls(call: AttentionCall) -> tuple[list[AttentionCall], Tensor | None
         sinks = call.sinks
         if sinks is not None and group.heads is not None:
             sinks = sinks.view(g, h // g).index_select(0, group.heads).reshape(-1)
-        spec = call.masks[group.part]
-        assert spec is not None and spec.t == group.kv.t
-        calls.append(dataclasses.replace(call, q=qg, kv=group.kv, mask=spec, masks=None, hooks=None, sinks=sinks))
+        assert group.mask.t == group.kv.t
+        calls.append(dataclasses.replace(call, q=qg, kv=group.kv, mask=group.mask, hooks=None, sinks=sinks))
     return calls, kv.order
 
 

@@ -34,16 +34,15 @@ class Step:
     ``mask`` covers (b, h, s, t), t counting the cached keys when there is a cache; ``positions`` (b|1, s) are the
     tokens' positions for RoPE (None when nothing reads them); ``rope`` the cos and signed sin tables (b|1, 1, s, d)
     or None; ``slots`` the cache's slots for this step (where the new tokens go, what each layer reads), or None
-    without a cache; ``masks`` a head-wise cache's mask for each of its ``slots.parts`` (None where a part is
-    None), ``mask`` then being the first one's. A step made by one layer serves every layer with the same window,
-    rope and head counts (a model's layers).
+    without a cache. A cache whose keys differ by KV head (head-wise) makes each kind's mask at reserve and its views
+    carry them; ``mask`` is then the one its slots give. A step made by one layer serves every layer with the same
+    window, rope and head counts (a model's layers).
     """
 
     mask: MaskSpec
     positions: Tensor | None = None
     rope: tuple[Tensor, Tensor] | None = None
     slots: Slots | None = None
-    masks: tuple[MaskSpec | None, ...] | None = None
 
 
 def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window: int | None,
@@ -69,11 +68,8 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
         pos = check_positions(positions, b, s, x.device)  # (b|1, s)
     elif positions is not None:
         raise MultiheadError("positions were given but this layer has no rope or cache: they would be ignored")
-    masks: tuple[MaskSpec | None, ...] | None = None
-    if slots is not None and slots.parts is not None:  # a head-wise cache: a mask for each kind of KV head
-        masks = tuple(None if part is None else _cache_mask(part, b, n_heads, window, x.device, validate)
-                      for part in slots.parts)
-        spec = next(m for m in masks if m is not None)
+    if slots is not None and slots.mask is not None:  # the cache made the step's mask
+        spec = slots.mask
     elif slots is not None and not slots.positional:  # a kind that evicts says which of its keys each query sees
         spec = MaskSpec(batch=b, n_heads=n_heads, s=s, t=t, keep=slots.keep)
     else:
@@ -85,16 +81,7 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
     if rotary is not None:
         assert pos is not None
         rope = rotary.tables(pos, dtype or x.dtype)
-    return Step(mask=spec, positions=pos, rope=rope, slots=slots, masks=masks)
-
-
-def _cache_mask(slots: Slots, b: int, n_heads: int, window: int | None, device: torch.device, validate: bool
-                ) -> MaskSpec:
-    """The mask of one part of a head-wise cache's slots: its keep (a kind that evicts), or causal by position."""
-    if not slots.positional:
-        return MaskSpec(batch=b, n_heads=n_heads, s=slots.s, t=slots.t, keep=slots.keep)
-    return build_mask(batch=b, n_heads=n_heads, s=slots.s, t=slots.t, causal=True, window=window,
-                      q_positions=None if slots.aligned else slots.positions, device=device, validate=validate)
+    return Step(mask=spec, positions=pos, rope=rope, slots=slots)
 
 
 def check_cache_call(cache: object, context: Tensor | None, mask: Tensor | None, key_padding_mask: Tensor | None,

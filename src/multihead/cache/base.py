@@ -29,9 +29,10 @@ longest, and whether all are equal), so overflow and the slice write are decided
 
 The head-wise kind (:class:`~.headwise.HeadwiseCache`: each KV head of a layer full, or sinks + window): its KV
 heads hold different numbers of keys, so one layer's keys are not one (b, g, t, d) tensor. It reserves one
-:class:`Slots` per kind of KV head (``Slots.parts``, each with its own t and keep mask; the step makes a mask for
-each, ``Step.masks``) and its layers' update returns a :class:`~.view.GroupedKV`, one group per kind present; the
-kernels attend once per group, with the query heads of that group's KV heads, and put z back in head order.
+:class:`Slots` per kind of KV head (``Slots.parts``, each with its own t and mask, made by the cache at reserve)
+and its layers' update returns a :class:`~.view.GroupedKV`, one group per kind present, each group carrying its
+keys, values and mask; the kernels attend once per group, with the query heads of that group's KV heads, and put z
+back in head order. The step and the kernels' call know no cache kind: the view carries what differs.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from torch import Tensor, nn
 
 from multihead.cache.view import KVView
 from multihead.errors import MultiheadError
+from multihead.masks import MaskSpec
 
 
 @dataclass(frozen=True)
@@ -56,9 +58,12 @@ class Slots:
     the slot where every sequence continues (one slice copy), None to place by positions; ``aligned`` True when the
     queries are the last s of the t keys of every sequence (a plain bottom-right causal mask is exact, no mask by
     positions); ``positional`` True when slot j holds position j (the causal mask by positions is right), False for a
-    kind that evicts, whose ``keep`` ((b|1, 1, s, t) bool, None: every key) is then the whole mask. ``parts``: a
-    head-wise kind's slots, one Slots per kind of KV head (:class:`~.headwise.HeadwiseCache`: full, streaming; None
-    for a kind no layer has), each with its own t and mask; None for the one-group kinds.
+    kind that evicts, whose ``keep`` ((b|1, 1, s, t) bool, None: every key) is then the whole mask. ``mask``: the
+    step's mask when the cache makes it itself (a head-wise cache: its first part's), None when the step makes it
+    from the fields above. ``parts``: a head-wise kind's own slots, one Slots per kind of KV head
+    (:class:`~.headwise.HeadwiseCache`: full, streaming; None for a kind no layer has), each with its own t and
+    mask, which its layers' views carry (:class:`~.view.KVGroup`); None for the one-group kinds. Only the cache that
+    reserved them reads ``parts``.
     """
 
     s: int
@@ -68,6 +73,7 @@ class Slots:
     aligned: bool
     positional: bool = True
     keep: Tensor | None = None
+    mask: MaskSpec | None = None
     parts: tuple[Slots | None, ...] | None = None
 
 

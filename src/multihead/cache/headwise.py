@@ -16,8 +16,8 @@ streaming head costs its ring whatever the context, and so does every head of a 
 
 The protocol's head-wise case (:mod:`multihead.cache.base`): :meth:`reserve` makes one :class:`~.base.Slots` per
 kind of store (``Slots.parts``: part 0 the full stores, part 1 + i ring kind i; None for a kind no layer has), each
-with its own t and mask, and a layer's :meth:`update` returns a :class:`~.view.GroupedKV`, one
-:class:`~.view.KVGroup` (keys, values, which KV heads, which part) per store of that layer.
+with its own t and mask (made here, once a step), and a layer's :meth:`update` returns a :class:`~.view.GroupedKV`,
+one :class:`~.view.KVGroup` (keys, values, which KV heads, their mask) per store of that layer.
 :func:`multihead.kernels.attend` attends once per group with the query heads of the group's KV heads (query head i
 reads KV head i // (h / g)) under the group's mask (full: causal by position; a ring: :func:`~multihead.cache.sink_keep`
 over its slots), each within the step's attention window (a sliding layer's step passes it: a key past the layer's
@@ -47,8 +47,9 @@ from multihead.cache.plan import HeadPlan
 from multihead.cache.sink import held_keep, keep_sinks_and_window
 from multihead.cache.view import DenseKV, GroupedKV, KVGroup
 from multihead.errors import MultiheadError
+from multihead.masks import MaskSpec, build_mask
 
-FULL = 0  # the index of the full stores' Slots in Slots.parts (and of their mask in Step.masks); rings follow
+FULL = 0  # the index of the full stores' Slots in Slots.parts; rings follow
 
 
 @dataclass(frozen=True)
@@ -194,8 +195,9 @@ class HeadwiseCache(Cache):
                 window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
         """One Slots per kind of store, in ``parts`` (FULL, then each ring; None for a kind no layer has): the full
         stores' (t = the tokens held and the new ones, causal by position) and each ring's (t = its held slots + s,
-        ``keep`` by :func:`sink_keep` within ``window``, the step's attention window). The top-level fields are
-        the first present part's.
+        ``keep`` by :func:`sink_keep` within ``window``, the step's attention window), each with its ``mask``
+        (validated as ``validate`` says), which the layers' views carry. The top-level fields are the first present
+        part's.
 
         Under torch.compile the step reads no host-known length (the full heads' t is max_len, their write and mask
         go by position), so one graph serves every decode step once the rings are full; the room is then checked by
@@ -206,18 +208,24 @@ class HeadwiseCache(Cache):
         if not compiling:
             self.check_room(s)
         pos = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
+        b, h = self.batch, self.head_plan.shape[1]
         parts: list[Slots | None] = [None] * (1 + len(self.rings))
         if FULL in self._parts_used:
-            parts[FULL] = Slots(s=s, t=self._span(s), positions=pos, start=None if compiling else self._used,
-                                aligned=not compiling)  # one length for every sequence: the queries are the last s
+            t = self._span(s)
+            aligned = not compiling  # one length for every sequence: the queries are the last s
+            mask = build_mask(batch=b, n_heads=h, s=s, t=t, causal=True, window=window,
+                              q_positions=None if aligned else pos, device=pos.device, validate=validate)
+            parts[FULL] = Slots(s=s, t=t, positions=pos, start=None if compiling else self._used, aligned=aligned,
+                                mask=mask)
         for i, ring in enumerate(self.rings):
             keep = held_keep(self._positions(i), self._held[i], pos, s, window, store_window=ring.window,
                              sink_tokens=ring.sinks, at=None if compiling else self._used)
-            parts[1 + i] = Slots(s=s, t=self._held[i] + s, positions=pos, start=None, aligned=False,
-                                 positional=False, keep=keep)
+            t = self._held[i] + s
+            parts[1 + i] = Slots(s=s, t=t, positions=pos, start=None, aligned=False, positional=False, keep=keep,
+                                 mask=MaskSpec(batch=b, n_heads=h, s=s, t=t, keep=keep))
         first = next(part for part in parts if part is not None)
         return Slots(s=s, t=first.t, positions=pos, start=first.start, aligned=first.aligned,
-                     positional=first.positional, keep=first.keep, parts=tuple(parts))
+                     positional=first.positional, keep=first.keep, mask=first.mask, parts=tuple(parts))
 
     # ------------------------------------------------------------------ a layer's verb
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> GroupedKV:
@@ -247,7 +255,9 @@ class HeadwiseCache(Cache):
                              torch.cat([values[:, :, :held], vg.to(values.dtype)], dim=2))  # (b, |heads|, held + s, d)
                 if not read_only:
                     self._pending[(layer, gi)] = (kg, vg)
-            groups.append(KVGroup(kv, heads, group.part))
+            reserved = slots.parts[group.part]
+            assert reserved is not None and reserved.mask is not None
+            groups.append(KVGroup(kv, heads, reserved.mask))
         if not read_only:
             self._placed.add(layer)
         return GroupedKV(tuple(groups), getattr(self, f"order_{layer}") if several else None, self.n_kv_heads)

@@ -7,7 +7,7 @@ holds them. A view is data: it says what the kernel needs and nothing about how 
     DenseKV(keys, values)                 (b, g, t, d), (b, g, t, dv): every key a tensor row (full, sink, uncached)
     QuantizedKV(codes.., tail_k, tail_v)  n quantized tokens as codes + scales + minimums, then m full-precision
                                           ones (the residual and the step's own): t = n + m
-    GroupedKV(groups, order)              a head-wise layer: each group of KV heads its own DenseKV and mask part;
+    GroupedKV(groups, order)              a head-wise layer: each group of KV heads its own DenseKV and mask;
                                           ``order`` puts [group 0's heads, group 1's, ..] back in head order
     LatentKV(latents)                     multi-head latent attention's (b, t, kv_lora_rank + rope_dim)
 
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
+
+from multihead.masks import MaskSpec
 
 
 @dataclass(slots=True)
@@ -76,12 +78,13 @@ class QuantizedKV:
 @dataclass(slots=True)
 class KVGroup:
     """One group of a head-wise layer's KV heads: its keys and values, which KV heads they are ((n,) long, in
-    order; None when the group is the whole layer) and ``part``, the index of its mask in the step
-    (:attr:`multihead.step.Step.masks`: full heads causal by position, streaming heads by their sinks and window)."""
+    order; None when the group is the whole layer) and ``mask``, which of its keys each query sees (full heads:
+    causal by position; streaming heads: their sinks and window), made once a step by the cache and shared by every
+    layer's group of that kind."""
 
     kv: DenseKV
     heads: Tensor | None
-    part: int
+    mask: MaskSpec
 
 
 @dataclass(slots=True)
