@@ -5,7 +5,9 @@
 The package at ``--base`` is loaded beside the current one (``ab_decode.export``); both layers get the same weights
 and inputs, and each case times them alternately (``bench.alternate``), once with each side first: P1 inference
 (d768, 12 heads, batch 4, 1024 tokens), P2 a causal training step (512 tokens), P3 a GQA decode step (9/3 heads,
-head_dim 64, 4096 cached tokens), P5 the attention core (b4 h12 s1024 d64). The ratio is new time over base time
+head_dim 64, 4096 cached tokens), P5 the attention core (b4 h12 s1024 d64), and an MLA layer of DeepSeek-V2-Lite's
+attention shape (benchmarks/mla_decode.py's) taking a decode step over 4096 cached latents (the absorbed path) and a
+512-token prefill (the expanded one). The ratio is new time over base time
 (below 1: the checkout is faster).
 P4 is a peak-memory measure in a fresh process (benchmarks/cpu.py), not a timing.
 """
@@ -47,6 +49,14 @@ def cases(mh: Any, kernels: Any, masks: Any, new_api: bool) -> dict[str, Callabl
     torch.manual_seed(0)
     q, k, v = (torch.randn(4, 12, 1024, 64) for _ in range(3))
     spec = masks.build_mask(batch=4, n_heads=12, s=1024, t=1024)
+    torch.manual_seed(0)
+    latent = importlib.import_module(mh.__name__ + ".latent")
+    mla = latent.MultiHeadLatentAttention(d_model=2048, n_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
+                                          qk_rope_head_dim=64, v_head_dim=128).eval()
+    latents = mh.cache.LatentCache(batch=1, kv_lora_rank=512, rope_dim=64, max_len=4097)
+    latents.latent[0, :, :4096] = torch.randn(1, 4096, 576)
+    latents.advance(4096)
+    x_mla, x_mla_prefill = torch.randn(1, 1, 2048), torch.randn(1, 512, 2048)
 
     def infer() -> object:
         with torch.no_grad():
@@ -68,8 +78,18 @@ def cases(mh: Any, kernels: Any, masks: Any, new_api: bool) -> dict[str, Callabl
                 return kernels.attend(kernels.AttentionCall(q, k, v, spec, scale=0.125))
             return kernels.attend(q, k, v, spec, scale=0.125)
 
+    def mla_decode() -> object:
+        with torch.no_grad():
+            return mla(x_mla, causal=True, cache=latents.layer(0))  # absorbed, folded; not advanced
+
+    def mla_prefill() -> object:
+        with torch.no_grad():
+            return mla(x_mla_prefill, causal=True)  # expanded
+
     return {"P1 inference d768 h12 b4 s1024": infer, "P2 train step d768 h12 b4 s512 causal": train,
-            "P3 GQA decode 9/3 heads d64, 4096 cached": decode, "P5 attention core b4 h12 s1024 d64": core}
+            "P3 GQA decode 9/3 heads d64, 4096 cached": decode, "P5 attention core b4 h12 s1024 d64": core,
+            "MLA decode h16 r512, 4096 cached (absorbed)": mla_decode,
+            "MLA prefill h16 r512 s512 (expanded)": mla_prefill}
 
 
 def main() -> None:
@@ -90,7 +110,8 @@ def main() -> None:
     base = cases(*mods["multihead_base"], new_api=hasattr(mods["multihead_base"][1], "AttentionCall"))
     rows = []
     for name in new:
-        repeats = args.repeats * (20 if name.startswith("P3") else 1)  # the decode step is short: more repeats
+        # the decode steps are short: more repeats
+        repeats = args.repeats * (20 if name.startswith("P3") else 5 if name.startswith("MLA decode") else 1)
         # each order once: on this machine the side timed first in a pair measured up to 3-8% slower
         t_new, t_base = bench.alternate(new[name], base[name], repeats)
         t_base2, t_new2 = bench.alternate(base[name], new[name], repeats)

@@ -332,7 +332,7 @@ def test_the_step_and_the_kernel_call_know_no_cache_kind() -> None:
     """Issue 51 item 2: what differs by cache kind travels in the view a cache's update returns. A head-wise layer's
     groups carry their own masks (made once a step by the cache at reserve); the step holds one mask and the
     cache's slots, the kernels' call one view and one mask, and neither module reads a head-wise cache's parts or
-    a list of masks."""
+    a list of masks. MLA's layer hands the kernels its latents as a view, and the kernels take the path."""
     import dataclasses
 
     from multihead.cache.view import KVGroup
@@ -348,3 +348,6 @@ def test_the_step_and_the_kernel_call_know_no_cache_kind() -> None:
     reads = re.compile(r"(?<!multihead)\.(parts|masks)\b")
     for name in ("multihead.step", "multihead.kernels"):
         assert reads.findall(_modules()[name].read_text(encoding="utf-8")) == [], name
+    # MLA: the layer hands the kernels a LatentKV; which path runs (and its folded decode) is decided there
+    latent = _modules()["multihead.latent"].read_text(encoding="utf-8")
+    assert re.findall(r"einsum|rows_are_heads|MaskSpec\(|DenseKV\(", latent) == []

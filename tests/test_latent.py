@@ -199,3 +199,38 @@ def test_masks_and_sequences_of_different_lengths_in_the_latent_cache() -> None:
         torch.testing.assert_close(y[1, 0], alone[1][0, 6 + k], atol=1e-5, rtol=1e-5)
     with pytest.raises(MultiheadError, match="KV cache overflow"):
         layer(torch.randn(2, 4, 64), causal=True, cache=cache.layer(0))
+
+
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_the_kernels_path_rule_is_the_one_with_fewer_flops_by_the_cost_model(shape: str) -> None:
+    """path="auto" is decided in the kernels from the view's shapes (issue 51 item 2): over a grid of query and key
+    counts it takes the path multihead.cost.mla_flops counts fewer FLOPs for (the independent reference)."""
+    layer = _layer(shape)
+    config = MLAConfig(**SHAPES[shape])  # type: ignore[arg-type]
+    for s in (1, 2, 7, 64, 512):
+        for t in (s, 2 * s, 100, 4096):
+            if t < s:
+                continue
+            flops = {p: cost.mla_flops(config, s=s, t=t, path=p).forward for p in ("expanded", "absorbed")}
+            expected = "absorbed" if flops["absorbed"] < flops["expanded"] else "expanded"
+            assert layer.choose_path(s, t) == expected, (s, t, flops)
+
+
+def test_a_latent_view_is_refused_without_its_up_projection_or_with_an_unknown_path() -> None:
+    """The cache gives the latents alone; the kernels need the layer's up-projection to take either path, and a
+    path named in the view is checked there."""
+    from multihead.cache import LatentKV
+    from multihead.kernels import AttentionCall, attend
+    from multihead.masks import MaskSpec
+
+    q, latents = torch.randn(1, 4, 3, 12), torch.randn(1, 3, 20)
+    mask = MaskSpec(batch=1, n_heads=4, s=3, t=3, causal=True)
+    with pytest.raises(MultiheadError, match="up-projection"):
+        attend(AttentionCall(q, LatentKV(latents), mask, scale=1.0))
+    up = torch.randn(4, 8 + 12, 16)
+    with pytest.raises(MultiheadError, match="'sideways' is unknown"):
+        attend(AttentionCall(q, LatentKV(latents, up, 8, "sideways"), mask, scale=1.0))
+    with pytest.raises(MultiheadError, match=r"cannot serve queries \(1, 4, 3, 12\)"):
+        attend(AttentionCall(q, LatentKV(latents, up[:2], 8), mask, scale=1.0))
+    out, _ = attend(AttentionCall(q, LatentKV(latents, up, 8), mask, scale=1.0))
+    assert out.shape == (1, 4, 3, 12)

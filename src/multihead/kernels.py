@@ -45,8 +45,9 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead import cpu, flex, native
-from multihead.cache.view import DenseKV, GroupedKV, KVView, QuantizedKV
+from multihead.cache.view import DenseKV, GroupedKV, KVView, LatentKV, QuantizedKV
 from multihead.errors import MultiheadError
+from multihead.linear import linear
 from multihead.masks import MaskSpec
 from multihead.quant import dequantize_keys_into, dequantize_values_into
 
@@ -154,6 +155,8 @@ class AttentionCall:
             tensors = [kv.keys, kv.values]
         elif isinstance(kv, QuantizedKV):
             tensors = [kv.tail_k, kv.tail_v]
+        elif isinstance(kv, LatentKV):
+            tensors = [kv.latents] + ([] if kv.up is None else [kv.up])
         else:
             tensors = [t for group in kv.groups for t in (group.kv.keys, group.kv.values)]
         return self.q.requires_grad or any(t.requires_grad for t in tensors)
@@ -212,6 +215,8 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
     kv = call.kv
     if isinstance(kv, GroupedKV):
         raise MultiheadError("a head-wise view is decided group by group: multihead.kernels.group_calls(call)")
+    if isinstance(kv, LatentKV):
+        raise MultiheadError("a latent view is decided on the path it takes: multihead.kernels.latent_call(call)")
     key = _dispatch_key(call, device)
     if key is None:
         return _resolve(call, device)
@@ -530,6 +535,8 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     """
     if isinstance(call.kv, GroupedKV):
         return _attend_groups(call), None
+    if isinstance(call.kv, LatentKV):
+        return _attend_latent(call)
     _check_keys(call)
     hooks = call.hooks
     if hooks is not None and hooks.q is not None:
@@ -582,7 +589,7 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
 
 
 def _check_keys(call: AttentionCall) -> None:
-    assert not isinstance(call.kv, GroupedKV)
+    assert not isinstance(call.kv, GroupedKV | LatentKV)
     t = call.kv.t
     if call.mask.t != t:
         raise MultiheadError(f"the step's mask covers {call.mask.t} keys but this call has {t}: make the step for "
@@ -598,6 +605,9 @@ def dense_view(kv: KVView) -> DenseKV:
     if isinstance(kv, GroupedKV):
         raise MultiheadError("a head-wise layer's KV heads hold different numbers of keys: there is no one (b, g, t, "
                              "d) tensor of them")
+    if isinstance(kv, LatentKV):
+        raise MultiheadError("a latent view's keys are made by its path (multihead.kernels.latent_call): there is no "
+                             "one (b, g, t, d) tensor of them")
     n, dtype = kv.n, kv.dtype
     b, g, m, d = kv.tail_k.shape
     if torch.is_grad_enabled() and (kv.tail_k.requires_grad or kv.tail_v.requires_grad):
@@ -673,6 +683,108 @@ def _attend_groups(call: AttentionCall) -> Tensor:
     return z
 
 
+# ---------------------------------------------------------------------------------------------- latent views (MLA)
+LATENT_PATHS = ("auto", "expanded", "absorbed")
+
+
+def mla_path(*, s: int, t: int, n_heads: int, rank: int, rope: int, nope: int, dv: int) -> str:
+    """The MLA path with fewer FLOPs for s queries over t keys: "absorbed" (W_UK folded into the queries, MQA over
+    the one latent head, W_UV after) or "expanded" (the latents up-projected to every head's keys and values). The
+    terms of :func:`multihead.cost.mla_flops` that differ between the two: the up-projection (t or s rows) and the
+    width each pair of query and key reads (qk + dv, or 2 rank + rope)."""
+    expanded = t * rank * n_heads * (nope + dv) + n_heads * s * t * (nope + rope + dv)
+    absorbed = s * n_heads * rank * (nope + dv) + n_heads * s * t * (2 * rank + rope)
+    return "absorbed" if absorbed < expanded else "expanded"
+
+
+@dataclass(frozen=True)
+class LatentCore:
+    """How a call over a :class:`~multihead.cache.LatentKV` runs: ``path`` ("expanded" or "absorbed"), ``call`` the
+    dense call the kernels run, ``w_uv`` (h, dv, rank) the absorbed path's up-projection after the weighted sum
+    (None on the expanded path), ``folded`` an absorbed decode step whose h query heads run as the rows of the one
+    latent head, and the widths :meth:`describe` names."""
+
+    path: str
+    call: AttentionCall
+    w_uv: Tensor | None
+    folded: bool
+    n_heads: int
+    latent: int
+    qk: int
+    dv: int
+    t: int
+
+    def describe(self) -> str:
+        if self.path == "absorbed":
+            return (f"MLA absorbed path: W_UK folded into the queries and W_UV after the weighted sum, so the kernel "
+                    f"runs MQA over one latent KV head of width {self.latent} ({self.n_heads} query heads"
+                    + (", folded into query rows of one head for this decode step" if self.folded else "") + ")")
+        return (f"MLA expanded path: the {self.t} cached latents are up-projected to {self.n_heads} keys of width "
+                f"{self.qk} and values of width {self.dv}")
+
+
+def latent_call(call: AttentionCall) -> LatentCore:
+    """The path and the dense call of a call over a latent view: q (b, h, s, nope + rope) as the layer projected and
+    rotated it, the view's latents (b, t, rank + rope) and up-projection (h, nope + dv, rank). Expanded: keys
+    [c W_UK^i, k_pe] (b, h, t, nope + rope) and values c W_UV^i; absorbed: queries [q_nope W_UK^i^T, q_pe] over the
+    latents as one KV head (b, 1, t, rank + rope), values their first rank channels, W_UV applied after
+    (:func:`attend`). Hook points are named for what enters the kernel on either path; hook_z is each head's output
+    after W_UV on both. A decode step with nothing hooked at the core folds the h query heads into the rows of the
+    one latent head, so the latents are read once (as FlashMLA does)."""
+    kv = call.kv
+    assert isinstance(kv, LatentKV)
+    if kv.up is None:
+        raise MultiheadError("a latent view needs its layer's up-projection (LatentKV(latents, up=..., nope=...)): "
+                             "the cache gives the latents, the MLA layer adds the rest")
+    if kv.path not in LATENT_PATHS:
+        raise MultiheadError(f"path {kv.path!r} is unknown: choose one of {', '.join(map(repr, LATENT_PATHS))}")
+    q, latents, up = call.q, kv.latents, kv.up
+    b, h, s, qk = q.shape
+    t, rank, nope = latents.shape[1], up.shape[-1], kv.nope
+    rope, dv = latents.shape[-1] - rank, up.shape[1] - nope
+    if up.shape[0] != h or qk != nope + rope or not 0 < nope < up.shape[1]:
+        raise MultiheadError(f"a latent view of up-projection {tuple(up.shape)} (nope {nope}) and latents "
+                             f"{tuple(latents.shape)} cannot serve queries {tuple(q.shape)}: the queries need "
+                             "n_heads = up's first size and width nope + rope")
+    path = (mla_path(s=s, t=t, n_heads=h, rank=rank, rope=rope, nope=nope, dv=dv) if kv.path == "auto"
+            else kv.path)
+    sizes = {"n_heads": h, "latent": rank + rope, "qk": qk, "dv": dv, "t": t}
+    if path == "expanded":
+        c_t, k_pe = latents.split([rank, rope], dim=-1)
+        kv_up = linear(c_t, up.reshape(h * (nope + dv), rank)).view(b, t, h, nope + dv).transpose(1, 2)
+        k_nope, v = kv_up.split([nope, dv], dim=-1)  # (b, h, t, nope), (b, h, t, dv)
+        k = torch.cat([k_nope, k_pe[:, None].expand(b, h, t, rope)], dim=-1)  # (b, h, t, nope + rope)
+        return LatentCore("expanded", dataclasses.replace(call, kv=DenseKV(k, v.contiguous())), None, False, **sizes)
+    w_uk, w_uv = up[:, :nope], up[:, nope:]  # (h, nope, rank), (h, dv, rank)
+    q_nope, q_pe = q.split([nope, rope], dim=-1)
+    q_abs = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk), q_pe], dim=-1)  # (b, h, s, rank + rope)
+    keys, values = latents[:, None], latents[:, None, :, :rank]  # (b, 1, t, rank + rope), (b, 1, t, rank)
+    hooks = call.hooks
+    if s == 1 and not call.need_weights and not call.dropout_p and (hooks is None or not hooks.at_core):
+        spec = call.mask
+        keep, bias, _ = spec.dense(latents.device, latents.dtype) if not spec.is_empty else (None, None, None)
+        folded = MaskSpec(batch=b, n_heads=1, s=h, t=t, keep=keep, bias=bias)
+        inner = AttentionCall(q_abs.transpose(1, 2), DenseKV(keys, values), folded, scale=call.scale,
+                              backend=call.backend, hooks=None if hooks is None else CallHooks(names=hooks.names),
+                              rows_are_heads=True)  # (b, 1, h, rank + rope) over (b, 1, t, .)
+        return LatentCore("absorbed", inner, w_uv, True, **sizes)
+    inner_hooks = None if hooks is None else dataclasses.replace(hooks, z=None)  # hook_z after W_UV
+    return LatentCore("absorbed", dataclasses.replace(call, q=q_abs, kv=DenseKV(keys, values), hooks=inner_hooks),
+                      w_uv, False, **sizes)
+
+
+def _attend_latent(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
+    core = latent_call(call)
+    z, weights = attend(core.call)  # expanded: hook_z ran in the call
+    if core.w_uv is not None:  # absorbed: W_UV after the weighted sum, then hook_z
+        z_lat = z.transpose(1, 2) if core.folded else z  # (b, h, s, rank)
+        z = torch.einsum("bhsr,hvr->bhsv", z_lat, core.w_uv)  # (b, h, s, dv)
+        hooks = call.hooks
+        if hooks is not None and hooks.z is not None:
+            z = hooks.z(z)
+    return z, weights
+
+
 def _pattern_beside(call: AttentionCall, out: Tensor, pattern: TensorFn) -> Tensor:
     """A fused kernel's output with the pattern hooked: the pattern made exactly as the math path makes it (same q, k
     and mask) for the hook; a replacement makes the output its weighted sum (the math path's), else ``out`` stays."""
@@ -722,6 +834,10 @@ def _describe_mask(spec: MaskSpec) -> str:
 def explain(call: AttentionCall) -> KernelChoice:
     """Which kernel :func:`attend` runs for this call, and why, without running it (nor its hooks): the decision of
     :func:`resolve_backend`, the kernel underneath (for SDPA the one PyTorch selects), and the hooked points."""
+    if isinstance(call.kv, LatentKV):
+        core = latent_call(call)
+        choice = explain(core.call)
+        return KernelChoice(choice.backend, choice.kernel, f"{core.describe()}; {choice.reason}", choice.mask)
     if isinstance(call.kv, GroupedKV):
         calls, _ = group_calls(call)
         choices = [explain(dataclasses.replace(c, hooks=call.hooks and CallHooks(names=call.hooks.names)))

@@ -9,7 +9,8 @@ holds them. A view is data: it says what the kernel needs and nothing about how 
                                           ones (the residual and the step's own): t = n + m
     GroupedKV(groups, order)              a head-wise layer: each group of KV heads its own DenseKV and mask;
                                           ``order`` puts [group 0's heads, group 1's, ..] back in head order
-    LatentKV(latents)                     multi-head latent attention's (b, t, kv_lora_rank + rope_dim)
+    LatentKV(latents, up, nope, path)     multi-head latent attention's (b, t, kv_lora_rank + rope_dim), with the
+                                          layer's up-projection (the cache gives the latents, the layer the rest)
 
 Query head i reads KV head i // (h / g) of the layer, in every kind. Views are made once a layer a step and only
 read (plain slotted dataclasses: a frozen one costs ~1 us more to make, on every layer of every step).
@@ -100,14 +101,26 @@ class GroupedKV:
 
 @dataclass(slots=True)
 class LatentKV:
-    """The latents of multi-head latent attention (b, t, kv_lora_rank + rope_dim): compressed keys and values and
-    the one RoPE key all heads share (:class:`~multihead.cache.LatentCache`)."""
+    """Multi-head latent attention's keys and values as one layer holds them: ``latents`` (b, t, kv_lora_rank +
+    rope_dim), the compressed keys and values and the one RoPE key all heads share
+    (:class:`~multihead.cache.LatentCache`'s update gives these alone); for the kernels, the layer adds ``up`` (h,
+    nope + dv, kv_lora_rank), its per-head up-projection [W_UK^i; W_UV^i] (a view of kv_b_proj's weight), ``nope``
+    (the rows of W_UK in it, the query's non-RoPE width) and ``path`` ("auto", "expanded" or "absorbed": which of
+    the two equal computations runs, :func:`multihead.kernels.attend` deciding "auto")."""
 
     latents: Tensor
+    up: Tensor | None = None
+    nope: int = 0
+    path: str = "auto"
 
     @property
     def t(self) -> int:
         return int(self.latents.shape[1])
 
+    @property
+    def n_kv_heads(self) -> int:
+        """One: every query head reads the one latent (the expanded path makes a key head per query head of it)."""
+        return 1
 
-KVView = DenseKV | QuantizedKV | GroupedKV
+
+KVView = DenseKV | QuantizedKV | GroupedKV | LatentKV
