@@ -158,3 +158,26 @@ def test_plans_windows_and_context_are_checked_when_built() -> None:
         port.new_cache(1, 20, bits=4, spec=CacheSpec(10))
     with pytest.raises(MultiheadError, match="gives 2 layers' KV heads but 1 layers' windows"):
         CacheShape(kv_heads=(1, 1), windows=(None,), n_heads=2, head_dim=8)
+
+
+def test_generate_decodes_with_a_spec_as_with_its_keywords_and_refuses_both() -> None:
+    """generate_ids takes the cache as a spec (what the CLI holds): each kind decodes the tokens its keywords
+    decode, with a cache of the same type and bytes; a spec beside keywords is refused naming them."""
+    from multihead.models.generate import generate_ids
+
+    model = _port()
+    prompt = [[3, 1, 4, 1, 5, 9, 2, 6]]
+    plan = _plan((3, 4, 2, 16))
+    for spec, keywords, kind in ((CacheSpec(window=4, sink_tokens=1), {"window": 4, "sink_tokens": 1}, SinkCache),
+                                 (CacheSpec(1, bits=4, group=16), {"bits": 4}, QuantizedKVCache),
+                                 (CacheSpec(1, plan=plan), {"plan": plan}, HeadwiseCache),
+                                 (CacheSpec(1), {}, KVCache)):
+        made: dict[str, Any] = {}
+        runs = [list(generate_ids(model, prompt, max_new_tokens=6, on_cache=lambda c, k=k, m=made: m.setdefault(k, c),
+                                  **options)) for k, options in (("spec", {"spec": spec}), ("keywords", keywords))]
+        assert runs[0] == runs[1], spec
+        assert type(made["spec"]) is type(made["keywords"]) is kind, spec
+        assert made["spec"].bytes == made["keywords"].bytes, spec
+    with pytest.raises(MultiheadError, match=r"give spec= alone or the cache's keywords, not both \(got spec= with "
+                                             r"bits=\)"):
+        next(generate_ids(model, prompt, max_new_tokens=2, spec=CacheSpec(1), bits=8))

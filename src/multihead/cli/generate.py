@@ -73,6 +73,21 @@ def _engine(args: argparse.Namespace) -> str:
     return found.engine
 
 
+def cache_spec(args: argparse.Namespace, plan: Any, head_dim: int, total: int) -> Any:
+    """The :class:`~multihead.cache.CacheSpec` the flags ask for, the same for both engines: --window with --sinks,
+    --plan, --bits (in groups of 32 channels, or the head's width where smaller), else a full cache, for ``total``
+    positions (the prompt and the new tokens)."""
+    from multihead.cache import CacheSpec
+
+    if args.window is not None:
+        return CacheSpec(window=args.window, sink_tokens=args.sinks)
+    if plan is not None:
+        return CacheSpec(total, plan=plan)
+    if args.bits is not None:
+        return CacheSpec(total, bits=args.bits, group=min(32, head_dim))
+    return CacheSpec(total)
+
+
 def run(args: argparse.Namespace) -> int:
     import torch
 
@@ -123,11 +138,12 @@ def run(args: argparse.Namespace) -> int:
     prompt = tok.encode(text)
     out: list[int] = []
     caches: list[Cache] = []
+    spec = cache_spec(args, plan, model.config.head_dim or model.config.d_model // model.config.n_heads,
+                      len(prompt) + args.max_new_tokens)
 
     def produced() -> Iterator[int]:
         for step in generate_ids(model, [prompt], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                                 stop_ids=tok.stop_ids, compile=args.compile, window=args.window,
-                                 sink_tokens=args.sinks, plan=plan, bits=args.bits, on_cache=caches.append):
+                                 stop_ids=tok.stop_ids, compile=args.compile, spec=spec, on_cache=caches.append):
             t = step[0]
             if t is None:
                 return
@@ -222,14 +238,10 @@ def _run_transformers(args: argparse.Namespace, sampling: Any, plan: Any) -> int
     if tok.eos_token_id is not None:
         stop_ids.add(int(tok.eos_token_id))
     total = len(prompt) + args.max_new_tokens
-    if args.window is not None:
-        cache = hf.new_cache(model, window=args.window, sink_tokens=args.sinks)
-    else:
-        text_config: Any = getattr(model, "config").get_text_config()  # noqa: B009 (a Module's attribute: Any)
-        head_dim = getattr(text_config, "head_dim", None) or (text_config.hidden_size
-                                                              // text_config.num_attention_heads)
-        cache = hf.new_cache(model, total, bits=args.bits, plan=plan,
-                             **({"group": min(32, int(head_dim))} if args.bits is not None else {}))
+    text_config: Any = getattr(model, "config").get_text_config()  # noqa: B009 (a Module's attribute: Any)
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    spec = cache_spec(args, plan, int(head_dim), total)
+    cache = hf.new_cache(model, spec=spec)
     device = next(model.parameters()).device
     out: list[int] = []
 
@@ -263,8 +275,7 @@ def _run_transformers(args: argparse.Namespace, sampling: Any, plan: Any) -> int
     seconds = time.perf_counter() - start
     ran = int(cache.bytes)
     kind = type(cache.inner).__name__
-    plain = args.window is None and args.bits is None and plan is None
-    full_cache = cache if plain else hf.new_cache(model, total)  # the full cache, for the same positions
+    full_cache = cache if spec.kind == "full" else hf.new_cache(model, total)  # the full cache, same positions
     full = int(full_cache.bytes)
     info: dict[str, Any] = {"kind": kind, "bytes": ran, "full_cache_bytes": full, "of_full": round(ran / full, 4),
                             "full_kind": type(full_cache.inner).__name__}

@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from multihead import cost
-from multihead.cache import Cache, HeadPlan, KVCache
+from multihead.cache import Cache, CacheSpec, HeadPlan, KVCache
 from multihead.errors import MultiheadError
 from multihead.models.llama import LlamaBlock, LlamaModel
 
@@ -105,6 +105,7 @@ def generate_ids(
     stop_ids: set[int] | frozenset[int] = frozenset(),
     step: StepFn | None = None,
     compile: bool = False,
+    spec: CacheSpec | None = None,
     window: int | None = None,
     sink_tokens: int = 4,
     plan: HeadPlan | None = None,
@@ -117,6 +118,8 @@ def generate_ids(
     ``step(tokens, positions)`` may replace the model call (a compiled function, say); it must write the cache.
     ``compile=True`` runs the decoding steps through :func:`compiled_step` (the prompt itself runs eagerly), with
     the cache rounded up to a multiple of CACHE_BUCKET positions so that later calls reuse the compiled graph.
+    ``spec=``: the cache's kind, as a :class:`~multihead.cache.CacheSpec` (its max_len is set to the prompt and new
+    tokens; a windowed spec is taken as it is); the keywords below make the same spec:
     ``window=N`` decodes with a :class:`~multihead.cache.SinkCache` (``sink_tokens`` first tokens and the last N):
     constant memory, any number of new tokens (also past the model's context); prompts of one length.
     ``plan=`` decodes with a :class:`~multihead.cache.HeadwiseCache` of that :class:`~multihead.cache.HeadPlan`
@@ -137,31 +140,24 @@ def generate_ids(
     lengths = [len(p) for p in prompts]
     longest = max(lengths)
     total = longest + max_new_tokens
-    if window is not None and (plan is not None or bits is not None):
-        raise MultiheadError("give either window= (a sink + window cache) or plan= / bits=, not both")
-    if window is not None:
+    spec = generate_spec(model, spec, window=window, sink_tokens=sink_tokens, plan=plan, bits=bits)
+    if spec.kind == "window":
+        windowed = spec
         yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                       stop_ids=stop_ids, compile=compile, step=step, on_cache=on_cache,
-                                      make=lambda b: model.new_cache(b, window=window, sink_tokens=sink_tokens))
+                                      make=lambda b: model.new_cache(b, spec=windowed))
         return
     if total > model.config.max_context:
         raise MultiheadError(
             f"the prompt ({longest} tokens) and max_new_tokens ({max_new_tokens}) need {total} positions, more than "
             f"the model's context of {model.config.max_context}"
         )
-    if plan is not None and bits is not None:
-        raise MultiheadError("give either plan= (a head-wise cache) or bits= (a quantized one), not both")
-    if plan is not None:
+    if spec.kind in ("headwise", "quantized"):
+        sized = spec.with_max_len(total)
         yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
                                       stop_ids=stop_ids, compile=compile, step=step, on_cache=on_cache,
-                                      make=lambda b: model.new_cache(b, total, plan=plan), kind="head-wise")
-        return
-    if bits is not None:
-        group = min(32, model.config.head_dim or model.config.d_model // model.config.n_heads)
-        yield from _generate_windowed(model, prompts, max_new_tokens=max_new_tokens, sampling=sampling,
-                                      stop_ids=stop_ids, compile=compile, step=step, on_cache=on_cache,
-                                      make=lambda b: model.new_cache(b, total, bits=bits, group=group),
-                                      kind="quantized")
+                                      make=lambda b: model.new_cache(b, spec=sized),
+                                      kind="head-wise" if spec.kind == "headwise" else "quantized")
         return
     b = len(prompts)
     device = model.device
@@ -171,7 +167,7 @@ def generate_ids(
     if compile and step is not None:
         raise MultiheadError("give either step or compile=True, not both")
     size = min(-(-total // CACHE_BUCKET) * CACHE_BUCKET, model.config.max_context) if compile else total
-    cache = model.new_cache(b, size)
+    cache = model.new_cache(b, spec=spec.with_max_len(size))
     assert isinstance(cache, KVCache)
     if on_cache is not None:
         on_cache(cache)
@@ -202,6 +198,33 @@ def generate_ids(
             logits = call(nxt[:, None], cache.next_positions(1))
             cache.advance(1)
             last = logits[:, -1]
+
+
+def generate_spec(model: LlamaModel, spec: CacheSpec | None = None, *, window: int | None = None,
+                  sink_tokens: int = 4, plan: HeadPlan | None = None, bits: int | None = None) -> CacheSpec:
+    """The :class:`~multihead.cache.CacheSpec` :func:`generate_ids` decodes with: ``spec`` as given, or the one its
+    keywords make (``window`` with ``sink_tokens``; ``plan``; ``bits`` with a group of 32, or the head's width where
+    smaller); a full cache without either. A spec and keywords together, or keywords of two kinds, are refused."""
+    if spec is not None:
+        if not isinstance(spec, CacheSpec):
+            raise MultiheadError(f"spec must be a CacheSpec, got {type(spec).__name__}")
+        given = [name for name, value in (("window", window), ("plan", plan), ("bits", bits)) if value is not None]
+        if given:
+            raise MultiheadError(f"give spec= alone or the cache's keywords, not both (got spec= with "
+                                 f"{', '.join(name + '=' for name in given)})")
+        return spec
+    if window is not None:
+        if plan is not None or bits is not None:
+            raise MultiheadError("give either window= (a sink + window cache) or plan= / bits=, not both")
+        return CacheSpec(window=window, sink_tokens=sink_tokens)
+    if plan is not None and bits is not None:
+        raise MultiheadError("give either plan= (a head-wise cache) or bits= (a quantized one), not both")
+    if plan is not None:
+        return CacheSpec(1, plan=plan)
+    if bits is not None:
+        head_dim = model.config.head_dim or model.config.d_model // model.config.n_heads
+        return CacheSpec(1, bits=bits, group=min(32, head_dim))
+    return CacheSpec(1)
 
 
 def _generate_windowed(model: LlamaModel, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
