@@ -29,8 +29,8 @@ $(STAMP): pyproject.toml Makefile
 # The native kernels, built again whenever their source changes (a library built from an older source is never
 # loaded: the first forward would use PyTorch's kernels). A failed build leaves them off, said once at first use.
 NATIVE := $(VENV)/.native
-$(NATIVE): $(STAMP) src/multihead/native/kernels.c
-	-$(PY) -m multihead.native build
+$(NATIVE): $(STAMP) src/multihead/kernels/native/kernels.c
+	-$(PY) -m multihead.kernels.native build
 	touch $(NATIVE)
 
 demo: $(STAMP) $(NATIVE) text

@@ -4,13 +4,13 @@ Each round times multihead (eager, and with ``--compile`` its compiled decoding 
 (alternating), for float32 and bfloat16; the ratio of medians is reported with two memory-bandwidth bounds: bytes
 of weights read per token over the measured copy rate (bytes copied per second, one direction counted) and over the
 measured read rate (a large tensor summed). The compiled step is compiled once before the rounds (time reported).
-"multihead plain" is the same model with :mod:`multihead.cpu`'s speed paths off (``cpu.disabled()``).
+"multihead plain" is the same model with :mod:`multihead.kernels.cpu`'s speed paths off (``cpu.disabled()``).
 
 ``--load N`` runs every round twice, first as the machine is, then with N busy processes this benchmark starts (pure
 Python loops, one core each), and reports both conditions in one table; ``--follow-load`` turns on
-:func:`multihead.cpu.follow_load` (a step runs with the threads of the free cores: opt-in, the same numbers).
-``--tune`` measures this host's decisions for the model first (:func:`multihead.tuning.tune_model`, written to the
-host's table; without it the table as it is, or the default rules, decide); the header says which.
+:func:`multihead.kernels.cpu.follow_load` (a step runs with the threads of the free cores: opt-in, the same numbers).
+``--tune`` measures this host's decisions for the model first (:func:`multihead.kernels.tuning.tune_model`, written to
+the host's table; without it the table as it is, or the default rules, decide); the header says which.
 ``--profile`` adds, for each dtype, the ops taking the most self CPU time over ``--profile-tokens`` decoded tokens
 (torch.profiler, key_averages) for multihead (eager, compiled with --compile) and transformers; with --load, under
 the load too.
@@ -104,11 +104,11 @@ def profile_table(title: str, run: Callable[[], int], rows: int) -> list[str]:
         wall = time.perf_counter() - began
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
     total = sum(e.self_cpu_time_total for e in events) or 1.0
-    # multihead.native's kernels run through ctypes, outside any aten op: the profiler does not see them, so the
+    # multihead.kernels.native's kernels run through ctypes, outside any aten op: the profiler does not see them, so the
     # wall time beside the ops' total says how much went there (and to Python between the ops)
     lines = [f"{title} ({got} tokens, self CPU {total / 1e3:.0f} ms in aten ops, {wall * 1e3:.0f} ms wall: "
-             f"{max(wall * 1e6 - total, 0.0) / 1e3 / max(got, 1):.1f} ms a token outside them, multihead.native's "
-             "kernels and Python):", "",
+             f"{max(wall * 1e6 - total, 0.0) / 1e3 / max(got, 1):.1f} ms a token outside them, "
+             "multihead.kernels.native's kernels and Python):", "",
              "| op | self CPU ms | of all | calls | per token ms |", "|---|---|---|---|---|"]
     for e in events[:rows]:
         lines.append(f"| {e.key} | {e.self_cpu_time_total / 1e3:.1f} | {e.self_cpu_time_total / total:.0%} | "
@@ -124,7 +124,7 @@ def main() -> None:
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="also run every round with N busy background processes (one core each)")
     parser.add_argument("--follow-load", action="store_true",
-                        help="a step runs with the threads of the free cores (multihead.cpu.follow_load)")
+                        help="a step runs with the threads of the free cores (multihead.kernels.cpu.follow_load)")
     parser.add_argument("--tune", action="store_true", help="tune this host's decisions for SmolLM2 first")
     parser.add_argument("--profile", action="store_true", help="per-op self CPU time for each dtype and model")
     parser.add_argument("--profile-tokens", type=int, default=16)
@@ -136,7 +136,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
 
-    from multihead import cpu
+    from multihead.kernels import cpu
     from multihead.models import load_llama
 
     cpu.follow_load(args.follow_load)
@@ -171,7 +171,7 @@ def main() -> None:
             "multihead plain": plain,
         }
         if args.tune:  # the host's table for this model's shapes, written before anything is timed
-            from multihead import tuning
+            from multihead.kernels import tuning
 
             t = time.perf_counter()
             found = tuning.tune_model(ours, lengths=(len(prompt) + n,))

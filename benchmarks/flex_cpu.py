@@ -16,9 +16,8 @@ import bench
 import torch
 from results import publish
 
-from multihead import flex
 from multihead.cache import DenseKV
-from multihead.kernels import AttentionCall, attend
+from multihead.kernels import AttentionCall, attend, flex
 from multihead.masks import build_mask
 
 

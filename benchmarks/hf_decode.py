@@ -138,8 +138,9 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
          plan_of: dict[str, Any], compiled: bool = True, follow: bool = False) -> dict[str, Any]:
     from transformers import DynamicCache
 
-    from multihead import cpu, hf
+    from multihead import hf
     from multihead.cache import compress
+    from multihead.kernels import cpu
 
     extra = 2 * (steps + 2)  # the decode steps' tokens (idle and loaded, and the warm-up)
     context = getattr(model.config, "max_position_embeddings", None)
@@ -309,8 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--load", type=int, default=0, help="also decode with N busy processes (default 0: idle only)")
     p.add_argument("--follow-load", action="store_true",
-                   help="multihead's steps follow the machine's load (multihead.cpu.follow_load: as many threads as "
-                        "cores are free); transformers' steps never do")
+                   help="multihead's steps follow the machine's load (multihead.kernels.cpu.follow_load: as many "
+                        "threads as cores are free); transformers' steps never do")
     p.add_argument("--no-compiled", action="store_true",
                    help="leave out transformers' compiled StaticCache (each cell compiles it: ~30 s on 2 cores)")
     p.add_argument("--json", type=Path, default=None, help="write the rows and the machine to this JSON file")
@@ -321,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"{name} must be at least 1, got {value}")
     if args.load < 0 or any(n < 1 for n in args.lengths):
         p.error(f"--load ({args.load}) must be >= 0 and every --lengths >= 1 ({args.lengths})")
-    from multihead import native
+    from multihead.kernels import native
 
     native.build_now()
     rows: list[dict[str, Any]] = []

@@ -3,8 +3,8 @@ from __future__ import annotations
 import os
 import tempfile
 
-# The CPU decisions read a per-host tuning table (multihead.cpu.table_path) from the user's cache folder: the suite
-# reads its own, empty unless a test writes one, so it decides by the default rules whatever this host has tuned.
+# The CPU decisions read a per-host tuning table (multihead.kernels.cpu.table_path) from the user's cache folder: the
+# suite reads its own, empty unless a test writes one, so it decides by the default rules whatever this host has tuned.
 os.environ["MULTIHEAD_TUNING_DIR"] = tempfile.mkdtemp(prefix="multihead-tuning-")
 
 import numpy as np
@@ -22,7 +22,7 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 # The native kernels are built by an explicit step (the set-up runs it), never by a forward: the suite takes that step
 # once (a no-op where they are built for this source), so the speed paths are tested and not only their fallback.
-from multihead import native  # noqa: E402
+from multihead.kernels import native  # noqa: E402
 
 native.build_now()
 
@@ -40,7 +40,7 @@ def to_np(t: torch.Tensor) -> np.ndarray:
 @pytest.fixture
 def two_threads():  # type: ignore[no-untyped-def]
     """Two intra-op threads for the test, whatever the machine: the CPU paths that split work by thread count."""
-    from multihead import cpu
+    from multihead.kernels import cpu
 
     before = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -52,8 +52,9 @@ def two_threads():  # type: ignore[no-untyped-def]
 
 @pytest.fixture
 def tuning_table():  # type: ignore[no-untyped-def]
-    """Write decisions into the suite's tuning table for one test (multihead.tuning.write_table), cleared after."""
-    from multihead import tuning
+    """Write decisions into the suite's tuning table for one test (multihead.kernels.tuning.write_table), cleared
+    after."""
+    from multihead.kernels import tuning
 
     yield lambda entries: tuning.write_table(entries, replace=True)
     tuning.clear_table()

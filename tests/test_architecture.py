@@ -166,15 +166,27 @@ def test_the_private_name_check_sees_calls_across_modules() -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the core's rooms
-KERNEL_MODULES = {"multihead.kernels", "multihead.native", "multihead.flex", "multihead.cpu", "multihead.linear",
-                  "multihead.tuning"}
+KERNELS = "multihead.kernels"  # the room: the dispatcher, each backend, the CPU decisions, their table, native/
+
+
+def _kernel_module(name: str) -> bool:
+    """The kernels' room and the projections' products (which read its CPU decisions)."""
+    return _within(name, KERNELS) or name == "multihead.linear"
+
+
+def test_the_kernels_room_holds_the_decisions_the_table_and_the_native_kernels() -> None:
+    """Issue 51 item 1: the CPU decisions, the tuning table, flex attention and the native kernels live inside
+    multihead.kernels, not beside it at the top level."""
+    modules = _modules()
+    for name in ("cpu", "tuning", "flex", "native"):
+        assert f"{KERNELS}.{name}" in modules and f"multihead.{name}" not in modules, name
 
 
 def test_no_cache_module_imports_a_kernel_module() -> None:
     """Caches only store: no module of multihead.cache imports the dispatcher, a kernel or a speed decision."""
     modules = _modules()
-    found = {name: sorted(_imports(name, path, modules) & KERNEL_MODULES) for name, path in modules.items()
-             if name == "multihead.cache" or name.startswith("multihead.cache.")}
+    found = {name: sorted(dep for dep in _imports(name, path, modules) if _kernel_module(dep))
+             for name, path in modules.items() if _within(name, "multihead.cache")}
     assert {name: kernels for name, kernels in found.items() if kernels} == {}
     assert len(found) >= 8  # the protocol, the view and every kind were looked at
 
@@ -184,8 +196,6 @@ def test_no_cache_module_imports_a_kernel_module() -> None:
 KERNEL_ENTRY_POINTS = {"scaled_dot_product_attention", "flex_attention", "sdpa_attention", "math_attention",
                        "attend_dense", "attend_q4", "attend_q8", "attend_quantized", "fold_gqa_decode",
                        "native_decode_attention", "native_quantized_decode", "resolve_backend", "dense_fits"}
-ENTRY_POINT_HOMES = {"multihead.kernels", "multihead.native", "multihead.flex", "multihead.cpu"}
-ENTRY_POINT_USERS = {"multihead.tuning": "measures SDPA (folded or not) against the native kernel for the table"}
 
 
 def _references(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
@@ -201,11 +211,11 @@ def _references(tree: ast.AST, names: set[str]) -> list[tuple[int, str]]:
 
 
 def test_no_module_outside_kernels_decides_a_backend() -> None:
-    """Which kernel runs is decided in multihead.kernels alone: no other module calls an attention kernel or the
-    decisions that choose one (they may call kernels.attend, which decides)."""
+    """Which kernel runs is decided in multihead.kernels alone (its tuning measures the kernels for the table): no
+    other module calls an attention kernel or the decisions that choose one (they may call kernels.attend)."""
     outside = {}
     for name, path in _modules().items():
-        if name in ENTRY_POINT_HOMES or name in ENTRY_POINT_USERS:
+        if _within(name, KERNELS):
             continue
         refs = _references(ast.parse(path.read_text(encoding="utf-8")), KERNEL_ENTRY_POINTS)
         if refs:
@@ -214,7 +224,7 @@ def test_no_module_outside_kernels_decides_a_backend() -> None:
 
 
 def test_the_entry_point_check_sees_a_call() -> None:
-    tree = ast.parse("import torch.nn.functional as F\nfrom multihead.native import attend_dense\n"
+    tree = ast.parse("import torch.nn.functional as F\nfrom multihead.kernels.native import attend_dense\n"
                      "def f(q, k, v):\n    return F.scaled_dot_product_attention(q, k, v)\n")
     assert _references(tree, KERNEL_ENTRY_POINTS) == [(2, "attend_dense"), (4, "scaled_dot_product_attention")]
 
@@ -224,10 +234,15 @@ STAGES = ("multihead.step", "multihead.linear", "multihead.rope", "multihead.cac
 DATA = {"multihead.cache.view", "multihead.masks", "multihead.errors", "multihead.config"}  # types, read anywhere
 
 
+# the forward's route, top to bottom (W_O: the projections again), and the codes' arithmetic the caches and the
+# kernels both use
+ROUTE = ("multihead.attention", *STAGES, "multihead.quant")
+
+
 def _room(module: str) -> str:
     if module in DATA or not module.startswith("multihead"):
         return module
-    for stage in ("multihead.cache", "multihead.native"):
+    for stage in ("multihead.cache", "multihead.kernels"):
         if module.startswith(stage + "."):
             return stage
     return module
@@ -292,8 +307,9 @@ def test_a_walk_of_the_forward_visits_each_room_once_in_order() -> None:
     """The forward reads project -> rotate -> update -> attend -> merge: from the layer's own frames it enters the
     step's checks, the projections, RoPE, the cache's one verb, the hook points and the dispatcher, each once and in
     that order, then W_O; whatever the cache kind (the layer never asks which it holds). Below it, nothing climbs
-    back: a cache calls no kernel or decision, and the dispatcher never enters the layer, the step or a cache (it
-    reads the cache's view, a data type)."""
+    back up the route (attention, step, projections, RoPE, cache, hooks, kernels): a cache calls no kernel or
+    decision, the dispatcher never enters the layer, the step or a cache (it reads the cache's view, a data type),
+    and its decisions, table and native kernels are in its own room (issue 51: at most two climbs; none now)."""
     import torch
 
     for kind in ("full", "sink", "int4", "int8", "int2", "head-wise"):  # native codes, codes read back, groups
@@ -301,11 +317,9 @@ def test_a_walk_of_the_forward_visits_each_room_once_in_order() -> None:
             top, crossings = _walk(_decode_layer(kind))
         assert top == ["multihead.step", "multihead.linear", "multihead.rope", "multihead.cache", "multihead.hooks",
                        "multihead.kernels", "multihead.linear"], (kind, top)
-        climbs = [(a, b) for a, b in crossings
-                  if (a == "multihead.cache" and b in KERNEL_MODULES | {"multihead.native"})
-                  or (a in ("multihead.kernels", "multihead.native", "multihead.cpu")
-                      and b in ("multihead.attention", "multihead.step", "multihead.cache"))]
+        climbs = [(a, b) for a, b in crossings if ROUTE.index(b) < ROUTE.index(a)]
         assert climbs == [], (kind, sorted(set(climbs)))
+        assert set(crossings) <= {("multihead.linear", KERNELS), (KERNELS, "multihead.quant")}, (kind, crossings)
     from multihead import MultiHeadAttention
 
     layer = MultiHeadAttention(d_model=384, n_heads=6, n_kv_heads=2, rope=10000.0).eval()

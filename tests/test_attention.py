@@ -92,7 +92,7 @@ def test_an_uneven_gqa_decode_is_folded_as_the_hosts_table_says_and_never_timed(
     every call (no call reads the clock); the result equals the math path either way."""
     import time
 
-    from multihead import cpu
+    from multihead.kernels import cpu
 
     def plan(t: int):  # type: ignore[no-untyped-def]
         k = torch.zeros(1, 3, t, 8)

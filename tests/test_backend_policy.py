@@ -13,8 +13,9 @@ import pytest
 import torch
 from torch import Tensor
 
-from multihead import KVCache, LatentCache, MultiHeadAttention, MultiheadError, flex, kernels
+from multihead import KVCache, LatentCache, MultiHeadAttention, MultiheadError, kernels
 from multihead.hooks import HookFn, zero_heads
+from multihead.kernels import flex
 from multihead.latent import MultiHeadLatentAttention
 
 BACKENDS = ("auto", "sdpa", "math", "flex")
@@ -147,7 +148,7 @@ def test_explain_and_a_cached_decode_step_agree_including_the_gqa_fold(
             handle.remove()
     _agree(choice, seen, hooked)
     if backend in ("auto", "sdpa") and hooked in ("none", "hook_z", "hook_out"):
-        assert seen == [("sdpa", True)]  # 4 query heads per KV head: folded (multihead.cpu.fold_gqa_decode)
+        assert seen == [("sdpa", True)]  # 4 query heads per KV head: folded (multihead.kernels.cpu.fold_gqa_decode)
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -265,7 +265,7 @@ def test_generate_compile_flag_gives_the_same_tokens(smollm2, dtype: str, monkey
     no recompile), and in bfloat16 the graph calls the native product as its operator where the kernels have it."""
     from torch._dynamo.testing import CompileCounter
 
-    from multihead import native
+    from multihead.kernels import native
     from multihead.models import generate as gen
 
     torch._dynamo.reset()

@@ -1,5 +1,6 @@
 """A run's numbers never depend on timing: SmolLM2 decodes to bit-identical logits from a process's first step to
-its last, and in two fresh processes, with the host's tuning table or without one (multihead.cpu, multihead.tuning).
+its last, and in two fresh processes, with the host's tuning table or without one (multihead.kernels.cpu,
+multihead.kernels.tuning).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ torch.save(torch.stack(runs), sys.argv[2])
 
 TUNE = """
 import torch
-from multihead import tuning
+from multihead.kernels import tuning
 from multihead.models import load_llama
 model, _ = load_llama(dtype=torch.bfloat16)
 entries = tuning.tune_model(model, lengths=(64,), repeats=3)

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from conftest import to_np
-from multihead import KVCache, MultiHeadAttention, flex
+from multihead import KVCache, MultiHeadAttention
 from multihead.cache import DenseKV
 from multihead.errors import MultiheadError
-from multihead.kernels import AttentionCall, resolve_backend
+from multihead.kernels import AttentionCall, flex, resolve_backend
 from multihead.masks import MaskSpec, build_mask, causal_keep
 from multihead.reference import Weights, multihead_attention
 

@@ -268,11 +268,11 @@ def test_smollm2_in_transformers_decodes_with_a_head_plan_as_multiheads_own_port
 
 @pytest.mark.usefixtures("two_threads")
 def test_a_switched_models_step_follows_the_load_as_our_models_do_and_gives_the_threads_back() -> None:
-    """hf.enable makes each forward a step of multihead.cpu.step_threads: following the load with one core left
+    """hf.enable makes each forward a step of multihead.kernels.cpu.step_threads: following the load with one core left
     free, the attention runs with one intra-op thread (an op spread over two waits for the thread the scheduler
     left off its core); the configured two come back after the forward, and after one that raised; idle, or not
     following the load (the default), every step keeps the configured threads. The logits are the same each way."""
-    from multihead import cpu
+    from multihead.kernels import cpu
 
     model = _model("llama")
     seen: list[int] = []

@@ -7,10 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from multihead import cpu
-from multihead.cpu import SPLIT_MAX_ROWS as MAX_ROWS
-from multihead.cpu import SPLIT_MIN_WEIGHT as MIN_WEIGHT
 from multihead.errors import MultiheadError
+from multihead.kernels import cpu
+from multihead.kernels.cpu import SPLIT_MAX_ROWS as MAX_ROWS
+from multihead.kernels.cpu import SPLIT_MIN_WEIGHT as MIN_WEIGHT
 from multihead.linear import Linear, linear
 from tests_support import aten_ops
 
@@ -102,7 +102,7 @@ def test_tuning_keeps_the_fastest_median_only_under_the_margin_and_skips_each_fi
         monkeypatch: pytest.MonkeyPatch) -> None:
     """measure() runs the kinds in turn, the order rotated, one untimed first pass each (a first pass that takes a
     second does not decide), and fastest() keeps a kind only under KIND_MARGIN of the plain one's median."""
-    from multihead import tuning
+    from multihead.kernels import tuning
 
     clock = [0.0]
     order: list[str] = []
@@ -126,7 +126,7 @@ def test_tuning_keeps_the_fastest_median_only_under_the_margin_and_skips_each_fi
 
 
 def test_tuning_a_shape_writes_the_hosts_table_and_the_product_then_runs_that_kind(tuning_table) -> None:  # type: ignore[no-untyped-def]
-    from multihead import tuning
+    from multihead.kernels import tuning
 
     cpu.force_product(None)
     weights = [torch.randn(1536, 576) for _ in range(3)]
@@ -272,14 +272,14 @@ def test_upcast_runs_for_a_prefills_bfloat16_rows_on_a_cpu_without_bfloat16_inst
 
 
 def test_this_cpus_flags_decide_the_upcast() -> None:
-    from multihead import native
+    from multihead.kernels import native
 
     flags = native.cpu_flags()
     assert cpu.no_bf16_matmul() is ("sse2" in flags and not {"avx512_bf16", "amx_bf16"} & flags)
 
 
 def test_the_cpu_flags_are_read_once_a_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from multihead import native
+    from multihead.kernels import native
 
     reads = []
     monkeypatch.setattr(native, "cpu_flags", lambda: reads.append(1) or frozenset({"sse2", "avx512f"}))

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from multihead import MultiheadError, cpu
+from multihead import MultiheadError
+from multihead.kernels import cpu
 from multihead.models import LlamaConfig, LlamaModel, load_llama
 from multihead.models.generate import Sampling, generate_ids
 from tests_support import smollm2_gguf, teacher_forced_logits
@@ -96,8 +97,9 @@ def test_a_batch_generates_what_each_prompt_generates_alone(smollm2) -> None:  #
 
 @pytest.mark.usefixtures("two_threads")
 def test_the_cpu_fast_paths_change_no_token_and_no_logit_beyond_rounding(smollm2) -> None:  # type: ignore[no-untyped-def]
-    """multihead.cpu's switch: the whole model with every CPU speed path and with none, one sequence (plain decode mask,
-    slice cache writes) and a batch of two lengths (positions mask, indexed writes): same tokens, same logits."""
+    """multihead.kernels.cpu's switch: the whole model with every CPU speed path and with none, one sequence (plain
+    decode mask, slice cache writes) and a batch of two lengths (positions mask, indexed writes): same tokens, same
+    logits."""
     model, tok = smollm2
     prompts = [tok.encode("The capital of France is"), tok.encode("Once upon a time, in a land far away,")]
     w = model.layers[0].attn.q_proj.weight

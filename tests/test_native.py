@@ -1,5 +1,5 @@
-"""multihead.native: the C kernels built by an explicit step (one build per instruction-set variant, the CPU's best
-chosen at run time), never by a forward, registered as torch operators, each against float64 or SDPA, and what
+"""multihead.kernels.native: the C kernels built by an explicit step (one build per instruction-set variant, the CPU's
+best chosen at run time), never by a forward, registered as torch operators, each against float64 or SDPA, and what
 happens without them (not built yet, no compiler, a failed build, turned off)."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from multihead import cpu, native, quant
+from multihead import quant
+from multihead.kernels import cpu, native
 from multihead.linear import Linear, linear
 
 
@@ -42,8 +43,9 @@ def test_a_lower_variant_builds_loads_and_computes_the_same(variant: str, tmp_pa
     with the reason."""
     if not native.supported(variant):
         pytest.skip(f"this CPU does not run the {variant} variant")  # (every x86-64 CPU runs generic)
-    code = ("import torch; from multihead import native; native.build_now(); w = torch.randn(33, 70).bfloat16(); "
-            "x = torch.randn(1, 70).bfloat16(); e = (w.double() @ x.double().t()).t(); "
+    code = ("import torch; from multihead.kernels import native; native.build_now(); "
+            "w = torch.randn(33, 70).bfloat16(); x = torch.randn(1, 70).bfloat16(); "
+            "e = (w.double() @ x.double().t()).t(); "
             "y = native.gemv_bf16(x, w); "
             "print(native.loaded_variant(), native.vectorised(), float(((y.double() - e).abs() / "
             "e.abs().clamp_min(1)).max()) < 2 ** -7)")
@@ -166,7 +168,7 @@ def test_the_kernels_are_torch_operators_with_schemas_and_fake_kernels() -> None
         assert schema in str(getattr(torch.ops.multihead, name).default._schema)
 
 
-def _probe(env: dict[str, str], code: str = "from multihead import native; print(native.unavailable())") -> str:
+def _probe(env: dict[str, str], code: str = "from multihead.kernels import native; print(native.unavailable())") -> str:
     import os
 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
@@ -181,7 +183,7 @@ def test_without_the_kernels_everything_says_why_once_and_keeps_pytorchs_product
     assert _probe({"PATH": str(tmp_path), "CC": "no-such-cc"}) == (
         "no C compiler found (cc, gcc or clang on PATH, or $CC)")
     # said once a process (a warning), however often the kernels are asked for; not when turned off on purpose
-    code = ("import warnings; warnings.simplefilter('always'); from multihead import native; "
+    code = ("import warnings; warnings.simplefilter('always'); from multihead.kernels import native; "
             "[native.library() for _ in range(3)]; native.unavailable(); print('asked')")
     import os
 
@@ -191,8 +193,9 @@ def test_without_the_kernels_everything_says_why_once_and_keeps_pytorchs_product
         assert done.returncode == 0 and done.stdout.strip() == "asked", done.stderr
         assert done.stderr.count("native CPU kernels are not available") == said, done.stderr
     # the speed paths without the kernels: bfloat16 one-row products still agree, the native kind is not offered
-    code = ("import torch, torch.nn.functional as F; from multihead import native; from multihead.linear import "
-            "linear; w = torch.randn(1536, 576).bfloat16(); x = torch.randn(1, 576).bfloat16(); "
+    code = ("import torch, torch.nn.functional as F; from multihead.kernels import native; "
+            "from multihead.linear import linear; w = torch.randn(1536, 576).bfloat16(); "
+            "x = torch.randn(1, 576).bfloat16(); "
             "print(native.library() is None, [(linear(x, w) - F.linear(x, w)).abs().max().item() < 1 "
             "for _ in range(40)] == [True] * 40)")
     assert _probe({"MULTIHEAD_NATIVE": "0"}, code) == "True True"
@@ -206,7 +209,8 @@ def test_a_failed_build_says_what_the_compiler_said_and_a_good_one_is_kept(tmp_p
     monkeypatch.setattr(native, "_state", {})
     monkeypatch.setenv("MULTIHEAD_NATIVE_DIR", str(tmp_path / "built"))
     built_dir = tmp_path / "built"
-    with pytest.warns(RuntimeWarning, match="not available .not built here yet: run `python -m multihead.native"):
+    with pytest.warns(RuntimeWarning, match="not available .not built here yet: run `python -m "
+                                               "multihead.kernels.native"):
         assert native.library() is None  # a forward never builds: not built yet, PyTorch's kernels run
     why = native.build_now()
     assert why is not None and "kernels.c exited with 1" in why and "error" in why
@@ -396,7 +400,8 @@ def _decode_quantized(model, tokens: torch.Tensor, prompt: int, bits: int) -> to
 def test_a_quantized_cache_decodes_over_its_codes_as_the_dequantising_path_does(monkeypatch: pytest.MonkeyPatch,
                                                                                  bits: int) -> None:
     """Every decode step of every layer attends in the kernel (counted), the logits equal the dequantise-then-SDPA
-    path's (multihead.cpu off) within float32 rounding; a hooked pattern, weights or gradients keep the plain path."""
+    path's (multihead.kernels.cpu off) within float32 rounding; a hooked pattern, weights or gradients keep the plain
+    path."""
     from multihead.hooks import hooks
 
     model = _tiny_llama()
@@ -463,9 +468,9 @@ def test_explain_says_when_the_quantized_cache_attends_itself(bits: int) -> None
         if bits == 2:  # no kernel reads 2-bit codes: read back, then dispatched as dense keys (the dense kernel)
             assert "2-bit codes are read back" in choice.reason
             assert "no native kernel reads 2-bit codes" in choice.reason
-            assert choice.kernel in ("multihead.native.attend_dense", "flash"), choice
+            assert choice.kernel in ("multihead.kernels.native.attend_dense", "flash"), choice
         else:
-            assert choice.backend == "native" and choice.kernel == f"multihead.native.{KERNELS[bits]}", choice
+            assert choice.backend == "native" and choice.kernel == f"multihead.kernels.native.{KERNELS[bits]}", choice
             assert "never dequantised" in choice.reason
         assert cache.lengths.tolist() == [100]
         with cpu.disabled():
@@ -510,7 +515,7 @@ def test_a_decode_step_attends_natively_from_its_length_or_where_the_table_says_
         monkeypatch: pytest.MonkeyPatch, tuning_table) -> None:  # type: ignore[no-untyped-def]
     """A full cache's decode steps: untuned, SDPA below NATIVE_DECODE_KEYS keys (a short cache: its call costs less)
     and the native dense kernel from there; where the host's table says native for the shape and power-of-two range
-    of lengths, every step runs natively (no call timed); the logits equal the plain path's (multihead.cpu off)
+    of lengths, every step runs natively (no call timed); the logits equal the plain path's (multihead.kernels.cpu off)
     within float32 rounding either way, and explain names the kernel that runs."""
     threads = torch.get_num_threads()
     for dtype, least in cpu.NATIVE_DECODE_KEYS.items():
@@ -540,12 +545,12 @@ def test_a_decode_step_attends_natively_from_its_length_or_where_the_table_says_
     with cpu.disabled():
         want = decode()
     torch.testing.assert_close(decode(), want, atol=1e-4, rtol=1e-4)
-    assert calls == [] and explained() != "multihead.native.attend_dense"  # 100 .. 120 keys, untuned: SDPA
+    assert calls == [] and explained() != "multihead.kernels.native.attend_dense"  # 100 .. 120 keys, untuned: SDPA
     tuning_table({cpu.attention_key("native-attention", 1, 3, 1, torch.float32, t, threads): "native"
                   for t in (64, 128)})  # the ranges 64-127 and 128-255: keys 100 .. 120
     torch.testing.assert_close(decode(), want, atol=1e-4, rtol=1e-4)
     assert len(calls) == 2 * 20  # two layers, twenty decode steps: every one
-    assert explained() == "multihead.native.attend_dense"
+    assert explained() == "multihead.kernels.native.attend_dense"
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -607,7 +612,7 @@ def test_a_first_forward_never_builds_and_the_build_step_does(tmp_path: Path) ->
     explicit step builds them and the next process loads them."""
     env = {"MULTIHEAD_NATIVE_DIR": str(tmp_path)}
     code = ("import warnings, torch; warnings.simplefilter('always'); "
-            "from multihead import MultiHeadAttention, native; torch.manual_seed(0); "
+            "from multihead import MultiHeadAttention; from multihead.kernels import native; torch.manual_seed(0); "
             "a = MultiHeadAttention(d_model=64, n_heads=4).bfloat16(); "
             "x = torch.randn(1, 1, 64).bfloat16(); [a(x) for _ in range(3)]; print(native.available())")
     import os
@@ -615,13 +620,13 @@ def test_a_first_forward_never_builds_and_the_build_step_does(tmp_path: Path) ->
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
                           env={**os.environ, **env})
     assert done.returncode == 0 and done.stdout.strip() == "False", done.stderr
-    assert done.stderr.count("python -m multihead.native build") == 1, done.stderr
+    assert done.stderr.count("python -m multihead.kernels.native build") == 1, done.stderr
     assert list(tmp_path.iterdir()) == []  # nothing was built
-    step = subprocess.run([sys.executable, "-m", "multihead.native", "build"], capture_output=True, text=True,
+    step = subprocess.run([sys.executable, "-m", "multihead.kernels.native", "build"], capture_output=True, text=True,
                           timeout=300, env={**os.environ, **env})
     assert step.returncode == 0 and f"variant {native.variant()}" in step.stdout, step.stderr
     assert [f.suffix for f in tmp_path.iterdir()] == [".so"]
-    assert _probe(env, "from multihead import native; print(native.available())") == "True"
-    bad = subprocess.run([sys.executable, "-m", "multihead.native", "compile"], capture_output=True, text=True,
+    assert _probe(env, "from multihead.kernels import native; print(native.available())") == "True"
+    bad = subprocess.run([sys.executable, "-m", "multihead.kernels.native", "compile"], capture_output=True, text=True,
                          timeout=120)
-    assert bad.returncode == 2 and "usage: python -m multihead.native [build] (got 'compile')" in bad.stderr
+    assert bad.returncode == 2 and "usage: python -m multihead.kernels.native [build] (got 'compile')" in bad.stderr

@@ -124,8 +124,8 @@ def test_a_quantized_ring_decodes_in_the_native_kernel_with_the_steps_mask(monke
     """Issue 50: a sliding layer's ring hides the slots out of the window, so its decode steps once read the codes
     back and ran SDPA with a mask. Now every layer of every decode step runs in the native kernel over the codes
     (the sliding layers with the step's (b, t) key mask), and the logits equal the dequantise-then-SDPA path's
-    (multihead.cpu off) within float32 rounding."""
-    from multihead import cpu, native
+    (multihead.kernels.cpu off) within float32 rounding."""
+    from multihead.kernels import cpu, native
 
     model = hf.enable(_model("gemma3"))
     tokens = torch.randint(0, 97, (1, N))

@@ -1,4 +1,4 @@
-"""multihead.tuning and `multihead tune`: a model's decisions measured once and written to the host's table; the
+"""multihead.kernels.tuning and `multihead tune`: a model's decisions measured once and written to the host's table; the
 table read back by the decisions, checked, and a bad file said (never a crash of a forward pass)."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from multihead import cpu, tuning
 from multihead.errors import MultiheadError
+from multihead.kernels import cpu, tuning
 from multihead.models import LlamaConfig, LlamaModel
 
 

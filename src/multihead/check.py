@@ -9,7 +9,8 @@ For every backend and dtype on the chosen device:
 - ``cache``: decoding token by token with a KVCache equals the uncached forward;
 - ``deterministic``: 50 reruns are bitwise equal under ``torch.use_deterministic_algorithms(True)``.
 
-Every case has heads 16 wide: flex attention's GPU kernel takes none narrower (:func:`multihead.flex.unsupported`).
+Every case has heads 16 wide: flex attention's GPU kernel takes none narrower
+(:func:`multihead.kernels.flex.unsupported`).
 """
 
 from __future__ import annotations

@@ -43,11 +43,10 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead import cpu
 from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError, require
 from multihead.hooks import HookPoint, add_hook_points, add_resid_points, call_hooks
-from multihead.kernels import AttentionCall, attend
+from multihead.kernels import AttentionCall, attend, cpu
 from multihead.masks import MaskSpec
 
 NAME = "multihead"
@@ -375,9 +374,9 @@ _steps = threading.local()  # the step_threads contexts of the forwards running 
 
 
 def _enter_step(_module: nn.Module, _args: Any) -> None:
-    """Before a switched model's forward: its step runs with the threads :func:`multihead.cpu.step_threads` gives
-    (fewer than configured only when following the load, :func:`multihead.cpu.follow_load`, on a busy machine), as
-    a step of multihead's own models does."""
+    """Before a switched model's forward: its step runs with the threads :func:`multihead.kernels.cpu.step_threads`
+    gives (fewer than configured only when following the load, :func:`multihead.kernels.cpu.follow_load`, on a busy
+    machine), as a step of multihead's own models does."""
     entered: list[AbstractContextManager[int]] = _steps.__dict__.setdefault("entered", [])
     context = cpu.step_threads()
     context.__enter__()

@@ -2,8 +2,8 @@
 
 Decoding multiplies one token (a few rows) by every weight matrix: a matrix-vector product, bound by reading the
 weights from memory. PyTorch has several kernels for the same product and none is fastest for every shape, dtype
-and machine, so :func:`linear` runs the one :func:`multihead.cpu.product_kind` decides for the shape (the host's
-tuning table, :mod:`multihead.tuning`, or the rule beside it; never a timing):
+and machine, so :func:`linear` runs the one :func:`multihead.kernels.cpu.product_kind` decides for the shape (the host's
+tuning table, :mod:`multihead.kernels.tuning`, or the rule beside it; never a timing):
 
 - "linear": ``F.linear`` (MKL's sgemv for float32, oneDNN's matmul for bfloat16/float16);
 - "mv": ``torch.mv(W, x)`` at one row (the matrix-vector kernel);
@@ -14,17 +14,17 @@ tuning table, :mod:`multihead.tuning`, or the rule beside it; never a timing):
 
 - "blas" (bfloat16/float16): ``F.linear`` with oneDNN off for the call: PyTorch's own vectorised kernels, without
   oneDNN's fixed cost per call;
-- "native" (one bfloat16 row, inference): :func:`multihead.native.gemv_bf16`, a C kernel built on first use that
+- "native" (one bfloat16 row, inference): :func:`multihead.kernels.native.gemv_bf16`, a C kernel built on first use that
   reads the weight at the memory's speed (AVX512-BF16 products, software prefetch); offered only where it built.
 
 A prefill's many-row bfloat16 product runs in float32 on x86 CPUs without bfloat16 instructions (:func:`upcast`,
-decided by :func:`multihead.cpu.upcast_product`): about 3x faster there.
+decided by :func:`multihead.kernels.cpu.upcast_product`): about 3x faster there.
 
 Same weights, same parameters and state_dict, no copy of W; the kinds differ at the last bits of the dtype's
 rounding (the same sums in another order), and a shape always runs the same kind in a process. What each kind
 gains in SmolLM2-135M's greedy decoding (benchmarks/decode.py, one process, alternating) is recorded with its host
-and date in benchmarks/RESULTS.md. Which calls may choose is decided in :func:`multihead.cpu.split_product` (with
-the other CPU speed paths, behind one switch).
+and date in benchmarks/RESULTS.md. Which calls may choose is decided in :func:`multihead.kernels.cpu.split_product`
+(with the other CPU speed paths, behind one switch).
 """
 
 from __future__ import annotations
@@ -33,12 +33,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import cpu, native
+from multihead.kernels import cpu, native
 
-# the kinds of product a call may take (multihead.cpu.product_kind): by dtype, and with "mv" at one row
+# the kinds of product a call may take (multihead.kernels.cpu.product_kind): by dtype, and with "mv" at one row
 KINDS = {True: ("linear", "split"), False: ("linear", "split", "blas")}
 ONE_ROW_KINDS = {True: ("linear", "mv", "split"), False: ("linear", "mv", "split", "blas")}
-NATIVE_KINDS = ("linear", "mv", "split", "blas", "native")  # one bfloat16 row, when multihead.native is built
+NATIVE_KINDS = ("linear", "mv", "split", "blas", "native")  # one bfloat16 row, when multihead.kernels.native is built
 
 
 def kinds(rows: int, dtype: torch.dtype) -> tuple[str, ...]:
@@ -50,8 +50,8 @@ def kinds(rows: int, dtype: torch.dtype) -> tuple[str, ...]:
 
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """``F.linear(x, weight, bias)``, as the kind of product :func:`multihead.cpu.product_kind` decides for its shape
-    where :func:`multihead.cpu.split_product` lets it choose (few rows on the CPU)."""
+    """``F.linear(x, weight, bias)``, as the kind of product :func:`multihead.kernels.cpu.product_kind` decides for its
+    shape where :func:`multihead.kernels.cpu.split_product` lets it choose (few rows on the CPU)."""
     in_features = x.shape[-1] if x.ndim else 0
     rows = x.numel() // in_features if in_features else 0
     n = cpu.split_product(rows, weight, x)
@@ -65,8 +65,9 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 def upcast(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` of low-precision tensors computed in float32 and rounded to x's dtype once
-    (:func:`multihead.cpu.upcast_product` decides where): the weight converted :data:`multihead.cpu.UPCAST_BLOCK`
-    elements at a time, each block's output written into the result, so the float32 copies stay small."""
+    (:func:`multihead.kernels.cpu.upcast_product` decides where): the weight converted
+    :data:`multihead.kernels.cpu.UPCAST_BLOCK` elements at a time, each block's output written into the result, so the
+    float32 copies stay small."""
     x32 = x.float()
     out = x.new_empty(*x.shape[:-1], weight.shape[0])
     step = max(1, cpu.UPCAST_BLOCK // max(1, weight.shape[1]))
@@ -77,7 +78,7 @@ def upcast(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
 
 
 def run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, one: bool = False) -> Tensor:
-    """The product ``F.linear(x, weight, bias)`` as ``kind`` (:func:`multihead.cpu.product_kind`) with ``n`` row
+    """The product ``F.linear(x, weight, bias)`` as ``kind`` (:func:`multihead.kernels.cpu.product_kind`) with ``n`` row
     blocks for the split; "split", "blas", "mv" and "native" in one intra-op thread when ``one``. "blas" on float32
     is F.linear (MKL, no oneDNN there to switch off); "mv" with more than one row is F.linear; "native" is F.linear
     unless it is one contiguous bfloat16 row without autograd and the kernel built (the kernel reads raw memory:

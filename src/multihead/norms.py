@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import cpu
+from multihead.kernels import cpu
 
 
 class RMSNorm(nn.Module):

@@ -20,9 +20,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from multihead import cpu
 from multihead.cache import BaseCache, LayerView, Slots
 from multihead.errors import MultiheadError
+from multihead.kernels import cpu
 from multihead.masks import MaskSpec, build_mask
 from multihead.rope import RotaryEmbedding
 

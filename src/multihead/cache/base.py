@@ -163,7 +163,7 @@ class BaseCache(nn.Module):
         that all continue at one host-known length are written as one slice copy, and one sequence continuing at its
         length attends with a plain bottom-right causal mask instead of a mask by positions (the same keys either
         way; never under torch.compile, where the full length and positions decide); the step passes
-        :func:`multihead.cpu.enabled`.
+        :func:`multihead.kernels.cpu.enabled`.
         """
         if positions is not None:
             if not self.addressed:

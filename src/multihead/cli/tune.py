@@ -33,7 +33,7 @@ def add(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from multihead import cpu, tuning
+    from multihead.kernels import cpu, tuning
 
     if args.show and args.clear:
         raise flags.CliError("--show and --clear do not go together")
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     import torch
 
-    from multihead import native
+    from multihead.kernels import native
     from multihead.models import load_llama
     from multihead.models.route import route
 

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import cpu
 from multihead.attention import MultiHeadAttention
 from multihead.cache import (
     Cache,
@@ -29,6 +28,7 @@ from multihead.cache.spec import CacheShape, CacheSpec, spec_of
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint, add_resid_points, resid_block
+from multihead.kernels import cpu
 from multihead.linear import Linear, linear
 from multihead.norms import RMSNorm
 from multihead.step import Step

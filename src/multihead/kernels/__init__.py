@@ -15,8 +15,9 @@ Kernels:
 - ``"math"``: the readable path written with matmul and softmax; it returns the per-head weights (b, h, s, t).
 - ``"flex"``: PyTorch's flex attention with a block mask made from the mask's structure (causal with s != t,
   sliding windows, key padding, packed documents, a cache's positions): masked blocks are skipped and no dense mask
-  is made (:mod:`multihead.flex`). Compiled on first use for each shape.
-- ``"native"``: a CPU decode step in :mod:`multihead.native`'s kernels: over dense keys each KV head read once for
+  is made (:mod:`multihead.kernels.flex`). Compiled on first use for each shape.
+- ``"native"``: a CPU decode step in :mod:`multihead.kernels.native`'s kernels: over dense keys each KV head read once
+for
   its query heads (``attend_dense``), or over a 4- or 8-bit store's codes as they are, never dequantised
   (``attend_q4`` / ``attend_q8``). Taken by ``"auto"`` where every key is visible and nothing needs the keys as
   tensors (no weights, no k, v or pattern hook, no gradient, no dropout).
@@ -24,8 +25,8 @@ Kernels:
 ``backend="auto"`` (the default) is chosen per call from the inputs: ``"math"`` when weights are requested (only it
 materialises them); ``"flex"`` on a GPU when the mask has structure that SDPA could only take as a dense tensor
 (long enough for blocks to be skipped, no dropout); ``"native"`` for the CPU decode steps above where
-:mod:`multihead.cpu` says so (a rule, or the host's tuning table: never the clock); ``"sdpa"`` otherwise. On the CPU
-``"auto"`` keeps SDPA for a structured mask, whose CPU flash kernel takes the mask without materialising scores,
+:mod:`multihead.kernels.cpu` says so (a rule, or the host's tuning table: never the clock); ``"sdpa"`` otherwise. On the
+CPU ``"auto"`` keeps SDPA for a structured mask, whose CPU flash kernel takes the mask without materialising scores,
 because flex attention must be compiled for each new shape there. A quantized view that no native kernel takes is
 read back dense first (:mod:`multihead.quant`), then dispatched as dense keys. A head-wise layer's groups attend
 one call each, with their query heads and their own mask, and z goes back in head order.
@@ -44,10 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead import cpu, flex, native
+from multihead import linear as products  # its products read the CPU decisions here: imported as a module
 from multihead.cache.view import DenseKV, GroupedKV, KVView, LatentKV, QuantizedKV
 from multihead.errors import MultiheadError
-from multihead.linear import linear
+from multihead.kernels import cpu, flex, native
 from multihead.masks import MaskSpec
 from multihead.quant import dequantize_keys_into, dequantize_values_into
 
@@ -174,11 +175,11 @@ class Dispatch(NamedTuple):
 
     ``backend`` is the kernel that computes the output ("math", "sdpa", "flex" or "native"); ``reason`` why this one
     and what keeps a faster one out; ``fold`` that SDPA runs a GQA decode step with each KV head's query heads as its
-    rows (:func:`multihead.cpu.fold_gqa_decode`); ``pattern_beside`` that a hooked pattern is made by the math path
-    beside the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's);
+    rows (:func:`multihead.kernels.cpu.fold_gqa_decode`); ``pattern_beside`` that a hooked pattern is made by the math
+    path beside the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's);
     ``dequantize`` that a quantized view is read back into dense keys and values first (then dispatched again as
-    dense); ``native`` which native kernel runs: "dense" (:func:`multihead.native.attend_dense`) or "quantized"
-    (:func:`multihead.native.attend_q4` / :func:`~multihead.native.attend_q8`), else None.
+    dense); ``native`` which native kernel runs: "dense" (:func:`multihead.kernels.native.attend_dense`) or "quantized"
+    (:func:`multihead.kernels.native.attend_q4` / :func:`~multihead.kernels.native.attend_q8`), else None.
     """
 
     backend: str
@@ -193,12 +194,12 @@ PATTERN_BESIDE = ("; the pattern (b, h, s, t) is made from the same q, k and mas
                   "that returns a replacement makes this call's output pattern @ v (the math path)")
 
 
-NATIVE_CODES = ("a decode step over the codes as they are stored (multihead.native.attend_q4 / attend_q8: read once "
-                "inside the attention, never dequantised; every key visible, or the keys the step hides masked in the "
-                "kernel; nothing hooked at the core)")
+NATIVE_CODES = ("a decode step over the codes as they are stored (multihead.kernels.native.attend_q4 / attend_q8: "
+                "read once inside the attention, never dequantised; every key visible, or the keys the step hides "
+                "masked in the kernel; nothing hooked at the core)")
 
-NATIVE_DECODE = ("this CPU decode step runs in multihead.native.attend_dense (each KV head read once for its query "
-                 "heads, every key visible, or the keys the step hides masked in the kernel; {why})")
+NATIVE_DECODE = ("this CPU decode step runs in multihead.kernels.native.attend_dense (each KV head read once for "
+                 "its query heads, every key visible, or the keys the step hides masked in the kernel; {why})")
 
 
 def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) -> Dispatch:
@@ -208,8 +209,8 @@ def resolve_backend(call: AttentionCall, *, device: torch.device | None = None) 
     they are or that are read back first), what the inputs require or forbid (weights, sink logits, softcap,
     dropout, gradients, an explicit backend), what is fastest for them ('auto': the mask's structure, the device,
     MLA's folded decode), what the hooks need (a hooked pattern beside a fused kernel) and the CPU decisions it
-    looks up in :mod:`multihead.cpu` (rules and the host's tuning table, never a timing). :func:`attend` runs the
-    decision and :func:`explain` describes it. A head-wise view is decided group by group (:func:`group_calls`).
+    looks up in :mod:`multihead.kernels.cpu` (rules and the host's tuning table, never a timing). :func:`attend` runs
+    the decision and :func:`explain` describes it. A head-wise view is decided group by group (:func:`group_calls`).
     """
     device = call.q.device if device is None else device
     kv = call.kv
@@ -376,7 +377,8 @@ def _check_flex(call: AttentionCall, device: torch.device) -> None:
 
 
 def _no_flex(call: AttentionCall, device: torch.device) -> str | None:
-    """Why flex attention's kernel cannot take this call's shapes on ``device`` (:func:`multihead.flex.unsupported`)."""
+    """Why flex attention's kernel cannot take this call's shapes on ``device``
+    (:func:`multihead.kernels.flex.unsupported`)."""
     _, h, s, d = call.q.shape
     return flex.unsupported(d, s, h // call.kv.n_kv_heads, device)
 
@@ -412,7 +414,7 @@ def _auto(call: AttentionCall, device: torch.device) -> tuple[str, str]:
 
 
 def _folds(call: AttentionCall, device: torch.device) -> bool:
-    """SDPA's GQA decode fold, as :mod:`multihead.cpu` decides it for this device."""
+    """SDPA's GQA decode fold, as :mod:`multihead.kernels.cpu` decides it for this device."""
     q, k = call.q, call.k
     return cpu.fold_gqa_decode(q.shape[0], q.shape[1], k.shape[1], q.shape[2], device, call.mask.is_plain_causal,
                                k.shape[2], k.dtype)
@@ -486,7 +488,7 @@ def sdpa_attention(
     ``fold`` runs a GQA decode step (one query per head) with the query heads of each group folded into the query
     dimension, (b, h, 1, d) -> (b, g, h/g, d): the kernel then reads each KV head once instead of once per query
     head (FlashAttention does the same swap on the GPU), but has b * g work items to share among the threads instead
-    of b * h. :func:`resolve_backend` decides when, from :func:`multihead.cpu.fold_gqa_decode`. Same result.
+    of b * h. :func:`resolve_backend` decides when, from :func:`multihead.kernels.cpu.fold_gqa_decode`. Same result.
     """
     b, h, s, d = q.shape
     g = k.shape[1]
@@ -751,7 +753,7 @@ def latent_call(call: AttentionCall) -> LatentCore:
     sizes = {"n_heads": h, "latent": rank + rope, "qk": qk, "dv": dv, "t": t}
     if path == "expanded":
         c_t, k_pe = latents.split([rank, rope], dim=-1)
-        kv_up = linear(c_t, up.reshape(h * (nope + dv), rank)).view(b, t, h, nope + dv).transpose(1, 2)
+        kv_up = products.linear(c_t, up.reshape(h * (nope + dv), rank)).view(b, t, h, nope + dv).transpose(1, 2)
         k_nope, v = kv_up.split([nope, dv], dim=-1)  # (b, h, t, nope), (b, h, t, dv)
         k = torch.cat([k_nope, k_pe[:, None].expand(b, h, t, rope)], dim=-1)  # (b, h, t, nope + rope)
         return LatentCore("expanded", dataclasses.replace(call, kv=DenseKV(k, v.contiguous())), None, False, **sizes)
@@ -857,14 +859,14 @@ def explain(call: AttentionCall) -> KernelChoice:
         plan = resolve_backend(call)
     if plan.native == "quantized":
         assert isinstance(call.kv, QuantizedKV)
-        kernel, reason = f"multihead.native.attend_q{call.kv.bits}", plan.reason
+        kernel, reason = f"multihead.kernels.native.attend_q{call.kv.bits}", plan.reason
     elif plan.backend == "flex":
         kernel = "flex_attention"
         reason = plan.reason + f"; {flex.sparsity(call.mask, call.q.device):.0%} of the 128 x 128 blocks skipped"
     elif plan.backend == "math":
         kernel, reason = "matmul+softmax", plan.reason
     elif plan.native == "dense":
-        kernel, reason = "multihead.native.attend_dense", plan.reason
+        kernel, reason = "multihead.kernels.native.attend_dense", plan.reason
     else:
         kernel = _sdpa_kernel(call)
         reason = plan.reason + _sdpa_details(call, plan, kernel)

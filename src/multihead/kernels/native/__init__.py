@@ -1,5 +1,5 @@
 """Native CPU kernels: a few C functions (``kernels.c`` beside this file) built by an explicit step (``python -m
-multihead.native build``, ``multihead tune``, the set-up), never inside a forward, one build per instruction-set
+multihead.kernels.native build``, ``multihead tune``, the set-up), never inside a forward, one build per instruction-set
 variant, the CPU's best variant chosen at run time (as ggml does), and registered as PyTorch
 operators (``torch.ops.multihead.*``: schemas and fake kernels, so ``torch.compile`` sees them).
 
@@ -8,7 +8,7 @@ The kernels:
 - :func:`gemv_bf16` (``torch.ops.multihead.gemv_bf16``), decoding's one-row bfloat16 product
   ``F.linear(x, W, bias)``, with software prefetch: it reads a bfloat16 weight at about twice the speed of
   PyTorch's one-row kernels on an AVX512-BF16 host (the figures, host and date: benchmarks/RESULTS.md, "The native
-  CPU kernels"). The product kind "native" of :func:`multihead.cpu.product_kind`.
+  CPU kernels"). The product kind "native" of :func:`multihead.kernels.cpu.product_kind`.
 - :func:`attend_dense` (``torch.ops.multihead.attend_dense``), a decode step's attention over a float32 or
   bfloat16 cache, each KV head read once for all its query heads.
 - :func:`attend_q4` and :func:`attend_q8` (``torch.ops.multihead.attend_quantized``), a decode step's attention
@@ -141,7 +141,8 @@ def built(name: str, cc: str | None = None) -> Path | None:
 def build(name: str, cc: str | None = None) -> Path:
     """The built library of variant ``name`` (built now unless already there); raises RuntimeError naming the
     failure (no compiler, a compiler that does not run, a failed or timed-out build). Only the explicit steps call
-    it (:func:`build_now`: ``python -m multihead.native build``, ``multihead tune``, the set-up), never a forward."""
+    it (:func:`build_now`: ``python -m multihead.kernels.native build``, ``multihead tune``, the set-up), never a
+    forward."""
     cc, flags, out = _target(name, cc)
     if out.exists():
         return out
@@ -189,8 +190,8 @@ class QuantArgs(ctypes.Structure):
                 ("keep", _PTR), ("keep_b", _I64))
 
 
-NOT_BUILT = ("not built here yet: run `python -m multihead.native build` (or `multihead tune`) once; the set-up "
-             "(make) does")
+NOT_BUILT = ("not built here yet: run `python -m multihead.kernels.native build` (or `multihead tune`) once; the "
+             "set-up (make) does")
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
@@ -222,8 +223,8 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
 
 def build_now() -> str | None:
     """Build this CPU's variant now (a no-op when it is built) and load it in this process: None, or why not (no
-    compiler, a failed build: the compiler's own words). The explicit step (``python -m multihead.native build``,
-    ``multihead tune``, the set-up); a forward never builds."""
+    compiler, a failed build: the compiler's own words). The explicit step (``python -m multihead.kernels.native
+    build``, ``multihead tune``, the set-up); a forward never builds."""
     if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
         return "turned off by MULTIHEAD_NATIVE=0"
     why: str | None = None

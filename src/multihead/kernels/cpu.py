@@ -6,7 +6,7 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
 - :func:`split_product`: which few-row projections (decoding) may choose their kind of product, and the row blocks of
   the split one (over the process's intra-op threads);
 - :func:`product_kind`: the kind each such product runs (F.linear, torch.mv, the split, low precision with oneDNN
-  off, or multihead.native's bfloat16 kernel), by shape (:mod:`multihead.linear` runs them);
+  off, or multihead.kernels.native's bfloat16 kernel), by shape (:mod:`multihead.linear` runs them);
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
   which kernel runs and how);
@@ -19,9 +19,9 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
 **Decisions are data.** Where the answer depends on the host (which kind of product is fastest for a shape, whether
 the fold or the native attention pays at a length), it is a look-up in the host's tuning table: a JSON file under
 the user's cache folder (:func:`table_path`), keyed by the host (CPU model and flags, cores, torch version) and, in
-it, by decision and shape. :mod:`multihead.tuning` measures and writes it (``multihead tune``); at run time the table
-is read once, when the process first needs it, and never written, so a process computes the same way from its first
-step to its last, and two processes on one host agree. A decision the table does not hold takes the rule written
+it, by decision and shape. :mod:`multihead.kernels.tuning` measures and writes it (``multihead tune``); at run time the
+table is read once, when the process first needs it, and never written, so a process computes the same way from its
+first step to its last, and two processes on one host agree. A decision the table does not hold takes the rule written
 beside it (:data:`DEFAULTS` says which). Nothing in a forward pass reads the clock.
 
 **The machine's load** can change how many threads a step runs with, never what it computes: off by default;
@@ -277,8 +277,8 @@ NATIVE_ATTENTION_KINDS = ("sdpa", "native")
 CHOICES: Mapping[str, tuple[str, ...]] = {"product": PRODUCT_KINDS, "fold": FOLD_KINDS,
                                           "native-attention": NATIVE_ATTENTION_KINDS}
 DEFAULTS = {
-    "product": ("F.linear (\"linear\"), except one bfloat16 row: multihead.native's kernel (\"native\") where it "
-                "built with AVX512-BF16 (the fastest for every one-row shape of SmolLM2 on both hosts of "
+    "product": ("F.linear (\"linear\"), except one bfloat16 row: multihead.kernels.native's kernel (\"native\") where "
+                "it built with AVX512-BF16 (the fastest for every one-row shape of SmolLM2 on both hosts of "
                 "benchmarks/RESULTS.md)"),
     "fold": ("folded where the rule decides it (a KV head serving >= 4 query heads, or the b * g work items sharing "
              "evenly among the threads or at least two a thread); otherwise not folded (SDPA's own GQA)"),
@@ -398,8 +398,8 @@ def _entries() -> dict[str, str]:
 
 
 def reload_table() -> None:
-    """Read the tuning table again at the next decision (after :mod:`multihead.tuning` wrote it, or the directory
-    changed). A process that decodes keeps one table: call this between runs, not within one."""
+    """Read the tuning table again at the next decision (after :mod:`multihead.kernels.tuning` wrote it, or the
+    directory changed). A process that decodes keeps one table: call this between runs, not within one."""
     global _table
     with _table_lock:
         _table = None
@@ -409,7 +409,7 @@ def reload_table() -> None:
 def force_product(kind: str | None) -> None:
     """Take ``kind`` for every product :func:`split_product` lets choose, whatever the table says (a kind the call
     has not, e.g. "blas" for float32, gives F.linear); None: the table and the rules (the default). For tests of the
-    kinds themselves, and for measuring them (:mod:`multihead.tuning`)."""
+    kinds themselves, and for measuring them (:mod:`multihead.kernels.tuning`)."""
     global _forced
     if kind is not None and kind not in PRODUCT_KINDS:
         raise MultiheadError(f"unknown product kind {kind!r}: one of {', '.join(PRODUCT_KINDS)}, or None")
@@ -455,8 +455,8 @@ def product_kind(shape: ProductShape, kinds: tuple[str, ...], *, native_default:
     product over row blocks of the weight; "blas" (bfloat16/float16 only) ``F.linear`` with oneDNN switched off for
     the call (PyTorch's own vectorised gemv/gemm instead of oneDNN's matmul, whose fixed cost per call, ~40 us on the
     Xeon of 2026-12-01, dominates a one-row product of a small matrix); "native" (one bfloat16 row)
-    :func:`multihead.native.gemv_bf16`, a C kernel reading the weight at the memory's speed (1536 x 576 from memory:
-    75-88 us against F.linear's 240-278 there). Why the table and not one rule: the same 2-core Xeon type gave
+    :func:`multihead.kernels.native.gemv_bf16`, a C kernel reading the weight at the memory's speed (1536 x 576 from
+    memory: 75-88 us against F.linear's 240-278 there). Why the table and not one rule: the same 2-core Xeon type gave
     opposite answers on two hosts for float32 (SmolLM2's 210 one-row products 63 ms F.linear / 33 split on one,
     21.8 / 48.6 on the other), and a weight in cache and one from memory rank the kinds differently.
 
@@ -548,8 +548,8 @@ NATIVE_DECODE_KEYS = {torch.float32: 1024, torch.bfloat16: 2048}  # untuned: nat
 
 
 def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, t: int) -> str | None:
-    """Whether a decode step that :func:`multihead.native.attend_dense` takes (one query a head, every key visible,
-    no gradient: the dispatcher checks) runs there instead of SDPA's CPU kernel: the reason it does, or None.
+    """Whether a decode step that :func:`multihead.kernels.native.attend_dense` takes (one query a head, every key
+    visible, no gradient: the dispatcher checks) runs there instead of SDPA's CPU kernel: the reason it does, or None.
 
     The native kernel reads each KV head once for all the query heads it serves, float32 sums, with software
     prefetch. Measured (SmolLM2's 9/3 heads, head_dim 64, 30 layers' caches in turn, one process, alternating,
@@ -577,14 +577,14 @@ def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: to
 
 def native_quantized_decode(bits: int) -> bool:
     """Whether a decode step over a 4- or 8-bit :class:`~multihead.cache.QuantizedKVCache` (one query a head, every
-    key visible: the dispatcher checks) attends in :func:`multihead.native.attend_q4` / ``attend_q8``, reading the
-    codes once inside the attention, instead of dequantising the whole prefix into a tensor for SDPA: wherever the
+    key visible: the dispatcher checks) attends in :func:`multihead.kernels.native.attend_q4` / ``attend_q8``, reading
+    the codes once inside the attention, instead of dequantising the whole prefix into a tensor for SDPA: wherever the
     kernels are built. Measured (SmolLM2's 9/3 heads, head_dim 64, 8,192 cached tokens, 30 layers' caches in turn,
     the hosts of 2026-12-01 and 12-02): 4 bits float32 38 ms against 176 ms dequantised + SDPA, 8 bits 9.3 against
     103; 2 bits always dequantise."""
     if not _enabled or bits not in (4, 8) or (not torch.compiler.is_compiling() and in_a_mode()):
         return False
-    from multihead import native
+    from multihead.kernels import native
 
     return native.available()
 
@@ -602,7 +602,7 @@ _no_bf16: list[bool] = []  # the answer, once /proc/cpuinfo has been read
 
 def _no_bf16_matmul() -> bool:
     if not _no_bf16:  # read /proc/cpuinfo once a process, not once a product
-        from multihead import native
+        from multihead.kernels import native
 
         flags = native.cpu_flags()
         _no_bf16.append("sse2" in flags and not {"avx512_bf16", "amx_bf16"} & flags)  # an x86 CPU it describes

@@ -1,4 +1,5 @@
-"""Tuning: measure, once per host, the CPU decisions :mod:`multihead.cpu` looks up, and write them to the host's table.
+"""Tuning: measure, once per host, the CPU decisions :mod:`multihead.kernels.cpu` looks up, and write them to the host's
+table.
 
 ::
 
@@ -18,7 +19,7 @@ What is measured, each choice against the others in one process, alternating, th
 A kind is kept only when its median is under KIND_MARGIN of the plain one's (F.linear, SDPA unfolded): close calls
 keep the plain path. The table then holds the choices (and the medians measured, for the record); the forward
 reads it and never measures, so every step of a process, and every process on the host, computes the same way
-(:mod:`multihead.cpu`). Tuning runs the kernels for real: run it on an otherwise idle machine.
+(:mod:`multihead.kernels.cpu`). Tuning runs the kernels for real: run it on an otherwise idle machine.
 """
 
 from __future__ import annotations
@@ -34,8 +35,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead import cpu, kernels, linear, native
+from multihead import kernels, linear
 from multihead.errors import MultiheadError
+from multihead.kernels import cpu, native
 from multihead.masks import build_mask
 
 KIND_MARGIN = 0.95  # another kind is taken when its median time is under this fraction of the plain one's
@@ -46,8 +48,8 @@ FLUSH_MAX = 1 << 29  # bytes written to flush the last-level cache before a pass
 # ---------------------------------------------------------------------------------------------- the table file
 def write_table(entries: dict[str, str], measured: dict[str, dict[str, float]] | None = None, *,
                 path: Path | None = None, replace: bool = False) -> Path:
-    """Write decisions into this host's table (:func:`multihead.cpu.table_path`, or ``path``): merged into what it
-    holds unless ``replace``, checked, whole or not at all; the process reads the new table at its next decision."""
+    """Write decisions into this host's table (:func:`multihead.kernels.cpu.table_path`, or ``path``): merged into what
+    it holds unless ``replace``, checked, whole or not at all; the process reads the new table at its next decision."""
     from multihead.files import write_text
 
     target = cpu.table_path() if path is None else path
@@ -135,8 +137,9 @@ def fastest(medians: dict[str, float], plain: str) -> str:
 def tune_products(weights: Iterable[Tensor], *, rows: int = 1, repeats: int = REPEATS, flush: bool = True,
                   progress: Callable[[str], None] | None = None) -> tuple[dict[str, str], dict[str, dict[str, float]]]:
     """Decide the product kind of each shape among ``weights`` (all the weights of a shape are run in turn, as a
-    model's layers run), for ``rows`` rows: the entries and the medians measured, by :func:`multihead.cpu.product_key`.
-    Shapes the split does not take (:func:`multihead.cpu.split_product`) are skipped: F.linear runs them anyway."""
+    model's layers run), for ``rows`` rows: the entries and the medians measured, by
+    :func:`multihead.kernels.cpu.product_key`. Shapes the split does not take
+    (:func:`multihead.kernels.cpu.split_product`) are skipped: F.linear runs them anyway."""
     by_shape: dict[tuple[int, int, torch.dtype], list[Tensor]] = {}
     for w in weights:
         by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w.detach())
@@ -244,10 +247,10 @@ def tune_model(model: nn.Module, *, lengths: Sequence[int] = (1024, 2048, 4096, 
                progress: Callable[[str], None] | None = None) -> dict[str, str]:
     """Measure and record every decision a decoding ``model`` (batch ``batch``, contexts up to ``lengths``) looks
     up: its one-row products and its decode attention at each length, in the model's dtype. Writes the host's table
-    (unless ``write`` is False) and returns the entries. Turned off speed paths (:func:`multihead.cpu.disabled`)
+    (unless ``write`` is False) and returns the entries. Turned off speed paths (:func:`multihead.kernels.cpu.disabled`)
     have nothing to tune."""
     if not cpu.enabled():
-        raise MultiheadError("the CPU speed paths are off (multihead.cpu.disabled): there is nothing to tune")
+        raise MultiheadError("the CPU speed paths are off (multihead.kernels.cpu.disabled): there is nothing to tune")
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in lengths) or not lengths:
         raise MultiheadError(f"lengths ({list(lengths)!r}) must be positive ints")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
