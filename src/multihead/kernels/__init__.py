@@ -539,21 +539,8 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         return _attend_groups(call), None
     if isinstance(call.kv, LatentKV):
         return _attend_latent(call)
-    _check_keys(call)
+    call, plan, _ = prepare(call, run_hooks=True)
     hooks = call.hooks
-    if hooks is not None and hooks.q is not None:
-        call = dataclasses.replace(call, q=hooks.q(call.q))
-    plan: Dispatch | None = resolve_backend(call)
-    if plan is not None and plan.dequantize:  # codes no native kernel takes: read back, then dispatched as keys
-        call = dataclasses.replace(call, kv=dense_view(call.kv))
-        plan = None
-    if hooks is not None and (hooks.k is not None or hooks.v is not None):
-        k = call.k if hooks.k is None else hooks.k(call.k)
-        v = call.v if hooks.v is None else hooks.v(call.v)
-        call = dataclasses.replace(call, kv=DenseKV(k, v))
-        plan = None
-    if plan is None:
-        plan = resolve_backend(call)
     q, spec = call.q, call.mask
     pattern = None if hooks is None else hooks.pattern
     weights: Tensor | None = None
@@ -588,6 +575,32 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     if hooks is not None and hooks.z is not None:
         out = hooks.z(out)
     return out, weights
+
+
+def prepare(call: AttentionCall, *, run_hooks: bool) -> tuple[AttentionCall, Dispatch, str]:
+    """One call over dense or quantized keys made ready for its kernel, the one preparation :func:`attend` and
+    :func:`explain` share: the keys counted against the mask, the q hook (``run_hooks``: attend runs the hooks,
+    explain only decides), the decision, codes that no native kernel takes (or whose keys are hooked) read back
+    into keys and values and decided again, the k and v hooks. Returns the call as the kernel takes it, the
+    decision, and what was done before it ("" or the read-back's reason and "; ")."""
+    _check_keys(call)
+    hooks = call.hooks
+    if run_hooks and hooks is not None and hooks.q is not None:
+        call = dataclasses.replace(call, q=hooks.q(call.q))
+    plan = resolve_backend(call)
+    kv_hooked = hooks is not None and (hooks.k is not None or hooks.v is not None)
+    before = ""
+    if plan.dequantize or (kv_hooked and not isinstance(call.kv, DenseKV)):  # keys as tensors, then decided again
+        before = plan.reason + "; "
+        call = dataclasses.replace(call, kv=dense_view(call.kv))
+        plan = resolve_backend(call)
+    if run_hooks and kv_hooked:
+        assert hooks is not None
+        k = call.k if hooks.k is None else hooks.k(call.k)
+        v = call.v if hooks.v is None else hooks.v(call.v)
+        call = dataclasses.replace(call, kv=DenseKV(k, v))
+        plan = resolve_backend(call)
+    return call, plan, before
 
 
 def _check_keys(call: AttentionCall) -> None:
@@ -849,14 +862,7 @@ def explain(call: AttentionCall) -> KernelChoice:
         reason = "head-wise cache, one call per group of KV heads: " + "; ".join(
             f"{name} KV heads: {choice}" for name, choice in zip(("full", "streaming"), choices, strict=True))
         return KernelChoice(choices[0].backend, choices[0].kernel, reason, choices[0].mask)
-    _check_keys(call)
-    plan = resolve_backend(call)
-    before = ""
-    if plan.dequantize or (call.hooks is not None and (call.hooks.k is not None or call.hooks.v is not None)
-                           and not isinstance(call.kv, DenseKV)):
-        before = plan.reason + "; "
-        call = dataclasses.replace(call, kv=dense_view(call.kv))
-        plan = resolve_backend(call)
+    call, plan, before = prepare(call, run_hooks=False)
     if plan.native == "quantized":
         assert isinstance(call.kv, QuantizedKV)
         kernel, reason = f"multihead.kernels.native.attend_q{call.kv.bits}", plan.reason
