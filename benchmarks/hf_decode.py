@@ -64,7 +64,7 @@ def load(name: str) -> Any:
 
 def plans(name: str, model: Any) -> dict[str, Any]:
     from multihead.cache import HeadPlan
-    from multihead.hfcache import layer_windows
+    from multihead.hf.cache import layer_windows
 
     if name == "smollm2":
         folder = ROOT / "docs" / "experiments"

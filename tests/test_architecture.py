@@ -365,3 +365,28 @@ def test_the_step_and_the_kernel_call_know_no_cache_kind() -> None:
     # MLA: the layer hands the kernels a LatentKV; which path runs (and its folded decode) is decided there
     latent = _modules()["multihead.latent"].read_text(encoding="utf-8")
     assert re.findall(r"einsum|rows_are_heads|MaskSpec\(|DenseKV\(", latent) == []
+
+
+def test_the_transformers_room_is_one_package_whose_modules_load_when_used() -> None:
+    """Issue 51 item 1: hf, hfcache and hfconfig are one package, multihead.hf, a module a concern; its public names
+    (``hf.enable``, ``hf.new_cache``, ...) each resolve from the module that defines them, and reading a config.json
+    (multihead.hf.config, which sizing uses) imports neither transformers nor the attention modules."""
+    import importlib
+    import subprocess
+    import sys
+
+    from multihead import hf
+
+    modules = _modules()
+    assert {"multihead.hf", "multihead.hf.attention", "multihead.hf.cache", "multihead.hf.config",
+            "multihead.hf.switch", "multihead.hf.loader", "multihead.hf.mla"} <= set(modules)
+    assert not {"multihead.hfcache", "multihead.hfconfig"} & set(modules)
+    assert sorted(hf.__all__) == sorted(hf._WHERE)
+    assert not set(hf._HOMES) & set(hf._WHERE)  # a submodule named like a public name would replace it once imported
+    for name, module in hf._WHERE.items():
+        assert getattr(hf, name) is getattr(importlib.import_module(f"multihead.hf.{module}"), name), name
+    code = ("import sys, multihead.hf.config; print(sorted(m for m in sys.modules if m.startswith('transformers') or "
+            "m in ('multihead.hf.attention', 'multihead.hf.switch', 'multihead.hf.cache')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[]"

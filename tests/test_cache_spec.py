@@ -26,7 +26,7 @@ from multihead.cache import (
     SinkCache,
 )
 from multihead.errors import MultiheadError
-from multihead.hfcache import cache_shape
+from multihead.hf.cache import cache_shape
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.tradeoff.prune import prune
 

@@ -18,7 +18,7 @@ import transformers
 from multihead import hf
 from multihead.cache import HeadPlan
 from multihead.errors import MultiheadError
-from multihead.hfcache import layer_windows
+from multihead.hf.cache import layer_windows
 from multihead.tradeoff import longctx as lc
 from multihead.tradeoff.longctx import shared
 from multihead.tradeoff.longctx.hf_engine import TransformersDecoder

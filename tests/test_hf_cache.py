@@ -1,4 +1,4 @@
-"""multihead's caches in transformers models (multihead.hfcache, hf.new_cache): every kind through ``forward`` and
+"""multihead's caches in transformers models (multihead.hf.cache, hf.new_cache): every kind through ``forward`` and
 ``generate`` of tiny random Llama, Qwen2, Qwen3 and Mistral models against the uncached model under the kind's mask
 (made with the hook points: each layer's pattern restricted to the keys the kind keeps), the real bytes, and SmolLM2
 in transformers equal to multihead's own port with the same head plan."""
@@ -162,7 +162,7 @@ SLIDING = 6  # the sliding layers' own window: shorter than the prompt, so it ma
 
 def _sliding_model(family: str):  # type: ignore[no-untyped-def]
     """Tiny Gemma 2, Gemma 3 (text) and Mistral models whose layer 0 slides (window SLIDING) and layer 1 is global
-    (Mistral: both slide); their windows as multihead.hfcache reads them."""
+    (Mistral: both slide); their windows as multihead.hf.cache reads them."""
     torch.manual_seed(0)
     common = {"vocab_size": 97, "hidden_size": 128, "intermediate_size": 192, "num_hidden_layers": 2,
               "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128, "head_dim": 32,
@@ -181,7 +181,7 @@ def test_sliding_layers_keep_their_window_in_every_kind(family: str) -> None:
     """In a sliding layer every kind attends within the layer's own window (sinks included: past the window a sink
     is not seen); the head-wise cache stores a sliding layer's full heads as a ring of its window and its streaming
     heads as sinks + the smaller window, and its bytes are cost.headwise_cache_bytes with the windows."""
-    from multihead.hfcache import layer_windows
+    from multihead.hf.cache import layer_windows
 
     model, windows = _sliding_model(family)
     assert layer_windows(model.config, 2) == windows

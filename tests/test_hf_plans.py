@@ -33,7 +33,7 @@ from multihead.evals.needles import Case
 from multihead.heads.capture import capture_weights
 from multihead.heads.engines import TransformersEngine, as_engine
 from multihead.heads.retrieval import RetrievalSettings, copyable_steps, needle_spans, retrieval_scores
-from multihead.hfcache import layer_windows
+from multihead.hf.cache import layer_windows
 from multihead.tradeoff import duo
 from tiny_checkpoints import write_tiny_hf_qwen2
 

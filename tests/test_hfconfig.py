@@ -1,4 +1,4 @@
-"""The one config.json reader (multihead.hfconfig, issue 26 item 4): bounded JSON, file errors in one line, typed and
+"""The one config.json reader (multihead.hf.config, issue 26 item 4): bounded JSON, file errors in one line, typed and
 ranged values, the same for presets, sizing and the loaders, and through `multihead count --config` and
 `compare --config` (exit 2, one line naming the file, the key and the value). Also: the layer refuses sizes torch
 cannot allocate, and the MiniLM (and Llama) tokenizer is checked against the model's embedding at load."""
@@ -16,7 +16,7 @@ import torch
 
 from multihead import AttentionConfig, MLAConfig, MultiHeadAttention, MultiheadError, MultiHeadLatentAttention
 from multihead.cli import main
-from multihead.hfconfig import MAX_JSON_BYTES, HFConfig, read_config, read_json
+from multihead.hf.config import MAX_JSON_BYTES, HFConfig, read_config, read_json
 from multihead.presets import from_hf_config, from_hf_dict
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
@@ -219,7 +219,7 @@ def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
 
 
 def read_json_text(text: str) -> Any:
-    from multihead.hfconfig import parse_json
+    from multihead.hf.config import parse_json
 
     return parse_json(text, "text")
 
@@ -390,7 +390,7 @@ def test_a_multimodal_config_is_read_by_its_text_model_with_the_family_defaults_
     them, and keeps the outer model_type and the parts it does not read."""
     import transformers
 
-    from multihead.hfconfig import FAMILY_DEFAULTS
+    from multihead.hf.config import FAMILY_DEFAULTS
     from multihead.presets import published
 
     theirs = transformers.Gemma3TextConfig()

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 from multihead import AttentionConfig, MultiHeadAttention, cost, hf, sizing
 from multihead.cache import HybridCache, KVCache, QuantizedKVCache, SinkCache
 from multihead.errors import MultiheadError
-from multihead.hfcache import MultiheadCache, layer_windows
+from multihead.hf.cache import MultiheadCache, layer_windows
 from multihead.presets import PRESET_NAMES, from_hf_dict, preset
 
 W = 16  # the tiny models' sliding window

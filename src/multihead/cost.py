@@ -280,7 +280,7 @@ def quantized_cache_bytes(config: AttentionConfig, *, context: int, bits: int, g
     group)), so its bytes stop growing at the window (:func:`multihead.cache.quantized.ring_groups`); where that
     is no smaller than the window itself in full precision (2 * min(context, W - 1) * d * bytes(dtype): a window
     within KIVI's full-precision residual, as gpt-oss's 128), the layer keeps the window in full precision, as
-    :func:`multihead.hfcache.new_cache` builds it.
+    :func:`multihead.hf.cache.new_cache` builds it.
     """
     _attention(config, "quantized_cache_bytes")
     _check_sizes(context=context, bits=bits, group=group, residual=residual, batch=batch, n_layers=n_layers)
@@ -350,7 +350,7 @@ class LayerAttention:
     own chunk of ``window`` tokens, up to itself; cached as transformers caches it, in the same sliding layer as a
     window of that size: min(context, window - 1) tokens) or ``latent`` (an MLA layer: one latent and one RoPE key
     per token). A model is a tuple of these, one per layer (Gemma 2 alternates sliding and full;
-    :meth:`multihead.hfconfig.HFConfig.layer_kinds` reads them from a config)."""
+    :meth:`multihead.hf.config.HFConfig.layer_kinds` reads them from a config)."""
 
     kind: str = "full"
     window: int | None = None
@@ -642,7 +642,7 @@ def mla_report(config: MLAConfig, *, n_layers: int, seq: int, batch: int = 1, dt
 
 class PlanShape(Protocol):
     """What :func:`headwise_cache_bytes` reads of a :class:`multihead.cache.HeadPlan` (a protocol, so this module
-    imports no cache: the plan's file reader imports hfconfig, which imports this module)."""
+    imports no cache: the plan's file reader imports hf.config, which imports this module)."""
 
     @property
     def full(self) -> Sequence[Sequence[bool]]: ...

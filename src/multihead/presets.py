@@ -1,7 +1,7 @@
 """Configurations of real models, and reading any Hugging Face ``config.json``.
 
 Each preset is the attention-relevant part of the model's published ``config.json``, read by the same
-:func:`from_hf_dict` that reads user files (through :mod:`multihead.hfconfig`, the one reader of config.json), so a
+:func:`from_hf_dict` that reads user files (through :mod:`multihead.hf.config`, the one reader of config.json), so a
 preset and the file it was copied from give the same config.
 Names are exact (no fuzzy matching): an unknown name raises and lists the known ones.
 """
@@ -19,7 +19,7 @@ from multihead import cost
 from multihead.config import AttentionConfig, MLAConfig
 from multihead.cost import LayerAttention
 from multihead.errors import MultiheadError
-from multihead.hfconfig import HFConfig, read_config
+from multihead.hf.config import HFConfig, read_config
 from multihead.values import MAX_PARAMETERS
 
 
@@ -258,7 +258,7 @@ NOTES: dict[str, str] = {
 
 def from_hf_dict(cfg: Mapping[str, Any], *, name: str = "config", source: str = "") -> ModelConfig:
     """A :class:`ModelConfig` from the contents of a Hugging Face ``config.json``, read by
-    :class:`multihead.hfconfig.HFConfig` (every value typed and ranged; errors name ``name``).
+    :class:`multihead.hf.config.HFConfig` (every value typed and ranged; errors name ``name``).
 
     Reads the spellings real configs use: hidden_size / n_embd / d_model; num_attention_heads / n_head;
     num_key_value_heads / num_kv_heads / n_head_kv, or ``multi_query: true`` (one KV head, Falcon);

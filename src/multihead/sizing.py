@@ -23,7 +23,7 @@ from typing import Any
 
 from multihead import cost
 from multihead.errors import MultiheadError
-from multihead.hfconfig import HFConfig
+from multihead.hf.config import HFConfig
 from multihead.presets import ModelConfig
 from multihead.values import MAX_PARAMETERS
 
@@ -104,7 +104,7 @@ class ModelSize:
 
 
 def _config(model: ModelConfig) -> HFConfig:
-    """The config the model was read from (every value already typed and ranged by multihead.hfconfig)."""
+    """The config the model was read from (every value already typed and ranged by multihead.hf.config)."""
     if model.hf is None:
         raise NotCounted(f"{model.name}: no config to count the whole model from (give --preset or --config)")
     return model.hf
@@ -442,7 +442,7 @@ def kv_bytes(model: ModelConfig, *, context: int, batch: int, dtype: str, cache:
     holds min(context, window - 1) tokens, a full one the context, an MLA one its latents): "full", "window:N"
     (sinks 4 on every layer, or less where the layer holds less), "int8"/"int4"/"int2" (group 32, residual 128; a
     sliding layer's codes a ring of its window, :func:`multihead.cost.quantized_cache_bytes`), or "latent" (an MLA
-    model's; also what "full" means for one). Each is what :func:`multihead.hfcache.new_cache` allocates."""
+    model's; also what "full" means for one). Each is what :func:`multihead.hf.cache.new_cache` allocates."""
     a, layers = model.attention, model.layers()
     if model.mla is not None:
         if cache in ("full", "latent"):

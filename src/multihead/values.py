@@ -1,6 +1,6 @@
 """Values read from files (checkpoints, config.json), checked where they are read: type, range, and (by the
 callers) agreement with the tensors they describe, before anything is allocated from them. The config reader
-(:mod:`multihead.hfconfig`) and the model loaders use these reads and these bounds.
+(:mod:`multihead.hf.config`) and the model loaders use these reads and these bounds.
 
 Every error names the file, the key, the value and what was expected::
 

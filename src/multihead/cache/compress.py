@@ -31,7 +31,7 @@ def compress(full: Cache, into: Cache) -> Cache:
     """Put the tokens ``full`` holds into the empty cache ``into`` as ``into``'s own kind keeps them, and return it.
 
     ``full`` is a full cache: a :class:`KVCache`, or for a model with sliding layers the
-    :class:`~.hybrid.HybridCache` :func:`multihead.hfcache.new_cache` makes (its global layers' KVCache, each sliding
+    :class:`~.hybrid.HybridCache` :func:`multihead.hf.cache.new_cache` makes (its global layers' KVCache, each sliding
     window's ring of its last ``window - 1`` keys). It must hold every sequence at one length (a batch of one prompt
     length: the kinds that evict hold one length); ``into`` must be empty and of the same batch, layers, KV heads and
     head_dim. ``full`` is left as it was.

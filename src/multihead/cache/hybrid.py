@@ -7,10 +7,10 @@ alternate sliding and global layers; Mistral slides every layer), so each layer 
     parts    {None: KVCache(3 layers, max_len),           the global layers: every key
               512: SinkCache(15 layers, window=512)}      a sliding layer of window W: a ring of its last W - 1 keys
 
-A model step is made once per window (:class:`multihead.hfcache.MultiheadCache` keeps one step per window):
+A model step is made once per window (:class:`multihead.hf.cache.MultiheadCache` keeps one step per window):
 ``reserve(s, window=w)`` reserves the slots of the part of window ``w``, and a layer's ``update`` goes to its part
 with those slots. ``advance`` commits every part. The parts are of one kind (full, quantized, sinks + window) with
-each part's own form of it: :func:`multihead.hfcache.new_cache` builds them (a full cache's sliding part is a ring of
+each part's own form of it: :func:`multihead.hf.cache.new_cache` builds them (a full cache's sliding part is a ring of
 the window, a quantized cache's a ring of code groups, :class:`~.quantized.QuantizedKVCache` with ``window``), so
 ``bytes`` equals transformers' own cache after the same tokens (its sliding layers keep ``window - 1`` keys).
 """

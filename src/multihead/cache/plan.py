@@ -282,10 +282,10 @@ class HeadPlan:
 
     @classmethod
     def load(cls, path: str | Path) -> HeadPlan:
-        """A plan from a JSON file of :meth:`save`, bounded (:func:`multihead.hfconfig.read_json_object`). A file
+        """A plan from a JSON file of :meth:`save`, bounded (:func:`multihead.hf.config.read_json_object`). A file
         missing, too large, not JSON, of another format, or with a field missing or bad raises a MultiheadError
         naming the file, the field and its value."""
-        from multihead.hfconfig import read_json_object
+        from multihead.hf.config import read_json_object
 
         data = read_json_object(path, "head plan")
         text = str(path)

@@ -246,7 +246,7 @@ class TransformersCache:
 
 class TransformersEngine(Engine):
     """A transformers causal language model with its attention on multihead (:func:`multihead.hf.enable`, applied
-    in place when the model is not switched yet). Its shape is read from its config (:class:`multihead.hfconfig.
+    in place when the model is not switched yet). Its shape is read from its config (:class:`multihead.hf.config.
     HFConfig`); each attention module's ``scaling`` and ``attn_logit_softcapping`` are what it hands the attention
     function; its layers' masks (sliding windows) are read from the module's ``attention_mask`` argument."""
 
@@ -254,7 +254,7 @@ class TransformersEngine(Engine):
 
     def __init__(self, model: nn.Module, name: str = "") -> None:
         from multihead import hf
-        from multihead.hfconfig import HFConfig
+        from multihead.hf.config import HFConfig
 
         config: Any = getattr(model, "config", None)
         if config is None or not hasattr(model, "set_attn_implementation"):

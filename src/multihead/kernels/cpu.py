@@ -362,7 +362,7 @@ def check_entries(entries: object, where: str) -> dict[str, str]:
 def read_table(path: Path) -> dict[str, Any]:
     """A tuning table file as a dict (format, version, host, entries, measured), checked; a MultiheadError naming
     the file and what is wrong with it otherwise."""
-    from multihead.hfconfig import read_json_object
+    from multihead.hf.config import read_json_object
 
     data = read_json_object(path, "tuning table")
     if data.get("format") != TABLE_FORMAT or data.get("version") != TABLE_VERSION:

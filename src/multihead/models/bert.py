@@ -44,9 +44,9 @@ class BertConfig:
 
     @classmethod
     def from_hf(cls, cfg: Mapping[str, Any], where: str = "config.json") -> BertConfig:
-        """Every value checked for its type and range (by multihead.hfconfig, as ``count --config`` reads it);
+        """Every value checked for its type and range (by multihead.hf.config, as ``count --config`` reads it);
         errors name the file and the key."""
-        from multihead.hfconfig import HFConfig
+        from multihead.hf.config import HFConfig
         from multihead.values import Values
 
         r = cfg if isinstance(cfg, HFConfig) else HFConfig(cfg, where=where)
@@ -246,7 +246,7 @@ def load_sentence_encoder(folder: str | Path | None = None) -> SentenceEncoder:
         pooling = Pooling(mode=mode, normalize=False)
     modules = root / "modules.json"
     if modules.exists():
-        from multihead.hfconfig import read_json as read_any_json
+        from multihead.hf.config import read_json as read_any_json
 
         listed = read_any_json(modules, "JSON file")
         if not isinstance(listed, list) or not all(isinstance(m, dict) for m in listed):

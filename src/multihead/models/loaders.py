@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from multihead.errors import MultiheadError
-from multihead.hfconfig import read_config, read_json_object
+from multihead.hf.config import read_config, read_json_object
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.models.tokenizer import TextTokenizer, check_against_model, from_gguf_metadata, from_tokenizer_json
 from multihead.values import MAX_CONTEXT, MAX_FFN, MAX_HEADS, MAX_LAYERS, MAX_VOCAB, MAX_WIDTH, Values
@@ -109,7 +109,7 @@ def safetensors_files(folder: Path) -> list[Path]:
 
 
 def read_json(path: Path) -> dict[str, Any]:
-    """A JSON object from a file, read by the package's one bounded JSON reader (multihead.hfconfig): size, nesting
+    """A JSON object from a file, read by the package's one bounded JSON reader (multihead.hf.config): size, nesting
     and integer length bounded; a missing, unreadable or malformed file is one error naming it."""
     return read_json_object(path, "JSON file")
 

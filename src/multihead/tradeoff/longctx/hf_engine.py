@@ -1,6 +1,6 @@
 """A transformers causal LM behind the decoding interface of multihead's own port, for the long-context evaluation
 (``tradeoff --long --engine transformers``): the model on multihead's attention (:func:`multihead.hf.enable`), its
-caches multihead's (:mod:`multihead.hfcache`), its tokenizer as the evaluation calls it."""
+caches multihead's (:mod:`multihead.hf.cache`), its tokenizer as the evaluation calls it."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from torch import Tensor
 
 from multihead import hf
 from multihead.errors import MultiheadError
-from multihead.hfcache import MultiheadCache, new_cache
+from multihead.hf.cache import MultiheadCache, new_cache
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ class TransformersDecoder:
     """A transformers causal LM switched to multihead's attention, behind the decoding interface of multihead's own
     port (what :mod:`multihead.tradeoff.longctx` and :mod:`multihead.evals.answers` call): ``model(tokens,
     cache=, logits_to_keep=)`` gives the logits (b, s, vocab), ``new_cache(b, max_len, ...)`` a
-    :class:`~multihead.hfcache.MultiheadCache` of any kind, ``config`` its :class:`DecoderShape`. A forward through
+    :class:`~multihead.hf.cache.MultiheadCache` of any kind, ``config`` its :class:`DecoderShape`. A forward through
     a cache commits it (the cache's ``advance`` then only checks the count)."""
 
     def __init__(self, model: Any) -> None:
@@ -63,7 +63,7 @@ class TransformersDecoder:
         return logits
 
     def new_cache(self, batch: int, max_len: int | None = None, **kind: Any) -> MultiheadCache:
-        """:func:`multihead.hfcache.new_cache` of the model: any kind, as options or ``spec=`` (a
+        """:func:`multihead.hf.cache.new_cache` of the model: any kind, as options or ``spec=`` (a
         :class:`~multihead.cache.CacheSpec`); ``layers="global"`` on a hybrid model's global layers only."""
         return new_cache(self.model, max_len, batch=batch, **kind)
 

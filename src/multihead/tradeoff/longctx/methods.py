@@ -21,7 +21,7 @@ class Method:
     ``equal_to``: a sinks + window cache holding as many slots per KV head as that plan's cache holds on average
     at each length (the uniform control at equal bytes); none of them: the full cache. ``layers``: "global" puts a
     windowed or quantized method on a hybrid model's global layers only, its sliding layers keeping their window
-    (:func:`multihead.hfcache.new_cache`; on a model whose every layer is global, as our Llama port's, the same as
+    (:func:`multihead.hf.cache.new_cache`; on a model whose every layer is global, as our Llama port's, the same as
     "all")."""
 
     name: str

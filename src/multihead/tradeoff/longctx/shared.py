@@ -81,7 +81,7 @@ def _drop_cut_line(path: Path) -> None:
 
 
 def _inner(cache: Any) -> Any:
-    """The multihead cache behind a transformers one (hfcache.MultiheadCache), or the cache itself."""
+    """The multihead cache behind a transformers one (hf.cache.MultiheadCache), or the cache itself."""
     return getattr(cache, "inner", cache)
 
 

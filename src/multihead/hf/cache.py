@@ -44,13 +44,12 @@ from multihead.cache import Cache, HeadPlan
 from multihead.cache.spec import CacheShape, CacheSpec, spec_of
 from multihead.cache.view import DenseKV, KVView
 from multihead.errors import MultiheadError, require
+from multihead.hf.attention import VIEW  # the attribute of the keys update hands over: the view and its step
 from multihead.step import Step, build_step
 
 require("transformers", "hf")
 from transformers.cache_utils import Cache as TransformersCache  # noqa: E402
 from transformers.cache_utils import CacheLayerMixin  # noqa: E402
-
-VIEW = "multihead_view"  # the attribute of the key tensor update hands over: (view, the step's masks for the layer)
 
 
 @dataclass(slots=True)

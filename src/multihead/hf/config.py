@@ -92,12 +92,12 @@ def parse_json(text: str, where: str) -> Any:
     depth = json_depth(text)
     if depth > MAX_JSON_DEPTH:
         raise MultiheadError(f"{where} nests arrays or objects {depth:,} deep: more than {MAX_JSON_DEPTH} is no "
-                             "model's config (multihead.hfconfig.MAX_JSON_DEPTH)")
+                             "model's config (multihead.hf.config.MAX_JSON_DEPTH)")
     try:
         return json.loads(text, parse_int=_integer_literal)
     except _LongInteger as err:
         raise MultiheadError(f"{where} holds an integer of {err.digits:,} digits: more than {MAX_INT_DIGITS} is no "
-                             "size, count or id of a model (multihead.hfconfig.MAX_INT_DIGITS)") from None
+                             "size, count or id of a model (multihead.hf.config.MAX_INT_DIGITS)") from None
     except json.JSONDecodeError as err:
         raise MultiheadError(f"{where} is not valid JSON: {err}") from None
     except RecursionError:  # not reached after the depth check; kept so that no traceback can escape
@@ -121,7 +121,7 @@ def read_json(path: str | Path, what: str = "JSON file") -> Any:
         raise MultiheadError(f"{where} is not a file (a device, pipe or socket)")
     if info.st_size > MAX_JSON_BYTES:
         raise MultiheadError(f"{where} is {info.st_size:,} bytes: more than {MAX_JSON_BYTES:,} is no model's "
-                             "config (multihead.hfconfig.MAX_JSON_BYTES)")
+                             "config (multihead.hf.config.MAX_JSON_BYTES)")
     try:
         with open(p, "rb") as f:
             data = f.read(MAX_JSON_BYTES + 1)  # (a file that grows while it is read stops here too)
@@ -129,7 +129,7 @@ def read_json(path: str | Path, what: str = "JSON file") -> Any:
         raise MultiheadError(f"{where} cannot be read: {err.strerror or err}") from None
     if len(data) > MAX_JSON_BYTES:
         raise MultiheadError(f"{where} is more than {MAX_JSON_BYTES:,} bytes: no model's config is "
-                             "(multihead.hfconfig.MAX_JSON_BYTES)")
+                             "(multihead.hf.config.MAX_JSON_BYTES)")
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as err:
