@@ -16,17 +16,16 @@ Kernels:
 - ``"flex"``: PyTorch's flex attention with a block mask made from the mask's structure (causal with s != t,
   sliding windows, key padding, packed documents, a cache's positions): masked blocks are skipped and no dense mask
   is made (:mod:`multihead.kernels.flex`). Compiled on first use for each shape.
-- ``"native"``: a CPU decode step in :mod:`multihead.kernels.native`'s kernels: over dense keys each KV head read once
-for
-  its query heads (``attend_dense``), or over a 4- or 8-bit store's codes as they are, never dequantised
+- ``"native"``: a CPU decode step in :mod:`multihead.kernels.native`'s kernels: over dense keys each KV head read
+  once for its query heads (``attend_dense``), or over a 4- or 8-bit store's codes as they are, never dequantised
   (``attend_q4`` / ``attend_q8``). Taken by ``"auto"`` where every key is visible and nothing needs the keys as
   tensors (no weights, no k, v or pattern hook, no gradient, no dropout).
 
 ``backend="auto"`` (the default) is chosen per call from the inputs: ``"math"`` when weights are requested (only it
 materialises them); ``"flex"`` on a GPU when the mask has structure that SDPA could only take as a dense tensor
 (long enough for blocks to be skipped, no dropout); ``"native"`` for the CPU decode steps above where
-:mod:`multihead.kernels.cpu` says so (a rule, or the host's tuning table: never the clock); ``"sdpa"`` otherwise. On the
-CPU ``"auto"`` keeps SDPA for a structured mask, whose CPU flash kernel takes the mask without materialising scores,
+:mod:`multihead.kernels.cpu` says so (a rule, or the host's tuning table: never the clock); ``"sdpa"`` otherwise. On
+the CPU ``"auto"`` keeps SDPA for a structured mask, whose CPU flash kernel takes the mask without materialising scores,
 because flex attention must be compiled for each new shape there. A quantized view that no native kernel takes is
 read back dense first (:mod:`multihead.quant`), then dispatched as dense keys. A head-wise layer's groups attend
 one call each, with their query heads and their own mask, and z goes back in head order.
