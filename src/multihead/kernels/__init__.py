@@ -31,33 +31,43 @@ read back dense first (:mod:`multihead.quant`), then dispatched as dense keys. A
 one call each, with their query heads and their own mask, and z goes back in head order.
 
 MLA's absorbed decode step (its query heads folded into the rows of one latent head) runs ``"math"``.
+
+The room, a module a concern: this module is the dispatcher (the backend policy, :func:`prepare`, :func:`attend`,
+:func:`explain`); ``call`` the records a call and a decision are; ``sdpa``, ``matmul`` (the math path), ``flex`` and
+``native/`` the backends; ``views`` a quantized view read back and a head-wise view's groups; ``latent`` MLA's
+paths; ``cpu`` the CPU decisions as data and ``tuning`` the step that measures them into the host's table.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
-from multihead import linear as products  # its products read the CPU decisions here: imported as a module
-from multihead.cache.view import DenseKV, GroupedKV, KVView, LatentKV, QuantizedKV
+from multihead.cache.view import DenseKV, GroupedKV, LatentKV, QuantizedKV
 from multihead.errors import MultiheadError
 from multihead.kernels import cpu, flex, native
+from multihead.kernels.call import (
+    BACKENDS,
+    AttentionCall,
+    CallHooks,
+    Dispatch,
+    KernelChoice,
+    TensorFn,
+    check_backend,
+)
+from multihead.kernels.latent import LATENT_PATHS, LatentCore, latent_call, mla_path
+from multihead.kernels.matmul import attention_weights, math_attention, weighted_sum, weighted_values
+from multihead.kernels.sdpa import sdpa_attention
+from multihead.kernels.views import dense_view, group_calls
 from multihead.masks import MaskSpec
-from multihead.quant import dequantize_keys_into, dequantize_values_into
 
-BACKENDS = ("auto", "sdpa", "math", "flex")
-
-
-def check_backend(backend: str) -> str:
-    if backend not in BACKENDS:
-        raise MultiheadError(f"backend {backend!r} is unknown: choose one of {', '.join(map(repr, BACKENDS))}")
-    return backend
+__all__ = ["BACKENDS", "LATENT_PATHS", "AttentionCall", "CallHooks", "DenseKV", "Dispatch", "KernelChoice",
+           "LatentCore", "TensorFn", "attend", "attention_weights", "check_backend", "cpu", "dense_view", "explain",
+           "flex", "group_calls", "latent_call", "math_attention", "mla_path", "native", "prepare",
+           "resolve_backend", "sdpa_attention", "structure", "weighted_sum", "weighted_values"]
 
 
 def structure(spec: MaskSpec) -> str | None:
@@ -79,114 +89,6 @@ def structure(spec: MaskSpec) -> str | None:
     if (spec.keep is not None and spec.keep.shape[-2] != 1) or spec.bias is not None:
         return None  # a dense (s, t) mask of the user's: it is one tensor for every kernel
     return ", ".join(parts) if parts else None
-
-
-TensorFn = Callable[[Tensor], Tensor]
-
-
-@dataclass(frozen=True)
-class CallHooks:
-    """The hooks at one call's core, made from a module's hook points by :func:`multihead.hooks.call_hooks`.
-
-    Each is a function tensor -> tensor that returns its input (to read it) or a replacement of the same shape, or
-    None where nothing is hooked: ``q`` (b, h, s, d), ``k`` and ``v`` (b, g, t, d) as they enter the kernel,
-    ``pattern`` the weights (b, h, s, t), ``z`` the output (b, h, s, dv). ``names`` are the module's hooked points,
-    as :func:`explain` lists them. Hooks only see and replace tensors: what a hooked pattern means for the kernel is
-    :func:`resolve_backend`'s rule, and the weighted sum of a replaced pattern is the math path's.
-    """
-
-    q: TensorFn | None = None
-    k: TensorFn | None = None
-    v: TensorFn | None = None
-    pattern: TensorFn | None = None
-    z: TensorFn | None = None
-    names: tuple[str, ...] = ()
-
-    @property
-    def at_core(self) -> bool:
-        """Whether a hook needs the core's tensors as tensors: q, k, v or the pattern (z comes after any kernel)."""
-        return self.q is not None or self.k is not None or self.v is not None or self.pattern is not None
-
-
-@dataclass(slots=True)
-class AttentionCall:
-    """One call of the attention core, as :func:`attend` runs it and :func:`explain` describes it.
-
-    q (b, h, s, d); ``kv`` the keys and values as a view (:mod:`multihead.cache.view`; a :class:`DenseKV` of k
-    (b, g, t, d) and v (b, g, t, dv) without a cache) with g dividing h (query head i reads KV head i // (h / g));
-    ``mask`` the call's :class:`~multihead.masks.MaskSpec` (a head-wise view's groups carry their own);
-    ``dropout_p`` the dropout on the weights (0 outside
-    training); ``backend`` one of BACKENDS; ``need_weights`` whether the (b, h, s, t) weights are returned;
-    ``softcap`` caps the scaled scores as ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); ``sinks``
-    (h,) are learned sink logits, one per query head, that take part in each row's softmax denominator and add
-    nothing to the output (gpt-oss); ``hooks`` the hook points at this core (:class:`CallHooks`, None when nothing
-    is hooked); ``rows_are_heads`` marks a call whose query rows are one decode step's query heads folded onto
-    their single KV head (MLA's absorbed decode: q (b, 1, h, .) over k (b, 1, t, .)).
-    """
-
-    q: Tensor
-    kv: KVView
-    mask: MaskSpec
-    scale: float
-    dropout_p: float = 0.0
-    backend: str = "auto"
-    need_weights: bool = False
-    softcap: float | None = None
-    sinks: Tensor | None = None
-    hooks: CallHooks | None = None
-    rows_are_heads: bool = False
-
-    @property
-    def k(self) -> Tensor:
-        """The keys (b, g, t, d) of a dense view."""
-        return _dense(self.kv).keys
-
-    @property
-    def v(self) -> Tensor:
-        """The values (b, g, t, dv) of a dense view."""
-        return _dense(self.kv).values
-
-    @property
-    def needs_grad(self) -> bool:
-        if not torch.is_grad_enabled():
-            return False
-        kv = self.kv
-        if isinstance(kv, DenseKV):
-            tensors = [kv.keys, kv.values]
-        elif isinstance(kv, QuantizedKV):
-            tensors = [kv.tail_k, kv.tail_v]
-        elif isinstance(kv, LatentKV):
-            tensors = [kv.latents] + ([] if kv.up is None else [kv.up])
-        else:
-            tensors = [t for group in kv.groups for t in (group.kv.keys, group.kv.values)]
-        return self.q.requires_grad or any(t.requires_grad for t in tensors)
-
-
-def _dense(kv: KVView) -> DenseKV:
-    if not isinstance(kv, DenseKV):
-        raise MultiheadError(f"this needs the keys and values as tensors, and the view is a {type(kv).__name__}: "
-                             "read it back with multihead.kernels.dense_view")
-    return kv
-
-
-class Dispatch(NamedTuple):
-    """How :func:`attend` computes a call, as :func:`resolve_backend` decides it.
-
-    ``backend`` is the kernel that computes the output ("math", "sdpa", "flex" or "native"); ``reason`` why this one
-    and what keeps a faster one out; ``fold`` that SDPA runs a GQA decode step with each KV head's query heads as its
-    rows (:func:`multihead.kernels.cpu.fold_gqa_decode`); ``pattern_beside`` that a hooked pattern is made by the math
-    path beside the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's);
-    ``dequantize`` that a quantized view is read back into dense keys and values first (then dispatched again as
-    dense); ``native`` which native kernel runs: "dense" (:func:`multihead.kernels.native.attend_dense`) or "quantized"
-    (:func:`multihead.kernels.native.attend_q4` / :func:`~multihead.kernels.native.attend_q8`), else None.
-    """
-
-    backend: str
-    reason: str
-    fold: bool = False
-    pattern_beside: bool = False
-    dequantize: bool = False
-    native: str | None = None
 
 
 PATTERN_BESIDE = ("; the pattern (b, h, s, t) is made from the same q, k and mask for the pattern hook, and a hook "
@@ -419,113 +321,6 @@ def _folds(call: AttentionCall, device: torch.device) -> bool:
                                k.shape[2], k.dtype)
 
 
-def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float, softcap: float | None = None,
-                      sinks: Tensor | None = None) -> Tensor:
-    """softmax(cap(q k^T * scale) + mask) per query head: (b, h, s, t), rows with no allowed key all zero.
-
-    ``softcap`` caps the scores as softcap * tanh(scores / softcap); ``sinks`` (h,) joins each row's softmax as one
-    more logit whose weight is dropped (the row's weights then sum to less than one).
-
-    Query heads are viewed as g groups of r = h / g heads, so each group multiplies its own KV head without copying
-    it. Low-precision inputs are scored, masked and normalised in float32, as fused kernels do.
-    """
-    b, h, s, d = q.shape
-    g, t = k.shape[1], k.shape[2]
-    r = h // g
-    keep, bias, has_key = spec.dense(q.device, q.dtype)
-    work = torch.promote_types(q.dtype, torch.float32)  # half and bfloat16 score and normalise in float32
-    qg = q.reshape(b, g, r * s, d).to(work)  # (b, g, r*s, d): query head i = group i // r, member i % r
-    scores = (qg @ k.to(work).transpose(-2, -1)).view(b, h, s, t) * scale  # (b, h, s, t)
-    if softcap is not None:
-        scores = torch.tanh(scores / softcap) * softcap
-    if bias is not None:
-        scores = scores + bias
-    if keep is not None:
-        scores = scores.masked_fill(~keep, float("-inf"))
-    if sinks is None:
-        weights = torch.softmax(scores, dim=-1).to(q.dtype)  # (b, h, s, t)
-    else:
-        sink = sinks.to(device=q.device, dtype=work).view(1, h, 1, 1).expand(b, h, s, 1)
-        weights = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :t].to(q.dtype)  # the sink dropped
-    if has_key is not None:
-        weights = weights * has_key
-    return weights
-
-
-def weighted_values(weights: Tensor, v: Tensor) -> Tensor:
-    """weights (b, h, s, t) @ v (b, g, t, d) -> (b, h, s, d), each group of h / g query heads on its own KV head."""
-    b, h, s, t = weights.shape
-    g, d = v.shape[1], v.shape[3]
-    return (weights.reshape(b, g, (h // g) * s, t) @ v).view(b, h, s, d)  # (b, h, s, dv)
-
-
-def math_attention(
-    q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0,
-    softcap: float | None = None, sinks: Tensor | None = None, pattern: TensorFn | None = None,
-) -> tuple[Tensor, Tensor]:
-    """The readable path: (out (b, h, s, dv), weights (b, h, s, t)); ``pattern`` (a hook) sees the weights and may
-    replace them before dropout and the weighted sum."""
-    weights = attention_weights(q, k, spec, scale=scale, softcap=softcap, sinks=sinks)  # (b, h, s, t)
-    if pattern is not None:
-        weights = pattern(weights)
-    return weighted_sum(weights, v, dropout_p)
-
-
-def weighted_sum(weights: Tensor, v: Tensor, dropout_p: float = 0.0) -> tuple[Tensor, Tensor]:
-    """The math path after the softmax: dropout on the weights (b, h, s, t), then their product with v (b, g, t, dv).
-    Returns (out (b, h, s, dv), the weights multiplied into v)."""
-    if dropout_p > 0.0:
-        weights = F.dropout(weights, p=dropout_p, training=True)
-    return weighted_values(weights, v), weights
-
-
-def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0, fold: bool = False
-) -> Tensor:
-    """PyTorch's fused kernel with native GQA: out (b, h, s, d).
-
-    ``fold`` runs a GQA decode step (one query per head) with the query heads of each group folded into the query
-    dimension, (b, h, 1, d) -> (b, g, h/g, d): the kernel then reads each KV head once instead of once per query
-    head (FlashAttention does the same swap on the GPU), but has b * g work items to share among the threads instead
-    of b * h. :func:`resolve_backend` decides when, from :func:`multihead.kernels.cpu.fold_gqa_decode`. Same result.
-    """
-    b, h, s, d = q.shape
-    g = k.shape[1]
-    run_q = q.reshape(b, g, h // g, d) if fold else q
-    gqa = g != h and not fold
-    if spec.is_empty or spec.is_plain_causal:
-        out = F.scaled_dot_product_attention(
-            run_q, k, v, dropout_p=dropout_p, is_causal=spec.is_plain_causal, scale=scale, enable_gqa=gqa
-        )
-        return out.view(b, h, s, v.shape[-1]) if fold else out
-    keep, bias, has_key = spec.dense(q.device, q.dtype)
-    attn_mask: Tensor | None
-    if bias is None:
-        attn_mask = keep
-    elif keep is None:
-        attn_mask = bias
-    else:
-        attn_mask = bias.masked_fill(~keep, float("-inf"))
-    if fold and attn_mask is not None:
-        attn_mask = _fold_mask(attn_mask, h, g)
-    out = F.scaled_dot_product_attention(
-        run_q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, scale=scale, enable_gqa=gqa
-    )  # (b, h, s, dv), or (b, g, h/g, dv) folded
-    if fold:
-        out = out.view(b, h, s, v.shape[-1])
-    if has_key is not None:
-        out = out * has_key
-    return out
-
-
-def _fold_mask(mask: Tensor, h: int, g: int) -> Tensor:
-    """A mask broadcastable to (b, h, 1, t), made to broadcast to the folded (b, g, h/g, t)."""
-    mask = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
-    if mask.shape[1] == 1:
-        return mask  # the same for every head: its single query row broadcasts over the folded rows
-    return mask.reshape(mask.shape[0], g, h // g, mask.shape[3])  # head i = group i // (h/g), member i % (h/g)
-
-
 def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     """softmax(q k^T * scale + mask) v for q (b, h, s, d) over the call's view of the keys and values, with the
     call's hooks.
@@ -610,75 +405,7 @@ def _check_keys(call: AttentionCall) -> None:
                              "the same inputs and cache")
 
 
-def dense_view(kv: KVView) -> DenseKV:
-    """The keys and values of a view as tensors (b, g, t, d): a dense view as it is, a quantized one read back (the
-    codes dequantised into one new tensor each for keys and values, the tail copied after them; under autograd
-    concatenated instead, so the gradient reaches the tail). A head-wise view has no single (b, g, t, d) form."""
-    if isinstance(kv, DenseKV):
-        return kv
-    if isinstance(kv, GroupedKV):
-        raise MultiheadError("a head-wise layer's KV heads hold different numbers of keys: there is no one (b, g, t, "
-                             "d) tensor of them")
-    if isinstance(kv, LatentKV):
-        raise MultiheadError("a latent view's keys are made by its path (multihead.kernels.latent_call): there is no "
-                             "one (b, g, t, d) tensor of them")
-    n, dtype = kv.n, kv.dtype
-    b, g, m, d = kv.tail_k.shape
-    if torch.is_grad_enabled() and (kv.tail_k.requires_grad or kv.tail_v.requires_grad):
-        old_k = torch.empty(b, g, n, d, dtype=dtype, device=kv.tail_k.device)
-        old_v = torch.empty_like(old_k)
-        _dequantize(kv, old_k, old_v)
-        return DenseKV(torch.cat([old_k, kv.tail_k.to(dtype)], dim=2),
-                       torch.cat([old_v, kv.tail_v.to(dtype)], dim=2))  # (b, g, t, d)
-    keys = torch.empty(b, g, n + m, d, dtype=dtype, device=kv.tail_k.device)  # (b, g, t, d): no concatenation
-    values = torch.empty_like(keys)
-    _dequantize(kv, keys[:, :, :n], values[:, :, :n])
-    keys[:, :, n:] = kv.tail_k
-    values[:, :, n:] = kv.tail_v
-    return DenseKV(keys, values)
-
-
-def _dequantize(kv: QuantizedKV, keys: Tensor, values: Tensor) -> None:
-    if kv.n:
-        dequantize_keys_into(keys, kv.codes_k, kv.scale_k, kv.min_k, bits=kv.bits, group=kv.group)
-        dequantize_values_into(values, kv.codes_v, kv.scale_v, kv.min_v, bits=kv.bits, group=kv.group)
-
-
 # ---------------------------------------------------------------------------------------------- head-wise views
-def group_calls(call: AttentionCall) -> tuple[list[AttentionCall], Tensor | None]:
-    """One call per group of a head-wise view's KV heads, with the query heads of those KV heads (query head i reads
-    KV head i // (h / g)) and the group's own mask, and the order that puts their z back in head order (None: one
-    group). hook_q applies before (the caller's), hook_z after; hook_k, hook_v, hook_pattern and weights are
-    refused: the groups' keys are not one (b, g, t, d) tensor."""
-    kv = call.kv
-    assert isinstance(kv, GroupedKV)
-    if call.need_weights:
-        raise MultiheadError("return_weights cannot be used with a HeadwiseCache: its KV heads attend to different "
-                             "keys, so there is no (b, h, s, t) matrix; run uncached with the plan's mask "
-                             "(HeadPlan.mask) to read the weights")
-    hooks = call.hooks
-    hooked = [] if hooks is None else [name for name, fn in (("hook_k", hooks.k), ("hook_v", hooks.v),
-                                                             ("hook_pattern", hooks.pattern)) if fn is not None]
-    if hooked:
-        raise MultiheadError(f"{', '.join(hooked)} cannot be hooked with a HeadwiseCache: its KV heads hold "
-                             "different numbers of keys, so a layer's keys are not one (b, g, t, d) tensor "
-                             "(hook_q, hook_z and hook_out work; run uncached with the plan's mask, "
-                             "HeadPlan.mask, to hook the others)")
-    q = call.q
-    b, h, s, d = q.shape
-    g = kv.n_kv_heads
-    calls = []
-    for group in kv.groups:
-        qg = q if group.heads is None else (
-            q.view(b, g, h // g, s, d).index_select(1, group.heads).reshape(b, -1, s, d))  # (b, |group| r, s, d)
-        sinks = call.sinks
-        if sinks is not None and group.heads is not None:
-            sinks = sinks.view(g, h // g).index_select(0, group.heads).reshape(-1)
-        assert group.mask.t == group.kv.t
-        calls.append(dataclasses.replace(call, q=qg, kv=group.kv, mask=group.mask, hooks=None, sinks=sinks))
-    return calls, kv.order
-
-
 def _attend_groups(call: AttentionCall) -> Tensor:
     hooks = call.hooks
     if hooks is not None and hooks.q is not None:
@@ -698,95 +425,6 @@ def _attend_groups(call: AttentionCall) -> Tensor:
 
 
 # ---------------------------------------------------------------------------------------------- latent views (MLA)
-LATENT_PATHS = ("auto", "expanded", "absorbed")
-
-
-def mla_path(*, s: int, t: int, n_heads: int, rank: int, rope: int, nope: int, dv: int) -> str:
-    """The MLA path with fewer FLOPs for s queries over t keys: "absorbed" (W_UK folded into the queries, MQA over
-    the one latent head, W_UV after) or "expanded" (the latents up-projected to every head's keys and values). The
-    terms of :func:`multihead.cost.mla_flops` that differ between the two: the up-projection (t or s rows) and the
-    width each pair of query and key reads (qk + dv, or 2 rank + rope)."""
-    expanded = t * rank * n_heads * (nope + dv) + n_heads * s * t * (nope + rope + dv)
-    absorbed = s * n_heads * rank * (nope + dv) + n_heads * s * t * (2 * rank + rope)
-    return "absorbed" if absorbed < expanded else "expanded"
-
-
-@dataclass(frozen=True)
-class LatentCore:
-    """How a call over a :class:`~multihead.cache.LatentKV` runs: ``path`` ("expanded" or "absorbed"), ``call`` the
-    dense call the kernels run, ``w_uv`` (h, dv, rank) the absorbed path's up-projection after the weighted sum
-    (None on the expanded path), ``folded`` an absorbed decode step whose h query heads run as the rows of the one
-    latent head, and the widths :meth:`describe` names."""
-
-    path: str
-    call: AttentionCall
-    w_uv: Tensor | None
-    folded: bool
-    n_heads: int
-    latent: int
-    qk: int
-    dv: int
-    t: int
-
-    def describe(self) -> str:
-        if self.path == "absorbed":
-            return (f"MLA absorbed path: W_UK folded into the queries and W_UV after the weighted sum, so the kernel "
-                    f"runs MQA over one latent KV head of width {self.latent} ({self.n_heads} query heads"
-                    + (", folded into query rows of one head for this decode step" if self.folded else "") + ")")
-        return (f"MLA expanded path: the {self.t} cached latents are up-projected to {self.n_heads} keys of width "
-                f"{self.qk} and values of width {self.dv}")
-
-
-def latent_call(call: AttentionCall) -> LatentCore:
-    """The path and the dense call of a call over a latent view: q (b, h, s, nope + rope) as the layer projected and
-    rotated it, the view's latents (b, t, rank + rope) and up-projection (h, nope + dv, rank). Expanded: keys
-    [c W_UK^i, k_pe] (b, h, t, nope + rope) and values c W_UV^i; absorbed: queries [q_nope W_UK^i^T, q_pe] over the
-    latents as one KV head (b, 1, t, rank + rope), values their first rank channels, W_UV applied after
-    (:func:`attend`). Hook points are named for what enters the kernel on either path; hook_z is each head's output
-    after W_UV on both. A decode step with nothing hooked at the core folds the h query heads into the rows of the
-    one latent head, so the latents are read once (as FlashMLA does)."""
-    kv = call.kv
-    assert isinstance(kv, LatentKV)
-    if kv.up is None:
-        raise MultiheadError("a latent view needs its layer's up-projection (LatentKV(latents, up=..., nope=...)): "
-                             "the cache gives the latents, the MLA layer adds the rest")
-    if kv.path not in LATENT_PATHS:
-        raise MultiheadError(f"path {kv.path!r} is unknown: choose one of {', '.join(map(repr, LATENT_PATHS))}")
-    q, latents, up = call.q, kv.latents, kv.up
-    b, h, s, qk = q.shape
-    t, rank, nope = latents.shape[1], up.shape[-1], kv.nope
-    rope, dv = latents.shape[-1] - rank, up.shape[1] - nope
-    if up.shape[0] != h or qk != nope + rope or not 0 < nope < up.shape[1]:
-        raise MultiheadError(f"a latent view of up-projection {tuple(up.shape)} (nope {nope}) and latents "
-                             f"{tuple(latents.shape)} cannot serve queries {tuple(q.shape)}: the queries need "
-                             "n_heads = up's first size and width nope + rope")
-    path = (mla_path(s=s, t=t, n_heads=h, rank=rank, rope=rope, nope=nope, dv=dv) if kv.path == "auto"
-            else kv.path)
-    sizes = {"n_heads": h, "latent": rank + rope, "qk": qk, "dv": dv, "t": t}
-    if path == "expanded":
-        c_t, k_pe = latents.split([rank, rope], dim=-1)
-        kv_up = products.linear(c_t, up.reshape(h * (nope + dv), rank)).view(b, t, h, nope + dv).transpose(1, 2)
-        k_nope, v = kv_up.split([nope, dv], dim=-1)  # (b, h, t, nope), (b, h, t, dv)
-        k = torch.cat([k_nope, k_pe[:, None].expand(b, h, t, rope)], dim=-1)  # (b, h, t, nope + rope)
-        return LatentCore("expanded", dataclasses.replace(call, kv=DenseKV(k, v.contiguous())), None, False, **sizes)
-    w_uk, w_uv = up[:, :nope], up[:, nope:]  # (h, nope, rank), (h, dv, rank)
-    q_nope, q_pe = q.split([nope, rope], dim=-1)
-    q_abs = torch.cat([torch.einsum("bhsn,hnr->bhsr", q_nope, w_uk), q_pe], dim=-1)  # (b, h, s, rank + rope)
-    keys, values = latents[:, None], latents[:, None, :, :rank]  # (b, 1, t, rank + rope), (b, 1, t, rank)
-    hooks = call.hooks
-    if s == 1 and not call.need_weights and not call.dropout_p and (hooks is None or not hooks.at_core):
-        spec = call.mask
-        keep, bias, _ = spec.dense(latents.device, latents.dtype) if not spec.is_empty else (None, None, None)
-        folded = MaskSpec(batch=b, n_heads=1, s=h, t=t, keep=keep, bias=bias)
-        inner = AttentionCall(q_abs.transpose(1, 2), DenseKV(keys, values), folded, scale=call.scale,
-                              backend=call.backend, hooks=None if hooks is None else CallHooks(names=hooks.names),
-                              rows_are_heads=True)  # (b, 1, h, rank + rope) over (b, 1, t, .)
-        return LatentCore("absorbed", inner, w_uv, True, **sizes)
-    inner_hooks = None if hooks is None else dataclasses.replace(hooks, z=None)  # hook_z after W_UV
-    return LatentCore("absorbed", dataclasses.replace(call, q=q_abs, kv=DenseKV(keys, values), hooks=inner_hooks),
-                      w_uv, False, **sizes)
-
-
 def _attend_latent(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     core = latent_call(call)
     z, weights = attend(core.call)  # expanded: hook_z ran in the call
@@ -807,25 +445,6 @@ def _pattern_beside(call: AttentionCall, out: Tensor, pattern: TensorFn) -> Tens
     if edited is made:
         return out
     return weighted_sum(edited, call.v, call.dropout_p)[0]
-
-
-@dataclass(frozen=True)
-class KernelChoice:
-    """Which attention kernel runs for a call, and why.
-
-    ``backend`` is the kernel family that computes the output ("sdpa", "math", "flex" or "native"); ``kernel`` the
-    implementation underneath
-    (for SDPA the one PyTorch selects: "flash", "efficient", "cudnn", "math", ...); ``reason`` says why this one
-    and, when it is not the fastest available, what keeps the faster one out.
-    """
-
-    backend: str
-    kernel: str
-    reason: str
-    mask: str
-
-    def __str__(self) -> str:
-        return f"{self.backend} ({self.kernel}), mask: {self.mask}: {self.reason}"
 
 
 def _describe_mask(spec: MaskSpec) -> str:
