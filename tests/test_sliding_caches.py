@@ -311,8 +311,8 @@ def test_a_windowed_cache_takes_max_len_in_the_port_too() -> None:
     port = LlamaModel(LlamaConfig(vocab_size=97, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
                                   max_context=128))
     short = port.new_cache(1, 10, window=256, sink_tokens=4)
-    assert isinstance(short, SinkCache) and short.slots == 10 and short.max_len == 10
-    assert port.new_cache(1, window=256, sink_tokens=4).slots == 4 + 256 - 1
+    assert isinstance(short, SinkCache) and short.capacity == 10 and short.max_len == 10
+    assert port.new_cache(1, window=256, sink_tokens=4).capacity == 4 + 256 - 1
     tokens = torch.randint(0, 97, (1, 10))
     with torch.no_grad():
         torch.testing.assert_close(port(tokens, cache=short), port(tokens), atol=1e-5, rtol=1e-5)

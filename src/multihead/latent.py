@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead import kernels
-from multihead.cache import LatentCache, LatentKV, LatentLayer, LayerView
+from multihead.cache import BaseLayerCache, LatentCache, LatentKV, LatentLayer
 from multihead.config import MLAConfig, config_or_keywords
 from multihead.errors import MultiheadError
 from multihead.hooks import HookPoint, add_hook_points, call_hooks
@@ -198,7 +198,7 @@ class MultiHeadLatentAttention(nn.Module):
         """A LatentCache of this layer's widths: one of its layers (``layer``, a call), or the whole (a step)."""
         if cache is None:
             return
-        kv = cache.cache if isinstance(cache, LayerView) else cache
+        kv = cache.cache if isinstance(cache, BaseLayerCache) else cache
         if not isinstance(kv, LatentCache):
             raise MultiheadError(f"multi-head latent attention caches latents: give it a LatentCache layer "
                                  f"(cache.layer(i)), not a {type(kv).__name__}")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from multihead.cache import BaseCache, LayerView, Slots
+from multihead.cache import BaseCache, BaseLayerCache, Slots
 from multihead.errors import MultiheadError
 from multihead.kernels import cpu
 from multihead.masks import MaskSpec, build_mask
@@ -48,7 +48,7 @@ class Step:
 def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window: int | None,
                rotary: RotaryEmbedding | None, mask: Tensor | None = None, key_padding_mask: Tensor | None = None,
                causal: bool = False, documents: Tensor | None = None, positions: Tensor | None = None,
-               cache: BaseCache | LayerView | None = None, dtype: torch.dtype | None = None,
+               cache: BaseCache | BaseLayerCache | None = None, dtype: torch.dtype | None = None,
                validate: bool = True) -> Step:
     """The :class:`Step` of one call on x (b, s, .) for a layer of ``n_heads`` query heads with this window and
     RoPE: the mask, the positions, the RoPE tables, the cache's slots (inputs already checked). ``validate`` checks
@@ -59,7 +59,7 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
     slots: Slots | None = None
     if cache is not None:
         check_cache_call(cache, context, mask, key_padding_mask, causal)
-        kv = cache.cache if isinstance(cache, LayerView) else cache
+        kv = cache.cache if isinstance(cache, BaseLayerCache) else cache
         given = None if positions is None else check_positions(positions, b, s, x.device).expand(b, s)
         slots = kv.reserve(s, given, need_positions=rotary is not None, window=window, validate=validate,
                            shortcuts=cpu.enabled())
@@ -88,7 +88,7 @@ def check_cache_call(cache: object, context: Tensor | None, mask: Tensor | None,
                      causal: bool, *, layer: bool = False) -> None:
     """Refuse a cache the call cannot use: not a cache (or, with ``layer``, not one layer of a cache), with a
     context, without causal=True, or with a mask (the cache's lengths keep padding out)."""
-    if not isinstance(cache, LayerView) and (layer or not isinstance(cache, BaseCache)):
+    if not isinstance(cache, BaseLayerCache) and (layer or not isinstance(cache, BaseCache)):
         raise MultiheadError(f"cache must be one layer of a cache (cache.layer(i)), got {type(cache).__name__}")
     if context is not None:
         raise MultiheadError("a KV cache holds this layer's own past keys: it cannot be used with a context")

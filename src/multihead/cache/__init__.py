@@ -18,7 +18,7 @@ attention window in a part of their own: a sliding layer stores what it can see)
 to build, once, for our models and transformers models alike (:mod:`multihead.cache.spec`).
 """
 
-from multihead.cache.base import BaseCache, Cache, LayerCache, LayerView, Slots, check_count, write_slots
+from multihead.cache.base import BaseCache, BaseLayerCache, Cache, LayerCache, Slots, check_count, write_slots
 from multihead.cache.compress import compress
 from multihead.cache.full import KVCache
 from multihead.cache.headwise import HeadwiseCache
@@ -41,8 +41,8 @@ from multihead.quant import (
     unpack,
 )
 
-__all__ = ["QUANT_BITS", "BaseCache", "Cache", "CacheShape", "CacheSpec", "DenseKV", "GroupedKV", "HeadPlan",
-           "HeadwiseCache", "HybridCache", "KVCache", "KVGroup", "KVView", "LatentCache", "LatentKV", "LatentLayer",
-           "LayerCache", "LayerView", "LayeredCache", "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots",
-           "check_bits", "check_count", "compress", "dequantize", "fake_quantize_keys", "fake_quantize_values", "pack",
-           "quantize", "quantized_tokens", "sink_keep", "unpack", "write_slots"]
+__all__ = ["QUANT_BITS", "BaseCache", "BaseLayerCache", "Cache", "CacheShape", "CacheSpec", "DenseKV", "GroupedKV",
+           "HeadPlan", "HeadwiseCache", "HybridCache", "KVCache", "KVGroup", "KVView", "LatentCache", "LatentKV",
+           "LatentLayer", "LayerCache", "LayeredCache", "QuantizedKV", "QuantizedKVCache", "SinkCache", "Slots",
+           "check_bits", "check_count", "compress", "dequantize", "fake_quantize_keys", "fake_quantize_values",
+           "pack", "quantize", "quantized_tokens", "sink_keep", "unpack", "write_slots"]

@@ -264,7 +264,7 @@ class BaseCache(nn.Module):
             raise MultiheadError(f"layer {index} is out of range for a cache of {self.n_layers} layer(s)")
 
 
-class LayerView:
+class BaseLayerCache:
     """One layer of a cache: what a layer is given (``cache.layer(i)``); its kind's verb is ``update``."""
 
     def __init__(self, cache: BaseCache, index: int) -> None:
@@ -297,7 +297,7 @@ class Cache(BaseCache):
         return self.n_kv_heads
 
     def layer(self, index: int) -> LayerCache:
-        """A view of one layer of this cache, to pass to ``MultiHeadAttention(..., cache=...)``."""
+        """One layer of this cache (its handle), to pass to ``MultiHeadAttention(..., cache=...)``."""
         self._check_layer(index)
         return LayerCache(self, index)
 
@@ -318,7 +318,7 @@ class Cache(BaseCache):
         self._check_layer(layer)
 
 
-class LayerCache(LayerView):
+class LayerCache(BaseLayerCache):
     """One layer of a :class:`Cache` of keys and values: ``n_kv_heads`` and ``head_dim`` are its shape (read by the
     layer's checks without entering the cache)."""
 

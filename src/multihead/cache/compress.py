@@ -86,7 +86,7 @@ def _held_layers(full: Cache) -> list[tuple[Tensor, Tensor]]:
         if isinstance(part, KVCache) and w is None:
             out.append((part.k[index, :, :, :n], part.v[index, :, :, :n]))
         elif isinstance(part, SinkCache) and part.sink_tokens == 0 and part.window == w:
-            m = min(n, part.slots)
+            m = min(n, part.capacity)
             order = torch.argsort(part.slot_positions[:m])  # the ring's slots in position order: n - m .. n - 1
             out.append((part.k[index].index_select(2, order), part.v[index].index_select(2, order)))
         else:

@@ -60,7 +60,8 @@ class Ring:
     window: int
 
     @property
-    def slots(self) -> int:
+    def capacity(self) -> int:
+        """Tokens the ring holds between steps: the sinks and the ``window - 1`` keys before the next token."""
         return self.sinks + self.window - 1
 
 
@@ -131,7 +132,7 @@ class HeadwiseCache(Cache):
     def _ring_slots(self, i: int) -> int:
         """Slots of ring kind i: its sinks and window, or fewer when the cache is for fewer tokens (``max_len``: a
         short run allocates no more than it fills, so it is never larger than a full cache of that run)."""
-        return min(self.rings[i].slots, self.max_len)
+        return min(self.rings[i].capacity, self.max_len)
 
     def _ring(self, ring: Ring) -> int:
         """The part of a ring kind (1 + its index), added on first use."""
@@ -154,7 +155,7 @@ class HeadwiseCache(Cache):
         return tuple(_Group(part, tuple(sorted(heads))) for part, heads in by_part.items())
 
     @property
-    def slots(self) -> int:
+    def capacity(self) -> int:
         """Tokens a streaming head of a global layer holds between steps: the sinks and the ``window - 1`` keys
         before the next."""
         return self.sink_tokens + self.window - 1

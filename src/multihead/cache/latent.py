@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from multihead.cache.base import BaseCache, LayerView, Slots, check_count, write_slots
+from multihead.cache.base import BaseCache, BaseLayerCache, Slots, check_count, write_slots
 from multihead.cache.view import LatentKV
 from multihead.errors import MultiheadError
 
@@ -45,7 +45,7 @@ class LatentCache(BaseCache):
         return self.latent.nbytes
 
     def layer(self, index: int) -> LatentLayer:
-        """A view of one layer, to pass to ``MultiHeadLatentAttention(..., cache=...)``."""
+        """One layer of this cache (its handle), to pass to ``MultiHeadLatentAttention(..., cache=...)``."""
         self._check_layer(index)
         return LatentLayer(self, index)
 
@@ -69,7 +69,7 @@ class LatentCache(BaseCache):
                 f"bytes={self.bytes:,}")
 
 
-class LatentLayer(LayerView):
+class LatentLayer(BaseLayerCache):
     """One layer of a :class:`LatentCache`."""
 
     cache: LatentCache

@@ -61,7 +61,7 @@ class SinkCache(Cache):
         self._pending: dict[int, tuple[Tensor, Tensor]] = {}
 
     @property
-    def slots(self) -> int:
+    def capacity(self) -> int:
         """Tokens held between steps: the sinks and the ``window - 1`` keys before the next token (at most
         ``max_len`` where one is given: the tokens the cache is for)."""
         return int(self.k.shape[3])
@@ -101,7 +101,7 @@ class SinkCache(Cache):
         keep_sinks_and_window(self._pending, lambda layer: (self.k[layer], self.v[layer]), self.slot_positions,
                               first=self._used, s=s, sink_tokens=self.sink_tokens, window=self.window)
         self._pending.clear()
-        self._held = min(self._used + s, self.slots)
+        self._held = min(self._used + s, self.capacity)
         super().advance(s)
 
     def extra_repr(self) -> str:

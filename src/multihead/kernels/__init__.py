@@ -333,12 +333,12 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         return _attend_groups(call), None
     if isinstance(call.kv, LatentKV):
         return _attend_latent(call)
-    call, plan, _ = prepare(call, run_hooks=True)
+    call, decision, _ = prepare(call, run_hooks=True)
     hooks = call.hooks
     q, spec = call.q, call.mask
     pattern = None if hooks is None else hooks.pattern
     weights: Tensor | None = None
-    if plan.native == "quantized":
+    if decision.native == "quantized":
         kv = call.kv
         assert isinstance(kv, QuantizedKV)
         if torch.compiler.is_compiling():  # the kernel as an operator the graph calls
@@ -350,20 +350,20 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
             out = kernel(q, kv.codes_k, kv.scale_k, kv.min_k, kv.codes_v, kv.scale_v, kv.min_v, kv.n, kv.group,
                          kv.tail_k, kv.tail_v, call.scale, keep=_native_keep(spec, q.device),
                          check=False)  # the store's own buffers, laid out for it
-    elif plan.backend == "math":
+    elif decision.backend == "math":
         out, weights = math_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p,
                                       softcap=call.softcap, sinks=call.sinks, pattern=pattern)
         weights = weights if call.need_weights else None
-    elif plan.backend == "flex":
+    elif decision.backend == "flex":
         out = flex.flex_attention(q, call.k, call.v, spec, scale=call.scale, softcap=call.softcap)
-    elif plan.native == "dense":  # (dense_fits asked by the decision, of these very tensors)
+    elif decision.native == "dense":  # (dense_fits asked by the decision, of these very tensors)
         if torch.compiler.is_compiling():
             out = torch.ops.multihead.attend_dense(q, call.k, call.v, call.scale)
         else:
             out = native.attend_dense(q, call.k, call.v, call.scale, keep=_native_keep(spec, q.device), check=False)
     else:
-        out = sdpa_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=plan.fold)
-    if plan.pattern_beside:
+        out = sdpa_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=decision.fold)
+    if decision.pattern_beside:
         assert pattern is not None
         out = _pattern_beside(call, out, pattern)
     if hooks is not None and hooks.z is not None:
@@ -381,20 +381,20 @@ def prepare(call: AttentionCall, *, run_hooks: bool) -> tuple[AttentionCall, Dis
     hooks = call.hooks
     if run_hooks and hooks is not None and hooks.q is not None:
         call = dataclasses.replace(call, q=hooks.q(call.q))
-    plan = resolve_backend(call)
+    decision = resolve_backend(call)
     kv_hooked = hooks is not None and (hooks.k is not None or hooks.v is not None)
     before = ""
-    if plan.dequantize or (kv_hooked and not isinstance(call.kv, DenseKV)):  # keys as tensors, then decided again
-        before = plan.reason + "; "
+    if decision.dequantize or (kv_hooked and not isinstance(call.kv, DenseKV)):  # keys as tensors, then decided again
+        before = decision.reason + "; "
         call = dataclasses.replace(call, kv=dense_view(call.kv))
-        plan = resolve_backend(call)
+        decision = resolve_backend(call)
     if run_hooks and kv_hooked:
         assert hooks is not None
         k = call.k if hooks.k is None else hooks.k(call.k)
         v = call.v if hooks.v is None else hooks.v(call.v)
         call = dataclasses.replace(call, kv=DenseKV(k, v))
-        plan = resolve_backend(call)
-    return call, plan, before
+        decision = resolve_backend(call)
+    return call, decision, before
 
 
 def _check_keys(call: AttentionCall) -> None:
@@ -480,23 +480,23 @@ def explain(call: AttentionCall) -> KernelChoice:
         reason = "head-wise cache, one call per group of KV heads: " + "; ".join(
             f"{name} KV heads: {choice}" for name, choice in zip(("full", "streaming"), choices, strict=True))
         return KernelChoice(choices[0].backend, choices[0].kernel, reason, choices[0].mask)
-    call, plan, before = prepare(call, run_hooks=False)
-    if plan.native == "quantized":
+    call, decision, before = prepare(call, run_hooks=False)
+    if decision.native == "quantized":
         assert isinstance(call.kv, QuantizedKV)
-        kernel, reason = f"multihead.kernels.native.attend_q{call.kv.bits}", plan.reason
-    elif plan.backend == "flex":
+        kernel, reason = f"multihead.kernels.native.attend_q{call.kv.bits}", decision.reason
+    elif decision.backend == "flex":
         kernel = "flex_attention"
-        reason = plan.reason + f"; {flex.sparsity(call.mask, call.q.device):.0%} of the 128 x 128 blocks skipped"
-    elif plan.backend == "math":
-        kernel, reason = "matmul+softmax", plan.reason
-    elif plan.native == "dense":
-        kernel, reason = "multihead.kernels.native.attend_dense", plan.reason
+        reason = decision.reason + f"; {flex.sparsity(call.mask, call.q.device):.0%} of the 128 x 128 blocks skipped"
+    elif decision.backend == "math":
+        kernel, reason = "matmul+softmax", decision.reason
+    elif decision.native == "dense":
+        kernel, reason = "multihead.kernels.native.attend_dense", decision.reason
     else:
         kernel = _sdpa_kernel(call)
-        reason = plan.reason + _sdpa_details(call, plan, kernel)
+        reason = decision.reason + _sdpa_details(call, decision, kernel)
     if call.hooks is not None and call.hooks.names:
         reason += f"; hooked: {', '.join(call.hooks.names)}"
-    return KernelChoice(plan.backend, kernel, before + reason, _describe_mask(call.mask))
+    return KernelChoice(decision.backend, kernel, before + reason, _describe_mask(call.mask))
 
 
 def _sdpa_kernel(call: AttentionCall) -> str:
@@ -519,11 +519,11 @@ def _sdpa_kernel(call: AttentionCall) -> str:
         return "unknown"
 
 
-def _sdpa_details(call: AttentionCall, plan: Dispatch, kernel: str) -> str:
+def _sdpa_details(call: AttentionCall, decision: Dispatch, kernel: str) -> str:
     """What the SDPA call does with the inputs, and what keeps a faster kernel out."""
     q, k, spec = call.q, call.k, call.mask
     reason = ""
-    if plan.fold:
+    if decision.fold:
         reason += f"; one query per head: the {q.shape[1] // k.shape[1]} query heads of each KV head run as its rows"
     if spec.is_empty or spec.is_plain_causal:
         reason += "; no dense mask is made" + (" (the kernel's own causal path)" if spec.causal else "")
