@@ -181,3 +181,33 @@ def test_generate_decodes_with_a_spec_as_with_its_keywords_and_refuses_both() ->
     with pytest.raises(MultiheadError, match=r"give spec= alone or the cache's keywords, not both \(got spec= with "
                                              r"bits=\)"):
         next(generate_ids(model, prompt, max_new_tokens=2, spec=CacheSpec(1), bits=8))
+
+
+def test_a_latent_spec_builds_an_mla_model_s_cache_and_sizes_it_as_the_cost_model_does() -> None:
+    """MLA's cache is a kind of the one spec: on an MLA shape CacheSpec(max_len, latent=True) builds a LatentCache
+    whose bytes are multihead.cost.mla_cache_bytes' (the independent formula) and spec.bytes'; a key and value kind
+    on an MLA model, a latent spec on a key and value model, and a latent spec with another kind's options are
+    refused naming what to give."""
+    from multihead import cost
+    from multihead.cache import LatentCache
+    from multihead.config import MLAConfig
+
+    config = MLAConfig(d_model=256, n_heads=16, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                       v_head_dim=32)
+    shape = CacheShape.mla(n_layers=3, n_heads=16, kv_lora_rank=128, rope_dim=16, context=4096)
+    spec = CacheSpec(1000, latent=True)
+    assert spec.kind == "latent"
+    cache = spec.build(shape, batch=2, dtype=torch.bfloat16)
+    assert isinstance(cache, LatentCache) and (cache.n_layers, cache.batch, cache.max_len, cache.width) == (3, 2, 1000,
+                                                                                                          144)
+    expected = cost.mla_cache_bytes(config, context=1000, batch=2, n_layers=3, dtype="bf16")
+    assert cache.bytes == expected == spec.bytes(shape, batch=2, dtype=torch.bfloat16)
+    with pytest.raises(MultiheadError, match=r"an MLA model caches latents: give CacheSpec\(max_len, latent=True\), "
+                                             r"not a quantized cache"):
+        CacheSpec(1000, bits=8).build(shape)
+    with pytest.raises(MultiheadError, match="this model caches keys and values"):
+        spec.build(CacheShape.uniform(n_layers=2, n_kv_heads=2, n_heads=4, head_dim=16))
+    with pytest.raises(MultiheadError, match=r"without window=, sink_tokens="):
+        CacheSpec(1000, latent=True, window=64, sink_tokens=4)
+    with pytest.raises(MultiheadError, match="exceeds the model's context"):
+        CacheSpec(5000, latent=True).build(shape)

@@ -13,9 +13,11 @@ The kinds (``spec.kind``)::
     window     sink_tokens sinks and a window of keys                  SinkCache (max_len: the tokens it is for)
     quantized  bits-bit codes in groups, the newest residual in full   QuantizedKVCache (KIVI)
     headwise   each KV head full or the plan's sinks + window          HeadwiseCache (a HeadPlan of the model's shape)
+    latent     MLA's latents: one compressed latent and RoPE key a token LatentCache (a shape with ``latent`` widths)
 
 A :class:`CacheShape` is what a model tells the spec: its layers' KV heads (this process's) and attention windows
-(None: global; a sliding layer of Gemma 2/3, Mistral or gpt-oss gives its window), n_heads, head_dim and context.
+(None: global; a sliding layer of Gemma 2/3, Mistral or gpt-oss gives its window), n_heads, head_dim and context;
+an MLA model gives its latent widths instead (:meth:`CacheShape.mla`), and caches latents only.
 Every kind stores what each layer can see: the layers of each window get a part of their own
 (:class:`~multihead.cache.HybridCache`), a sliding layer's full cache is a ring of its window, a quantized one a ring
 of whole code groups, sinks + window never wider than the layer's own; ``layers="global"`` applies the kind to the
@@ -34,10 +36,11 @@ from typing import Any
 
 import torch
 
-from multihead.cache.base import Cache
+from multihead.cache.base import BaseCache, Cache
 from multihead.cache.full import KVCache
 from multihead.cache.headwise import HeadwiseCache
 from multihead.cache.hybrid import HybridCache
+from multihead.cache.latent import LatentCache
 from multihead.cache.layered import LayeredCache
 from multihead.cache.plan import HeadPlan
 from multihead.cache.quantized import QuantizedKVCache
@@ -45,7 +48,7 @@ from multihead.cache.sink import SinkCache
 from multihead.errors import MultiheadError
 from multihead.quant import check_bits
 
-KINDS = ("full", "window", "quantized", "headwise")
+KINDS = ("full", "window", "quantized", "headwise", "latent")
 LAYERS = ("all", "global")
 
 
@@ -58,7 +61,8 @@ def _int(name: str, value: object, least: int) -> None:
 class CacheShape:
     """What a cache is built for: ``kv_heads`` (each layer's KV heads in this process), ``windows`` (each layer's
     attention window, None for a global layer), ``n_heads`` (query heads), ``head_dim``, ``context`` (the model's
-    longest sequence, None: unbounded) and ``split`` (the KV heads are split over processes)."""
+    longest sequence, None: unbounded) and ``split`` (the KV heads are split over processes). ``latent``: an MLA
+    model's (kv_lora_rank, rope_dim), whose layers cache one latent of that width a token (:meth:`mla`)."""
 
     kv_heads: tuple[int, ...]
     windows: tuple[int | None, ...]
@@ -66,6 +70,7 @@ class CacheShape:
     head_dim: int
     context: int | None = None
     split: bool = False
+    latent: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "kv_heads", tuple(self.kv_heads))
@@ -84,10 +89,27 @@ class CacheShape:
         _int("head_dim", self.head_dim, 1)
         if self.context is not None:
             _int("context", self.context, 1)
+        if self.latent is not None:
+            if not isinstance(self.latent, tuple) or len(self.latent) != 2:
+                raise MultiheadError(f"latent ({self.latent!r}) must be (kv_lora_rank, rope_dim)")
+            _int("kv_lora_rank", self.latent[0], 1)
+            _int("rope_dim", self.latent[1], 0)
+            if any(w is not None for w in self.windows):
+                raise MultiheadError("an MLA model's layers are global: a latent shape takes no windows")
 
     @property
     def n_layers(self) -> int:
         return len(self.kv_heads)
+
+    @classmethod
+    def mla(cls, *, n_layers: int, n_heads: int, kv_lora_rank: int, rope_dim: int,
+            context: int | None = None) -> CacheShape:
+        """An MLA model's shape: every layer caches one latent of kv_lora_rank + rope_dim values a token (one
+        latent head shared by the n_heads query heads)."""
+        _int("kv_lora_rank", kv_lora_rank, 1)
+        _int("rope_dim", rope_dim, 0)
+        return cls(kv_heads=(1,) * n_layers, windows=(None,) * n_layers, n_heads=n_heads,
+                   head_dim=kv_lora_rank + rope_dim, context=context, latent=(kv_lora_rank, rope_dim))
 
     @classmethod
     def uniform(cls, *, n_layers: int, n_kv_heads: int, n_heads: int, head_dim: int, context: int | None = None,
@@ -102,7 +124,8 @@ class CacheSpec:
     """One cache kind and its options (the module docstring lists the kinds): ``max_len`` tokens (the full,
     quantized and head-wise kinds need it; a windowed cache takes it as the tokens it is for), ``window`` with
     ``sink_tokens`` (sinks + a window), ``bits`` with ``group`` and ``residual`` (quantized), ``plan`` (head-wise),
-    ``layers`` ("all", or "global": a hybrid model's global layers only). Checked when made: a bad option or a
+    ``latent`` (MLA's latents, for a model whose shape has latent widths), ``layers`` ("all", or "global": a hybrid
+    model's global layers only). Checked when made: a bad option or a
     mix of kinds raises a MultiheadError saying what to give."""
 
     max_len: int | None = None
@@ -113,6 +136,7 @@ class CacheSpec:
     residual: int = 128
     plan: HeadPlan | None = None
     layers: str = "all"
+    latent: bool = False
 
     def __post_init__(self) -> None:
         if self.layers not in LAYERS:
@@ -123,6 +147,18 @@ class CacheSpec:
         _int("sink_tokens", self.sink_tokens, 0)
         _int("group", self.group, 1)
         _int("residual", self.residual, 0)
+        if not isinstance(self.latent, bool):
+            raise MultiheadError(f"latent must be True or False, got {self.latent!r}")
+        if self.latent:
+            others = [name for name, given in (("window", self.window is not None), ("bits", self.bits is not None),
+                                               ("plan", self.plan is not None), ("sink_tokens", bool(self.sink_tokens)),
+                                               ("layers", self.layers != "all")) if given]
+            if others:
+                raise MultiheadError(f"a latent cache holds every token's latent: give CacheSpec(max_len, latent=True) "
+                                     f"without {', '.join(name + '=' for name in others)}")
+            if self.max_len is None:
+                raise MultiheadError("a latent cache needs max_len (the tokens it holds)")
+            return
         if self.plan is not None:
             if not isinstance(self.plan, HeadPlan):
                 raise MultiheadError(f"plan must be a HeadPlan (HeadPlan.load(path)), got {type(self.plan).__name__}")
@@ -152,7 +188,9 @@ class CacheSpec:
 
     @property
     def kind(self) -> str:
-        """full, window, quantized or headwise."""
+        """full, window, quantized, headwise or latent."""
+        if self.latent:
+            return "latent"
         if self.plan is not None:
             return "headwise"
         if self.window is not None:
@@ -169,7 +207,7 @@ class CacheSpec:
 
     # ------------------------------------------------------------------ building
     def build(self, shape: CacheShape, *, batch: int = 1, dtype: torch.dtype = torch.float32,
-              device: torch.device | str | None = None) -> Cache:
+              device: torch.device | str | None = None) -> BaseCache:
         """The cache of this kind for a model of ``shape``: ``batch`` sequences of one length, tensors of ``dtype``
         on ``device`` (the model's). Refuses (naming the values) a max_len past the model's context, a plan of
         another shape or windows, a head-wise cache over split KV heads or layers of several widths, and
@@ -181,6 +219,8 @@ class CacheSpec:
             raise MultiheadError(f"layers='global' but every layer of this model slides (windows "
                                  f"{sorted(set(sliding))}): there is no global layer to apply the kind to")
         where: dict[str, Any] = {"batch": batch, "dtype": dtype, "device": device}
+        if shape.latent is not None or self.latent:
+            return self._latent(shape, where)
         if self.plan is not None:
             return self._headwise(shape, where)
         widths = set(shape.kv_heads)
@@ -201,6 +241,17 @@ class CacheSpec:
     def bytes(self, shape: CacheShape, *, batch: int = 1, dtype: torch.dtype = torch.float32) -> int:
         """The bytes :meth:`build` allocates for ``shape`` (its tensors made on the meta device: nothing held)."""
         return int(self.build(shape, batch=batch, dtype=dtype, device="meta").bytes)
+
+    def _latent(self, shape: CacheShape, where: dict[str, Any]) -> LatentCache:
+        if shape.latent is None:
+            raise MultiheadError("latent=True is for a multi-head latent attention model (CacheShape.mla): this model "
+                                 "caches keys and values")
+        if not self.latent:
+            raise MultiheadError(f"an MLA model caches latents: give CacheSpec(max_len, latent=True), not a "
+                                 f"{self.kind} cache")
+        assert self.max_len is not None
+        rank, rope = shape.latent
+        return LatentCache(kv_lora_rank=rank, rope_dim=rope, max_len=self.max_len, n_layers=shape.n_layers, **where)
 
     def _headwise(self, shape: CacheShape, where: dict[str, Any]) -> HeadwiseCache:
         plan = self.plan

@@ -237,6 +237,7 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
     shape = cache_shape(model)
     param = next(model.parameters())
     inner = chosen.build(shape, batch=batch, dtype=param.dtype, device=param.device)
+    assert isinstance(inner, Cache)  # a transformers model's shape has no latent widths (MLA: hf.use_mla_layers)
     return MultiheadCache(inner, n_heads=shape.n_heads, windows=list(shape.windows))
 
 

@@ -100,14 +100,15 @@ class MLAInTransformers(nn.Module):
 
     def _latents(self, b: int, need: int, like: Tensor) -> Any:
         """A latent cache for ``need`` tokens or more (room doubles as a generation grows)."""
-        from multihead.cache import LatentCache
+        from multihead.cache import CacheShape, CacheSpec
 
         c = self.layer.config
         size = min(self.max_len, max(256, 1 << max(0, need - 1).bit_length()))
         if need > size:
             raise MultiheadError(f"{need} tokens exceed the model's context of {self.max_len}")
-        return LatentCache(batch=b, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim, max_len=size,
-                           dtype=like.dtype, device=like.device)
+        shape = CacheShape.mla(n_layers=1, n_heads=c.n_heads, kv_lora_rank=c.kv_lora_rank, rope_dim=c.qk_rope_head_dim,
+                               context=self.max_len)
+        return CacheSpec(size, latent=True).build(shape, batch=b, dtype=like.dtype, device=like.device)
 
 
 def use_mla_layers(model: nn.Module, *, path: str = "auto") -> nn.Module:

@@ -155,7 +155,9 @@ class LlamaModel(nn.Module):
         """
         chosen = spec_of(spec, max_len, {"window": window, "sink_tokens": sink_tokens, "bits": bits, "group": group,
                                          "residual": residual, "plan": plan})
-        return chosen.build(self.cache_shape(), batch=batch, dtype=self.dtype, device=self.device)
+        built = chosen.build(self.cache_shape(), batch=batch, dtype=self.dtype, device=self.device)
+        assert isinstance(built, Cache)  # the port's shape has no latent widths: a key and value cache
+        return built
 
     def cache_shape(self) -> CacheShape:
         """What a :class:`~multihead.cache.CacheSpec` builds for: each layer's KV heads in this process, every layer
