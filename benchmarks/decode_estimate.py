@@ -1,10 +1,10 @@
 """The decode estimate of `multihead count --hardware cpu` against multihead's measured SmolLM2 decode (issue 29).
 
-One process: the CPU's read bandwidth and matmul rate are measured (multihead.hardware.measure_cpu), multihead.hardware
-estimates a decode step of SmolLM2-135M (the preset; float32 weights and cache, batch 1, at the mean context of the
-run) from them, and multihead's greedy decode of the shipped checkpoint is timed (eager, float32, median of the
-rounds). The ratio measured / estimated is reported at the stated bandwidth efficiency and at 100% of the measured
-bandwidth. Run small here; record on an idle machine.
+One process: the CPU's read bandwidth and matmul rate are measured (multihead.sizing.hardware.measure_cpu),
+multihead.sizing.hardware estimates a decode step of SmolLM2-135M (the preset; float32 weights and cache, batch 1, at
+the mean context of the run) from them, and multihead's greedy decode of the shipped checkpoint is timed (eager,
+float32, median of the rounds). The ratio measured / estimated is reported at the stated bandwidth efficiency and at
+100% of the measured bandwidth. Run small here; record on an idle machine.
 
     .venv/bin/python benchmarks/decode_estimate.py [--new-tokens 32] [--rounds 3] [--record]
 """
@@ -36,11 +36,11 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
 
-    from multihead.hardware import BANDWIDTH_EFFICIENCY, estimate, measure_cpu
     from multihead.models import load_llama
     from multihead.models.generate import generate_ids
-    from multihead.presets import preset
     from multihead.sizing import model_size
+    from multihead.sizing.hardware import BANDWIDTH_EFFICIENCY, estimate, measure_cpu
+    from multihead.sizing.presets import preset
 
     model, tok = load_llama()
     prompt = tok.encode("Once upon a time, in a land far away, there lived")

@@ -390,3 +390,14 @@ def test_the_transformers_room_is_one_package_whose_modules_load_when_used() -> 
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "[]"
+
+
+def test_the_sizing_room_holds_the_arithmetic_on_configs() -> None:
+    """Issue 51 item 1: the arithmetic on configs (cost, presets, compare, shapes, units, hardware) lives in
+    multihead.sizing beside the whole-model sizing, not at the top level; reading a config.json (multihead.hf.config)
+    loads the sizing only when it makes a layer's kind, so the two import each other without a cycle."""
+    modules = _modules()
+    for name in ("cost", "presets", "compare", "shapes", "units", "hardware"):
+        assert f"multihead.sizing.{name}" in modules and f"multihead.{name}" not in modules, name
+    top = sorted(path.name for path in PACKAGE.iterdir() if path.name != "__pycache__")
+    assert len(top) <= 32, top  # 44 entries at the start of the re-housing

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from multihead import AttentionConfig, KVCache, MultiHeadAttention, MultiheadError, cost
+from multihead import AttentionConfig, KVCache, MultiHeadAttention, MultiheadError
+from multihead.sizing import cost
 from tests_support import aten_ops
 
 

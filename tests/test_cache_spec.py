@@ -185,12 +185,12 @@ def test_generate_decodes_with_a_spec_as_with_its_keywords_and_refuses_both() ->
 
 def test_a_latent_spec_builds_an_mla_model_s_cache_and_sizes_it_as_the_cost_model_does() -> None:
     """MLA's cache is a kind of the one spec: on an MLA shape CacheSpec(max_len, latent=True) builds a LatentCache
-    whose bytes are multihead.cost.mla_cache_bytes' (the independent formula) and spec.bytes'; a key and value kind
-    on an MLA model, a latent spec on a key and value model, and a latent spec with another kind's options are
+    whose bytes are multihead.sizing.cost.mla_cache_bytes' (the independent formula) and spec.bytes'; a key and value
+    kind on an MLA model, a latent spec on a key and value model, and a latent spec with another kind's options are
     refused naming what to give."""
-    from multihead import cost
     from multihead.cache import LatentCache
     from multihead.config import MLAConfig
+    from multihead.sizing import cost
 
     config = MLAConfig(d_model=256, n_heads=16, kv_lora_rank=128, qk_nope_head_dim=32, qk_rope_head_dim=16,
                        v_head_dim=32)

@@ -83,8 +83,8 @@ def test_count_answers_the_seeds_questions(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_count_json_equals_the_library(capsys: pytest.CaptureFixture[str]) -> None:
-    from multihead import cost
-    from multihead.presets import preset
+    from multihead.sizing import cost
+    from multihead.sizing.presets import preset
 
     r = _json(["count", "--preset", "llama-3-8b", "--seq", "8192", "--batch", "2", "--dtype", "fp16"], capsys)
     model = preset("llama-3-8b")
@@ -142,7 +142,7 @@ def test_cost_commands_report_bad_input_in_one_line(argv: list[str], message: st
 
 
 def _preset_names() -> tuple[str, ...]:
-    from multihead.presets import PRESET_NAMES
+    from multihead.sizing.presets import PRESET_NAMES
 
     return PRESET_NAMES
 
@@ -152,7 +152,7 @@ def test_count_compare_and_shapes_run_on_every_preset(name: str, capsys: pytest.
     """Issue 52 item 1: `shapes --preset` on a sliding-window preset (mistral-7b, gpt-oss, gemma-3, ministral) walked a
     non-causal layer and exited 2 advising causal=True, a flag the command does not have. Every preset now runs
     through count, compare and shapes; the walk's shapes are the preset's own head counts and widths."""
-    from multihead.presets import preset
+    from multihead.sizing.presets import preset
 
     model = preset(name)
     seq = min(16, model.max_context or 16)
@@ -172,7 +172,7 @@ def test_count_compare_and_shapes_run_on_every_preset(name: str, capsys: pytest.
 
 
 def test_shapes_of_a_sliding_window_preset_says_its_window(capsys: pytest.CaptureFixture[str]) -> None:
-    from multihead.presets import preset
+    from multihead.sizing.presets import preset
 
     assert main(["shapes", "--preset", "mistral-7b", "--seq", "8"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
@@ -199,7 +199,7 @@ def test_count_reads_a_gguf_files_metadata(tmp_path: Path, capsys: pytest.Captur
 
 def test_a_mistyped_preset_is_answered_with_the_closest_names(capsys: pytest.CaptureFixture[str]) -> None:
     """Issue 52 item 5: a typo got a list cut off at 400 characters and no suggestion."""
-    from multihead.presets import PRESET_NAMES
+    from multihead.sizing.presets import PRESET_NAMES
 
     assert main(["count", "--preset", "llama-3.1-7b"]) == 2
     err = capsys.readouterr().err.strip()
@@ -213,7 +213,7 @@ def test_a_mistyped_preset_is_answered_with_the_closest_names(capsys: pytest.Cap
 
 
 def test_mistral_7b_says_it_is_v0_1(capsys: pytest.CaptureFixture[str]) -> None:
-    from multihead.presets import preset, published
+    from multihead.sizing.presets import preset, published
 
     source, cfg = published("mistral-7b")
     assert source.startswith("https://huggingface.co/mistralai/Mistral-7B-v0.1/")
@@ -227,7 +227,7 @@ def test_mistral_7b_says_it_is_v0_1(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_presets_lists_them_all(capsys: pytest.CaptureFixture[str]) -> None:
-    from multihead.presets import PRESET_NAMES
+    from multihead.sizing.presets import PRESET_NAMES
 
     data = _json(["presets"], capsys)
     assert list(data) == list(PRESET_NAMES)
@@ -312,7 +312,7 @@ def test_count_compare_and_shapes_show_deepseek_mla(capsys: pytest.CaptureFixtur
     the preset equals transformers' DeepseekV3Config defaults (V3's published config)."""
     from transformers import DeepseekV3Config
 
-    from multihead.presets import from_hf_dict, preset
+    from multihead.sizing.presets import from_hf_dict, preset
 
     assert from_hf_dict(DeepseekV3Config().to_dict()).mla == preset("deepseek-v3").mla
     r = _json(["count", "--preset", "deepseek-v3", "--seq", "8192"], capsys)

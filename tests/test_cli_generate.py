@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from multihead import cost
 from multihead.cache import HeadPlan
 from multihead.cli import main
+from multihead.sizing import cost
 from tiny_checkpoints import TINY, write_tiny_gguf
 
 NEW = 5

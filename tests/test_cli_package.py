@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from multihead import cost, sizing
+from multihead import sizing
 from multihead.cli import main
-from multihead.presets import preset
+from multihead.sizing import cost
+from multihead.sizing.presets import preset
 
 PYTHON = [sys.executable, "-c"]
 

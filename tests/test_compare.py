@@ -1,11 +1,12 @@
-"""multihead.compare: the MLA variant it adds to a model's comparison."""
+"""multihead.sizing.compare: the MLA variant it adds to a model's comparison."""
 
 from __future__ import annotations
 
 import pytest
 
-from multihead import AttentionConfig, compare
-from multihead.presets import ModelConfig
+from multihead import AttentionConfig
+from multihead.sizing import compare
+from multihead.sizing.presets import ModelConfig
 
 
 def _model(n_heads: int, head_dim: int = 16) -> ModelConfig:

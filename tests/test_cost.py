@@ -13,9 +13,10 @@ from hypothesis import strategies as st
 from safetensors import safe_open
 from torch.utils.flop_counter import FlopCounterMode
 
-from multihead import AttentionConfig, MultiHeadAttention, MultiheadError, cost
+from multihead import AttentionConfig, MultiHeadAttention, MultiheadError
 from multihead.divisors import divisors
-from multihead.presets import PRESET_NAMES, from_hf_config, from_hf_dict, preset
+from multihead.sizing import cost
+from multihead.sizing.presets import PRESET_NAMES, from_hf_config, from_hf_dict, preset
 from tests_support import minilm_dir, smollm2_gguf
 
 
@@ -246,7 +247,7 @@ def test_a_whole_model_config_is_refused_by_name_not_with_an_attribute_error(fn)
     """Issue 42 item 9: cost.kv_cache_bytes_per_token_per_layer(preset("llama-3-8b")) raised a bare AttributeError
     ('ModelConfig' object has no attribute 'n_kv_heads'). cost's functions size one layer: the error says so and
     where the layer is."""
-    from multihead.presets import preset
+    from multihead.sizing.presets import preset
 
     model = preset("llama-3-8b")
     with pytest.raises(MultiheadError, match=r"takes an AttentionConfig \(one layer's attention\), got ModelConfig; "

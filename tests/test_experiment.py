@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from multihead import AttentionConfig, MultiheadError, cost
+from multihead import AttentionConfig, MultiheadError
 from multihead.cli import main
 from multihead.evals.text import read_text
 from multihead.experiments.heads_vs_width import (
@@ -24,6 +24,7 @@ from multihead.experiments.heads_vs_width import (
     run,
     train_one,
 )
+from multihead.sizing import cost
 
 TINY = Settings(d_model=16, n_layers=1, steps=6, batch=8, seeds=(0,), eval_batches=1, workers=1,
                 task=TaskConfig(n_keys=8, n_values=8, n_pairs=3))

@@ -35,8 +35,9 @@ def test_the_core_imports_and_runs_with_torch_and_numpy_only() -> None:
     blocked = {"safetensors", "tokenizers", "gguf", "jinja2", "matplotlib", "tqdm", "transformers"}
     done = _run("""
 import torch, multihead
-from multihead import MultiHeadAttention, KVCache, cost, hooks, presets
-from multihead.shapes import shape_walk
+from multihead import MultiHeadAttention, KVCache, hooks
+from multihead.sizing import cost, presets
+from multihead.sizing.shapes import shape_walk
 from multihead.cli import main
 layer = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2)
 _, cache = hooks.run_with_cache(layer, torch.randn(1, 3, 32))

@@ -18,8 +18,8 @@ import transformers
 
 from multihead import MultiheadError
 from multihead.cli import main
-from multihead.presets import from_hf_dict, preset, published
 from multihead.sizing import NotCounted, kv_bytes, model_size
+from multihead.sizing.presets import from_hf_dict, preset, published
 
 TINY = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 128}
@@ -223,7 +223,7 @@ def test_the_kv_cache_holds_each_layer_kinds_tokens() -> None:
 def test_chunked_layers_count_their_pairs_within_each_chunk() -> None:
     """A chunked layer's query at position p sees p mod chunk + 1 keys: the pairs, counted one by one, against
     cost's closed form; fewer than a sliding window of the same size sees."""
-    from multihead.cost import LayerAttention, attended_pairs
+    from multihead.sizing.cost import LayerAttention, attended_pairs
 
     chunk = 5
     for s, t in [(13, 13), (1, 13), (4, 11), (10, 10)]:
@@ -290,7 +290,7 @@ def test_count_reports_llama_4s_chunked_layers(capsys: pytest.CaptureFixture[str
     window of the same size."""
     import dataclasses
 
-    from multihead.cost import flops
+    from multihead.sizing.cost import flops
 
     assert main(["count", "--preset", "llama-4-scout", "--seq", "65536", "--json"]) == 0
     r = json.loads(capsys.readouterr().out)

@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch import Tensor
 
-from multihead import MultiheadError, cost
+from multihead import MultiheadError
 from multihead.cache import HeadPlan, HeadwiseCache, KVCache, SinkCache
 from multihead.linear import linear
 from multihead.models import LlamaConfig, LlamaModel
+from multihead.sizing import cost
 
 SINKS, WINDOW = 2, 5
 

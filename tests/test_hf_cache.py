@@ -12,10 +12,11 @@ import torch
 import transformers
 from torch import Tensor
 
-from multihead import cost, hf
+from multihead import hf
 from multihead.cache import HeadPlan, sink_keep
 from multihead.errors import MultiheadError
 from multihead.hooks import hooks
+from multihead.sizing import cost
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")
 P, STEPS = 24, 10  # prompt tokens, then decode steps

@@ -17,7 +17,7 @@ import torch
 from multihead import AttentionConfig, MLAConfig, MultiHeadAttention, MultiheadError, MultiHeadLatentAttention
 from multihead.cli import main
 from multihead.hf.config import MAX_JSON_BYTES, HFConfig, read_config, read_json
-from multihead.presets import from_hf_config, from_hf_dict
+from multihead.sizing.presets import from_hf_config, from_hf_dict
 
 LLAMA = {"model_type": "llama", "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2,
          "num_hidden_layers": 2, "max_position_embeddings": 128, "rope_theta": 10000.0, "vocab_size": 100,
@@ -391,7 +391,7 @@ def test_a_multimodal_config_is_read_by_its_text_model_with_the_family_defaults_
     import transformers
 
     from multihead.hf.config import FAMILY_DEFAULTS
-    from multihead.presets import published
+    from multihead.sizing.presets import published
 
     theirs = transformers.Gemma3TextConfig()
     assert {k: getattr(theirs, k) for k in FAMILY_DEFAULTS["gemma3_text"]} == FAMILY_DEFAULTS["gemma3_text"]

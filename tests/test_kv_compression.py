@@ -1,7 +1,7 @@
 """KV caches that save memory: attention sinks + window and quantized keys/values.
 
 Each kind is checked against the uncached model with the same compression applied (an independent reference), its
-bytes against multihead.cost, and its bad inputs against clear errors.
+bytes against multihead.sizing.cost, and its bad inputs against clear errors.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from multihead import AttentionConfig, MultiHeadAttention, MultiheadError, cost
+from multihead import AttentionConfig, MultiHeadAttention, MultiheadError
 from multihead.cache import (
     QuantizedKVCache,
     SinkCache,
@@ -27,6 +27,7 @@ from multihead.cache import (
 )
 from multihead.hooks import hooks
 from multihead.models.llama import LlamaConfig, LlamaModel
+from multihead.sizing import cost
 
 
 def _model(seed: int = 0, d_model: int = 64) -> LlamaModel:

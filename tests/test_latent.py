@@ -1,5 +1,6 @@
 """Multi-head latent attention: the absorbed path equals the expanded one, cached equals uncached, the latent cache
-holds what multihead.cost predicts, and our layer in a transformers DeepSeek model gives transformers' outputs."""
+holds what multihead.sizing.cost predicts, and our layer in a transformers DeepSeek model gives transformers'
+outputs."""
 
 from __future__ import annotations
 
@@ -7,11 +8,12 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from multihead import KVCache, MultiHeadAttention, MultiheadError, cost
+from multihead import KVCache, MultiHeadAttention, MultiheadError
 from multihead.cache import LatentCache
 from multihead.config import MLAConfig
 from multihead.hooks import hooks, run_with_cache, zero_heads
 from multihead.latent import MultiHeadLatentAttention
+from multihead.sizing import cost
 
 SHAPES = {  # small (4 heads), and DeepSeek-V3's proportions scaled down (16 heads, latent 128, nope 32, rope 16)
     "small": {"d_model": 64, "n_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
@@ -204,7 +206,7 @@ def test_masks_and_sequences_of_different_lengths_in_the_latent_cache() -> None:
 @pytest.mark.parametrize("shape", list(SHAPES))
 def test_the_kernels_path_rule_is_the_one_with_fewer_flops_by_the_cost_model(shape: str) -> None:
     """path="auto" is decided in the kernels from the view's shapes (issue 51 item 2): over a grid of query and key
-    counts it takes the path multihead.cost.mla_flops counts fewer FLOPs for (the independent reference)."""
+    counts it takes the path multihead.sizing.cost.mla_flops counts fewer FLOPs for (the independent reference)."""
     layer = _layer(shape)
     config = MLAConfig(**SHAPES[shape])  # type: ignore[arg-type]
     for s in (1, 2, 7, 64, 512):

@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from multihead import cost
 from multihead.cache import HeadPlan
 from multihead.models import LlamaConfig, LlamaModel
+from multihead.sizing import cost
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 import bench

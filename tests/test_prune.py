@@ -9,11 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from multihead import MultiheadError, cost
+from multihead import MultiheadError
 from multihead.cache import LayeredCache
 from multihead.hooks import hooks, zero_heads
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.models.loaders import load_llama_weights, save_llama
+from multihead.sizing import cost
 from multihead.tradeoff.prune import dropped_heads, group_importance, groups_to_keep, prune
 
 

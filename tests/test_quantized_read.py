@@ -8,11 +8,12 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from multihead import cost, quant
+from multihead import quant
 from multihead.cache import QuantizedKV, QuantizedKVCache, Slots, unpack
 from multihead.kernels import dense_view
 from multihead.models import LlamaConfig, LlamaModel
 from multihead.quant import unpack_fast
+from multihead.sizing import cost
 
 
 @pytest.mark.parametrize("bits", [2, 4, 8])

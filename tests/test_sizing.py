@@ -11,8 +11,8 @@ import transformers
 
 from multihead import MultiheadError
 from multihead.cli import main
-from multihead.presets import from_hf_dict, preset
 from multihead.sizing import GGML_TYPES, GGUF_BITS, model_size, weight_bytes
+from multihead.sizing.presets import from_hf_dict, preset
 
 SMALL = {"vocab_size": 101, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 3,
          "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 128}
@@ -75,8 +75,8 @@ def test_published_totals(name: str, published: int) -> None:
 def test_llama_3_1_to_3_3_are_made_for_128k(name: str) -> None:
     """Their model cards' 128K context: max_position_embeddings, which the llama3 rope scaling's factor times 8,192
     does not stretch further (3.2's factor 32 would claim 262,144)."""
-    from multihead.presets import published
     from multihead.sizing import context_limit
+    from multihead.sizing.presets import published
 
     _, cfg = published(name)
     assert context_limit(preset(name)) == cfg["max_position_embeddings"] == 128 * 1024

@@ -102,9 +102,10 @@ def test_a_seq_past_the_models_context_is_refused(argv: list[str], capsys: pytes
 
 
 def test_the_library_refuses_it_the_same_way() -> None:
-    from multihead import MultiheadError, compare, sizing
-    from multihead.hardware import HARDWARE, estimate
-    from multihead.presets import preset
+    from multihead import MultiheadError, sizing
+    from multihead.sizing import compare
+    from multihead.sizing.hardware import HARDWARE, estimate
+    from multihead.sizing.presets import preset
 
     m = preset("llama-3-8b")
     kw: dict[str, Any] = {"seq": 8193, "batch": 1, "dtype": "bf16"}
@@ -176,8 +177,9 @@ def test_compare_under_tp_shows_and_plots_one_devices_memory(tmp_path: Path, mon
                                                             capsys: pytest.CaptureFixture[str]) -> None:
     """The plot drew the whole model's weights against one device's memory, under a title without the TP: it now
     draws what the table's context counts, one device's, the same figure count gives."""
-    from multihead import compare, sizing
-    from multihead.presets import from_hf_dict, preset
+    from multihead import sizing
+    from multihead.sizing import compare
+    from multihead.sizing.presets import from_hf_dict, preset
 
     common = ["--preset", "llama-2-70b", "--seq", "4096", "--device-memory", "80GiB", "--tp", "2"]
     figures: list[Any] = []
@@ -219,7 +221,7 @@ def test_compare_under_tp_shows_and_plots_one_devices_memory(tmp_path: Path, mon
 def test_compare_takes_hardware_as_count_does(capsys: pytest.CaptureFixture[str]) -> None:
     """`compare --hardware` was refused (unrecognized arguments) though count has it: the same meaning now, the
     device's memory unless --device-memory, and count's estimate for each variant."""
-    from multihead.hardware import HARDWARE
+    from multihead.sizing.hardware import HARDWARE
 
     common = ["--preset", "mistral-7b", "--seq", "4096", "--hardware", "h100-80g", "--tp", "2"]
     c = _json(["compare", *common, "--no-plot"], capsys)
@@ -245,7 +247,7 @@ def test_each_all_reduce_pays_its_latency(capsys: pytest.CaptureFixture[str]) ->
     """0.001 ms for the 56 all-reduces of a 7B model's decode step on NVLink: bandwidth alone. Each all-reduce is
     now latency + 2 (n - 1) hops + 2 (n - 1) / n of its bytes over the link (NCCL's ring model)."""
     from multihead import MultiheadError
-    from multihead.hardware import HARDWARE, allreduce_seconds, measure_cpu
+    from multihead.sizing.hardware import HARDWARE, allreduce_seconds, measure_cpu
 
     h100 = HARDWARE["h100-80g"]
     assert (h100.allreduce_latency, h100.hop_latency) == (6.6e-6, 0.6e-6)  # NCCL's LL ring over NVLink (tuning.cc)
@@ -330,8 +332,8 @@ def test_mla_count_says_each_caches_own_context(name: str, flags: list[str],
     context binds", or the latent cache's memory answer as its own; and `--cache full` was labelled full while the
     latent was counted. Each line is checked against its cache's bytes per token, counted here from the published
     config: MHA's K and V (2 x heads x v_head_dim a layer), the latent (kv_lora_rank + qk_rope_head_dim a layer)."""
-    from multihead.hardware import hardware
-    from multihead.presets import published
+    from multihead.sizing.hardware import hardware
+    from multihead.sizing.presets import published
 
     _, cfg = published(name)
     memory = 80 * 2**30 if "--device-memory" in flags else hardware("h200").memory
@@ -362,7 +364,7 @@ def test_gpt_oss_sized_as_it_ships_experts_in_mxfp4(capsys: pytest.CaptureFixtur
     """Issue 52 item 3: gpt-oss ships its experts in MXFP4 (4-bit elements, an 8-bit scale per 32: 4.25 bits) and
     the rest in bf16; the experts' parameters are counted here from the published config (gate_up and down with
     their biases, every layer and expert)."""
-    from multihead.presets import published
+    from multihead.sizing.presets import published
 
     _, cfg = published("gpt-oss-20b")
     D, inner = cfg["hidden_size"], cfg["intermediate_size"]

@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from multihead import MultiheadError, cost
+from multihead import MultiheadError
 from multihead.cli import build_parser, main
-from multihead.presets import from_hf_dict, preset
-from multihead.sizing import weight_bytes, whole_model
+from multihead.sizing import cost, weight_bytes, whole_model
+from multihead.sizing.presets import from_hf_dict, preset
 
 
 def _json(argv: list[str], capsys: pytest.CaptureFixture[str]) -> dict:  # type: ignore[type-arg]
@@ -146,8 +146,8 @@ def test_compare_with_tp_answers_for_llama_2_70b(capsys: pytest.CaptureFixture[s
 
 def test_hardware_estimates_name_their_bound_and_add_up(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:  # type: ignore[no-untyped-def]
     """Issue 29's check: llama-3-70b on two H100s at 8192: per-device terms, the cap, prefill and decode with the
-    bound named; each figure against the roofline formula of multihead.hardware."""
-    from multihead.hardware import HARDWARE
+    bound named; each figure against the roofline formula of multihead.sizing.hardware."""
+    from multihead.sizing.hardware import HARDWARE
 
     argv = ["count", "--preset", "llama-3-70b", "--hardware", "h100-80g", "--tp", "2", "--seq", "8192"]
     r = _json(argv, capsys)
@@ -185,7 +185,7 @@ def test_hardware_estimates_name_their_bound_and_add_up(tmp_path, capsys: pytest
 
 
 def test_this_machine_is_measured() -> None:
-    from multihead.hardware import hardware, measure_cpu
+    from multihead.sizing.hardware import hardware, measure_cpu
 
     cpu = measure_cpu(nbytes=8 * 2**20, n=64)
     assert cpu.verified and cpu.bandwidth > 0 and cpu.flops["fp32"] > 0 and cpu.memory > 2**30

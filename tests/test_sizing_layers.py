@@ -15,9 +15,9 @@ import transformers
 
 from multihead import MultiheadError
 from multihead.cli import main
-from multihead.cost import LayerAttention
-from multihead.presets import from_hf_dict, preset
 from multihead.sizing import kv_bytes
+from multihead.sizing.cost import LayerAttention
+from multihead.sizing.presets import from_hf_dict, preset
 
 TINY = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 4,
         "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8, "max_position_embeddings": 64}

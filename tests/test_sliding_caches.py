@@ -1,7 +1,7 @@
 """Caches that store what a sliding layer can see (issue 49): every kind on tiny random Gemma 2, Gemma 3, Mistral and
 gpt-oss models in transformers, against transformers' own DynamicCache (its bytes after the same prefill) and the
 uncached model (its logits), the quantized ring against the store that keeps every code under the same mask, and
-the sizing figures (``multihead.cost``, ``sizing.kv_bytes``) against the real tensors."""
+the sizing figures (``multihead.sizing.cost``, ``sizing.kv_bytes``) against the real tensors."""
 
 from __future__ import annotations
 
@@ -14,11 +14,12 @@ import transformers
 from torch import Tensor
 from transformers import DynamicCache
 
-from multihead import AttentionConfig, MultiHeadAttention, cost, hf, sizing
+from multihead import AttentionConfig, MultiHeadAttention, hf, sizing
 from multihead.cache import HybridCache, KVCache, QuantizedKVCache, SinkCache
 from multihead.errors import MultiheadError
 from multihead.hf.cache import MultiheadCache, layer_windows
-from multihead.presets import PRESET_NAMES, from_hf_dict, preset
+from multihead.sizing import cost
+from multihead.sizing.presets import PRESET_NAMES, from_hf_dict, preset
 
 W = 16  # the tiny models' sliding window
 P, N = 60, 72  # prompt tokens; tokens in all (the rest decoded one a step)

@@ -32,7 +32,7 @@ _WHERE = {
 
 
 def __getattr__(name: str) -> Any:
-    """A public name from its module, or a submodule (``multihead.cost`` after a bare ``import multihead``)."""
+    """A public name from its module, or a submodule (``multihead.sizing.cost`` after a bare ``import multihead``)."""
     if name in _WHERE:
         value = getattr(importlib.import_module(f"multihead.{_WHERE[name]}"), name)
     elif not name.startswith("__"):

@@ -141,7 +141,7 @@ class BaseCache(nn.Module):
 
     @property
     def bytes(self) -> int:
-        """Bytes of the tensors that hold keys and values (what :mod:`multihead.cost` predicts for this kind)."""
+        """Bytes of the tensors that hold keys and values (what :mod:`multihead.sizing.cost` predicts for this kind)."""
         raise NotImplementedError
 
     def reset(self) -> None:

@@ -11,7 +11,7 @@
     (each ring at most max_len slots: a run shorter than a ring allocates only what it fills)
     slot positions                one (slots,) buffer per kind of ring          the position each ring slot holds
 
-``bytes`` is the sum of those tensors' nbytes (:func:`multihead.cost.headwise_cache_bytes` predicts it): a
+``bytes`` is the sum of those tensors' nbytes (:func:`multihead.sizing.cost.headwise_cache_bytes` predicts it): a
 streaming head costs its ring whatever the context, and so does every head of a sliding layer.
 
 The protocol's head-wise case (:mod:`multihead.cache.base`): :meth:`reserve` makes one :class:`~.base.Slots` per

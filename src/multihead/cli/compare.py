@@ -23,13 +23,13 @@ def add(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from multihead.compare import compare_variants, plot_variants
-    from multihead.units import format_bytes
+    from multihead.sizing.compare import compare_variants, plot_variants
+    from multihead.sizing.units import format_bytes
 
     model = model_from_args(args)
     device = None
     if args.hardware is not None:  # as count's: the speed on --tp such devices, and their memory
-        from multihead.hardware import hardware
+        from multihead.sizing.hardware import hardware
 
         device = hardware(args.hardware)
         if args.device_memory is None:
@@ -115,7 +115,7 @@ def run(args: argparse.Namespace) -> int:
         if any(r.max_context == 0 for r in rows) and whole:
             print("0: not even one token fits beside the weights; try --tp or a narrower --weights-dtype")
     if device is not None:
-        from multihead.hardware import BANDWIDTH_EFFICIENCY, COMPUTE_EFFICIENCY
+        from multihead.sizing.hardware import BANDWIDTH_EFFICIENCY, COMPUTE_EFFICIENCY
 
         print(f"speed on {device.name}" + (f" x {tp}" if tp > 1 else "") + f": `count --hardware`'s estimates "
               f"({COMPUTE_EFFICIENCY:.0%} of peak FLOP/s, {BANDWIDTH_EFFICIENCY:.0%} of bandwidth"

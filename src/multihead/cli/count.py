@@ -1,5 +1,5 @@
 """`multihead count`: does it fit? The whole model's parameters and memory (multihead.sizing.whole_model), and
-attention's parameters, FLOPs and memory (multihead.cost.report, cost.mla_report)."""
+attention's parameters, FLOPs and memory (multihead.sizing.cost.report, cost.mla_report)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
     is_causal = causal(args, model)
     device = None
     if args.hardware is not None:
-        from multihead.hardware import hardware
+        from multihead.sizing.hardware import hardware
 
         device = hardware(args.hardware)
         if args.device_memory is None:
@@ -52,13 +52,13 @@ def run(args: argparse.Namespace) -> int:
     if whole is not None:
         r["whole_model"] = whole
     if device is not None and whole is not None:  # (no "unavailable" here: with a memory, whole_model refuses)
-        from multihead.hardware import estimate
+        from multihead.sizing.hardware import estimate
 
         r["estimate"] = estimate(model, sizing.model_size(model), device, seq=args.seq, batch=args.batch,
                                  dtype=args.dtype, weights_dtype=fitting.weights_dtype, tp=args.tp, cache=args.cache,
                                  largest_batch=whole.get("largest_batch"), shard_embeddings=args.shard_embeddings)
         if args.plot is not None:
-            from multihead.hardware import plot_roofline
+            from multihead.sizing.hardware import plot_roofline
 
             r["estimate"]["plot"] = plot_roofline(r["estimate"], args.plot, title=f"{model.name} at {args.seq:,} "
                                                   f"tokens on {args.hardware}" + (f" x {args.tp}" if args.tp > 1
@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _print_attention(model: Any, r: dict[str, Any], args: argparse.Namespace, is_causal: bool) -> None:
-    from multihead.units import format_bytes, format_count
+    from multihead.sizing.units import format_bytes, format_count
 
     a, memory = model.attention, args.device_memory
     dk_note = f" (= {a.d_model} / {a.n_heads})" if a.head_dim == a.d_model // a.n_heads else " (explicit)"
@@ -133,7 +133,7 @@ def _windows(r: dict[str, Any]) -> str:
 
 
 def _print_mla(model: Any, m: dict[str, Any], args: argparse.Namespace) -> None:
-    from multihead.units import format_bytes, format_count
+    from multihead.sizing.units import format_bytes, format_count
 
     mla = model.mla
     print(f"{'model':<28}  {model.name}: {layers(model.n_layers)}, multi-head latent attention (MLA)")
@@ -156,7 +156,7 @@ def _print_mla(model: Any, m: dict[str, Any], args: argparse.Namespace) -> None:
 
 
 def _print_whole(w: dict[str, Any], args: argparse.Namespace) -> None:
-    from multihead.units import format_bytes
+    from multihead.sizing.units import format_bytes
 
     if "unavailable" in w:
         print(f"whole model: {w['unavailable']}")

@@ -189,7 +189,7 @@ def _report(args: argparse.Namespace, prompt: list[int], out: list[int], stop_id
                           "stopped": bool(out) and out[-1] in stop_ids, "seconds": round(seconds, 3),
                           "tokens_per_second": per_second, "cache": cache}))
         return
-    from multihead.units import format_bytes
+    from multihead.sizing.units import format_bytes
 
     ran, full = cache["bytes"], cache["full_cache_bytes"]
     full_kind = cache.get("full_kind", "KVCache")

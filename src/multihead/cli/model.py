@@ -13,14 +13,14 @@ from multihead.cli.flags import POSITIVE, CliError
 from multihead.values import MAX_LAYERS
 
 if TYPE_CHECKING:
-    from multihead.presets import ModelConfig
     from multihead.sizing import FitModel
+    from multihead.sizing.presets import ModelConfig
 
 
 def preset_name(text: str) -> str:
     """A preset's exact name (see `multihead presets`)."""
     from multihead.errors import MultiheadError
-    from multihead.presets import preset
+    from multihead.sizing.presets import preset
 
     try:
         preset(text)
@@ -30,10 +30,10 @@ def preset_name(text: str) -> str:
 
 
 def memory_size(text: str) -> int:
-    """--device-memory: a size with its unit, such as 80GB or 24GiB (multihead.units.parse_bytes), more than zero
+    """--device-memory: a size with its unit, such as 80GB or 24GiB (multihead.sizing.units.parse_bytes), more than zero
     bytes; a bare number is refused (80 is not 80 bytes of an 80 GiB device)."""
     from multihead.errors import MultiheadError
-    from multihead.units import parse_bytes
+    from multihead.sizing.units import parse_bytes
 
     if re.fullmatch(r"\s*[0-9.eE+-]+\s*", text) and not text.strip().startswith("-"):
         raise argparse.ArgumentTypeError(f"size {flags.show(text)[:40]} has no unit: add a unit: GiB or GB "
@@ -101,7 +101,7 @@ def reserve(text: str) -> Reserve:
 
 def shown_memory(n: int) -> str:
     """Both units: '80.0 GiB (85.9 GB)'."""
-    from multihead.units import format_bytes
+    from multihead.sizing.units import format_bytes
 
     return f"{format_bytes(n)} ({n / 1e9:.1f} GB)"
 
@@ -184,7 +184,7 @@ def add_fit_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard-embeddings", action="store_true",
                    help="with --tp: split the embedding and LM head by vocabulary, as vLLM does (default: on every "
                         "device, as multihead.parallel keeps them)")
-    from multihead.hardware import HARDWARE_NAMES  # (no torch: the cpu preset imports it when measured)
+    from multihead.sizing.hardware import HARDWARE_NAMES  # (no torch: the cpu preset imports it when measured)
 
     p.add_argument("--hardware", type=flags.OneOf(HARDWARE_NAMES, "hardware {value} is unknown: choose one of "
                                                                "{names}"), default=None, metavar="NAME",
@@ -202,7 +202,7 @@ def fit_model(args: argparse.Namespace) -> FitModel:
 
 
 def model_from_args(args: argparse.Namespace) -> ModelConfig:
-    from multihead.presets import from_hf_config, from_hf_dict, preset
+    from multihead.sizing.presets import from_hf_config, from_hf_dict, preset
 
     raw = [f for f in ("d_model", "heads", "kv_heads", "head_dim", "window") if getattr(args, f) is not None]
     chosen = [name for name, given in (("--preset", args.preset is not None), ("--config", args.config is not None),

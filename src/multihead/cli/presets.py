@@ -18,8 +18,8 @@ def add(sub: Any) -> None:
 def run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from multihead.cost import layers_summary
-    from multihead.presets import PRESET_NAMES, preset
+    from multihead.sizing.cost import layers_summary
+    from multihead.sizing.presets import PRESET_NAMES, preset
 
     models = [preset(n) for n in PRESET_NAMES]
     if args.json:

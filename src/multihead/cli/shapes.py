@@ -37,14 +37,14 @@ def add(sub: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from multihead.config import AttentionConfig, MLAConfig
-    from multihead.shapes import shape_walk
+    from multihead.sizing.shapes import shape_walk
 
     mla: MLAConfig | None = None
     causal: bool | None = None
     if args.preset is not None:
         if args.d_model is not None or args.heads is not None or args.kv_lora_rank is not None:
             raise CliError("give --preset or the sizes (--d-model, --heads, ...), not both")
-        from multihead.presets import preset
+        from multihead.sizing.presets import preset
 
         model = preset(args.preset)
         from multihead.sizing import check_seq
@@ -97,7 +97,7 @@ def _print_steps(steps: Any, parameters: dict[str, int], total: int) -> None:
 
 
 def _mla_walk(mla: Any, args: argparse.Namespace) -> int:
-    from multihead.shapes import mla_shape_walk
+    from multihead.sizing.shapes import mla_shape_walk
 
     walk = mla_shape_walk(mla, batch=args.batch, seq=args.seq, path=args.path)
     if args.json:

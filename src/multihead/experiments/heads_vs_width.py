@@ -27,11 +27,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead import AttentionConfig, MultiHeadAttention, cost
+from multihead import AttentionConfig, MultiHeadAttention
 from multihead.errors import MultiheadError
 from multihead.files import save_figure
 from multihead.heads.capture import capture_weights
 from multihead.heads.scores import label_heads, pattern_scores, repeat_scores
+from multihead.sizing import cost
 
 
 @dataclass(frozen=True)
@@ -302,7 +303,7 @@ def _check_memory(settings: Settings, variants: list[Variant]) -> None:
     need = max(training_bytes(settings, v) for v in variants) * min(settings.workers, len(variants) * len(
         settings.seeds))
     if need > physical // 2:
-        from multihead.units import format_bytes
+        from multihead.sizing.units import format_bytes
 
         raise MultiheadError(f"these settings need about {format_bytes(need)} to train ({settings.workers} "
                              f"process(es) side by side), more than half this machine's {format_bytes(physical)}: "

@@ -226,7 +226,7 @@ def new_cache(model: Any, max_len: int | None = None, *, batch: int = 1, window:
     cache keeps a sliding layer's last ``window - 1`` keys in a ring, a quantized one its codes in a ring of whole
     groups (or the window in full precision where that is smaller: a window within the residual), a sinks + window
     cache no more than the layer's own window; a head plan's cache does the same per KV head. ``bytes`` is then
-    transformers' own cache's after the same tokens (:func:`multihead.cost.layers_kv_bytes` predicts it).
+    transformers' own cache's after the same tokens (:func:`multihead.sizing.cost.layers_kv_bytes` predicts it).
 
     ``layers="global"``: the kind on the global layers only, every sliding layer keeping its whole window (a ring of
     ``window - 1`` keys in full precision), as a method that saves bytes only where the context grows (a hybrid

@@ -1,7 +1,8 @@
 """The one reader of a Hugging Face ``config.json``: bounded JSON, file errors in one line, typed and ranged values.
 
-:mod:`multihead.presets` (and through it ``multihead count --config`` and ``compare --config``), :mod:`multihead.sizing`
-and the model loaders read config.json here, so a key means the same and is checked the same everywhere::
+:mod:`multihead.sizing.presets` (and through it ``multihead count --config`` and ``compare --config``),
+:mod:`multihead.sizing` and the model loaders read config.json here, so a key means the same and is checked the same
+everywhere::
 
     cfg = read_config("path/to/model")       # a folder holding config.json, or the file
     cfg.d_model, cfg.n_heads, cfg.n_kv_heads  # resolved from every spelling real configs use (hidden_size, n_embd...)
@@ -33,10 +34,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from multihead.config import AttentionConfig, MLAConfig, RopeConfig
-from multihead.cost import LayerAttention
 from multihead.errors import MultiheadError
 from multihead.values import (
     MAX_CONTEXT,
@@ -48,6 +48,17 @@ from multihead.values import (
     MAX_WIDTH,
     Values,
 )
+
+if TYPE_CHECKING:
+    from multihead.sizing.cost import LayerAttention
+
+
+def _layer(kind: str, window: int | None = None) -> LayerAttention:
+    """A layer's attention kind for the sizing (:class:`multihead.sizing.cost.LayerAttention`), imported when first
+    made: the sizing package reads configs through this module, so this module does not import it at load time."""
+    from multihead.sizing.cost import LayerAttention
+
+    return LayerAttention(kind, window)
 
 MAX_JSON_BYTES = 64 << 20  # configs are kilobytes; a DeepSeek-V3 safetensors index, the largest JSON read, is ~9 MB
 MAX_JSON_DEPTH = 100  # real configs nest 3 to 5 levels; Python's json recurses once per level
@@ -501,7 +512,7 @@ class HFConfig(Mapping[str, Any]):
         layer. ``n_layers`` (default the config's) repeats a pattern over another depth."""
         n = self.n_layers if n_layers is None else n_layers
         if self.is_mla:
-            return (LayerAttention("latent"),) * n
+            return (_layer("latent"),) * n
         types = self.get("layer_types")
         if types is not None:
             named = self.text_list("layer_types")
@@ -514,8 +525,8 @@ class HFConfig(Mapping[str, Any]):
             return self._chunked_layers(n)
         window = self.window
         if window is None:
-            return (LayerAttention("full"),) * n
-        sliding, full = LayerAttention("sliding", window), LayerAttention("full")
+            return (_layer("full"),) * n
+        sliding, full = _layer("sliding", window), _layer("full")
         family = self.model_type
         if family in _ALTERNATING:
             period = int(self.integer("sliding_window_pattern", default=_ALTERNATING[family]))
@@ -532,12 +543,12 @@ class HFConfig(Mapping[str, Any]):
                                  f"{' or '.join(_LAYER_TYPES)}")
         kind = _LAYER_TYPES[name]
         if kind == "full":
-            return LayerAttention("full")
+            return _layer("full")
         key = "sliding_window" if kind == "sliding" else "attention_chunk_size"
         size = self.window if kind == "sliding" else self.integer("attention_chunk_size", default=None)
         if size is None:
             raise MultiheadError(f"{self.where!r}: layer_types[{i}] is {name} but the config has no {key}")
-        return LayerAttention(kind, int(size))
+        return _layer(kind, int(size))
 
     def _chunked_layers(self, n: int) -> tuple[LayerAttention, ...]:
         """Llama 4's layers without a layer_types list, as Llama4TextConfig derives them: chunked (of
@@ -546,7 +557,7 @@ class HFConfig(Mapping[str, Any]):
         attention_chunk_size: every layer full."""
         chunk = self.integer("attention_chunk_size", default=None)
         if chunk is None:
-            return (LayerAttention("full"),) * n
+            return (_layer("full"),) * n
         rope = list(self.integers("no_rope_layers", default=None) or [])
         if not rope:
             every = int(self.integer("no_rope_layer_interval", default=4))
@@ -554,7 +565,7 @@ class HFConfig(Mapping[str, Any]):
         if len(rope) != self.n_layers:
             raise MultiheadError(f"{self.where!r}: no_rope_layers lists {len(rope):,} layers; the config has "
                                  f"{self.n_layers:,} (num_hidden_layers)")
-        kinds = [LayerAttention("chunked", int(chunk)) if r else LayerAttention("full") for r in rope]
+        kinds = [_layer("chunked", int(chunk)) if r else _layer("full") for r in rope]
         return tuple(kinds[i % len(kinds)] for i in range(n))
 
     def text_list(self, key: str) -> list[str]:

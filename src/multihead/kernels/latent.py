@@ -21,8 +21,8 @@ LATENT_PATHS = ("auto", "expanded", "absorbed")
 def mla_path(*, s: int, t: int, n_heads: int, rank: int, rope: int, nope: int, dv: int) -> str:
     """The MLA path with fewer FLOPs for s queries over t keys: "absorbed" (W_UK folded into the queries, MQA over
     the one latent head, W_UV after) or "expanded" (the latents up-projected to every head's keys and values). The
-    terms of :func:`multihead.cost.mla_flops` that differ between the two: the up-projection (t or s rows) and the
-    width each pair of query and key reads (qk + dv, or 2 rank + rope)."""
+    terms of :func:`multihead.sizing.cost.mla_flops` that differ between the two: the up-projection (t or s rows) and
+    the width each pair of query and key reads (qk + dv, or 2 rank + rope)."""
     expanded = t * rank * n_heads * (nope + dv) + n_heads * s * t * (nope + rope + dv)
     absorbed = s * n_heads * rank * (nope + dv) + n_heads * s * t * (2 * rank + rope)
     return "absorbed" if absorbed < expanded else "expanded"

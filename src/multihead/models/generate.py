@@ -10,10 +10,10 @@ from typing import cast
 import torch
 from torch import Tensor
 
-from multihead import cost
 from multihead.cache import Cache, CacheSpec, HeadPlan, KVCache
 from multihead.errors import MultiheadError
 from multihead.models.llama import LlamaBlock, LlamaModel
+from multihead.sizing import cost
 
 
 @dataclass(frozen=True)
@@ -85,7 +85,7 @@ def compiled_step(model: LlamaModel, cache: KVCache) -> StepFn:
 
 def full_cache_bytes(model: LlamaModel, batch: int, max_len: int) -> int:
     """Bytes of the full :class:`KVCache` of ``max_len`` positions that :func:`generate_ids` makes without window= or
-    plan= (``model.new_cache(batch, max_len)``), counted by :mod:`multihead.cost` instead of made: per layer
+    plan= (``model.new_cache(batch, max_len)``), counted by :mod:`multihead.sizing.cost` instead of made: per layer
     2 * g * d * bytes(dtype) * max_len * batch for its g KV heads (this rank's when the model is split over
     processes; a pruned model's layers each their own). Another cache's ``bytes`` is read beside it."""
     total = 0

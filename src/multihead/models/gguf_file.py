@@ -201,7 +201,7 @@ _CONFIG_KEYS = {"embedding_length": "hidden_size", "attention.head_count": "num_
 def hf_config(path: str | Path) -> dict[str, Any]:
     """The config.json a GGUF file's metadata describes (its sizes, read as ``{arch}.embedding_length`` and the
     like; the vocabulary from the tokenizer when the file states no size; tied embeddings when it holds no
-    ``output.weight``), for multihead.presets.from_hf_dict: what `count --config FILE.gguf` sizes. Only the
+    ``output.weight``), for multihead.sizing.presets.from_hf_dict: what `count --config FILE.gguf` sizes. Only the
     metadata and tensor table are read, never the weights."""
     gguf = GGUFFile(path)
     try:

@@ -6,7 +6,7 @@ before it), the way Hugging Face's perplexity guide does it. Every method sees t
 
 A cache method runs the real cache: each window is fed through it in chunks of ``chunk`` tokens (a server's chunked
 prefill), so a sink + window cache holds ``sinks + window - 1`` tokens whatever the context, and a quantized cache
-reads back what it quantized. KV bytes come from :mod:`multihead.cost` for a context of ``context`` tokens in
+reads back what it quantized. KV bytes come from :mod:`multihead.sizing.cost` for a context of ``context`` tokens in
 bfloat16 (the serving dtype), and are checked against the run's real cache tensors (in the run's dtype).
 """
 
@@ -23,10 +23,10 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from multihead import cost
 from multihead.cache import Cache, CacheSpec, check_bits
 from multihead.errors import MultiheadError
 from multihead.models.llama import LlamaModel
+from multihead.sizing import cost
 
 
 @dataclass(frozen=True)
@@ -96,7 +96,7 @@ def window_starts(n_tokens: int, settings: Settings) -> list[int]:
 
 
 def kv_bytes(model: LlamaModel, method: Method, settings: Settings, dtype: str = "bf16") -> int:
-    """The cache bytes of one sequence of ``context`` tokens under this method, from multihead.cost (summed over
+    """The cache bytes of one sequence of ``context`` tokens under this method, from multihead.sizing.cost (summed over
     layers, which a pruned model holds at different widths)."""
     spec = method.cache or CacheSpec(settings.context)
     total = 0
@@ -181,7 +181,7 @@ def evaluate(models: dict[str, LlamaModel], methods: Sequence[Method], test: Seq
             held = model.new_cache(1, settings.context).bytes
         checked = held == predicted
         if not checked:
-            raise MultiheadError(f"{method.name}: the cache held {held:,} bytes but multihead.cost predicts "
+            raise MultiheadError(f"{method.name}: the cache held {held:,} bytes but multihead.sizing.cost predicts "
                                  f"{predicted:,}")
         kv = kv_bytes(model, method, settings)
         row = Row(method=method.name, series=method.series, model=method.model, kv_bytes=kv,

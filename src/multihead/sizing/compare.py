@@ -7,16 +7,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from multihead import cost
 from multihead.config import MLAConfig
 from multihead.divisors import divisors
 from multihead.errors import MultiheadError
 from multihead.files import save_figure
-from multihead.presets import ModelConfig
+from multihead.sizing import cost
+from multihead.sizing.presets import ModelConfig
 
 if TYPE_CHECKING:
-    from multihead.hardware import Hardware
     from multihead.sizing import FitModel, ModelSize
+    from multihead.sizing.hardware import Hardware
 
 
 @dataclass(frozen=True)
@@ -34,7 +34,7 @@ class Variant:
     max_context_by_memory: int | None = None  # before the model's own context caps it
     note: str | None = None  # why a row has no answer (a --tp this head count cannot split)
     weight_bytes_per_device: int | None = None  # one device's share under --tp (replicated parts whole)
-    prefill_seconds: float | None = None  # with a hardware: multihead.hardware.estimate's prefill of seq tokens
+    prefill_seconds: float | None = None  # with a hardware: multihead.sizing.hardware.estimate's prefill of seq tokens
     decode_tokens_per_second: float | None = None  # ... and its decode, per sequence, at the context seq
     decode_bound: str | None = None
     devices_per_kv_head: int = 1  # > 1: fewer KV heads than --tp devices, each on this many (multihead.sizing.kv_share)
@@ -60,7 +60,7 @@ def compare_variants(
     prefill activations and reserve per device, capped at the model's own context) where the config describes the
     whole model; the KV cache alone (less the reserve) where it gives only the attention's sizes. With ``hardware``
     (a whole model only, as `count --hardware`): each variant's prefill and decode estimate
-    (:func:`multihead.hardware.estimate`) on ``fitting.tp`` such devices."""
+    (:func:`multihead.sizing.hardware.estimate`) on ``fitting.tp`` such devices."""
     from multihead import sizing
     from multihead.sizing import FitModel, check_tp, kv_bytes, kv_max_context, largest_context
 
@@ -118,7 +118,7 @@ def compare_variants(
                 limit = model.hf.context_limit if model.hf is not None else model.max_context
                 context = by_memory if limit is None or by_memory is None else min(by_memory, limit)
         if hardware is not None and note is None and size is not None:
-            from multihead.hardware import estimate
+            from multihead.sizing.hardware import estimate
 
             speed = estimate(m, size, hardware, seq=seq, batch=batch, dtype=dtype, weights_dtype=fit_m.weights_dtype,
                              tp=fit_m.tp, cache=fit_m.cache)

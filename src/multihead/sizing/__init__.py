@@ -1,7 +1,7 @@
 """Does it fit? The whole model's parameters and memory from its config: weights, KV cache, activations.
 
 Parameters are counted per part from a Hugging Face ``config.json`` (or a preset), as the model's own modules hold
-them: embeddings (tied or not), each layer's attention (MHA/GQA/MQA from :mod:`multihead.cost`, MLA from its own
+them: embeddings (tied or not), each layer's attention (MHA/GQA/MQA from :mod:`multihead.sizing.cost`, MLA from its own
 count), MLP (gated or not), mixture-of-experts (routed experts, shared experts, router), norms, biases and the LM head.
 A mixture-of-experts model has a total and an active count (the parameters one token passes through).
 
@@ -21,10 +21,10 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from multihead import cost
 from multihead.errors import MultiheadError
 from multihead.hf.config import HFConfig
-from multihead.presets import ModelConfig
+from multihead.sizing import cost
+from multihead.sizing.presets import ModelConfig
 from multihead.values import MAX_PARAMETERS
 
 LLAMA_LIKE = {"llama", "mistral", "ministral", "ministral3", "qwen2", "qwen3", "gemma", "gemma2", "gemma3",
@@ -78,7 +78,7 @@ class NotCounted(MultiheadError):
 def cannot_fit(model: ModelConfig, memory: int, why: str) -> MultiheadError:
     """The refusal of a fit answer for a model whose weights are not counted: "does it fit in ``memory``?" counts
     the weights (the KV cache alone would answer for a model without weights, past its own context too)."""
-    from multihead.units import format_bytes
+    from multihead.sizing.units import format_bytes
 
     where = model.hf.where if model.hf is not None else model.name
     return MultiheadError(f"{where}: cannot say what fits in {format_bytes(memory)}: the whole model's weights are "
@@ -441,8 +441,8 @@ def kv_bytes(model: ModelConfig, *, context: int, batch: int, dtype: str, cache:
     """The KV cache of the whole model by cache kind, summed layer by layer (``model.layers()``: a sliding layer
     holds min(context, window - 1) tokens, a full one the context, an MLA one its latents): "full", "window:N"
     (sinks 4 on every layer, or less where the layer holds less), "int8"/"int4"/"int2" (group 32, residual 128; a
-    sliding layer's codes a ring of its window, :func:`multihead.cost.quantized_cache_bytes`), or "latent" (an MLA
-    model's; also what "full" means for one). Each is what :func:`multihead.hf.cache.new_cache` allocates."""
+    sliding layer's codes a ring of its window, :func:`multihead.sizing.cost.quantized_cache_bytes`), or "latent" (an
+    MLA model's; also what "full" means for one). Each is what :func:`multihead.hf.cache.new_cache` allocates."""
     a, layers = model.attention, model.layers()
     if model.mla is not None:
         if cache in ("full", "latent"):

@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any, TypedDict
 from multihead.errors import MultiheadError
 
 if TYPE_CHECKING:
-    from multihead.presets import ModelConfig
     from multihead.sizing import ModelSize
+    from multihead.sizing.presets import ModelConfig
 
 COMPUTE_EFFICIENCY = 0.5  # assumed fraction of peak FLOP/s a prefill's matmuls reach
 BANDWIDTH_EFFICIENCY = 0.8  # assumed fraction of peak bandwidth a decode step's reads reach
@@ -190,7 +190,8 @@ def estimate(model: ModelConfig, size: ModelSize, device: Hardware, *, seq: int,
     ``tp`` devices like ``device``, at a context of ``seq`` tokens (module docstring: the formulas). A device reads
     its own share of the weights and the KV cache, as multihead.sizing.fit holds them (replicated parts whole, a KV
     head on several devices where there are fewer than ``tp``)."""
-    from multihead import cost, sizing
+    from multihead import sizing
+    from multihead.sizing import cost
 
     sizing.check_seq(model, seq)
     sizing.check_tp(model, tp)
@@ -203,7 +204,7 @@ def estimate(model: ModelConfig, size: ModelSize, device: Hardware, *, seq: int,
     linear = size.active - vocab - size.parts.get("lm_head", 0)  # parameters a token's matmuls pass through
 
     def core(s: int, t: int) -> int:
-        """Attention's Q K^T and P V over the model's layers, pair by pair (multihead.cost)."""
+        """Attention's Q K^T and P V over the model's layers, pair by pair (multihead.sizing.cost)."""
         if model.mla is not None:
             return model.n_layers * cost.mla_flops(model.mla, s=s, t=t, batch=batch, causal=True,
                                                    path="absorbed" if s == 1 else "expanded").attention

@@ -15,11 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from multihead import cost
 from multihead.config import AttentionConfig, MLAConfig
-from multihead.cost import LayerAttention
 from multihead.errors import MultiheadError
 from multihead.hf.config import HFConfig, read_config
+from multihead.sizing import cost
+from multihead.sizing.cost import LayerAttention
 from multihead.values import MAX_PARAMETERS
 
 
