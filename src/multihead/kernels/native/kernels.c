@@ -1,9 +1,10 @@
-/* multihead's native CPU kernels, compiled on first use by multihead.native once per instruction-set variant
-   (cc -O3 -fopenmp and the variant's -m flags: "generic", "avx512", "avx512bf16"; the CPU's best one is loaded at
-   run time): mh_gemv_bf16 (decoding's one-row bfloat16 product), mh_attend_quantized (a decode step over a 4- or
-   8-bit cache's codes) and mh_attend_dense (a decode step over a float32/bfloat16 cache), each described where it
-   is defined. The two attention kernels take their arguments as one struct (mh_dense_args, mh_quant_args), which
-   multihead.native mirrors field for field; mh_isa says which instruction sets the variant was compiled with.
+/* multihead's native CPU kernels, built by an explicit step (python -m multihead.kernels.native build, multihead
+   tune, the set-up) once per instruction-set variant (cc -O3 -fopenmp and the variant's -m flags: "generic",
+   "avx512", "avx512bf16"; the CPU's best one is loaded at run time): mh_gemv_bf16 (decoding's one-row bfloat16
+   product), mh_attend_quantized (a decode step over a 4- or 8-bit cache's codes) and mh_attend_dense (a decode step
+   over a float32/bfloat16 cache), each described where it is defined. The two attention kernels take their
+   arguments as one struct (mh_dense_args, mh_quant_args), which multihead.kernels.native mirrors field for field;
+   mh_isa says which instruction sets the variant was compiled with.
 
    mh_gemv_bf16: y = W x (+ bias) for one bfloat16 row x, float32 accumulation, rounded to bfloat16 once
    (round to nearest even), the same product as F.linear(x, W, bias) within bfloat16's rounding. The weight is read
