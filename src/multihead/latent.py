@@ -39,8 +39,6 @@ from multihead.norms import RMSNorm
 from multihead.rope import RotaryEmbedding
 from multihead.step import Step, build_step
 
-PATHS = LATENT_PATHS
-
 
 class MultiHeadLatentAttention(nn.Module):
     """MLA with ``n_heads`` heads over a ``kv_lora_rank`` latent: ``MultiHeadLatentAttention(MLAConfig(...))`` or
@@ -143,8 +141,8 @@ class MultiHeadLatentAttention(nn.Module):
         """The call's step (made here unless given), after every check of the inputs."""
         self._check_x(x)
         self._check_cache(cache, layer=True)
-        if path not in PATHS:
-            raise MultiheadError(f"path {path!r} is unknown: choose one of {', '.join(map(repr, PATHS))}")
+        if path not in LATENT_PATHS:
+            raise MultiheadError(f"path {path!r} is unknown: choose one of {', '.join(map(repr, LATENT_PATHS))}")
         if step is None:
             step = build_step(x, None, n_heads=self.n_heads, window=None, rotary=self.rotary, mask=mask,
                               key_padding_mask=key_padding_mask, causal=causal, positions=positions, cache=cache)
