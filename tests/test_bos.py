@@ -16,9 +16,9 @@ from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from multihead import MultiheadError
 from multihead.evals.needles import CaseSettings, Haystacks, make_cases, piece_ids, start_ids
-from multihead.heads.adapters import TransformersHeads
-from multihead.heads.engines import TransformersTokenizer, transformers_bos
+from multihead.heads.adapters import DecoderHeads
 from multihead.heads.patching import PromptPair, patch_pairs
+from multihead.models.decoder import TransformersTokenizer, transformers_bos
 from multihead.models.tokenizer import TextTokenizer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -85,7 +85,7 @@ def test_head_tools_prompts_start_with_the_tokenizers_bos(template: str | None) 
     """`heads` encodes a text as the tokenizer does; `patch` and `circuit` run each prompt with one BOS at its start
     (the ids the forward receives are recorded) and answers without it."""
     tok = _tokenizer(template)
-    heads = TransformersHeads(_tiny_llama(), tok, "tiny")
+    heads = DecoderHeads(_tiny_llama(), tok, "tiny")
     text = "the cat sat on the mat"
     assert heads.encode([text]).ids[0].tolist() == tok(text)["input_ids"]
     assert heads.token_ids(text) == tok(text, add_special_tokens=False)["input_ids"]

@@ -317,7 +317,7 @@ def _eap_is_exact_patching_to_first_order(family: str) -> None:
 def test_circuit_runs_or_refuses_by_name(family: str) -> None:
     """`multihead circuit`'s analysis on a head model of the family: DLA (exact), EAP with its exact checks and
     composition, or the table's refusal before anything runs."""
-    from multihead.heads.adapters import TransformersHeads
+    from multihead.heads.adapters import head_model
     from multihead.heads.circuit import analyse_circuit
     from multihead.heads.patching import PromptPair
 
@@ -330,7 +330,7 @@ def test_circuit_runs_or_refuses_by_name(family: str) -> None:
         def decode(self, ids: list[int]) -> str:
             return " ".join(f"w{i}" for i in ids)
 
-    heads = TransformersHeads(_model(family), Words(), family)
+    heads = head_model(_model(family), Words(), family)
     pairs = [PromptPair("w10 w11 w12 w13 w14", "w10 w11 w20 w13 w14", "w3", "w7")]
     if not SUPPORT[family]["circuit"].ok:
         with _refused(family, "circuit"):

@@ -62,7 +62,7 @@ def test_the_shipped_plans_fit_gemma3_and_their_controls_hold_their_bytes(gemma3
     plan's bytes to one slot per global layer at 4,096 tokens: the caches are the real ones hf.new_cache makes."""
     from multihead.cache import HeadPlan, HeadwiseCache
     from multihead.hf.cache import layer_windows
-    from multihead.tradeoff.longctx.hf_engine import TransformersDecoder
+    from multihead.models.decoder import TransformersDecoder
     from multihead.tradeoff.longctx.methods import Method
 
     model, _ = gemma3

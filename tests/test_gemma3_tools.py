@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from multihead.heads.adapters import TransformersHeads
+from multihead.heads.adapters import DecoderHeads
 from multihead.heads.analysis import analyse
 from multihead.heads.attribution import direct_logit_attribution, logit_lens
 from multihead.heads.patching import patch_pairs, shipped_pairs
@@ -29,7 +29,7 @@ def test_heads_finds_attention_sinks_on_gemma3_with_its_bos(gemma3: Any) -> None
     BOS (the issue's bug) fewer heads are sinks."""
     model, tok = gemma3
     with attention(model, "multihead"):
-        heads = TransformersHeads(model, tok, "gemma3")
+        heads = DecoderHeads(model, tok, "gemma3")
         assert heads.bos_id == tok.bos_token_id == tok("hello")["input_ids"][0]
         text = "The quick brown fox jumps over the lazy dog. It was a sunny day and the fox was happy."
         report = analyse(heads, text, seeds=1, progress=False)
@@ -64,7 +64,7 @@ def test_patch_and_dla_on_gemma3_with_its_bos(gemma3: Any) -> None:
             logits = model(torch.tensor([tok(text)["input_ids"]]), use_cache=False).logits[0, -1].double()
             own[name] = float(logits[answer] - logits[wrong])
     with attention(model, "multihead"):
-        heads = TransformersHeads(model, tok, "gemma3")
+        heads = DecoderHeads(model, tok, "gemma3")
         # one layer's heads patched (the clean and corrupted figures are the command's whatever it patches)
         result = patch_pairs(heads.logits, heads.layers()[11:12], heads.token_ids, [pair], attribution=False,
                              prompt=heads.prompt_ids)

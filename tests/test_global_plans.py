@@ -19,9 +19,9 @@ from multihead import hf
 from multihead.cache import HeadPlan
 from multihead.errors import MultiheadError
 from multihead.hf.cache import layer_windows
+from multihead.models.decoder import TransformersDecoder
 from multihead.tradeoff import longctx as lc
 from multihead.tradeoff.longctx import shared
-from multihead.tradeoff.longctx.hf_engine import TransformersDecoder
 from multihead.tradeoff.longctx.methods import control_key, equal_bytes_slots
 
 W = 16  # the tiny model's sliding window

@@ -1,4 +1,4 @@
-"""The long-context evaluation on the transformers engine (multihead.tradeoff.longctx.hf_engine.TransformersDecoder):
+"""The long-context evaluation on the transformers engine (multihead.models.decoder.TransformersDecoder):
 every cache kind and head plan gives the answers multihead's own port gives on the same weights and cases; the
 methods that change the model are left out and said; `tradeoff --long --engine` picks and refuses by name."""
 
@@ -24,7 +24,7 @@ from test_longctx import CHARS, TOK, _prose
 def _pair() -> tuple[Any, LlamaModel]:
     """A tiny random transformers Llama on multihead's attention, and multihead's port with its weights."""
     from multihead import hf
-    from multihead.tradeoff.longctx.hf_engine import TransformersDecoder
+    from multihead.models.decoder import TransformersDecoder
 
     torch.manual_seed(0)
     config = transformers.LlamaConfig(vocab_size=len(CHARS), hidden_size=64, intermediate_size=64,
@@ -166,7 +166,7 @@ def test_a_hugging_face_folder_runs_both_protocols_on_transformers(tmp_path: Pat
             "--uptrain-steps", "0", "--threshold", "0", "--bootstrap", "50", "--json"]
     assert main([*argv, "--out", str(tmp_path / "streaming")]) == 0
     streaming = json.loads(capsys.readouterr().out)
-    assert streaming["engine"] == "transformers on multihead's attention"
+    assert streaming["engine"] == "transformers, attention on multihead"
     assert main([*argv, "--protocol", "shared", "--dtype", "fp32", "--out", str(tmp_path / "shared")]) == 0
     capsys.readouterr()
     stamp = json.loads((tmp_path / "shared" / "shared-settings.json").read_text())

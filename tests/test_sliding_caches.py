@@ -278,8 +278,8 @@ def test_the_long_context_methods_take_the_global_layers_only_on_a_hybrid_model(
     model's sliding layers keep their window); the full cache and the plans are as they were; on a model whose
     layers are all global (our Llama port) the caches are the same as with 'all'."""
     from multihead.models import LlamaConfig, LlamaModel
+    from multihead.models.decoder import TransformersDecoder
     from multihead.tradeoff import longctx as lc
-    from multihead.tradeoff.longctx.hf_engine import TransformersDecoder
 
     settings = lc.Settings(lengths=(64,), tasks=("passkey",), sinks=2, keep=(0.5,), window_keep=(), bits=(4,),
                            group=4, residual=0, mqa=False, prune=(), layers="global")

@@ -96,22 +96,17 @@ def _retrieval(args: argparse.Namespace, model: Any, report: Any) -> Any:
     """The retrieval scores of --retrieval, attached to the report (razor scores from its own echo/induction): our
     port's through its KV cache, a transformers decoder's through transformers' cache with its attention on
     multihead (the same hook points, the same code)."""
-    from multihead.heads.adapters import DecoderHeads, TransformersHeads
-    from multihead.heads.engines import TransformersEngine
+    from multihead.heads.adapters import DecoderHeads
     from multihead.heads.retrieval import RetrievalSettings, analyse_retrieval, razor_from_head_scores
 
-    if isinstance(model, DecoderHeads):
-        runnable: Any = model.model
-    elif isinstance(model, TransformersHeads) and model.causal:
-        runnable = TransformersEngine(model.model, name=model.name)
-    else:
+    if not isinstance(model, DecoderHeads):
         raise CliError(f"--retrieval answers needle questions with a causal language model: {model.name} is an "
                        "encoder (give a decoder: --model smollm2, a .gguf file or a decoder's folder)")
     chosen = {"sinks": args.sinks, "window": args.window, "block": args.block,
               "correct_only": False if args.all_cases else None}
     settings = RetrievalSettings(**{k: v for k, v in chosen.items() if v is not None})
     report.retrieval = analyse_retrieval(
-        runnable, model.tokenizer, lengths=tuple(args.lengths or (2048,)),
+        model.decoder, model.tokenizer, lengths=tuple(args.lengths or (2048,)),
         tasks=tuple(args.tasks or ("passkey", "single-number")), prompts=args.prompts or 2, settings=settings,
         seed=args.seed or 0, split=args.split or "test", passkey_prompt=args.passkey_prompt or "cue",
         razor=razor_from_head_scores(report.scores), ablate_top=args.ablate_top or 0, draws=args.draws or 5,

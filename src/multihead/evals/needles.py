@@ -96,7 +96,7 @@ def check_passkey_prompt(name: object) -> str:
 class Tokenizer(Protocol):
     """A model's tokenizer as the cases call it: ``encode`` gives a whole text's ids as the model reads a prompt (its
     BOS first where ``add_bos`` and ``bos_id`` say the tokenizer adds one, as multihead's
-    :class:`~multihead.models.tokenizer.TextTokenizer` and :class:`~multihead.heads.engines.TransformersTokenizer`
+    :class:`~multihead.models.tokenizer.TextTokenizer` and :class:`~multihead.models.decoder.TransformersTokenizer`
     do); ``decode`` the reverse."""
 
     def encode(self, text: str) -> list[int]: ...

@@ -1,4 +1,8 @@
-"""One interface over the two real models for head analysis: tokenize, run, capture, ablate, convert to GQA."""
+"""What the head tools need of a model (:class:`HeadModel`): tokenize, run, capture, ablate, convert to GQA, a metric.
+
+A decoder of either engine is one :class:`DecoderHeads` over the :class:`~multihead.models.decoder.Decoder`
+protocol; the encoders (multihead's BERT port, a transformers encoder) have an adapter each; :func:`head_model`
+picks for a model in memory, :func:`load_head_model` for what ``--model`` names."""
 
 from __future__ import annotations
 
@@ -6,20 +10,17 @@ import re
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor
+from torch import Tensor, nn
 
 from multihead.attention import MultiHeadAttention
 from multihead.errors import MultiheadError
 from multihead.hooks import HookedAttention, HookFn, HookPoint, pool_kv_hook, zero_heads
 from multihead.models.bert import SentenceEncoder
-from multihead.models.llama import LlamaModel
-from multihead.models.tokenizer import TextTokenizer
-from multihead.step import Step
+from multihead.models.decoder import ENGINE_LABELS, Decoder, as_decoder, load_tokenizer, transformers_tokenizer
 
 
 @dataclass
@@ -129,75 +130,91 @@ class HeadModel:
 
 # ---------------------------------------------------------------------------------------------- decoder
 class DecoderHeads(HeadModel):
+    """A causal language model's heads, whichever engine runs it: a :class:`~multihead.models.decoder.Decoder`
+    (or a model :func:`~multihead.models.decoder.as_decoder` wraps: multihead's LlamaModel, a transformers causal LM,
+    with ``tokenizer``). Prompts are the model's own (its tokenizer's BOS first where it adds one, ``bos_id``); the
+    metric is the language-model loss over the real tokens; a decoder that can resume at a block
+    (``block_inputs``) lets the sweeps start there."""
+
     causal = True
     metric_name = "language-model loss (nats/token)"
 
-    def __init__(self, model: LlamaModel, tokenizer: TextTokenizer, name: str = "smollm2") -> None:
-        self.model = model
-        self.tokenizer = tokenizer
-        self.name = name
-        self.max_tokens = model.config.max_context
-        self.bos_id = tokenizer.bos_id if getattr(tokenizer, "add_bos", False) else None
+    def __init__(self, decoder: Decoder | nn.Module, tokenizer: Any = None, name: str = "") -> None:
+        self.decoder = as_decoder(decoder, tokenizer, name)
+        self.name = name or self.decoder.name
+        self.engine = ENGINE_LABELS[self.decoder.engine]
+        self.tokenizer = self.decoder.tokenizer
+        self.max_tokens = self.decoder.shape.max_context or 2048
+        tok: Any = self.tokenizer
+        self.bos_id = tok.bos_id if tok is not None and getattr(tok, "add_bos", False) else None
+        self._layers = self.decoder.attention_layers()
 
-    def layers(self) -> list[MultiHeadAttention]:
-        return [cast(MultiHeadAttention, block.attn) for block in self.model.layers]
+    @property
+    def model(self) -> nn.Module:
+        """The module the decoder runs (the port's LlamaModel, or the transformers model)."""
+        return self.decoder.model
+
+    def layers(self) -> list[HookedAttention]:
+        return self._layers
+
+    @property
+    def n_heads(self) -> int:
+        return self.decoder.shape.n_heads
+
+    @property
+    def n_kv_heads(self) -> int:
+        return self.decoder.shape.n_kv_heads
+
+    def _tokenizer(self) -> Any:
+        if self.tokenizer is None:
+            raise MultiheadError(f"{self.name} was given no tokenizer: text goes through the model's own")
+        return self.tokenizer
 
     def encode(self, texts: list[str]) -> Batch:
-        encoded = [self.tokenizer.encode(t) for t in texts]
-        return _pad(encoded, self.max_tokens, texts)
+        """Each text as a prompt: the BOS first where the tokenizer adds one (``bos_id``), no other special token."""
+        return _pad([self.prompt_ids(t) for t in texts], self.max_tokens, texts)
 
     def token_strings(self, ids: list[int]) -> list[str]:
-        return [self.tokenizer.decode([i]) for i in ids]
-
-    def run(self, batch: Batch) -> None:
-        self.model(batch.ids, key_padding_mask=None if bool(batch.valid.all()) else batch.valid)
-
-    def random_token_ids(self, n: int, generator: torch.Generator) -> Tensor:
-        special = max(self.tokenizer.stop_ids | {self.tokenizer.bos_id or 0, self.tokenizer.eos_id or 0}) + 1
-        low = max(special, 17)  # SmolLM2 keeps its control tokens at the start of the vocabulary
-        return torch.randint(low, self.model.config.vocab_size, (n,), generator=generator)
-
-    def logits(self, ids: Tensor) -> Tensor:
-        out: Tensor = self.model(ids)
-        return out
+        return [self._tokenizer().decode([i]) for i in ids]
 
     def token_ids(self, text: str) -> list[int]:
-        return list(self.tokenizer.tokenizer.encode(text, add_special_tokens=False).ids)
+        return list(self._tokenizer().token_ids(text))
+
+    def run(self, batch: Batch) -> None:
+        self.decoder(batch.ids, valid=batch.valid)
+
+    def logits(self, ids: Tensor) -> Tensor:
+        return self.decoder(ids)
+
+    def random_token_ids(self, n: int, generator: torch.Generator) -> Tensor:
+        """Random ids above the tokenizer's special tokens and a vocabulary's control tokens at its start (SmolLM2
+        keeps them below 17), drawn alike on both engines so that their scores agree."""
+        tok: Any = self._tokenizer()
+        special = {*tok.stop_ids, tok.bos_id or 0, getattr(tok, "eos_id", None) or 0}
+        vocab = self.decoder.shape.vocab_size
+        low = max(max(special) + 1, 17)
+        return torch.randint(min(low, vocab - n - 1), vocab, (n,), generator=generator)
 
     def wrap_repeat(self, ids: Tensor) -> tuple[Tensor, int]:
         if self.bos_id is None:
             return ids, 0
         return torch.cat([torch.full((ids.shape[0], 1), self.bos_id), ids], dim=1), 1
 
-    def _step(self, h: Tensor, batch: Batch) -> Step:
-        return self.model.step(h, key_padding_mask=None if bool(batch.valid.all()) else batch.valid)
-
     def hidden_states(self, batch: Batch) -> list[Tensor]:
-        """The input of every block of a baseline run."""
-        states: list[Tensor] = []
-        with torch.no_grad():
-            h = self.model.embed(batch.ids)
-            step = self._step(h, batch)
-            for block in self.model.layers:
-                states.append(h)
-                h = block(h, step=step)
-        return states
+        """The input of every block of a baseline run (none where the decoder starts every run at the embeddings)."""
+        return self.decoder.block_inputs(batch.ids, batch.valid)
 
     def metric(self, batch: Batch, *, edits: Sequence[Edit] = (), start: int = 0,
                states: list[Tensor] | None = None) -> float:
         """Mean next-token cross-entropy over the real tokens, with ``edits`` attached; with ``states`` (from
         hidden_states) the run starts at block ``start``."""
         with torch.no_grad(), applied(edits):
-            h = self.model.embed(batch.ids) if states is None else states[start]
-            step = self._step(h, batch)
-            for block in list(self.model.layers)[start if states is not None else 0:]:
-                h = block(h, step=step)
-            logits = F.linear(self.model.norm(h), self.model.embed.weight if self.model.lm_head is None
-                              else self.model.lm_head.weight)
-            target = batch.ids[:, 1:]
-            mask = batch.valid[:, 1:]
-            losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), target, reduction="none")
-            return float(losses[mask].mean())
+            if states:
+                logits = self.decoder.logits_from(states[start], start, batch.valid)
+            else:
+                logits = self.decoder(batch.ids, valid=batch.valid)
+            losses = F.cross_entropy(logits.float()[:, :-1].transpose(1, 2), batch.ids[:, 1:], reduction="none")
+            return float(losses[batch.valid[:, 1:]].mean())
 
 
 # ---------------------------------------------------------------------------------------------- encoder
@@ -292,13 +309,17 @@ def split_sentences(text: str) -> list[str]:
     return parts or [text]
 
 
-# ---------------------------------------------------------------------------------------------- any transformers model
+# ---------------------------------------------------------------------------------------------- transformers encoders
 class TransformersHeads(HeadModel):
-    """A transformers model (decoder-only or encoder) with its attention on multihead (:func:`multihead.hf.enable`):
-    the same hook points serve capture, ablation and KV pooling. A decoder's metric is its language-model loss, an
-    encoder's 1 - cosine of its mean-pooled, normalised embeddings to the unedited model's."""
+    """A transformers encoder (BERT, RoBERTa, ...) with its attention on multihead (:func:`multihead.hf.enable`):
+    the same hook points serve capture, ablation and KV pooling; the metric is 1 - cosine of its mean-pooled,
+    normalised embeddings to the unedited model's. A transformers decoder is a :class:`DecoderHeads`
+    (:func:`head_model` picks)."""
 
-    engine = "transformers, attention on multihead"
+    causal = False
+    metric_name = "1 - cosine similarity to the full model's mean-pooled embeddings"
+    metric_is_change = True
+    engine = ENGINE_LABELS["transformers"]
 
     def __init__(self, model: Any, tokenizer: Any, name: str) -> None:
         from multihead import hf
@@ -307,20 +328,15 @@ class TransformersHeads(HeadModel):
         if getattr(config, "is_encoder_decoder", False):
             raise MultiheadError(f"{name}: an encoder-decoder model ({type(model).__name__}); the head tools take "
                                  "decoder-only and encoder models")
+        if callable(getattr(model, "generate", None)):
+            raise MultiheadError(f"{name}: {type(model).__name__} is a causal language model: its heads are a "
+                                 "DecoderHeads (multihead.heads.adapters.head_model picks)")
         self.model, self.tokenizer, self.name = model, tokenizer, name
-        self.causal = callable(getattr(model, "generate", None))
-        self.metric_name = ("language-model loss (nats/token)" if self.causal
-                            else "1 - cosine similarity to the full model's mean-pooled embeddings")
-        self.metric_is_change = not self.causal
         text = config.get_text_config()
         self.max_tokens = int(getattr(text, "max_position_embeddings", None) or 2048)
         self._heads = int(text.num_attention_heads)
         self._kv_heads = int(getattr(text, "num_key_value_heads", None) or self._heads)
         self._layers = cast(list[HookedAttention], list(hf.attention_modules(model).values()))
-        if self.causal:  # a decoder's prompts start with its tokenizer's BOS where it adds one (Gemma, Llama)
-            from multihead.heads.engines import transformers_bos
-
-            self.bos_id = transformers_bos(tokenizer)
 
     def layers(self) -> list[HookedAttention]:
         return self._layers
@@ -334,24 +350,14 @@ class TransformersHeads(HeadModel):
         return self._kv_heads
 
     def encode(self, texts: list[str]) -> Batch:
-        """An encoder's texts with all its special tokens ([CLS] .. [SEP]); a decoder's as prompts (BOS first where
-        its tokenizer adds one, no EOS)."""
-        encoded = [self.prompt_ids(t) if self.causal else list(self.tokenizer(t)["input_ids"]) for t in texts]
-        return _pad(encoded, self.max_tokens, texts)
+        """Each text with all its special tokens ([CLS] .. [SEP])."""
+        return _pad([list(self.tokenizer(t)["input_ids"]) for t in texts], self.max_tokens, texts)
 
     def token_strings(self, ids: list[int]) -> list[str]:
-        if self.causal:
-            return [self.tokenizer.decode([i]) for i in ids]
         return [str(t) for t in self.tokenizer.convert_ids_to_tokens(ids)]
 
     def _forward(self, batch: Batch) -> Any:
         return self.model(batch.ids, attention_mask=batch.valid.long())
-
-    def logits(self, ids: Tensor) -> Tensor:
-        if not self.causal:
-            return super().logits(ids)
-        out: Tensor = self.model(ids).logits
-        return out
 
     def token_ids(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
@@ -361,9 +367,8 @@ class TransformersHeads(HeadModel):
             self._forward(batch)
 
     def random_token_ids(self, n: int, generator: torch.Generator) -> Tensor:
-        """Random ids above the special tokens, drawn as our ports draw them (so scores agree between engines):
-        BERT vocabularies keep [unused*] and special tokens below id 1000, other vocabularies their control tokens
-        at the start."""
+        """Random ids above the special tokens, drawn as our BERT port draws them (so scores agree between
+        engines): BERT vocabularies keep [unused*] and special tokens below id 1000."""
         vocab = int(self.model.config.get_text_config().vocab_size)
         unused = self.tokenizer.convert_tokens_to_ids("[unused0]")
         if unused is not None and unused != self.tokenizer.unk_token_id and vocab > 2000:
@@ -373,10 +378,6 @@ class TransformersHeads(HeadModel):
         return torch.randint(min(low, vocab - n - 1), vocab, (n,), generator=generator)
 
     def wrap_repeat(self, ids: Tensor) -> tuple[Tensor, int]:
-        if self.causal:
-            if self.bos_id is None:
-                return ids, 0
-            return torch.cat([torch.full((ids.shape[0], 1), self.bos_id), ids], dim=1), 1
         cls, sep = self.tokenizer.cls_token_id, self.tokenizer.sep_token_id
         if cls is None or sep is None:
             return ids, 0
@@ -394,18 +395,25 @@ class TransformersHeads(HeadModel):
     def metric(self, batch: Batch, *, edits: Sequence[Edit] = (), start: int = 0,
                states: list[Tensor] | None = None) -> float:
         with torch.no_grad():
-            if not self.causal:
-                if batch.reference is None:
-                    batch.reference = self._embeddings(batch)
-                with applied(edits):
-                    e = self._embeddings(batch)
-                return float(1.0 - F.cosine_similarity(e, batch.reference, dim=-1).mean())
+            if batch.reference is None:
+                batch.reference = self._embeddings(batch)
             with applied(edits):
-                logits = self._forward(batch).logits.float()
-            losses = F.cross_entropy(logits[:, :-1].transpose(1, 2), batch.ids[:, 1:], reduction="none")
-            return float(losses[batch.valid[:, 1:]].mean())
+                e = self._embeddings(batch)
+            return float(1.0 - F.cosine_similarity(e, batch.reference, dim=-1).mean())
 
 
+def head_model(model: Any, tokenizer: Any = None, name: str = "") -> HeadModel:
+    """The head tools' adapter of a model: a :class:`DecoderHeads` for a decoder (a
+    :class:`~multihead.models.decoder.Decoder`, multihead's LlamaModel, a transformers causal LM), an
+    :class:`EncoderHeads` for multihead's sentence encoder, a :class:`TransformersHeads` for a transformers
+    encoder."""
+    if isinstance(model, HeadModel):
+        return model
+    if isinstance(model, SentenceEncoder):
+        return EncoderHeads(model, name=name or "minilm")
+    if hasattr(model, "set_attn_implementation") and not callable(getattr(model, "generate", None)):
+        return TransformersHeads(model, tokenizer, name or type(model).__name__)
+    return DecoderHeads(model, tokenizer, name)
 
 
 def load_head_model(name: str | None, engine: str = "auto") -> HeadModel:
@@ -427,15 +435,7 @@ def load_head_model(name: str | None, engine: str = "auto") -> HeadModel:
         return EncoderHeads(load_sentence_encoder(found.path), name=found.label)
     from multihead import hf
 
-    return TransformersHeads(hf.load(found.path), _hf_tokenizer(found.path), name=found.label)
-
-
-def _hf_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        if path.is_file():
-            return AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError, KeyError) as err:
-        raise MultiheadError(f"transformers could not load a tokenizer for {str(path)!r}: {err}") from None
+    loaded = hf.load(found.path)
+    if callable(getattr(loaded, "generate", None)):  # a decoder: the tokenizer every tool of a decoder reads
+        return DecoderHeads(loaded, load_tokenizer(found.path), name=found.label)
+    return TransformersHeads(loaded, transformers_tokenizer(found.path), name=found.label)

@@ -149,8 +149,9 @@ def read_model(model: Any) -> _Model:
 
     inner = model
     from multihead.heads.adapters import DecoderHeads, TransformersHeads
+    from multihead.models.decoder import Decoder
 
-    if isinstance(model, DecoderHeads | TransformersHeads):
+    if isinstance(model, DecoderHeads | TransformersHeads | Decoder):
         inner = model.model
     if isinstance(inner, LlamaModel):
         return _read_port(inner)

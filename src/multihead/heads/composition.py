@@ -203,8 +203,9 @@ def circuits(model: Any, *, dtype: torch.dtype = torch.float64) -> Circuits:
 def _unwrap(model: Any) -> Any:
     """The model inside a head-analysis adapter (multihead.heads.adapters), or the model itself."""
     from multihead.heads.adapters import DecoderHeads, EncoderHeads, TransformersHeads
+    from multihead.models.decoder import Decoder
 
-    if isinstance(model, DecoderHeads | TransformersHeads):
+    if isinstance(model, DecoderHeads | TransformersHeads | Decoder):
         return model.model
     if isinstance(model, EncoderHeads):
         return model.encoder

@@ -200,9 +200,10 @@ def _blocks(model: Any) -> tuple[list[nn.Module], tuple[str, str, str]]:
     the module whose output the block adds: the MLP, or Gemma 2/3's post-feed-forward norm)."""
     from multihead import hf
     from multihead.heads.adapters import DecoderHeads, TransformersHeads
+    from multihead.models.decoder import Decoder
     from multihead.models.llama import LlamaModel
 
-    inner = model.model if isinstance(model, DecoderHeads | TransformersHeads) else model
+    inner = model.model if isinstance(model, DecoderHeads | TransformersHeads | Decoder) else model
     if isinstance(inner, LlamaModel):
         return list(inner.layers), ("ffn_norm", "", "")
     layout = hf.block_layout(inner)

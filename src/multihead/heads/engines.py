@@ -411,60 +411,19 @@ def _ranges(items: Sequence[int]) -> str:
 
 
 def as_engine(model: Any, name: str = "") -> Engine:
-    """The engine of ``model``: itself when it is one; :class:`TransformersEngine` for a transformers model;
-    :class:`MultiheadEngine` for one of ours."""
+    """The engine of ``model``: itself when it is one; the engine of a :class:`~multihead.models.decoder.Decoder`'s
+    model; :class:`TransformersEngine` for a transformers model; :class:`MultiheadEngine` for one of ours."""
+    from multihead.models.decoder import Decoder
+
     if isinstance(model, Engine):
         return model
+    if isinstance(model, Decoder):
+        model, name = model.model, name or model.name
     if hasattr(model, "set_attn_implementation") and hasattr(model, "config"):
         return TransformersEngine(model, name)
     if isinstance(model, nn.Module):
         return MultiheadEngine(model, name)
     raise MultiheadError(f"{type(model).__name__} is not a model: give multihead's own model or a transformers one")
-
-
-# ---------------------------------------------------------------------------------------------------------- tokenizers
-def transformers_bos(tokenizer: Any) -> int | None:
-    """The id a transformers tokenizer puts before a text's own tokens (its BOS: Gemma's 2, Llama's 1), or None
-    where it puts none (GPT-2, SmolLM2, Qwen). Read from the tokenizer itself: "a" encoded with and without its
-    special tokens; what comes before the bare tokens is the start. Tokens it appends (an EOS) are not a prompt's."""
-    bare = [int(i) for i in tokenizer("a", add_special_tokens=False)["input_ids"]]
-    full = [int(i) for i in tokenizer("a", add_special_tokens=True)["input_ids"]]
-    starts = [i for i in range(len(full) - len(bare) + 1) if full[i:i + len(bare)] == bare]
-    if not bare or not starts:
-        raise MultiheadError(f"{type(tokenizer).__name__} encodes 'a' as {full} with its special tokens and {bare} "
-                             "without: the tokens it adds before a text cannot be told apart")
-    prefix = full[:starts[0]]
-    if len(prefix) > 1:
-        raise MultiheadError(f"{type(tokenizer).__name__} puts {len(prefix)} tokens {prefix} before every text: a "
-                             "prompt here starts with one BOS token at most")
-    return prefix[0] if prefix else None
-
-
-class TransformersTokenizer:
-    """A transformers tokenizer in the form the needle cases take (:class:`multihead.evals.needles.Tokenizer`, as
-    multihead's own :class:`~multihead.models.tokenizer.TextTokenizer`): ``encode`` gives a whole text's ids with
-    the model's BOS first where its tokenizer adds one (``bos_id``, ``add_bos``: :func:`transformers_bos`) and no
-    other special token; ``decode``; ``stop_ids`` (the special tokens, which random token draws leave out)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.stop_ids: set[int] = {int(i) for i in getattr(tokenizer, "all_special_ids", []) or []}
-        self.bos_id = transformers_bos(tokenizer)
-        self.add_bos = self.bos_id is not None
-
-    def encode(self, text: str) -> list[int]:
-        ids = [int(i) for i in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
-        return [self.bos_id, *ids] if self.bos_id is not None else ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(ids)))
-
-
-def as_tokenizer(tokenizer: Any) -> Any:
-    """A transformers tokenizer wrapped in :class:`TransformersTokenizer`; multihead's own as it is."""
-    if callable(tokenizer) and hasattr(tokenizer, "all_special_ids") and not hasattr(tokenizer, "stop_ids"):
-        return TransformersTokenizer(tokenizer)
-    return tokenizer
 
 
 __all__ = [
@@ -473,8 +432,5 @@ __all__ = [
     "Site",
     "TransformersCache",
     "TransformersEngine",
-    "TransformersTokenizer",
     "as_engine",
-    "as_tokenizer",
-    "transformers_bos",
 ]

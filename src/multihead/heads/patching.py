@@ -137,15 +137,19 @@ def _as_logits(out: Any) -> Tensor:
 
 def find_layers(model: Any) -> tuple[Forward, list[HookedAttention]]:
     """The forward (ids -> logits) and the attention layers (with hook points) of a supported model: our ports
-    (:class:`~multihead.models.llama.LlamaModel`), a head-analysis adapter (``load_head_model``), a transformers
-    model after :func:`multihead.hf.enable`, or any module whose attention layers carry the six hook points."""
+    (:class:`~multihead.models.llama.LlamaModel`), a head-analysis adapter (``load_head_model``), a
+    :class:`~multihead.models.decoder.Decoder` of either engine, a transformers model after
+    :func:`multihead.hf.enable`, or any module whose attention layers carry the six hook points."""
     from torch import nn
 
     from multihead.heads.adapters import HeadModel
+    from multihead.models.decoder import Decoder
     from multihead.models.llama import LlamaModel
 
     if isinstance(model, HeadModel):
         return model.logits, list(model.layers())
+    if isinstance(model, Decoder):
+        return model, list(model.attention_layers())
     if isinstance(model, LlamaModel):
         return model, [block.attn for block in model.layers]  # type: ignore[misc]
     if not isinstance(model, nn.Module):

@@ -30,8 +30,13 @@ class TextTokenizer:
     def vocab_size(self) -> int:
         return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
 
+    def token_ids(self, text: str) -> list[int]:
+        """The text's tokens without special tokens (a piece of a prompt, an answer token)."""
+        return list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+
     def encode(self, text: str) -> list[int]:
-        ids = list(self.tokenizer.encode(text, add_special_tokens=False).ids)
+        """The text as a prompt: the BOS first where the model's tokenizer adds one (``add_bos``)."""
+        ids = self.token_ids(text)
         if self.add_bos and self.bos_id is not None:
             ids = [self.bos_id, *ids]
         return ids

@@ -59,10 +59,11 @@ from multihead.cache.sink import sink_keep
 from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError
 from multihead.evals.needles import HAYSTACKS, Haystacks, Tokenizer, case_seed, check_length, make_prompt_cases
-from multihead.heads.engines import Site, as_engine, as_tokenizer
+from multihead.heads.engines import Site, as_engine
 from multihead.hooks import HookFn, HookHandle, HookPoint
 from multihead.kernels import AttentionCall, attend
 from multihead.masks import build_mask
+from multihead.models.decoder import as_tokenizer
 
 if TYPE_CHECKING:
     from multihead.cache import HeadPlan
@@ -538,15 +539,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not 0.0 <= budget <= 1.0:
                 raise MultiheadError(f"--budget {budget!r} must be a fraction of the KV heads in [0, 1]")
         from multihead.evals.text import read_text, token_splits
-        from multihead.heads.adapters import DecoderHeads, TransformersHeads, load_head_model
+        from multihead.models.decoder import load_decoder
 
-        loaded = load_head_model(args.model, engine=args.engine)
-        if isinstance(loaded, DecoderHeads):
-            model, tokenizer = loaded.model, loaded.tokenizer
-        elif isinstance(loaded, TransformersHeads) and loaded.causal:
-            model, tokenizer = loaded.model, as_tokenizer(loaded.tokenizer)
-        else:
-            raise MultiheadError(f"{loaded.name} is not a causal language model: gates go on a decoder's KV heads")
+        loaded = load_decoder(args.model, args.engine)  # a sentence encoder refused: gates go on a decoder's KV heads
+        model, tokenizer = loaded, loaded.tokenizer
         train = token_splits(tokenizer.encode(read_text(args.text))).train
         began = time.perf_counter()
         gates, history = optimise_gates(model, settings, tokenizer=tokenizer, text_ids=train, out=args.out)

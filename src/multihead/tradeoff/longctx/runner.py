@@ -23,6 +23,8 @@ from multihead.errors import MultiheadError
 from multihead.evals.answers import run_prompt
 from multihead.evals.case_files import write_jsonl
 from multihead.evals.needles import Case, Tokenizer, check_length, make_cases
+from multihead.models.decoder import ENGINE_LABELS, Decoder, as_decoder
+from multihead.models.llama import LlamaModel
 from multihead.tradeoff.longctx.methods import Method, load_plan
 from multihead.tradeoff.longctx.perplexity import long_perplexity
 from multihead.tradeoff.longctx.report import table
@@ -36,9 +38,9 @@ def build_cases(settings: Settings, *, model_path: str | None = None,
     to write them with :func:`write_jsonl` for another implementation."""
     from multihead.evals.text import read_text, token_splits
 
-    model, tokenizer, _ = load_decoder(model_path)  # the engine the run would take: its tokenizer, its context
-    test = token_splits(tokenizer.encode(read_text(text_path))).test
-    return make_cases(settings, tokenizer, test, max_context=model.config.max_context)
+    decoder = load_decoder(model_path)  # the engine the run would take: its tokenizer, its context
+    test = token_splits(decoder.tokenizer.encode(read_text(text_path))).test
+    return make_cases(settings, decoder.tokenizer, test, max_context=decoder.shape.max_context)
 
 
 def _atomic_json(path: Path, data: Any) -> None:
@@ -92,22 +94,13 @@ def resolve_engine(model_path: str | None, engine: str = "auto") -> str:
     return found.engine
 
 
-def load_decoder(model_path: str | None, engine: str = "auto", *, dtype: torch.dtype = torch.float32
-                 ) -> tuple[Any, Any, str]:
-    """The model a run decodes (in ``dtype``), its tokenizer and the engine that runs it (:func:`resolve_engine`):
-    :func:`multihead.models.load_llama`, or :func:`multihead.tradeoff.longctx.hf_engine.load_decoder`."""
-    from multihead.models.loaders import load_llama
-    from multihead.models.route import route
+def load_decoder(model_path: str | None, engine: str = "auto", *, dtype: torch.dtype = torch.float32) -> Decoder:
+    """The model a run decodes, in ``dtype``, with its tokenizer, on the engine :func:`resolve_engine` decides
+    (:func:`multihead.models.decoder.load_decoder`)."""
+    from multihead.models.decoder import load_decoder as load
 
-    ran = resolve_engine(model_path, engine)
-    path = route(model_path, engine).path
-    if ran == "ours":
-        model, tokenizer = load_llama(path, dtype=dtype)
-        return model, tokenizer, "ours"
-    from multihead.tradeoff.longctx.hf_engine import load_decoder as load_transformers
-
-    decoder, text = load_transformers(path, dtype=dtype)
-    return decoder, text, "transformers"
+    resolve_engine(model_path, engine)  # a sentence encoder refused in this evaluation's words
+    return load(model_path, engine, dtype=dtype)
 
 
 def run(settings: Settings, *, out: str | Path, progress: bool = True, model_path: str | None = None,
@@ -147,13 +140,16 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
                              "the same settings or use another folder")
     own = model is not None
     if model is None:
-        model, loaded, ran = load_decoder(model_path, engine)
-        tokenizer = tokenizer or loaded
-    if ran == "transformers" or not hasattr(model, "layers"):
+        decoder = load_decoder(model_path, engine)
+    else:
+        if tokenizer is None and not isinstance(model, Decoder):
+            raise MultiheadError("a model passed to run() needs its tokenizer")
+        decoder = as_decoder(model, tokenizer)
+    tokenizer = tokenizer or decoder.tokenizer
+    changes_weights = isinstance(decoder.model, LlamaModel)  # pooling, uptraining, pruning: our port's weights
+    if not changes_weights:
         settings = dataclasses.replace(settings, mqa=False, prune=(), uptrain_steps=0)
-    if tokenizer is None:
-        raise MultiheadError("a model passed to run() needs its tokenizer")
-    max_context = model.config.max_context
+    max_context = decoder.shape.max_context
     for length in settings.lengths:
         check_length(length, max_context)
     splits = token_splits(tokenizer.encode(read_text(text_path)), least=settings.ppl_context + 1)
@@ -164,7 +160,7 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
     try:
         _atomic_json(folder / "settings.json", stamp)
         write_jsonl(cases, folder / "cases.jsonl")
-        result = _measure(settings, folder, model, splits, cases, progress, say)
+        result = _measure(settings, folder, decoder, splits, cases, progress, say)
     except BaseException:
         if not any((folder / name).exists() for name in ("results", "perplexity", "uptrain")):  # nothing measured
             for path in fresh:
@@ -173,12 +169,12 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
                 with contextlib.suppress(OSError):
                     f.rmdir()  # only if empty
         raise
-    if ran == "transformers":
+    if not changes_weights:
         result["not_run"] = ("pooled and uptrained MQA and pruning change the model: they exist for multihead's own "
                              "port (engine ours)")
     result.update(model=model_path or ("a model given to run()" if own else
                                        "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)"),
-                  engine="multihead's own port" if ran == "ours" else "transformers on multihead's attention",
+                  engine=ENGINE_LABELS[decoder.engine],
                   text=text_path or "Jargon File 4.4.7 (Debian jargon-text), held-out split",
                   seconds=round(time.perf_counter() - began, 1))
     _atomic_json(folder / "result.json", result)
@@ -188,7 +184,7 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
     return result
 
 
-def _measure(settings: Settings, folder: Path, model: Any, splits: Any, cases: Sequence[Case], progress: bool,
+def _measure(settings: Settings, folder: Path, model: Decoder, splits: Any, cases: Sequence[Case], progress: bool,
              say: Callable[[str], None]) -> dict[str, Any]:
     """Every method on every prompt (each result saved under ``folder`` as it is made, or read back), then the
     perplexity of each: the result without its model, text and seconds."""
@@ -198,7 +194,7 @@ def _measure(settings: Settings, folder: Path, model: Any, splits: Any, cases: S
     from tqdm import tqdm
 
     models = _models(model, splits.train, settings, folder, progress, say)
-    methods = settings.methods(model.config.n_kv_heads)
+    methods = settings.methods(model.shape.n_kv_heads)
     results: dict[str, list[dict[str, Any]]] = {}
     excluded: list[dict[str, Any]] = []
     prompts = list(_prompts(cases))
@@ -259,23 +255,32 @@ def _excluded(full: Sequence[dict[str, Any]], settings: Settings) -> list[dict[s
     return out
 
 
-def _models(model: Any, train: Sequence[int], settings: Settings, folder: Path, progress: bool,
-            say: Callable[[str], None]) -> dict[str, Any]:
-    """The original model and the changed ones the methods need: pooled MQA, uptrained MQA (its checkpoint under
-    ``folder/uptrain``, resumed), pruned by one-backward importance."""
+def _models(decoder: Decoder, train: Sequence[int], settings: Settings, folder: Path, progress: bool,
+            say: Callable[[str], None]) -> dict[str, Decoder]:
+    """The original decoder and the changed ones the methods need (each a decoder of the original's tokenizer):
+    pooled MQA, uptrained MQA (its checkpoint under ``folder/uptrain``, resumed), pruned by one-backward
+    importance. Only a decoder whose weights are our port's is changed (:func:`run` asks no other for these)."""
     from multihead.tradeoff.lm import IMPORTANCE_BATCH, pooled_model
 
-    models: dict[str, Any] = {"original": model}
+    models: dict[str, Decoder] = {"original": decoder}
+    if not (settings.mqa or settings.prune):
+        return models
+    model = decoder.model
+    assert isinstance(model, LlamaModel)
+
+    def wrap(changed: LlamaModel) -> Decoder:
+        return as_decoder(changed, decoder.tokenizer, decoder.name)
+
     g = model.config.n_kv_heads
     if settings.mqa and g > 1:
-        models["mqa"] = pooled_model(model, 1)
+        models["mqa"] = wrap(pooled_model(model, 1))
         if settings.uptrain_steps:
             from multihead.tradeoff.uptrain import uptrain
 
             student = pooled_model(model, 1)
             checkpoint = Path(settings.uptrain_from) if settings.uptrain_from else folder / "uptrain"
             uptrain(student, model, train, settings.uptrain(), checkpoint=checkpoint, resume=True, progress=progress)
-            models["uptrained"] = student
+            models["uptrained"] = wrap(student)
     if settings.prune:
         from multihead.tradeoff.prune import group_importance, groups_to_keep, prune
 
@@ -286,7 +291,7 @@ def _models(model: Any, train: Sequence[int], settings: Settings, folder: Path, 
         importance = group_importance(model, ids)
         for fraction in settings.prune:
             keep = groups_to_keep(importance, fraction)
-            models[f"pruned-{round(fraction * 100)}"] = prune(model, keep)
+            models[f"pruned-{round(fraction * 100)}"] = wrap(prune(model, keep))
             say(f"pruned {fraction:.0%} of KV groups: {sum(len(k) for k in keep)} of "
                 f"{model.config.n_layers * g} kept")
     return models

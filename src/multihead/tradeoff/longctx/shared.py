@@ -279,6 +279,7 @@ def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_p
 
     from multihead.evals.needles import make_cases
     from multihead.evals.text import read_text, token_splits
+    from multihead.models.decoder import Decoder, as_decoder
     from multihead.tradeoff.longctx.runner import load_decoder, resolve_engine
 
     if dtype not in ("float32", "bfloat16"):
@@ -295,13 +296,14 @@ def run(settings: Any, *, out: str | Path, model_path: str | None = None, text_p
         raise MultiheadError(f"{folder} holds a shared-prefill run with other settings ({settings_file}): resume "
                              "with the same settings or use another folder")
     if model is None:
-        model, loaded, _ = load_decoder(model_path, engine, dtype=getattr(torch, dtype))
-        tokenizer = tokenizer or loaded
-    if tokenizer is None:
+        model = load_decoder(model_path, engine, dtype=getattr(torch, dtype))
+    elif tokenizer is None and not isinstance(model, Decoder):
         raise MultiheadError("a model given to the shared-prefill run needs its tokenizer")
+    model = as_decoder(model, tokenizer)
+    tokenizer = tokenizer or model.tokenizer
     splits = token_splits(tokenizer.encode(read_text(text_path)), least=2)
-    cases = make_cases(settings, tokenizer, getattr(splits, split), max_context=model.config.max_context)
-    methods = cache_methods(settings.methods(model.config.n_kv_heads))
+    cases = make_cases(settings, tokenizer, getattr(splits, split), max_context=model.shape.max_context)
+    methods = cache_methods(settings.methods(model.shape.n_kv_heads))
     folder.mkdir(parents=True, exist_ok=True)
     new = not settings_file.exists()
     settings_file.write_text(json.dumps(stamp, indent=1) + "\n")
