@@ -14,7 +14,7 @@ CPU, float32 (P1-P5):
 
 - P1 layer inference, d_model 768, 12 heads, batch 4, 1024 tokens: time / torch.nn.MultiheadAttention's fast path.
 - P2 training step (forward + backward), 512 tokens, causal: time / nn.MultiheadAttention, and time / an eager
-  attention that repeats K/V (the common Hugging Face eager path, :func:`multihead.check.plain_layer`).
+  attention that repeats K/V (the common Hugging Face eager path, :func:`multihead.verify.check.plain_layer`).
 - P3 GQA decode step (9 query heads, 3 KV heads, head_dim 64, 4096 cached tokens): speed-up over repeating K/V.
 - P4 a 16k-token causal forward: peak memory over the bytes of Q, K, V and the output.
 - P5 attention core throughput as a share of the float32 matmul rate measured in the same run.
@@ -48,12 +48,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention
 from multihead.cache import DenseKV, KVCache
-from multihead.check import plain_layer
 from multihead.errors import MultiheadError
 from multihead.kernels import AttentionCall, attend
-from multihead.masks import build_mask
+from multihead.layers.attention import MultiHeadAttention
+from multihead.layers.masks import build_mask
+from multihead.verify.check import plain_layer
 
 CPU_BENCHMARKS = ("P1", "P2", "P3", "P4", "P5")
 GPU_BENCHMARKS = ("G1", "G2", "G3", "G4")

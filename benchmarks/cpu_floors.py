@@ -27,7 +27,7 @@ from results import publish
 from torch import nn
 
 from multihead import MultiHeadAttention
-from multihead.check import plain_layer
+from multihead.verify.check import plain_layer
 
 
 def p2_floor(repeats: int) -> list[str]:

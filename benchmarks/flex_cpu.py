@@ -18,7 +18,7 @@ from results import publish
 
 from multihead.cache import DenseKV
 from multihead.kernels import AttentionCall, attend, flex
-from multihead.masks import build_mask
+from multihead.layers.masks import build_mask
 
 
 def main() -> None:

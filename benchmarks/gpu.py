@@ -19,7 +19,7 @@ import time
 import bench
 import torch
 
-from multihead.check import run_checks
+from multihead.verify.check import run_checks
 
 
 def main() -> None:

@@ -19,7 +19,7 @@ import torch
 
 from multihead.cache import LatentCache, sink_keep
 from multihead.config import MLAConfig
-from multihead.latent import MultiHeadLatentAttention
+from multihead.layers.latent import MultiHeadLatentAttention
 from multihead.models.llama import LlamaConfig, LlamaModel
 
 TOLERANCE = {torch.float32: 5e-5, torch.bfloat16: 3e-2}

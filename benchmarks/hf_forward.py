@@ -50,7 +50,7 @@ def setup() -> tuple[Any, torch.Tensor, torch.Tensor]:
 
 
 def run(model: Any, name: str, ids: torch.Tensor, mask: torch.Tensor) -> object:
-    from multihead.hooks import run_with_cache
+    from multihead.layers.hooks import run_with_cache
 
     with torch.no_grad():
         if name == "capture: multihead hooks":

@@ -22,7 +22,7 @@ from results import publish
 
 from multihead.cache import LatentCache
 from multihead.config import MLAConfig
-from multihead.latent import MultiHeadLatentAttention
+from multihead.layers.latent import MultiHeadLatentAttention
 
 CONFIG = {"d_model": 2048, "n_heads": 16, "kv_lora_rank": 512, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64,
           "v_head_dim": 128}

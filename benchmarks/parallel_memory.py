@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from multihead import parallel
+from multihead.layers import parallel
 from multihead.models import load_llama
 
 

@@ -10,7 +10,8 @@ import sys
 import torch
 import torch.distributed as dist
 
-from multihead import KVCache, MultiHeadAttention, parallel
+from multihead import KVCache, MultiHeadAttention
+from multihead.layers import parallel
 
 
 def check_layers() -> None:

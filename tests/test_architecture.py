@@ -73,9 +73,9 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
 def test_the_import_graph_has_no_cycle() -> None:
     modules = _modules()
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
-    assert {"multihead.step", "multihead.cache.base", "multihead.config"} <= set(graph)
-    assert "multihead.attention" not in graph["multihead.config"]  # config describes, the layer builds
-    assert "multihead.attention" not in graph["multihead.latent"]  # Step lives in its own module
+    assert {"multihead.layers.step", "multihead.cache.base", "multihead.config"} <= set(graph)
+    assert "multihead.layers.attention" not in graph["multihead.config"]  # config describes, the layer builds
+    assert "multihead.layers.attention" not in graph["multihead.layers.latent"]  # Step lives in its own module
     assert _cycle(graph) is None, " -> ".join(_cycle(graph) or [])
 
 
@@ -106,8 +106,52 @@ def test_the_analyses_never_import_the_experiments_that_use_them() -> None:
     assert _upward(graph, "multihead.evals", "multihead.tradeoff") == []
 
 
+# the package's rooms, bottom to top: a room imports only rooms of its own rank or below
+RANKS = {"core": 0, "models": 1, "hf": 1, "evals": 2, "heads": 3, "tradeoff": 4, "experiments": 5, "cli": 6}
+# modules of an upper room that the core reads, with the reason
+CORE_READERS = {"multihead.hf.config": "the one reader of a config.json: it imports no transformers, and sizing, "
+                                       "head plans and the CPU rules read a model's numbers with it"}
+TOP = {"__init__.py", "__main__.py", "py.typed", "config.py", "errors.py", "divisors.py", "values.py", "names.py",
+       "files.py", "quant.py", "layers", "cache", "kernels", "hf", "sizing", "verify", "models", "evals", "heads",
+       "tradeoff", "experiments", "cli", "data"}
+
+
+def _rank(module: str) -> int:
+    if module in CORE_READERS:
+        return 0
+    room = module.split(".")[1] if module.count(".") else ""
+    return RANKS.get(room, 0)
+
+
+def _climbs(graph: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{a} -> {b}" for a, targets in graph.items() for b in targets
+                  if _rank(b) > _rank(a) and a not in ("multihead", "multihead.__main__"))
+
+
+def test_the_top_level_is_the_rooms_along_the_route() -> None:
+    """The package's top level is its rooms (issue 51): the layers, the cache, the kernels, the transformers
+    integration, sizing and verification, the models, and the analyses above them, beside the few modules every room
+    reads. A new flat module is a decision to make here, not a default."""
+    found = {p.name for p in PACKAGE.iterdir() if p.name != "__pycache__"}
+    assert found == TOP, (sorted(found - TOP), sorted(TOP - found))
+
+
+def test_the_rooms_import_downward_only() -> None:
+    """The core (config, layers, cache, kernels, sizing, verify and the shared modules) imports no model, analysis or
+    command; models and the transformers integration no evaluation or analysis; the evaluations no analysis; the
+    analyses (heads/) no experiment that uses them (tradeoff/, experiments/); nothing but the entry point the
+    CLI."""
+    modules = _modules()
+    graph = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert "multihead.hf.config" in graph["multihead.sizing"]  # the one exception, in use
+    assert _climbs(graph) == []
+    assert _climbs({"multihead.cache.x": {"multihead.models.llama"}, "multihead.heads.y": {"multihead.cli"},
+                    "multihead.sizing": {"multihead.hf.config"}}) == [
+        "multihead.cache.x -> multihead.models.llama", "multihead.heads.y -> multihead.cli"]
+
+
 def test_the_direction_check_sees_an_upward_import() -> None:
-    graph = {"multihead.heads.a": {"multihead.tradeoff.b", "multihead.hooks"},
+    graph = {"multihead.heads.a": {"multihead.tradeoff.b", "multihead.layers.hooks"},
              "multihead.headsx": {"multihead.tradeoff"}, "multihead.tradeoff.b": {"multihead.heads.a"}}
     assert _upward(graph, "multihead.heads", "multihead.tradeoff") == ["multihead.heads.a -> multihead.tradeoff.b"]
 
@@ -171,7 +215,7 @@ KERNELS = "multihead.kernels"  # the room: the dispatcher, each backend, the CPU
 
 def _kernel_module(name: str) -> bool:
     """The kernels' room and the projections' products (which read its CPU decisions)."""
-    return _within(name, KERNELS) or name == "multihead.linear"
+    return _within(name, KERNELS) or name == "multihead.layers.linear"
 
 
 def test_the_kernels_room_holds_the_decisions_the_table_and_the_native_kernels() -> None:
@@ -229,14 +273,14 @@ def test_the_entry_point_check_sees_a_call() -> None:
     assert _references(tree, KERNEL_ENTRY_POINTS) == [(2, "attend_dense"), (4, "scaled_dot_product_attention")]
 
 
-STAGES = ("multihead.step", "multihead.linear", "multihead.rope", "multihead.cache", "multihead.hooks",
-          "multihead.kernels")
-DATA = {"multihead.cache.view", "multihead.masks", "multihead.errors", "multihead.config"}  # types, read anywhere
+L = "multihead.layers."
+STAGES = (L + "step", L + "linear", L + "rope", "multihead.cache", L + "hooks", "multihead.kernels")
+DATA = {"multihead.cache.view", L + "masks", "multihead.errors", "multihead.config"}  # types, read anywhere
 
 
 # the forward's route, top to bottom (W_O: the projections again), and the codes' arithmetic the caches and the
 # kernels both use
-ROUTE = ("multihead.attention", *STAGES, "multihead.quant")
+ROUTE = ("multihead.layers.attention", *STAGES, "multihead.quant")
 
 
 def _room(module: str) -> str:
@@ -266,7 +310,7 @@ def _walk(run: object) -> tuple[list[str], list[tuple[str, str]]]:
         caller = _room(caller_frame.f_globals.get("__name__", "")) if caller_frame is not None else ""
         if not callee.startswith("multihead") or callee == caller or callee in DATA:
             return
-        if caller == "multihead.attention":
+        if caller == "multihead.layers.attention":
             if not top or top[-1] != callee:
                 top.append(callee)
         elif caller.startswith("multihead"):
@@ -315,18 +359,17 @@ def test_a_walk_of_the_forward_visits_each_room_once_in_order() -> None:
     for kind in ("full", "sink", "int4", "int8", "int2", "head-wise"):  # native codes, codes read back, groups
         with torch.no_grad():
             top, crossings = _walk(_decode_layer(kind))
-        assert top == ["multihead.step", "multihead.linear", "multihead.rope", "multihead.cache", "multihead.hooks",
-                       "multihead.kernels", "multihead.linear"], (kind, top)
+        assert top == [L + "step", L + "linear", L + "rope", "multihead.cache", L + "hooks", "multihead.kernels",
+                       L + "linear"], (kind, top)
         climbs = [(a, b) for a, b in crossings if ROUTE.index(b) < ROUTE.index(a)]
         assert climbs == [], (kind, sorted(set(climbs)))
-        assert set(crossings) <= {("multihead.linear", KERNELS), (KERNELS, "multihead.quant")}, (kind, crossings)
+        assert set(crossings) <= {("multihead.layers.linear", KERNELS), (KERNELS, "multihead.quant")}, (kind, crossings)
     from multihead import MultiHeadAttention
 
     layer = MultiHeadAttention(d_model=384, n_heads=6, n_kv_heads=2, rope=10000.0).eval()
     with torch.no_grad():
         top, _ = _walk(lambda: layer(torch.randn(2, 10, 384), causal=True))  # uncached: the layer makes its step
-    assert top == ["multihead.step", "multihead.linear", "multihead.rope", "multihead.hooks", "multihead.kernels",
-                   "multihead.linear"], top
+    assert top == [L + "step", L + "linear", L + "rope", L + "hooks", "multihead.kernels", L + "linear"], top
 
 
 def test_module_docstrings_hold_no_dated_measurements() -> None:
@@ -351,19 +394,19 @@ def test_the_step_and_the_kernel_call_know_no_cache_kind() -> None:
 
     from multihead.cache.view import KVGroup
     from multihead.kernels import AttentionCall
-    from multihead.masks import MaskSpec
-    from multihead.step import Step
+    from multihead.layers.masks import MaskSpec
+    from multihead.layers.step import Step
 
     assert [f.name for f in dataclasses.fields(Step)] == ["mask", "positions", "rope", "slots"]
     assert "masks" not in {f.name for f in dataclasses.fields(AttentionCall)}
     assert {f.name: f.type for f in dataclasses.fields(KVGroup)}["mask"] in (MaskSpec, "MaskSpec")
     import re
 
-    reads = re.compile(r"(?<!multihead)\.(parts|masks)\b")
-    for name in ("multihead.step", "multihead.kernels"):
+    reads = re.compile(r"(?<!multihead\.layers)\.(parts|masks)\b")
+    for name in ("multihead.layers.step", "multihead.kernels"):
         assert reads.findall(_modules()[name].read_text(encoding="utf-8")) == [], name
     # MLA: the layer hands the kernels a LatentKV; which path runs (and its folded decode) is decided there
-    latent = _modules()["multihead.latent"].read_text(encoding="utf-8")
+    latent = _modules()["multihead.layers.latent"].read_text(encoding="utf-8")
     assert re.findall(r"einsum|rows_are_heads|MaskSpec\(|DenseKV\(", latent) == []
 
 

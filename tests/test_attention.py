@@ -10,7 +10,7 @@ import torch
 from multihead import AttentionConfig, KVCache, MultiHeadAttention, MultiheadError
 from multihead.cache import DenseKV
 from multihead.kernels import AttentionCall, attend, resolve_backend
-from multihead.masks import build_mask
+from multihead.layers.masks import build_mask
 
 
 @pytest.mark.parametrize("n_kv_heads", [6, 3, 2, 1], ids=["mha", "gqa3", "gqa2", "mqa"])
@@ -205,8 +205,8 @@ def test_explain_never_writes_into_the_kv_cache() -> None:
 
 
 def test_a_step_is_made_once_and_shared_by_the_layers_of_a_model(monkeypatch: pytest.MonkeyPatch) -> None:
+    from multihead.layers.rope import RotaryEmbedding
     from multihead.models import LlamaConfig, LlamaModel
-    from multihead.rope import RotaryEmbedding
 
     model = LlamaModel(LlamaConfig(vocab_size=50, d_model=32, n_layers=3, n_heads=4, n_kv_heads=2, ffn_dim=64))
     made = []

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from conftest import to_np
 from multihead import MultiHeadAttention
 from multihead.divisors import divisors
-from multihead.reference import Weights, multihead_attention
+from multihead.verify.reference import Weights, multihead_attention
 
 TOL = {torch.float64: (1e-9, 1e-9), torch.float32: (3e-5, 3e-4)}
 

@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from multihead import MultiheadError
 from multihead.heads.attribution import direct_logit_attribution, head_logit_lens, logit_lens
 from multihead.heads.patching import activation_patching, attribution_patching, find_layers, logit_difference
-from multihead.hooks import hooks, run_with_cache
+from multihead.layers.hooks import hooks, run_with_cache
 from multihead.models.llama import LlamaConfig, LlamaModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

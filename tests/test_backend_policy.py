@@ -14,9 +14,9 @@ import torch
 from torch import Tensor
 
 from multihead import KVCache, LatentCache, MultiHeadAttention, MultiheadError, kernels
-from multihead.hooks import HookFn, zero_heads
 from multihead.kernels import flex
-from multihead.latent import MultiHeadLatentAttention
+from multihead.layers.hooks import HookFn, zero_heads
+from multihead.layers.latent import MultiHeadLatentAttention
 
 BACKENDS = ("auto", "sdpa", "math", "flex")
 HOOKS: dict[str, tuple[str, HookFn] | None] = {
@@ -203,7 +203,7 @@ def test_a_replaced_pattern_gives_the_math_kernels_numbers(n_kv_heads: int, mask
 
 
 def test_hooks_on_a_call_are_none_until_something_is_hooked_and_list_every_hooked_point() -> None:
-    from multihead.hooks import call_hooks
+    from multihead.layers.hooks import call_hooks
 
     layer = MultiHeadAttention(d_model=32, n_heads=4, n_kv_heads=2)
     assert call_hooks(layer) is None  # the hot path: nothing to apply
@@ -226,6 +226,6 @@ def test_kv_heads_are_known_by_the_points_role_not_by_its_legend() -> None:
     with layer.hook_z.add(zero_heads(4)), pytest.raises(MultiheadError, match="it has 4 heads"):
         layer(x)
     with pytest.raises(MultiheadError, match="role 'hook_x' is not a hook point"):
-        from multihead.hooks import HookPoint
+        from multihead.layers.hooks import HookPoint
 
         HookPoint("(b, g, t, d)", role="hook_x")

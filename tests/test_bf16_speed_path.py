@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.kernels import cpu
-from multihead.linear import Linear
+from multihead.layers.linear import Linear
 from multihead.models.generate import generate_ids
 from tests_support import aten_ops, teacher_forced_logits
 
@@ -220,7 +220,7 @@ def test_a_low_precision_split_runs_in_one_thread_where_cores_are_busy_and_the_c
 
 
 def test_a_low_precision_rms_norm_is_f_rms_norm_within_a_step_and_plain_is_transformers_formula() -> None:
-    from multihead.norms import RMSNorm
+    from multihead.layers.norms import RMSNorm
 
     torch.manual_seed(0)
     norm = RMSNorm(576, 1e-5, dtype=torch.bfloat16)

@@ -8,9 +8,10 @@ import numpy as np
 import pytest
 import torch
 
-from multihead import check, kernels
-from multihead.check import run_checks
+from multihead import kernels
 from multihead.cli import main
+from multihead.verify import check
+from multihead.verify.check import run_checks
 
 
 def test_every_check_passes_here(capsys: pytest.CaptureFixture[str]) -> None:

@@ -10,7 +10,7 @@ from torch import Tensor
 
 from multihead.cache import HeadPlan, HeadwiseCache, KVCache, QuantizedKVCache, SinkCache, compress, sink_keep
 from multihead.errors import MultiheadError
-from multihead.linear import linear
+from multihead.layers.linear import linear
 from multihead.models import LlamaConfig, LlamaModel
 
 N, Q = 40, 9  # context and question tokens

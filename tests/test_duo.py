@@ -14,8 +14,8 @@ import torch
 
 from multihead import MultiHeadAttention, MultiheadError
 from multihead.cache import sink_keep
-from multihead.hooks import run_with_cache
-from multihead.linear import linear
+from multihead.layers.hooks import run_with_cache
+from multihead.layers.linear import linear
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.tradeoff import duo
 from multihead.tradeoff import longctx as lc

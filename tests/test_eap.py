@@ -17,7 +17,7 @@ from multihead import MultiheadError
 from multihead.heads.eap import Edge, check_edges, edge_attribution, faithfulness
 from multihead.heads.patching import activation_patching, attribution_patching, logit_difference
 from multihead.heads.paths import path_patching
-from multihead.hooks import hooks
+from multihead.layers.hooks import hooks
 from multihead.models.llama import LlamaConfig, LlamaModel
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")

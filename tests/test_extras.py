@@ -35,7 +35,8 @@ def test_the_core_imports_and_runs_with_torch_and_numpy_only() -> None:
     blocked = {"safetensors", "tokenizers", "gguf", "jinja2", "matplotlib", "tqdm", "transformers"}
     done = _run("""
 import torch, multihead
-from multihead import MultiHeadAttention, KVCache, hooks
+from multihead import MultiHeadAttention, KVCache
+from multihead.layers import hooks
 from multihead.sizing import cost, presets
 from multihead.sizing.shapes import shape_walk
 from multihead.cli import main

@@ -1,7 +1,7 @@
 """The block-sparse backend (flex attention) and the dispatch that chooses it, on the CPU.
 
 Flex attention is compiled for each shape on first use, so these tests share a few shapes. The expected outputs come
-from the float64 oracle (multihead.reference) given the equivalent dense mask.
+from the float64 oracle (multihead.verify.reference) given the equivalent dense mask.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from multihead import KVCache, MultiHeadAttention
 from multihead.cache import DenseKV
 from multihead.errors import MultiheadError
 from multihead.kernels import AttentionCall, flex, resolve_backend
-from multihead.masks import MaskSpec, build_mask, causal_keep
-from multihead.reference import Weights, multihead_attention
+from multihead.layers.masks import MaskSpec, build_mask, causal_keep
+from multihead.verify.reference import Weights, multihead_attention
 
 pytestmark = pytest.mark.skipif(not flex.available(), reason="this torch has no flex attention")
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 
 from multihead.heads.attribution import direct_logit_attribution
 from multihead.heads.composition import KINDS, circuits, composition_scores
-from multihead.hooks import RESID_POINTS, run_with_cache
+from multihead.layers.hooks import RESID_POINTS, run_with_cache
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -20,7 +20,7 @@ from multihead.heads.capture import capture_weights
 from multihead.heads.convert import pooled_layer
 from multihead.heads.report import write_all
 from multihead.heads.scores import pattern_scores, repeat_scores
-from multihead.reference import Weights, multihead_attention
+from multihead.verify.reference import Weights, multihead_attention
 from tests_support import browse
 from toys import wire_previous_token_and_induction, zeroed_layers
 

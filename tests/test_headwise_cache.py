@@ -13,7 +13,7 @@ from torch import Tensor
 
 from multihead import MultiheadError
 from multihead.cache import HeadPlan, HeadwiseCache, KVCache, SinkCache
-from multihead.linear import linear
+from multihead.layers.linear import linear
 from multihead.models import LlamaConfig, LlamaModel
 from multihead.sizing import cost
 
@@ -137,7 +137,7 @@ def test_overflow_is_refused_before_any_layer_writes() -> None:
 
 
 def test_hooks_q_z_out_work_and_k_v_pattern_are_refused() -> None:
-    from multihead.hooks import hooks
+    from multihead.layers.hooks import hooks
 
     model, plan = _model(2), _plan(PLANS[2], 2)
     tokens = torch.randint(0, 64, (1, 12))

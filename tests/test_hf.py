@@ -17,10 +17,10 @@ from torch import nn
 
 from multihead import MultiheadError, hf
 from multihead.cache import DenseKV
-from multihead.hooks import hook_points, run_with_cache
 from multihead.kernels import AttentionCall, attend
-from multihead.masks import build_mask
-from multihead.reference import Weights, multihead_attention
+from multihead.layers.hooks import hook_points, run_with_cache
+from multihead.layers.masks import build_mask
+from multihead.verify.reference import Weights, multihead_attention
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -15,7 +15,7 @@ from torch import Tensor
 from multihead import hf
 from multihead.cache import HeadPlan, sink_keep
 from multihead.errors import MultiheadError
-from multihead.hooks import hooks
+from multihead.layers.hooks import hooks
 from multihead.sizing import cost
 
 FAMILIES = ("llama", "qwen2", "qwen3", "mistral")

@@ -13,7 +13,7 @@ from torch import Tensor, nn
 
 from multihead import KVCache, MultiHeadAttention, MultiheadError
 from multihead.heads.convert import pooled_layer
-from multihead.hooks import (
+from multihead.layers.hooks import (
     HookPoint,
     hook_points,
     hooks,
@@ -24,7 +24,7 @@ from multihead.hooks import (
     zero_heads,
 )
 from multihead.models.llama import LlamaConfig, LlamaModel
-from multihead.reference import Weights, multihead_attention
+from multihead.verify.reference import Weights, multihead_attention
 
 VARIANTS = pytest.mark.parametrize("n_kv_heads", [4, 2, 1], ids=["mha", "gqa", "mqa"])
 POINTS = ("hook_q", "hook_k", "hook_v", "hook_pattern", "hook_z", "hook_out")

@@ -25,7 +25,7 @@ from multihead.cache import (
     sink_keep,
     unpack,
 )
-from multihead.hooks import hooks
+from multihead.layers.hooks import hooks
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.sizing import cost
 

@@ -11,8 +11,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from multihead import KVCache, MultiHeadAttention, MultiheadError
 from multihead.cache import LatentCache
 from multihead.config import MLAConfig
-from multihead.hooks import hooks, run_with_cache, zero_heads
-from multihead.latent import MultiHeadLatentAttention
+from multihead.layers.hooks import hooks, run_with_cache, zero_heads
+from multihead.layers.latent import MultiHeadLatentAttention
 from multihead.sizing import cost
 
 SHAPES = {  # small (4 heads), and DeepSeek-V3's proportions scaled down (16 heads, latent 128, nope 32, rope 16)
@@ -223,7 +223,7 @@ def test_a_latent_view_is_refused_without_its_up_projection_or_with_an_unknown_p
     path named in the view is checked there."""
     from multihead.cache import LatentKV
     from multihead.kernels import AttentionCall, attend
-    from multihead.masks import MaskSpec
+    from multihead.layers.masks import MaskSpec
 
     q, latents = torch.randn(1, 4, 3, 12), torch.randn(1, 3, 20)
     mask = MaskSpec(batch=1, n_heads=4, s=3, t=3, causal=True)

@@ -1,4 +1,4 @@
-"""multihead.linear: the split product of decoding equals F.linear, and stays an nn.Linear."""
+"""multihead.layers.linear: the split product of decoding equals F.linear, and stays an nn.Linear."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from multihead.errors import MultiheadError
 from multihead.kernels import cpu
 from multihead.kernels.cpu import SPLIT_MAX_ROWS as MAX_ROWS
 from multihead.kernels.cpu import SPLIT_MIN_WEIGHT as MIN_WEIGHT
-from multihead.linear import Linear, linear
+from multihead.layers.linear import Linear, linear
 from tests_support import aten_ops
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the split needs at least two threads, whatever the machine
@@ -176,7 +176,7 @@ def test_linear_gives_f_linear_whichever_kind_runs(dtype: torch.dtype) -> None:
 
 
 def test_the_blas_kind_puts_onednn_and_the_thread_count_back_when_the_product_raises() -> None:
-    from multihead.linear import run
+    from multihead.layers.linear import run
 
     threads = torch.get_num_threads()
     w = torch.randn(256, 512, dtype=torch.bfloat16)
@@ -227,7 +227,7 @@ def test_under_compile_blas_becomes_the_tables_compiled_choice_and_the_rest_is_k
 def test_the_upcast_product_is_the_float64_product_rounded_once(monkeypatch: pytest.MonkeyPatch, bias: bool) -> None:
     """A prefill's bfloat16 product in float32, block by block (blocks of 7 rows of W here, 200 rows: the last block
     short): within one bfloat16 rounding of the float64 product of the same values, as F.linear in bfloat16 is."""
-    from multihead.linear import upcast
+    from multihead.layers.linear import upcast
 
     monkeypatch.setattr(cpu, "UPCAST_BLOCK", 7 * 96)
     torch.manual_seed(0)

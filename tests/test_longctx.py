@@ -550,7 +550,7 @@ def _tiny_plan(tmp_path: Path, model: LlamaModel, name: str = "mixed-plan.json",
 
 
 def test_a_plan_method_decodes_as_the_uncached_model_under_the_plans_per_head_mask(tmp_path: Path) -> None:
-    from multihead.linear import linear
+    from multihead.layers.linear import linear
 
     model = _tiny()
     path = _tiny_plan(tmp_path, model)

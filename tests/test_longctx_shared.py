@@ -14,7 +14,7 @@ import torch
 from multihead.cache import sink_keep
 from multihead.errors import MultiheadError
 from multihead.evals.answers import run_prompt
-from multihead.linear import linear
+from multihead.layers.linear import linear
 from multihead.tradeoff import longctx as lc
 from multihead.tradeoff.longctx import shared
 from multihead.tradeoff.longctx.stats import mcnemar

@@ -9,7 +9,7 @@ import torch
 
 from conftest import to_np
 from multihead import MultiHeadAttention
-from multihead.reference import Weights, multihead_attention
+from multihead.verify.reference import Weights, multihead_attention
 
 
 def plain_layer(layer: MultiHeadAttention, x: torch.Tensor, keep: torch.Tensor | None, causal: bool) -> torch.Tensor:

@@ -7,7 +7,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from multihead import MultiHeadAttention
-from multihead.masks import causal_keep
+from multihead.layers.masks import causal_keep
 
 BACKENDS = ["sdpa", "math"]
 

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from multihead import quant
 from multihead.kernels import cpu, native
-from multihead.linear import Linear, linear
+from multihead.layers.linear import Linear, linear
 
 
 def _ulps(got: torch.Tensor, exact: torch.Tensor) -> float:
@@ -194,7 +194,7 @@ def test_without_the_kernels_everything_says_why_once_and_keeps_pytorchs_product
         assert done.stderr.count("native CPU kernels are not available") == said, done.stderr
     # the speed paths without the kernels: bfloat16 one-row products still agree, the native kind is not offered
     code = ("import torch, torch.nn.functional as F; from multihead.kernels import native; "
-            "from multihead.linear import linear; w = torch.randn(1536, 576).bfloat16(); "
+            "from multihead.layers.linear import linear; w = torch.randn(1536, 576).bfloat16(); "
             "x = torch.randn(1, 576).bfloat16(); "
             "print(native.library() is None, [(linear(x, w) - F.linear(x, w)).abs().max().item() < 1 "
             "for _ in range(40)] == [True] * 40)")
@@ -402,7 +402,7 @@ def test_a_quantized_cache_decodes_over_its_codes_as_the_dequantising_path_does(
     """Every decode step of every layer attends in the kernel (counted), the logits equal the dequantise-then-SDPA
     path's (multihead.kernels.cpu off) within float32 rounding; a hooked pattern, weights or gradients keep the plain
     path."""
-    from multihead.hooks import hooks
+    from multihead.layers.hooks import hooks
 
     model = _tiny_llama()
     tokens = torch.randint(0, 64, (2, 150))

@@ -91,7 +91,7 @@ def test_a_failing_rank_fails_the_run_promptly() -> None:
 def test_finish_without_a_process_group_does_nothing() -> None:
     import torch.distributed as dist
 
-    from multihead import parallel
+    from multihead.layers import parallel
 
     assert not dist.is_initialized()
     parallel.finish()  # the CLI calls it after every run, --tp or not
@@ -99,7 +99,7 @@ def test_finish_without_a_process_group_does_nothing() -> None:
 
 
 def test_leave_flushes_what_is_buffered_and_exits_with_the_status() -> None:
-    code = ("import sys; from multihead import parallel; sys.stdout.write('unflushed out'); "
+    code = ("import sys; from multihead.layers import parallel; sys.stdout.write('unflushed out'); "
             "sys.stderr.write('unflushed err'); parallel.leave(3)")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT,
                           env={**os.environ, "PYTHONUNBUFFERED": ""})
@@ -108,7 +108,7 @@ def test_leave_flushes_what_is_buffered_and_exits_with_the_status() -> None:
 
 def test_check_world_size_names_the_valid_ones() -> None:
     from multihead import MultiheadError
-    from multihead.parallel import check_world_size, valid_world_sizes
+    from multihead.layers.parallel import check_world_size, valid_world_sizes
 
     assert valid_world_sizes(12, 12, 1536) == [1, 2, 3, 4, 6, 12]
     with pytest.raises(MultiheadError, match=r"over 5 processes: valid world sizes are 1, 2, 4, 8"):

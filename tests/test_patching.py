@@ -16,7 +16,7 @@ from multihead.heads.patching import (
     logit_difference,
     next_token_loss,
 )
-from multihead.hooks import HookFn, patch_heads
+from multihead.layers.hooks import HookFn, patch_heads
 from multihead.models import LlamaConfig, LlamaModel
 
 

@@ -11,7 +11,7 @@ import torch
 
 from multihead import MultiheadError
 from multihead.cache import LayeredCache
-from multihead.hooks import hooks, zero_heads
+from multihead.layers.hooks import hooks, zero_heads
 from multihead.models.llama import LlamaConfig, LlamaModel
 from multihead.models.loaders import load_llama_weights, save_llama
 from multihead.sizing import cost

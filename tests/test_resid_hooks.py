@@ -16,8 +16,8 @@ import transformers
 from torch import Tensor, nn
 
 from multihead import MultiheadError
-from multihead.hooks import RESID_POINTS, HookPoint, hook_points, hooks, run_with_cache
-from multihead.linear import linear
+from multihead.layers.hooks import RESID_POINTS, HookPoint, hook_points, hooks, run_with_cache
+from multihead.layers.linear import linear
 from multihead.models.bert import BertConfig, BertEncoder
 from multihead.models.llama import LlamaConfig, LlamaModel
 

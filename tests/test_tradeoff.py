@@ -96,7 +96,7 @@ def test_every_cache_method_runs_its_real_cache_and_the_full_one_equals_a_plain_
 
 
 def test_pooling_to_one_kv_head_equals_the_pooling_hook() -> None:
-    from multihead.hooks import hooks, pool_kv_hook
+    from multihead.layers.hooks import hooks, pool_kv_hook
 
     model = _tiny()
     x = torch.randint(0, 40, (1, 20))

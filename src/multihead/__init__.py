@@ -10,12 +10,12 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from multihead.attention import MultiHeadAttention
     from multihead.cache import HeadPlan, HeadwiseCache, KVCache, LatentCache, QuantizedKVCache, SinkCache
     from multihead.config import AttentionConfig, MLAConfig, RopeConfig
     from multihead.errors import MultiheadError
     from multihead.kernels import KernelChoice
-    from multihead.latent import MultiHeadLatentAttention
+    from multihead.layers.attention import MultiHeadAttention
+    from multihead.layers.latent import MultiHeadLatentAttention
 
 __all__ = ["AttentionConfig", "HeadPlan", "HeadwiseCache", "KVCache", "KernelChoice", "LatentCache", "MLAConfig",
            "MultiHeadAttention", "MultiHeadLatentAttention", "MultiheadError", "QuantizedKVCache", "RopeConfig",
@@ -24,7 +24,7 @@ __version__ = "0.1.0"
 
 # each public name -> the module that defines it
 _WHERE = {
-    "MultiHeadAttention": "attention", "MultiHeadLatentAttention": "latent", "KernelChoice": "kernels",
+    "MultiHeadAttention": "layers.attention", "MultiHeadLatentAttention": "layers.latent", "KernelChoice": "kernels",
     "AttentionConfig": "config", "MLAConfig": "config", "RopeConfig": "config", "MultiheadError": "errors",
     **{name: "cache" for name in ("HeadPlan", "HeadwiseCache", "KVCache", "LatentCache", "QuantizedKVCache",
                                   "SinkCache")},

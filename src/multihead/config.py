@@ -225,7 +225,7 @@ class AttentionConfig:
 
     def build(self, *, device: torch.device | str | None = None, dtype: torch.dtype | None = None
               ) -> torch.nn.Module:
-        """Make the layer this config describes (a :class:`multihead.attention.MultiHeadAttention`, which names
+        """Make the layer this config describes (a :class:`multihead.layers.attention.MultiHeadAttention`, which names
         itself the builder of this config: :func:`register_layer`)."""
         make = _LAYERS.get(type(self))
         if make is None:

@@ -2,8 +2,9 @@
 
 ::
 
-    slots = cache.reserve(s)                     once per step (multihead.step.build_step): where the s new tokens
-                                                 go, how many keys each layer reads, which keys each query sees
+    slots = cache.reserve(s)                     once per step (multihead.layers.step.build_step): where the s new
+                                                 tokens go, how many keys each layer reads, which keys each query
+                                                 sees
     view  = cache.layer(i).update(k, v, slots)   in every layer, one verb: place the layer's new keys and values
                                                  and get back a view of what the layer attends to, the new ones
                                                  included (:mod:`multihead.cache.view`)
@@ -46,7 +47,7 @@ from torch import Tensor, nn
 
 from multihead.cache.view import KVView
 from multihead.errors import MultiheadError
-from multihead.masks import MaskSpec
+from multihead.layers.masks import MaskSpec
 
 
 @dataclass(frozen=True)
@@ -274,7 +275,7 @@ class BaseLayerCache:
 
 class Cache(BaseCache):
     """A cache of keys and values, (b, g, *, d) per layer with g = n_kv_heads, the kinds
-    :class:`multihead.attention.MultiHeadAttention` reads: in full (:class:`~.full.KVCache`), as attention sinks
+    :class:`multihead.layers.attention.MultiHeadAttention` reads: in full (:class:`~.full.KVCache`), as attention sinks
     plus a window (:class:`~.sink.SinkCache`), as low-bit codes (:class:`~.quantized.QuantizedKVCache`), one cache
     per layer of its own width (:class:`~.layered.LayeredCache`). Each implements :meth:`update`."""
 

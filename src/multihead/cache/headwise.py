@@ -47,7 +47,7 @@ from multihead.cache.plan import HeadPlan
 from multihead.cache.sink import held_keep, keep_sinks_and_window
 from multihead.cache.view import DenseKV, GroupedKV, KVGroup
 from multihead.errors import MultiheadError
-from multihead.masks import MaskSpec, build_mask
+from multihead.layers.masks import MaskSpec, build_mask
 
 FULL = 0  # the index of the full stores' Slots in Slots.parts; rings follow
 

@@ -19,7 +19,7 @@ class LatentCache(BaseCache):
     against ``2 * n_heads * head_dim`` values per token for MHA. It holds latents, not keys and values, so it is not
     a :class:`~multihead.cache.base.Cache`: the same slots, lengths, overflow, slice and indexed writes and commit as
     :class:`~multihead.cache.full.KVCache`, and its layers' verb is ``update(latents, slots)``
-    (:class:`LatentLayer`), read by :class:`multihead.latent.MultiHeadLatentAttention`.
+    (:class:`LatentLayer`), read by :class:`multihead.layers.latent.MultiHeadLatentAttention`.
     """
 
     latent: Tensor

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from multihead.masks import MaskSpec
+from multihead.layers.masks import MaskSpec
 
 
 @dataclass(slots=True)

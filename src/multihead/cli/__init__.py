@@ -178,7 +178,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_models(args)  # a --model path that does not exist: said before the command loads anything
         status = int(args.run(args))
         if status == 0 and getattr(args, "tp_processes", False) and args.tp > 1:  # ranks leave their group together
-            from multihead import parallel
+            from multihead.layers import parallel
 
             parallel.finish()
         return status
@@ -198,7 +198,7 @@ def entry() -> NoReturn:
         sys.stdout.flush()  # output still buffered meets a closed pipe here, not in the interpreter's shutdown
     except BrokenPipeError:
         status = _stdout_gone()
-    parallel = sys.modules.get("multihead.parallel")
+    parallel = sys.modules.get("multihead.layers.parallel")
     if parallel is not None and parallel.joined:  # a --tp rank: gloo's threads must not meet finalization
         parallel.leave(status)
     sys.exit(status)

@@ -26,7 +26,7 @@ def add(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from multihead.check import run_checks
+    from multihead.verify.check import run_checks
 
     results = run_checks(device=args.device, dtypes=[flags.TORCH_NAMES[d] for d in args.dtype],
                          backends=tuple(args.backend))

@@ -30,7 +30,7 @@ def run(args: argparse.Namespace) -> int:
         raise flags.CliError(f"embed runs multihead's sentence-encoder port (BERT): {found.describe()}")
     encoder = load_sentence_encoder(found.path)
     if args.tp > 1:
-        from multihead import parallel
+        from multihead.layers import parallel
 
         parallel.shard_bert(encoder.encoder, parallel.init(args.tp))
         if not is_rank0():

@@ -130,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
                    model=str(args.model or "SmolLM2"))
     quiet = False
     if args.tp > 1:
-        from multihead import parallel
+        from multihead.layers import parallel
 
         parallel.shard_llama(model, parallel.init(args.tp))
         quiet = not is_rank0()

@@ -183,7 +183,7 @@ def add_fit_flags(p: argparse.ArgumentParser) -> None:
                         "--device-memory (vLLM's gpu_memory_utilization 0.9 keeps 10%%; default 0)")
     p.add_argument("--shard-embeddings", action="store_true",
                    help="with --tp: split the embedding and LM head by vocabulary, as vLLM does (default: on every "
-                        "device, as multihead.parallel keeps them)")
+                        "device, as multihead.layers.parallel keeps them)")
     from multihead.sizing.hardware import HARDWARE_NAMES  # (no torch: the cpu preset imports it when measured)
 
     p.add_argument("--hardware", type=flags.OneOf(HARDWARE_NAMES, "hardware {value} is unknown: choose one of "

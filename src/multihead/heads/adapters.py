@@ -16,9 +16,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention
 from multihead.errors import MultiheadError
-from multihead.hooks import HookedAttention, HookFn, HookPoint, pool_kv_hook, zero_heads
+from multihead.layers.attention import MultiHeadAttention
+from multihead.layers.hooks import HookedAttention, HookFn, HookPoint, pool_kv_hook, zero_heads
 from multihead.models.bert import SentenceEncoder
 from multihead.models.decoder import ENGINE_LABELS, Decoder, as_decoder, load_tokenizer, transformers_tokenizer
 

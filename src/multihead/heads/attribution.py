@@ -54,7 +54,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint
+from multihead.layers.hooks import HookPoint
 from multihead.names import head_name
 
 Tokens = int | Sequence[int] | Tensor

@@ -9,7 +9,7 @@ from typing import TypeVar
 import torch
 from torch import Tensor
 
-from multihead.hooks import HookedAttention, HookPoint
+from multihead.layers.hooks import HookedAttention, HookPoint
 
 T = TypeVar("T")
 

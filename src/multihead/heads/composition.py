@@ -258,7 +258,7 @@ _BIAS_NOTE = "biases left out (constants that do not depend on the writer)"
 
 
 def _llama_port(model: Any, dtype: torch.dtype) -> Circuits:
-    from multihead.attention import MultiHeadAttention
+    from multihead.layers.attention import MultiHeadAttention
 
     layers = []
     for i, block in enumerate(model.layers):

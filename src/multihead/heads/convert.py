@@ -6,9 +6,9 @@ import dataclasses
 
 import torch
 
-from multihead.attention import MultiHeadAttention
 from multihead.divisors import divisors
 from multihead.errors import MultiheadError
+from multihead.layers.attention import MultiHeadAttention
 
 
 def pooled_layer(layer: MultiHeadAttention, n_kv_heads: int) -> MultiHeadAttention:
@@ -16,8 +16,8 @@ def pooled_layer(layer: MultiHeadAttention, n_kv_heads: int) -> MultiHeadAttenti
 
     With g current KV heads and g' new ones, new head j is the mean of the W_K (and W_V, and their biases) rows of
     heads j*g/g' .. (j+1)*g/g' - 1; query and output projections are copied unchanged. Query head i then reads new
-    KV head i // (n_heads / g'), the group that held its old KV head. (:func:`multihead.hooks.pool_kv_hook` computes
-    the same model without a new layer, pooling the keys and values as they pass hook_k and hook_v.)
+    KV head i // (n_heads / g'), the group that held its old KV head. (:func:`multihead.layers.hooks.pool_kv_hook`
+    computes the same model without a new layer, pooling the keys and values as they pass hook_k and hook_v.)
     """
     g = layer.n_kv_heads
     if n_kv_heads > g or g % n_kv_heads != 0:

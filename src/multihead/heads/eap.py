@@ -77,7 +77,7 @@ from torch import Tensor, nn
 from multihead.errors import MultiheadError
 from multihead.heads.attribution import hook_point, read_model, recording
 from multihead.heads.patching import Metric
-from multihead.hooks import HookPoint
+from multihead.layers.hooks import HookPoint
 
 METHODS = ("eap", "eap-ig")
 ABLATIONS = ("corrupt", "mean")

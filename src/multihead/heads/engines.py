@@ -37,7 +37,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint
+from multihead.layers.hooks import HookPoint
 
 
 # ---------------------------------------------------------------------------------------------------------- a site

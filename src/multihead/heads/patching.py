@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from multihead.errors import MultiheadError
-from multihead.hooks import HookedAttention, HookHandle, HookPoint
+from multihead.layers.hooks import HookedAttention, HookHandle, HookPoint
 
 Forward = Callable[[Tensor], Tensor]  # ids (b, s) -> logits (b, s, vocab)
 Metric = Callable[[Tensor], Tensor]  # logits (b, s, vocab) -> one value per sequence (b,)

@@ -38,7 +38,7 @@ from torch import Tensor
 from multihead.errors import MultiheadError
 from multihead.heads.attribution import read_model, recording
 from multihead.heads.patching import Metric, recovered_fraction
-from multihead.hooks import HookPoint
+from multihead.layers.hooks import HookPoint
 
 Receiver = tuple[int, int] | str  # (layer, query head), or "logits": the final stream
 QKV = ("hook_q", "hook_k", "hook_v")

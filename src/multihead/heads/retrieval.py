@@ -59,7 +59,7 @@ from multihead.errors import MultiheadError
 from multihead.evals.answers import FULL_CACHE, answer_steps, prefill, run_prompt, score
 from multihead.evals.needles import Case
 from multihead.heads.engines import Site, as_engine
-from multihead.hooks import HookPoint, zero_heads
+from multihead.layers.hooks import HookPoint, zero_heads
 from multihead.models.decoder import as_tokenizer
 
 if TYPE_CHECKING:

@@ -12,9 +12,9 @@ from torch import Tensor, nn
 
 from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError, require
-from multihead.hooks import HookPoint, call_hooks
 from multihead.kernels import AttentionCall, attend
-from multihead.masks import MaskSpec
+from multihead.layers.hooks import HookPoint, call_hooks
+from multihead.layers.masks import MaskSpec
 
 NAME = "multihead"
 

@@ -45,7 +45,7 @@ from multihead.cache.spec import CacheShape, CacheSpec, spec_of
 from multihead.cache.view import DenseKV, KVView
 from multihead.errors import MultiheadError, require
 from multihead.hf.attention import VIEW  # the attribute of the keys update hands over: the view and its step
-from multihead.step import Step, build_step
+from multihead.layers.step import Step, build_step
 
 require("transformers", "hf")
 from transformers.cache_utils import Cache as TransformersCache  # noqa: E402

@@ -21,10 +21,10 @@ def _rope_rows(n_rows_before: int, rope: int, interleaved: bool) -> Tensor:
 
 
 def mla_from_transformers(module: Any) -> Any:
-    """Our :class:`~multihead.latent.MultiHeadLatentAttention` with the weights of a transformers DeepSeek-V2/V3
+    """Our :class:`~multihead.layers.latent.MultiHeadLatentAttention` with the weights of a transformers DeepSeek-V2/V3
     attention module (their interleaved RoPE dims reordered to our half layout; same function)."""
     from multihead.config import MLAConfig
-    from multihead.latent import MultiHeadLatentAttention
+    from multihead.layers.latent import MultiHeadLatentAttention
 
     cfg = module.config
     params = getattr(cfg, "rope_parameters", None) or {}

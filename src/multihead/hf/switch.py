@@ -14,8 +14,8 @@ from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
 from multihead.hf.attention import NAME, register
-from multihead.hooks import HookPoint, add_hook_points, add_resid_points
 from multihead.kernels import cpu
+from multihead.layers.hooks import HookPoint, add_hook_points, add_resid_points
 
 
 def _calls_attention_interface(cls: Any) -> bool:
@@ -176,7 +176,7 @@ def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     ``hook_q`` .. ``hook_out`` (``hook_out`` is the module's own output), and each decoder layer of the
     :data:`RESID_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo, Phi-3, gpt-oss, Gemma 1/2/3, GPT-2) the
     residual-stream points
-    ``hook_resid_pre`` .. ``hook_resid_post`` (``model.layers.3.hook_resid_post``; :mod:`multihead.hooks`).
+    ``hook_resid_pre`` .. ``hook_resid_post`` (``model.layers.3.hook_resid_post``; :mod:`multihead.layers.hooks`).
     Returns the model."""
     register()
     if not (hasattr(model, "set_attn_implementation") and hasattr(model, "_can_set_attn_implementation")):

@@ -62,7 +62,7 @@ from multihead.kernels.latent import LATENT_PATHS, LatentCore, latent_call, mla_
 from multihead.kernels.matmul import attention_weights, math_attention, weighted_sum, weighted_values
 from multihead.kernels.sdpa import sdpa_attention
 from multihead.kernels.views import dense_view, group_calls
-from multihead.masks import MaskSpec
+from multihead.layers.masks import MaskSpec
 
 __all__ = ["BACKENDS", "LATENT_PATHS", "AttentionCall", "CallHooks", "DenseKV", "Dispatch", "KernelChoice",
            "LatentCore", "TensorFn", "attend", "attention_weights", "check_backend", "cpu", "dense_view", "explain",

@@ -12,7 +12,7 @@ from torch import Tensor
 
 from multihead.cache.view import DenseKV, KVView, LatentKV, QuantizedKV
 from multihead.errors import MultiheadError
-from multihead.masks import MaskSpec
+from multihead.layers.masks import MaskSpec
 
 BACKENDS = ("auto", "sdpa", "math", "flex")
 
@@ -28,7 +28,7 @@ TensorFn = Callable[[Tensor], Tensor]
 
 @dataclass(frozen=True)
 class CallHooks:
-    """The hooks at one call's core, made from a module's hook points by :func:`multihead.hooks.call_hooks`.
+    """The hooks at one call's core, made from a module's hook points by :func:`multihead.layers.hooks.call_hooks`.
 
     Each is a function tensor -> tensor that returns its input (to read it) or a replacement of the same shape, or
     None where nothing is hooked: ``q`` (b, h, s, d), ``k`` and ``v`` (b, g, t, d) as they enter the kernel,
@@ -56,7 +56,7 @@ class AttentionCall:
 
     q (b, h, s, d); ``kv`` the keys and values as a view (:mod:`multihead.cache.view`; a :class:`DenseKV` of k
     (b, g, t, d) and v (b, g, t, dv) without a cache) with g dividing h (query head i reads KV head i // (h / g));
-    ``mask`` the call's :class:`~multihead.masks.MaskSpec` (a head-wise view's groups carry their own);
+    ``mask`` the call's :class:`~multihead.layers.masks.MaskSpec` (a head-wise view's groups carry their own);
     ``dropout_p`` the dropout on the weights (0 outside
     training); ``backend`` one of BACKENDS; ``need_weights`` whether the (b, h, s, t) weights are returned;
     ``softcap`` caps the scaled scores as ``softcap * tanh(scores / softcap)`` before the mask (Gemma 2); ``sinks``

@@ -6,7 +6,7 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
 - :func:`split_product`: which few-row projections (decoding) may choose their kind of product, and the row blocks of
   the split one (over the process's intra-op threads);
 - :func:`product_kind`: the kind each such product runs (F.linear, torch.mv, the split, low precision with oneDNN
-  off, or multihead.kernels.native's bfloat16 kernel), by shape (:mod:`multihead.linear` runs them);
+  off, or multihead.kernels.native's bfloat16 kernel), by shape (:mod:`multihead.layers.linear` runs them);
 - :func:`fold_gqa_decode`: a GQA decode step with the query heads of each KV head folded into rows, so SDPA's CPU
   kernel reads each KV head once (consulted by :func:`multihead.kernels.resolve_backend`, the one place that decides
   which kernel runs and how);
@@ -449,7 +449,7 @@ def product_kind(shape: ProductShape, kinds: tuple[str, ...], *, native_default:
     (out, in, dtype, rows, blocks, threads; the table's key is :func:`product_key` of it): the forced kind
     (:func:`force_product`), else the table's, else the rule (``native_default``: one bfloat16 row where the native
     kernel is built, "native"; else "linear"). A kind the call cannot take falls back to "linear" in
-    :mod:`multihead.linear`. Looked up once a shape (a dict look-up a call after that).
+    :mod:`multihead.layers.linear`. Looked up once a shape (a dict look-up a call after that).
 
     The kinds: "linear" is ``F.linear``; "mv" (one row) ``torch.mv``, the matrix-vector kernel; "split" the batched
     product over row blocks of the weight; "blas" (bfloat16/float16 only) ``F.linear`` with oneDNN switched off for
@@ -616,7 +616,7 @@ no_bf16_matmul: Callable[[], bool] = torch.compiler.assume_constant_result(_no_b
 
 def upcast_product(rows: int, weight: Tensor, x: Tensor) -> bool:
     """Whether ``x @ weight.T`` in bfloat16 runs in float32 (the weight converted block by block, the output rounded
-    to bfloat16 once; :func:`multihead.linear.upcast`): more rows than :data:`SPLIT_MAX_ROWS` (a prefill, not a
+    to bfloat16 once; :func:`multihead.layers.linear.upcast`): more rows than :data:`SPLIT_MAX_ROWS` (a prefill, not a
     decode step), inference, on an x86 CPU without AVX512-BF16 or AMX. There PyTorch's bfloat16 matmul (oneDNN)
     has no bfloat16 instruction to use. Measured on such a 2-core Xeon (AVX-512, 2 threads, 2026-12-04), 1536 x 576:
     64 rows 2.15 ms bfloat16 / 1.26 upcast, 512 rows 17.4 / 5.4, 4,096 rows 121.7 / 33.8. oneDNN's bfloat16 product

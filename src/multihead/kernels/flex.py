@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from multihead.errors import MultiheadError
-from multihead.masks import MaskSpec
+from multihead.layers.masks import MaskSpec
 
 BLOCK = 128  # flex attention's default block size (queries x keys)
 

@@ -9,11 +9,13 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from multihead import linear as products  # its products read the CPU decisions in this room: imported as a module
 from multihead.cache.view import DenseKV, LatentKV
 from multihead.errors import MultiheadError
 from multihead.kernels.call import AttentionCall, CallHooks
-from multihead.masks import MaskSpec
+from multihead.layers import (
+    linear as products,  # its products read the CPU decisions in this room: imported as a module
+)
+from multihead.layers.masks import MaskSpec
 
 LATENT_PATHS = ("auto", "expanded", "absorbed")
 

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from multihead.kernels.call import TensorFn
-from multihead.masks import MaskSpec
+from multihead.layers.masks import MaskSpec
 
 
 def attention_weights(q: Tensor, k: Tensor, spec: MaskSpec, *, scale: float, softcap: float | None = None,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch.nn.functional as F
 from torch import Tensor
 
-from multihead.masks import MaskSpec
+from multihead.layers.masks import MaskSpec
 
 
 def sdpa_attention(

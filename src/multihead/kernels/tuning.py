@@ -8,10 +8,10 @@ table.
 
 What is measured, each choice against the others in one process, alternating, the median of ``repeats`` passes:
 
-- every one-row product shape of the model (its :class:`multihead.linear.Linear` weights, and the tied head), each
-  kind its cell allows (:func:`multihead.linear.kinds`), over all of the model's weights of that shape in turn, with
-  the CPU's last-level cache flushed before each pass, so the weights come from memory as they do in decoding (a
-  weight in cache ranks the kinds differently);
+- every one-row product shape of the model (its :class:`multihead.layers.linear.Linear` weights, and the tied
+  head), each kind its cell allows (:func:`multihead.layers.linear.kinds`), over all of the model's weights of that
+  shape in turn, with the CPU's last-level cache flushed before each pass, so the weights come from memory as they
+  do in decoding (a weight in cache ranks the kinds differently);
 - every decode attention shape of the model at each length asked (its power-of-two range of key counts): SDPA's
   GQA fold where the rule leaves it open, and the native dense kernel against SDPA where it fits, over one cache a
   layer in turn (flushed likewise).
@@ -35,10 +35,11 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from multihead import kernels, linear
+from multihead import kernels
 from multihead.errors import MultiheadError
 from multihead.kernels import cpu, native
-from multihead.masks import build_mask
+from multihead.layers import linear
+from multihead.layers.masks import build_mask
 
 KIND_MARGIN = 0.95  # another kind is taken when its median time is under this fraction of the plain one's
 REPEATS = 7
@@ -229,9 +230,9 @@ def _native_pass(q: Tensor, caches: Sequence[tuple[Tensor, Tensor]], scale: floa
 
 # ---------------------------------------------------------------------------------------------- a model
 def model_shapes(model: nn.Module) -> tuple[list[Tensor], list[tuple[int, int, int]], int]:
-    """A model's product weights (every :class:`multihead.linear.Linear`, and a tied embedding used as the head), its
-    attention layers' (h, g, d) shapes and their number, as decoding uses them."""
-    from multihead.attention import MultiHeadAttention
+    """A model's product weights (every :class:`multihead.layers.linear.Linear`, and a tied embedding used as the
+    head), its attention layers' (h, g, d) shapes and their number, as decoding uses them."""
+    from multihead.layers.attention import MultiHeadAttention
 
     weights = [m.weight for m in model.modules() if isinstance(m, linear.Linear)]
     embed = getattr(model, "embed", None)

@@ -6,7 +6,7 @@
     for each layer:   h = LayerNorm(h + W_O attn(h, key_padding_mask))          (post-LayerNorm)
                       h = LayerNorm(h + W_2 gelu(W_1 h))
                       (hook points: resid_pre = h in, attn_out, resid_mid = the first sum, mlp_out,
-                       resid_post = the second sum, before its LayerNorm: multihead.hooks)
+                       resid_post = the second sum, before its LayerNorm: multihead.layers.hooks)
     embedding = normalize(mean of h over the real tokens)                        (the model's pooling config)
 """
 
@@ -21,12 +21,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention
 from multihead.config import AttentionConfig
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint, add_resid_points, resid_block
+from multihead.layers.attention import MultiHeadAttention
+from multihead.layers.hooks import HookPoint, add_resid_points, resid_block
+from multihead.layers.step import Step
 from multihead.models.tokenizer import TextTokenizer
-from multihead.step import Step
 from multihead.values import MAX_FFN
 
 

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
-from multihead.hooks import HookedAttention
+from multihead.layers.hooks import HookedAttention
 
 ENGINE_LABELS = {"ours": "multihead's own port", "transformers": "transformers, attention on multihead"}
 

@@ -17,7 +17,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from multihead.attention import MultiHeadAttention
 from multihead.cache import (
     Cache,
     HeadPlan,
@@ -27,11 +26,12 @@ from multihead.cache import (
 from multihead.cache.spec import CacheShape, CacheSpec, spec_of
 from multihead.config import AttentionConfig, RopeConfig
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint, add_resid_points, resid_block
 from multihead.kernels import cpu
-from multihead.linear import Linear, linear
-from multihead.norms import RMSNorm
-from multihead.step import Step
+from multihead.layers.attention import MultiHeadAttention
+from multihead.layers.hooks import HookPoint, add_resid_points, resid_block
+from multihead.layers.linear import Linear, linear
+from multihead.layers.norms import RMSNorm
+from multihead.layers.step import Step
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ class LlamaBlock(nn.Module):
         self.up_proj = Linear(config.d_model, config.ffn_dim, bias=False, **f)
         self.down_proj = Linear(config.ffn_dim, config.d_model, bias=False, **f)
 
-        add_resid_points(self)  # hook_resid_pre .. hook_resid_post (multihead.hooks), no parameters
+        add_resid_points(self)  # hook_resid_pre .. hook_resid_post (multihead.layers.hooks), no parameters
 
     def forward(self, h: Tensor, *, step: Step, cache: LayerCache | None = None) -> Tensor:
         return resid_block(self._resid_points, h, self.attn, self._mlp, attn_norm=self.attn_norm, step=step,

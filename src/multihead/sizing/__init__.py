@@ -612,7 +612,7 @@ def fit(model: ModelConfig, size: ModelSize, *, seq: int, batch: int, dtype: str
         tp: int = 1, cache: str = "full", prefill_chunk: int | None = None, reserve: int = 0,
         shard_embeddings: bool = False) -> Fit:
     """Memory per device (:class:`FitModel`): weights_per_device + kv_per_device + activations + reserve, the
-    weights split as multihead.parallel splits them (attention and MLP by heads and columns; norms and routers on
+    weights split as multihead.layers.parallel splits them (attention and MLP by heads and columns; norms and routers on
     every device, embeddings and the LM head too unless ``shard_embeddings``: :func:`weights_on_device`), the KV
     cache by KV heads, a head on several devices where there are fewer than ``tp`` (:func:`kv_share`)."""
     check_tp(model, tp)
@@ -756,8 +756,8 @@ def whole_model(model: ModelConfig, *, seq: int, batch: int, dtype: str, weights
         g = model.attention.n_kv_heads
         out["kv_note"] = f"each of the {g} KV heads, its cache and its K and V projections, on {copies} devices"
         out["notes"].append(f"{g} KV heads over {tp} devices: each device holds 1, each head on {copies} devices, as "
-                            "vLLM replicates KV heads when there are fewer than devices (multihead.parallel itself "
-                            "needs --tp to divide them)")
+                            "vLLM replicates KV heads when there are fewer than devices (multihead.layers.parallel "
+                            "itself needs --tp to divide them)")
     if memory is not None:
         common: dict[str, Any] = {"memory": memory, **fit_kwargs(fitting)}
         out["fits"] = f.fits

@@ -9,10 +9,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from multihead.attention import MultiHeadAttention
 from multihead.config import AttentionConfig, MLAConfig
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint
+from multihead.layers.attention import MultiHeadAttention
+from multihead.layers.hooks import HookPoint
 
 # step name in forward -> (what a person reads, the legend of its dimensions)
 _STEPS = {
@@ -33,7 +33,7 @@ _STEPS = {
 @dataclass(frozen=True)
 class ShapeStep:
     """One step of the formula as the shape walk saw it: its name in forward, what a person reads, the legend of its
-    dimensions and the shape it had (not :class:`multihead.step.Step`, the state one model step shares)."""
+    dimensions and the shape it had (not :class:`multihead.layers.step.Step`, the state one model step shares)."""
 
     name: str
     label: str
@@ -127,7 +127,7 @@ class MLAShapeWalk:
 
 def mla_shape_walk(config: MLAConfig, *, batch: int = 1, seq: int = 128, path: str = "expanded") -> MLAShapeWalk:
     """The shape walk of a multi-head latent attention layer on one path, in the order the steps run."""
-    from multihead.latent import MultiHeadLatentAttention
+    from multihead.layers.latent import MultiHeadLatentAttention
 
     if path not in ("expanded", "absorbed"):
         raise MultiheadError(f"path {path!r} must be 'expanded' or 'absorbed'")

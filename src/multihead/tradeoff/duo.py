@@ -14,7 +14,7 @@ and given while an L1 term pushes them to zero::
 A KV head whose gate stays high is a retrieval head (it keeps every key); the rest can stream. The gates (n_layers,
 n_kv_heads) become a plan through a threshold or a top fraction (``HeadPlan.from_scores(gates, fraction)``).
 
-Here the gated forward is made of hook points (:mod:`multihead.hooks`): each attention layer's ``hook_q``,
+Here the gated forward is made of hook points (:mod:`multihead.layers.hooks`): each attention layer's ``hook_q``,
 ``hook_k`` and ``hook_v`` are read, and ``hook_z`` is replaced by the mixture, whose streaming part runs through the
 project's attention core (:func:`multihead.kernels.attend`, SDPA's CPU flash kernel with the streaming mask: no
 (b, h, s, t) score matrix is kept for the backward, only the (s, s) mask). The layer's own path is unchanged. The
@@ -60,9 +60,9 @@ from multihead.cache.view import DenseKV
 from multihead.errors import MultiheadError
 from multihead.evals.needles import HAYSTACKS, Haystacks, Tokenizer, case_seed, check_length, make_prompt_cases
 from multihead.heads.engines import Site, as_engine
-from multihead.hooks import HookFn, HookHandle, HookPoint
 from multihead.kernels import AttentionCall, attend
-from multihead.masks import build_mask
+from multihead.layers.hooks import HookFn, HookHandle, HookPoint
+from multihead.layers.masks import build_mask
 from multihead.models.decoder import as_tokenizer
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from torch import Tensor
 
 from multihead.cache import check_bits, fake_quantize_keys, fake_quantize_values
 from multihead.errors import MultiheadError
-from multihead.hooks import HookFn, HookPoint, hooks, pool_kv_hook, zero_heads
+from multihead.layers.hooks import HookFn, HookPoint, hooks, pool_kv_hook, zero_heads
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ run, without a compiler, when the build failed, or with ``MULTIHEAD_NATIVE=0``, 
 command that builds them), and every caller keeps PyTorch's kernels: nothing is lost but the speed. The operators
 then raise, naming the reason.
 
-In the package's own hot paths (:mod:`multihead.linear`, :mod:`multihead.kernels`) eager calls go to the Python
+In the package's own hot paths (:mod:`multihead.layers.linear`, :mod:`multihead.kernels`) eager calls go to the Python
 functions with ``check=False`` (their callers hold well-formed tensors, and the dispatcher's round trip and the checks
 would cost more than some of the kernels, on every layer of every step); compiled graphs call the operators.
 """
@@ -330,7 +330,7 @@ def gemv_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: in
     native kernel: float32 sums rounded once to bfloat16. ``threads``: OpenMP threads (default: PyTorch's
     intra-op count). No autograd: for inference (the caller checks). Raises RuntimeError when the kernels are not
     there (:func:`unavailable`) and ValueError naming what does not fit; ``check=False`` skips the checks, for a
-    caller that made them (:func:`multihead.linear.linear`: a wrong layout there reads the wrong memory)."""
+    caller that made them (:func:`multihead.layers.linear.linear`: a wrong layout there reads the wrong memory)."""
     lib = _required()
     in_features = weight.shape[-1] if weight.ndim == 2 else -1
     if check:

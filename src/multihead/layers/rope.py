@@ -50,7 +50,7 @@ class RotaryEmbedding(nn.Module):
         """cos and the signed sin ([-sin, sin] by halves) in ``dtype``, (b|1, 1, s, d), for :meth:`rotate`.
 
         Computed in float32 (float64 for float64) and then cast. A model makes them once per step and passes them to
-        every layer (:class:`multihead.attention.Step`).
+        every layer (:class:`multihead.layers.attention.Step`).
         """
         cos, sin = self.cos_sin(positions, dtype)
         half = self.head_dim // 2

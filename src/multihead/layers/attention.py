@@ -6,15 +6,15 @@ The forward reads as the formula: project, split into heads, rotate, cache, atte
     z = attend(q, k, v)  -> (b, h, s, d)   # head i uses KV head i // (h / g)
     y = Concat(z_1 .. z_h) W_O  -> (b, s, d_model)
 
-The forward visits each room once, in this order: the checks, the step (:mod:`multihead.step`, made once by a
-model and passed down), the projections (:mod:`multihead.linear`), RoPE (:mod:`multihead.rope`), the cache's one
-verb (``view = cache.update(k, v, slots)``: the cache stores and returns a view, :mod:`multihead.cache.view`), the
-dispatcher (:func:`multihead.kernels.attend`: it alone decides which kernel reads the view) and W_O. The layer never
-asks which kind of cache it holds.
+The forward visits each room once, in this order: the checks, the step (:mod:`multihead.layers.step`, made once by
+a model and passed down), the projections (:mod:`multihead.layers.linear`), RoPE (:mod:`multihead.layers.rope`), the
+cache's one verb (``view = cache.update(k, v, slots)``: the cache stores and returns a view,
+:mod:`multihead.cache.view`), the dispatcher (:func:`multihead.kernels.attend`: it alone decides which kernel reads
+the view) and W_O. The layer never asks which kind of cache it holds.
 
 What every layer of a model shares in one step (positions, RoPE tables, the mask, the cache's slots) is a
-:class:`multihead.step.Step`, made once by the model (``layer.step(...)``) and passed to each layer; a layer called
-alone makes its own.
+:class:`multihead.layers.step.Step`, made once by the model (``layer.step(...)``) and passed to each layer; a layer
+called alone makes its own.
 """
 
 from __future__ import annotations
@@ -27,12 +27,12 @@ from torch import Tensor, nn
 from multihead.cache import Cache, DenseKV, KVView, LatentLayer, LayerCache
 from multihead.config import AttentionConfig, config_or_keywords, register_layer
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint, add_hook_points, call_hooks
 from multihead.kernels import AttentionCall, KernelChoice, attend, check_backend
 from multihead.kernels import explain as explain_call
-from multihead.linear import Linear
-from multihead.rope import RotaryEmbedding
-from multihead.step import Step, build_step, check_cache_call
+from multihead.layers.hooks import HookPoint, add_hook_points, call_hooks
+from multihead.layers.linear import Linear
+from multihead.layers.rope import RotaryEmbedding
+from multihead.layers.step import Step, build_step, check_cache_call
 
 
 def _zero_padding(k: Tensor, v: Tensor, padding: Tensor | None) -> tuple[Tensor, Tensor]:
@@ -66,8 +66,8 @@ class MultiHeadAttention(nn.Module):
     mask (it is skipped under torch.compile anyway). Call it as ``attn(x)`` (self-attention), ``attn(x, context)``
     (cross-attention), with ``causal=True``, ``mask=keep`` (bool, True = may attend; or a float mask added to the
     scores), ``key_padding_mask=valid`` ((b, t) bool, True = a real token) and ``return_weights=True`` for the
-    per-head weights (b, n_heads, s, t). Its hook points (``hook_q`` .. ``hook_out``, :mod:`multihead.hooks`) read or
-    replace what passes through the attention core.
+    per-head weights (b, n_heads, s, t). Its hook points (``hook_q`` .. ``hook_out``, :mod:`multihead.layers.hooks`)
+    read or replace what passes through the attention core.
     """
 
     hook_q: HookPoint

@@ -32,12 +32,12 @@ from multihead import kernels
 from multihead.cache import BaseLayerCache, LatentCache, LatentKV, LatentLayer
 from multihead.config import MLAConfig, config_or_keywords
 from multihead.errors import MultiheadError
-from multihead.hooks import HookPoint, add_hook_points, call_hooks
 from multihead.kernels import LATENT_PATHS, AttentionCall, KernelChoice, check_backend
-from multihead.linear import Linear
-from multihead.norms import RMSNorm
-from multihead.rope import RotaryEmbedding
-from multihead.step import Step, build_step
+from multihead.layers.hooks import HookPoint, add_hook_points, call_hooks
+from multihead.layers.linear import Linear
+from multihead.layers.norms import RMSNorm
+from multihead.layers.rope import RotaryEmbedding
+from multihead.layers.step import Step, build_step
 
 
 class MultiHeadLatentAttention(nn.Module):

@@ -23,8 +23,8 @@ from torch import Tensor
 from multihead.cache import BaseCache, BaseLayerCache, Slots
 from multihead.errors import MultiheadError
 from multihead.kernels import cpu
-from multihead.masks import MaskSpec, build_mask
-from multihead.rope import RotaryEmbedding
+from multihead.layers.masks import MaskSpec, build_mask
+from multihead.layers.rope import RotaryEmbedding
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
                validate: bool = True) -> Step:
     """The :class:`Step` of one call on x (b, s, .) for a layer of ``n_heads`` query heads with this window and
     RoPE: the mask, the positions, the RoPE tables, the cache's slots (inputs already checked). ``validate`` checks
-    a float mask's values (:func:`multihead.masks.build_mask`) and positions given into a cache."""
+    a float mask's values (:func:`multihead.layers.masks.build_mask`) and positions given into a cache."""
     b, s = x.shape[0], x.shape[1]
     t = s if context is None else context.shape[1]
     pos: Tensor | None = None

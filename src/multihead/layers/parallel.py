@@ -30,9 +30,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from multihead.attention import MultiHeadAttention
 from multihead.divisors import divisors
 from multihead.errors import MultiheadError
+from multihead.layers.attention import MultiHeadAttention
 
 joined = False  # set by init(): this process joined a process group, and should end through leave()
 

@@ -20,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from multihead.attention import MultiHeadAttention
 from multihead.cache import KVCache
 from multihead.errors import MultiheadError
-from multihead.reference import Weights, multihead_attention
+from multihead.layers.attention import MultiHeadAttention
+from multihead.verify.reference import Weights, multihead_attention
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
