@@ -80,7 +80,7 @@ def doc_blocks(path: Path) -> list[Block]:
 
 BLOCKS = [block for path in DOCS for block in doc_blocks(path)]
 SECTIONS = list(dict.fromkeys((b.file, b.section) for b in BLOCKS if b.language == "python"))
-REAL_MODELS = ("load_llama(", "load_sentence_encoder(", "hf.load(")  # a section that loads one is a slow test
+REAL_MODELS = ("load_llama(", "load_sentence_encoder(", "hf.load(", "load_decoder(")  # a section loading one: slow
 
 
 def _blocks_of(key: tuple[str, str]) -> list[Block]:

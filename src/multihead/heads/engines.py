@@ -246,7 +246,8 @@ class TransformersCache:
 
 class TransformersEngine(Engine):
     """A transformers causal language model with its attention on multihead (:func:`multihead.hf.enable`, applied
-    in place when the model is not switched yet). Its shape is read from its config (:class:`multihead.hf.config.
+    in place when the model is not switched yet), as its :class:`~multihead.models.decoder.TransformersDecoder`
+    (``decoder``) checks and runs it. Its shape is read from its config (:class:`multihead.hf.config.
     HFConfig`); each attention module's ``scaling`` and ``attn_logit_softcapping`` are what it hands the attention
     function; its layers' masks (sliding windows) are read from the module's ``attention_mask`` argument."""
 
@@ -255,22 +256,18 @@ class TransformersEngine(Engine):
     def __init__(self, model: nn.Module, name: str = "") -> None:
         from multihead import hf
         from multihead.hf.config import HFConfig
+        from multihead.models.decoder import TransformersDecoder
 
-        config: Any = getattr(model, "config", None)
-        if config is None or not hasattr(model, "set_attn_implementation"):
-            raise MultiheadError(f"{type(model).__name__} is not a transformers model (no config, no "
-                                 "set_attn_implementation)")
-        if getattr(config, "is_encoder_decoder", False) or not callable(getattr(model, "generate", None)):
-            raise MultiheadError(f"{type(model).__name__} is not a causal language model: the long-context scores "
-                                 "answer needle questions with a decoder")
-        if getattr(config, "_attn_implementation", None) != hf.NAME or not _all_hooked(model):
-            hf.enable(model)
+        self.decoder = TransformersDecoder(model, name=name)  # checks it is a causal LM, switches it when it is not
+        if not _all_hooked(model):
+            hf.enable(model)  # switched by hand (set_attn_implementation): its hook points not attached yet
+        config: Any = model.config
         text = config.get_text_config() if hasattr(config, "get_text_config") else config
         self.config = HFConfig(json.loads(text.to_json_string(use_diff=False)),
                                where=str(getattr(text, "_name_or_path", "") or type(model).__name__))
         self.model = model
-        self.name = name or _model_name(model)
-        modules = list(hf.attention_modules(model).values())
+        self.name = self.decoder.name
+        modules: list[Any] = list(self.decoder.attention_layers())
         c = self.config
         if len(modules) != c.n_layers:
             raise MultiheadError(f"{type(model).__name__} has {len(modules)} modules that call the attention "
@@ -339,9 +336,7 @@ class TransformersEngine(Engine):
         return out
 
     def final_hidden(self, ids: Tensor) -> Tensor:
-        base: Any = getattr(self.model, "base_model", self.model)
-        out: Tensor = base(input_ids=ids, use_cache=False).last_hidden_state
-        return out
+        return self.decoder.final_hidden(ids)
 
     @property
     def max_context(self) -> int:
