@@ -29,7 +29,8 @@ $(STAMP): pyproject.toml Makefile
 # The native kernels, built again whenever their source changes (a library built from an older source is never
 # loaded: the first forward would use PyTorch's kernels). A failed build leaves them off, said once at first use.
 NATIVE := $(VENV)/.native
-$(NATIVE): $(STAMP) src/multihead/kernels/native/kernels.c
+NATIVE_SOURCES := $(wildcard src/multihead/kernels/native/kernels.* src/multihead/kernels/native/ops.cpp)
+$(NATIVE): $(STAMP) $(NATIVE_SOURCES)
 	-$(PY) -m multihead.kernels.native build
 	touch $(NATIVE)
 

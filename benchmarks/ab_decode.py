@@ -48,9 +48,16 @@ def export(rev: str, into: Path) -> str:
         text = re.sub(r"\b(from|import) multihead\b", r"\1 multihead_base", text)
         # its torch operators in a namespace of their own: one process cannot define multihead::x twice
         for old, new in (('"multihead::', '"multihead_base::'), ('Library("multihead"', 'Library("multihead_base"'),
-                         ("torch.ops.multihead.", "torch.ops.multihead_base.")):
+                         ("torch.ops.multihead.", "torch.ops.multihead_base."),
+                         ('NAMESPACE = "multihead"', 'NAMESPACE = "multihead_base"')):
             text = text.replace(old, new)
         path.write_text(text, encoding="utf-8")
+    if (into / "multihead_base" / "kernels" / "native" / "ops.cpp").exists():
+        # a tree whose kernels are a PyTorch extension: its operators' namespace is compiled in, so its library is
+        # built for the renamed namespace (once; the file is named by a hash that includes it)
+        subprocess.run([sys.executable, "-c", "from multihead_base.kernels import native; "
+                        "import sys; why = native.build_now(); sys.exit(0 if why is None else why)"],
+                       check=True, cwd=into, env={**os.environ, "PYTHONPATH": str(into)})
     return short
 
 

@@ -23,6 +23,15 @@ def _ulps(got: torch.Tensor, exact: torch.Tensor) -> float:
     return ((got.double() - exact).abs() / spacing).max().item()
 
 
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """Each call of operator torch.ops.multihead.``name`` (what the package's hot paths call, eager and compiled),
+    counted while the test runs."""
+    calls: list[int] = []
+    op = getattr(torch.ops.multihead, name)
+    monkeypatch.setattr(torch.ops.multihead, name, lambda *a, **k: calls.append(1) or op(*a, **k))
+    return calls
+
+
 def test_the_kernels_build_here_as_the_best_variant_this_cpu_runs() -> None:
     """This machine (and CI's, the same kind) has a C compiler: the kernels must build, as the best variant this CPU's
     flags allow (never -march=native), so the speed path is really tested here and not only its fallback."""
@@ -130,9 +139,7 @@ def test_linear_takes_the_native_kind_only_where_it_computes_the_same_thing() ->
 def test_an_untuned_bfloat16_row_runs_the_native_kind_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
     """Without a tuning entry, one bfloat16 row is the native kernel's where it has AVX512-BF16 (the default rule),
     every call; the result within a step of float64."""
-    calls = []
-    kernel = native.gemv_bf16
-    monkeypatch.setattr(native, "gemv_bf16", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = _counted(monkeypatch, "gemv_bf16")
     cpu.force_product(None)
     layer = Linear(576, 1536, bias=False, dtype=torch.bfloat16)
     x = torch.randn(1, 576).bfloat16()
@@ -153,9 +160,9 @@ def test_the_kernels_are_torch_operators_with_schemas_and_fake_kernels() -> None
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
     if native.avx512():
         assert torch.equal(torch.ops.multihead.attend_dense(q, k, v, 0.125), native.attend_dense(q, k, v, 0.125))
-    with pytest.raises(ValueError, match=r"gemv_bf16: dtypes torch\.float32"):
+    with pytest.raises(ValueError, match=r"gemv_bf16: x \[1, 64\] Float and weight \[48, 64\]"):
         torch.ops.multihead.gemv_bf16(x.float(), w, None)
-    with pytest.raises(ValueError, match=r"attend_dense: .* do not fit"):
+    with pytest.raises(ValueError, match=r"attend_dense: q \[1, 6, 1, 64\], k \[1, 2, 40, 32\] .* do not fit"):
         torch.ops.multihead.attend_dense(q, k[..., :32], v, 0.125)
     with pytest.raises(ValueError, match="attend_quantized: bits 3"):
         torch.ops.multihead.attend_quantized(3, q, k, k, k, k, k, k, 0, 32, k, v, 0.125)
@@ -163,8 +170,8 @@ def test_the_kernels_are_torch_operators_with_schemas_and_fake_kernels() -> None
         fq, fk = mode.from_tensor(q), mode.from_tensor(k)
         assert torch.ops.multihead.attend_dense(fq, fk, fk, 0.125).shape == (1, 6, 1, 64)
         assert torch.ops.multihead.gemv_bf16(mode.from_tensor(x), mode.from_tensor(w), None).shape == (1, 48)
-    for name, schema in (("gemv_bf16", "Tensor x, Tensor weight, Tensor? bias"),
-                         ("attend_dense", "Tensor q, Tensor k, Tensor v, float scale")):
+    for name, schema in (("gemv_bf16", "Tensor x, Tensor weight, Tensor? bias, int threads=0"),
+                         ("attend_dense", "Tensor q, Tensor k, Tensor v, float scale, Tensor? keep=None")):
         assert schema in str(getattr(torch.ops.multihead, name).default._schema)
 
 
@@ -406,9 +413,7 @@ def test_a_quantized_cache_decodes_over_its_codes_as_the_dequantising_path_does(
 
     model = _tiny_llama()
     tokens = torch.randint(0, 64, (2, 150))
-    calls = []
-    kernel = getattr(native, KERNELS[bits])
-    monkeypatch.setattr(native, KERNELS[bits], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = _counted(monkeypatch, "attend_quantized")
     got = _decode_quantized(model, tokens, 100, bits)
     assert len(calls) == 2 * 50  # two layers, fifty decode steps
     with cpu.disabled():
@@ -430,9 +435,7 @@ def test_smollm2_decodes_over_its_quantized_codes_as_the_dequantising_path_does(
     within float32 rounding and the greedy tokens are the same."""
     model, tok = smollm2
     ids = torch.tensor([tok.encode("The quick brown fox jumps over the lazy dog. " * 40)[:400]])
-    calls = []
-    kernel = getattr(native, KERNELS[bits])
-    monkeypatch.setattr(native, KERNELS[bits], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = _counted(monkeypatch, "attend_quantized")
 
     def decode() -> tuple[torch.Tensor, list[int]]:
         cache = model.new_cache(1, 410, bits=bits)
@@ -522,9 +525,7 @@ def test_a_decode_step_attends_natively_from_its_length_or_where_the_table_says_
         assert cpu.native_decode_attention(1, 9, 3, dtype, least - 1) is None
         assert f"from {least:,} keys" in str(cpu.native_decode_attention(1, 9, 3, dtype, least))
         assert cpu.native_decode_attention(1, 9, 3, dtype, 4 * least) is not None
-    calls = []
-    kernel = native.attend_dense
-    monkeypatch.setattr(native, "attend_dense", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = _counted(monkeypatch, "attend_dense")
     model = _tiny_llama()
     tokens = torch.randint(0, 64, (1, 120))
 
@@ -563,9 +564,7 @@ def test_an_odd_group_decodes_the_dequantising_way_in_4_bits_and_in_the_kernel_i
 
     layer = MultiHeadAttention(AttentionConfig(d_model=12, n_heads=2)).eval()
     x = torch.randn(1, 12, 12)
-    calls = []
-    kernel = getattr(native, KERNELS[bits])
-    monkeypatch.setattr(native, KERNELS[bits], lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    calls = _counted(monkeypatch, "attend_quantized")
 
     def run() -> torch.Tensor:
         cache = QuantizedKVCache(batch=1, n_kv_heads=2, head_dim=6, max_len=12, bits=bits, group=3, residual=0)
@@ -584,25 +583,29 @@ def test_an_odd_group_decodes_the_dequantising_way_in_4_bits_and_in_the_kernel_i
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
 
 
-def test_each_thread_keeps_its_own_scratch_and_a_call_past_the_cap_gets_a_fresh_one(monkeypatch: pytest.MonkeyPatch
-                                                                                     ) -> None:
-    """ctypes releases the GIL, so two threads' kernels may run at once: their working memory must not be shared."""
+def test_threads_calling_the_kernels_at_once_each_get_their_own_answer() -> None:
+    """The operators keep their working memory per thread (ops.cpp), so two threads may call them at once: kernels in
+    two threads, on different inputs and of sizes past the kept buffer, give what each gives alone."""
     import threading
 
-    monkeypatch.setattr(native, "_local", threading.local())
-    monkeypatch.setattr(native, "SCRATCH_KEPT", 1000)
-    first = native.scratch(100)
-    assert first.numel() >= 100 and native.scratch(50).data_ptr() == first.data_ptr()  # kept
-    grown = native.scratch(400)
-    assert grown.numel() >= 400 and native.scratch(10).data_ptr() == grown.data_ptr()  # grown, then kept
-    past = native.scratch(1001)
-    assert past.numel() >= 1001 and past.data_ptr() != grown.data_ptr()
-    assert native.scratch(10).data_ptr() == grown.data_ptr()  # the kept one stays
-    other: list[int] = []
-    thread = threading.Thread(target=lambda: other.append(native.scratch(10).data_ptr()))
-    thread.start()
-    thread.join()
-    assert other and other[0] != grown.data_ptr()
+    if not native.avx512():
+        pytest.skip("attend_dense needs the AVX-512 kernels")  # (this host and CI's have them)
+    torch.manual_seed(0)
+    inputs = [(torch.randn(1, 8, 1, 64), torch.randn(1, 2, t, 64), torch.randn(1, 2, t, 64)) for t in (300, 9000)]
+    alone = [native.attend_dense(q, k, v, 0.125, threads=1) for q, k, v in inputs]
+    got: dict[int, list[torch.Tensor]] = {0: [], 1: []}
+
+    def work(i: int) -> None:
+        for _ in range(20):
+            got[i].append(native.attend_dense(*inputs[i], 0.125, threads=1))
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for i in (0, 1):
+        assert len(got[i]) == 20 and all(torch.equal(out, alone[i]) for out in got[i])
 
 
 @pytest.mark.slow  # child processes that load torch: seconds each

@@ -126,20 +126,21 @@ def test_a_quantized_ring_decodes_in_the_native_kernel_with_the_steps_mask(monke
     back and ran SDPA with a mask. Now every layer of every decode step runs in the native kernel over the codes
     (the sliding layers with the step's (b, t) key mask), and the logits equal the dequantise-then-SDPA path's
     (multihead.kernels.cpu off) within float32 rounding."""
-    from multihead.kernels import cpu, native
+    from multihead.kernels import cpu
 
     model = hf.enable(_model("gemma3"))
     tokens = torch.randint(0, 97, (1, N))
     kinds = {"bits": bits, "group": 4, "residual": 0}
-    name = f"attend_q{bits}"
-    real = getattr(native, name)
+    real = torch.ops.multihead.attend_quantized  # the operator the dispatcher calls (bits, q, ..., scale, keep)
     masked: list[bool] = []
 
     def counted(*args: Any, **kw: Any) -> Tensor:
-        masked.append(kw.get("keep") is not None)
-        return real(*args, **kw)
+        assert args[0] == bits
+        masked.append((args[13] if len(args) > 13 else kw.get("keep")) is not None)
+        out: Tensor = real(*args, **kw)
+        return out
 
-    monkeypatch.setattr(native, name, counted)
+    monkeypatch.setattr(torch.ops.multihead, "attend_quantized", counted)
     got, _ = _decode(model, tokens, hf.new_cache(model, N, **kinds))
     steps, layers = N - P, model.config.num_hidden_layers
     assert len(masked) == steps * layers  # every layer of every decode step, in the kernel

@@ -206,7 +206,7 @@ def _native_quantized_refused(call: AttentionCall, kv: QuantizedKV, device: torc
 
 def _key_keep(spec: MaskSpec, device: torch.device) -> Tensor | None:
     """The keys a decode step's queries see, as the native kernels take them ((b, t) bool, the same for every
-    head), or None: a mask of another form, or under torch.compile (whose operators take no mask)."""
+    head), or None: a mask of another form, or under torch.compile (which keys are seen is read from the data)."""
     if torch.compiler.is_compiling():
         return None
     return spec.key_keep(device)
@@ -341,15 +341,9 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     if decision.native == "quantized":
         kv = call.kv
         assert isinstance(kv, QuantizedKV)
-        if torch.compiler.is_compiling():  # the kernel as an operator the graph calls
-            out = torch.ops.multihead.attend_quantized(kv.bits, q, kv.codes_k, kv.scale_k, kv.min_k, kv.codes_v,
-                                                       kv.scale_v, kv.min_v, kv.n, kv.group, kv.tail_k, kv.tail_v,
-                                                       call.scale)
-        else:
-            kernel = native.attend_q4 if kv.bits == 4 else native.attend_q8
-            out = kernel(q, kv.codes_k, kv.scale_k, kv.min_k, kv.codes_v, kv.scale_v, kv.min_v, kv.n, kv.group,
-                         kv.tail_k, kv.tail_v, call.scale, keep=_native_keep(spec, q.device),
-                         check=False)  # the store's own buffers, laid out for it
+        out = torch.ops.multihead.attend_quantized(  # the store's own buffers, laid out for it
+            kv.bits, q, kv.codes_k, kv.scale_k, kv.min_k, kv.codes_v, kv.scale_v, kv.min_v, kv.n, kv.group,
+            kv.tail_k, kv.tail_v, call.scale, _native_keep(spec, q.device))
     elif decision.backend == "math":
         out, weights = math_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p,
                                       softcap=call.softcap, sinks=call.sinks, pattern=pattern)
@@ -357,10 +351,7 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     elif decision.backend == "flex":
         out = flex.flex_attention(q, call.k, call.v, spec, scale=call.scale, softcap=call.softcap)
     elif decision.native == "dense":  # (dense_fits asked by the decision, of these very tensors)
-        if torch.compiler.is_compiling():
-            out = torch.ops.multihead.attend_dense(q, call.k, call.v, call.scale)
-        else:
-            out = native.attend_dense(q, call.k, call.v, call.scale, keep=_native_keep(spec, q.device), check=False)
+        out = torch.ops.multihead.attend_dense(q, call.k, call.v, call.scale, _native_keep(spec, q.device))
     else:
         out = sdpa_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=decision.fold)
     if decision.pattern_beside:

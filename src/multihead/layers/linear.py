@@ -93,9 +93,8 @@ def run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, one: 
                                       and bias.shape == weight.shape[:1]))
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                       or (bias is not None and bias.requires_grad)))):
-            if torch.compiler.is_compiling():  # the kernel as an operator the graph calls
-                return torch.ops.multihead.gemv_bf16(x, weight, bias)  # type: ignore[no-any-return]
-            return native.gemv_bf16(x, weight, bias, 1 if one else None, check=False)
+            out: Tensor = torch.ops.multihead.gemv_bf16(x, weight, bias, 1 if one else 0)  # eager and compiled
+            return out
         return F.linear(x, weight, bias)  # another dtype, autograd or a strided row: PyTorch's product
     threads = torch.get_num_threads() if one else 0
     if one:

@@ -1,40 +1,43 @@
-"""Native CPU kernels: a few C functions (``kernels.c`` beside this file) built by an explicit step (``python -m
-multihead.kernels.native build``, ``multihead tune``, the set-up), never inside a forward, one build per instruction-set
-variant, the CPU's best variant chosen at run time (as ggml does), and registered as PyTorch
-operators (``torch.ops.multihead.*``: schemas and fake kernels, so ``torch.compile`` sees them).
+"""Native CPU kernels as PyTorch operators: a few C functions (``kernels.c`` beside this file, declared in
+``kernels.h``) and their operators (``ops.cpp``: each takes tensors, checks what the kernel's memory reads rely on,
+fills the kernel's argument struct from the one header and calls it), linked into one library per instruction-set
+variant by an explicit step (``python -m multihead.kernels.native build``, ``multihead tune``, the set-up), never
+inside a forward; the CPU's best variant is chosen at run time (as ggml does) and loaded with
+``torch.ops.load_library``. The operators' schemas and fake kernels are defined here, so ``torch.compile`` traces
+them and, before the library is built, they exist and raise naming why they cannot run.
 
-The kernels:
+The operators (``torch.ops.multihead.*``, each also a function here with its checks):
 
-- :func:`gemv_bf16` (``torch.ops.multihead.gemv_bf16``), decoding's one-row bfloat16 product
+- :func:`gemv_bf16` (``gemv_bf16(x, weight, bias, threads=0)``), decoding's one-row bfloat16 product
   ``F.linear(x, W, bias)``, with software prefetch: it reads a bfloat16 weight at about twice the speed of
   PyTorch's one-row kernels on an AVX512-BF16 host (the figures, host and date: benchmarks/RESULTS.md, "The native
   CPU kernels"). The product kind "native" of :func:`multihead.kernels.cpu.product_kind`.
-- :func:`attend_dense` (``torch.ops.multihead.attend_dense``), a decode step's attention over a float32 or
-  bfloat16 cache, each KV head read once for all its query heads.
-- :func:`attend_q4` and :func:`attend_q8` (``torch.ops.multihead.attend_quantized``), a decode step's attention
-  over a 4- or 8-bit KIVI cache's codes, read once inside the attention and never dequantised into memory.
+- :func:`attend_dense` (``attend_dense(q, k, v, scale, keep=None, threads=0)``), a decode step's attention over a
+  float32 or bfloat16 cache, each KV head read once for all its query heads.
+- :func:`attend_q4` and :func:`attend_q8` (``attend_quantized(bits, ...)``), a decode step's attention over a 4- or
+  8-bit KIVI cache's codes, read once inside the attention and never dequantised into memory.
 
 Variants (:data:`VARIANTS`): "avx512bf16" (AVX-512 F/BW/DQ/VL and AVX512-BF16: every fast path), "avx512" (the
 attention kernels' AVX-512 chunks; the bfloat16 product's portable loop) and "generic" (no -m flag: the compiler's
 baseline for the machine, portable loops throughout). :func:`variant` picks the best one this CPU's flags allow, or
-``MULTIHEAD_NATIVE_VARIANT`` names one (a lower one, to test the portable paths). Each is built once per machine
-and source, ``cc -O3 -fopenmp -shared -fPIC`` and the variant's flags, into ``$MULTIHEAD_NATIVE_DIR`` (default
-``$XDG_CACHE_HOME/multihead/native``, else ``~/.cache/multihead/native``), named by the variant and a hash of the
-source, the compiler's version and the command, written to a temporary name and renamed into place (processes
-building at once do not see half a file). A process loads the built library on first use; before the build step has
-run, without a compiler, when the build failed, or with ``MULTIHEAD_NATIVE=0``, :func:`library` is None,
-:func:`unavailable` says why (and, except when turned off on purpose, a warning says it once a process, with the
-command that builds them), and every caller keeps PyTorch's kernels: nothing is lost but the speed. The operators
-then raise, naming the reason.
+``MULTIHEAD_NATIVE_VARIANT`` names one (a lower one, to test the portable paths). Each is built once per machine,
+source and PyTorch: ``cc -O3 -fopenmp -fPIC`` and the variant's flags for kernels.c, ``c++ -O2 -std=c++17`` with
+PyTorch's headers (``torch.utils.cpp_extension.include_paths``) for ops.cpp, linked against PyTorch's own libraries,
+into ``$MULTIHEAD_NATIVE_DIR`` (default ``$XDG_CACHE_HOME/multihead/native``, else ``~/.cache/multihead/native``),
+named by the variant and a hash of the sources, the compilers' versions, the commands and PyTorch's version, written
+to a temporary name and renamed into place (processes building at once do not see half a file). A process loads the
+built library on first use; before the build step has run, without a compiler, when the build failed, or with
+``MULTIHEAD_NATIVE=0``, :func:`library` is None, :func:`unavailable` says why (and, except when turned off on
+purpose, a warning says it once a process, with the command that builds them), and every caller keeps PyTorch's
+kernels: nothing is lost but the speed.
 
-In the package's own hot paths (:mod:`multihead.layers.linear`, :mod:`multihead.kernels`) eager calls go to the Python
-functions with ``check=False`` (their callers hold well-formed tensors, and the dispatcher's round trip and the checks
-would cost more than some of the kernels, on every layer of every step); compiled graphs call the operators.
+The package's own hot paths (:mod:`multihead.layers.linear`, :mod:`multihead.kernels`) call the operators directly,
+eager and compiled alike, once :func:`available` says the library is loaded; the functions here add the checks
+that name every way a tensor does not fit, for other callers.
 """
 
 from __future__ import annotations
 
-import ctypes
 import hashlib
 import os
 import shutil
@@ -49,7 +52,11 @@ import torch
 from torch import Tensor
 
 SOURCE = Path(__file__).with_name("kernels.c")
-BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC")
+HEADER = SOURCE.with_name("kernels.h")
+OPS_SOURCE = SOURCE.with_name("ops.cpp")
+NAMESPACE = "multihead"  # the operators' namespace: torch.ops.multihead.*
+C_FLAGS = ("-O3", "-fopenmp", "-fPIC")  # kernels.c, with the variant's flags
+CXX_FLAGS = ("-O2", "-fPIC", "-std=c++17")  # ops.cpp (it only fills structs and calls kernels.c)
 _AVX512 = ("-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl")
 _AVX512_CPU = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl")
 # name -> (compiler flags, the CPU flags (/proc/cpuinfo) it needs), best first
@@ -58,12 +65,11 @@ VARIANTS: dict[str, tuple[tuple[str, ...], tuple[str, ...]]] = {
     "avx512": (_AVX512, _AVX512_CPU),
     "generic": ((), ()),
 }
-BUILD_TIMEOUT_S = 120
+BUILD_TIMEOUT_S = 300
 
 _lock = threading.Lock()
-_state: dict[str, object] = {}  # "lib": the loaded library or None; "why": the reason it is None; "variant"; "isa"
-_local = threading.local()  # each thread's scratch buffer (ctypes releases the GIL: threads may call at once)
-SCRATCH_KEPT = 1 << 22  # floats (16 MiB) of scratch a thread keeps between calls; a larger call allocates its own
+_state: dict[str, object] = {}  # "lib": the loaded library's path or None; "why": the reason it is None; "variant"
+_loaded: dict[str, Path] = {}  # library file name -> the path this process loaded it from (loaded once a process)
 
 
 def cache_dir() -> Path:
@@ -107,94 +113,100 @@ def variant() -> str:
     return next(name for name in VARIANTS if supported(name))
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CC") or "cc", "gcc", "clang"):
+def _which(*names: str) -> str | None:
+    for name in names:
         found = shutil.which(name)
         if found:
             return found
     return None
 
 
-def _target(name: str, cc: str | None) -> tuple[str, tuple[str, ...], Path]:
-    """The compiler, its flags and the library file variant ``name`` of this source is built into (named by a hash of
-    the source, the compiler's version and the command); raises RuntimeError without a compiler that runs."""
+def _compiler() -> str | None:
+    return _which(os.environ.get("CC") or "cc", "gcc", "clang")
+
+
+def _cxx() -> str | None:
+    return _which(os.environ.get("CXX") or "c++", "g++", "clang++")
+
+
+def _version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"the compiler {compiler} did not run: {e}") from e
+
+
+def _torch_flags() -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """PyTorch's headers and ABI for compiling ops.cpp, and its libraries for linking the library against."""
+    from torch.utils import cpp_extension
+
+    abi = int(torch._C._GLIBCXX_USE_CXX11_ABI)
+    compile_flags = (*(f"-I{p}" for p in cpp_extension.include_paths()), f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+                     f"-DMH_NAMESPACE={NAMESPACE}")
+    lib = cpp_extension.library_paths()[0]
+    return compile_flags, (f"-L{lib}", "-lc10", "-ltorch_cpu", f"-Wl,-rpath,{lib}")
+
+
+def _target(name: str, cc: str | None) -> tuple[list[list[str]], Path]:
+    """The three commands that build variant ``name`` (kernels.c, ops.cpp, the link; the outputs named KERNELS_O,
+    OPS_O and LIBRARY) and the library file they make (named by a hash of the sources, the compilers' versions, the
+    commands and PyTorch's version); raises RuntimeError without compilers that run."""
     cc = cc or _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (cc, gcc or clang on PATH, or $CC)")
-    flags = (*BASE_FLAGS, *VARIANTS[name][0])
-    source = SOURCE.read_bytes()
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise RuntimeError(f"the C compiler {cc} did not run: {e}") from e
-    digest = hashlib.sha256(b"\0".join([source, version.encode(), " ".join(flags).encode()])).hexdigest()[:16]
-    return cc, flags, cache_dir() / f"kernels-{name}-{digest}.so"
+    cxx = _cxx()
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (c++, g++ or clang++ on PATH, or $CXX)")
+    torch_compile, torch_link = _torch_flags()
+    commands = [[cc, *C_FLAGS, *VARIANTS[name][0], "-c", str(SOURCE), "-o", "KERNELS_O"],
+                [cxx, *CXX_FLAGS, *torch_compile, "-c", str(OPS_SOURCE), "-o", "OPS_O"],
+                [cxx, "-shared", "-fopenmp", "KERNELS_O", "OPS_O", *torch_link, "-o", "LIBRARY"]]
+    parts = [SOURCE.read_bytes(), HEADER.read_bytes(), OPS_SOURCE.read_bytes(), _version(cc).encode(),
+             _version(cxx).encode(), torch.__version__.encode(),
+             "\n".join(" ".join(c[1:]) for c in commands).replace(str(SOURCE.parent), "").encode()]
+    digest = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+    return commands, cache_dir() / f"kernels-{name}-{digest}.so"
 
 
 def built(name: str, cc: str | None = None) -> Path | None:
-    """The library of variant ``name`` if it was built here (never builds it); raises RuntimeError without a
-    compiler (the library's name depends on the compiler's version)."""
-    out = _target(name, cc)[2]
+    """The library of variant ``name`` if it was built here (never builds it); raises RuntimeError without the
+    compilers (the library's name depends on their versions)."""
+    out = _target(name, cc)[1]
     return out if out.exists() else None
 
 
 def build(name: str, cc: str | None = None) -> Path:
     """The built library of variant ``name`` (built now unless already there); raises RuntimeError naming the
-    failure (no compiler, a compiler that does not run, a failed or timed-out build). Only the explicit steps call
-    it (:func:`build_now`: ``python -m multihead.kernels.native build``, ``multihead tune``, the set-up), never a
-    forward."""
-    cc, flags, out = _target(name, cc)
+    failure (no compiler, a compiler that does not run, a failed or timed-out step, with the compiler's last words).
+    Only the explicit steps call it (:func:`build_now`: ``python -m multihead.kernels.native build``, ``multihead
+    tune``, the set-up), never a forward."""
+    commands, out = _target(name, cc)
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=out.parent)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *flags, str(SOURCE), "-o", tmp], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            tail = " ".join(done.stderr.strip().splitlines()[-3:])
-            raise RuntimeError(f"{cc} {' '.join(flags)} {SOURCE.name} exited with {done.returncode}: {tail}")
-        os.replace(tmp, out)
-    except subprocess.TimeoutExpired as e:
-        raise RuntimeError(f"{cc} did not finish building {SOURCE.name} in {BUILD_TIMEOUT_S} s") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with tempfile.TemporaryDirectory(prefix=".build-", dir=out.parent) as work:
+        names = {"KERNELS_O": str(Path(work) / "kernels.o"), "OPS_O": str(Path(work) / "ops.o"),
+                 "LIBRARY": str(Path(work) / out.name)}
+        for command in commands:
+            command = [names.get(part, part) for part in command]
+            step = Path(next(part for part in command if part.endswith((".c", ".cpp")))).name if "-c" in command \
+                else "the link"
+            try:
+                done = subprocess.run(command, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
+            except subprocess.TimeoutExpired as e:
+                raise RuntimeError(f"{command[0]} did not finish {step} in {BUILD_TIMEOUT_S} s") from e
+            if done.returncode != 0:
+                tail = " ".join(done.stderr.strip().splitlines()[-3:])
+                raise RuntimeError(f"{Path(command[0]).name} on {step} exited with {done.returncode}: {tail}")
+        os.replace(names["LIBRARY"], out)
     return out
-
-
-_I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-
-
-class DenseArgs(ctypes.Structure):
-    """mh_dense_args of kernels.c, field for field."""
-
-    _fields_ = (("B", _I64), ("G", _I64), ("HPG", _I64), ("D", _I64), ("t", _I64), ("q", _PTR),
-                ("k", _PTR), ("k_b", _I64), ("k_g", _I64), ("k_t", _I64),
-                ("v", _PTR), ("v_b", _I64), ("v_g", _I64), ("v_t", _I64),
-                ("bf16", _I64), ("scale", _F32), ("out", _PTR), ("scratch", _PTR), ("threads", _I64),
-                ("keep", _PTR), ("keep_b", _I64))
-
-
-class QuantArgs(ctypes.Structure):
-    """mh_quant_args of kernels.c, field for field."""
-
-    _fields_ = (("bits", _I64), ("B", _I64), ("G", _I64), ("HPG", _I64), ("D", _I64), ("n", _I64),
-                ("group", _I64), ("m", _I64), ("q", _PTR),
-                ("ck", _PTR), ("ck_b", _I64), ("ck_g", _I64),
-                ("sk", _PTR), ("mk", _PTR), ("sk_b", _I64), ("sk_g", _I64),
-                ("cv", _PTR), ("cv_b", _I64), ("cv_g", _I64),
-                ("sv", _PTR), ("mv", _PTR), ("sv_b", _I64), ("sv_g", _I64),
-                ("tk", _PTR), ("tv", _PTR), ("scale", _F32), ("out", _PTR), ("scratch", _PTR), ("threads", _I64),
-                ("keep", _PTR), ("keep_b", _I64))
 
 
 NOT_BUILT = ("not built here yet: run `python -m multihead.kernels.native build` (or `multihead tune`) once; the "
              "set-up (make) does")
 
 
-def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
+def _load() -> tuple[Path | None, str | None, str | None]:
     if os.environ.get("MULTIHEAD_NATIVE", "1") == "0":
         return None, "turned off by MULTIHEAD_NATIVE=0", None
     try:
@@ -202,23 +214,12 @@ def _load() -> tuple[ctypes.CDLL | None, str | None, str | None]:
         path = built(name)
         if path is None:
             return None, NOT_BUILT, None
-        lib = ctypes.CDLL(str(path))
+        if path.name not in _loaded:  # the same library (by its hash) registers its operators once a process
+            torch.ops.load_library(str(path))
+            _loaded[path.name] = path
     except (RuntimeError, OSError) as e:
         return None, str(e), None
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.mh_gemv_bf16.argtypes = [ptr, i64, ptr, ptr, ptr, i64, i64, ctypes.c_int]
-    lib.mh_gemv_bf16.restype = None
-    lib.mh_isa.argtypes = []
-    lib.mh_isa.restype = ctypes.c_int
-    lib.mh_attend_quantized_scratch.argtypes = [i64] * 7
-    lib.mh_attend_quantized_scratch.restype = i64
-    lib.mh_attend_quantized.argtypes = [ctypes.POINTER(QuantArgs)]
-    lib.mh_attend_quantized.restype = ctypes.c_int
-    lib.mh_attend_dense_scratch.argtypes = [i64] * 5
-    lib.mh_attend_dense_scratch.restype = i64
-    lib.mh_attend_dense.argtypes = [ctypes.POINTER(DenseArgs)]
-    lib.mh_attend_dense.restype = ctypes.c_int
-    return lib, None, name
+    return path, None, name
 
 
 def build_now() -> str | None:
@@ -241,23 +242,23 @@ def build_now() -> str | None:
     return unavailable()
 
 
-def library() -> ctypes.CDLL | None:
-    """The loaded kernels, or None when they cannot be had (:func:`unavailable` says why; a warning says it once a
-    process, unless they were turned off on purpose). Never builds them: until :func:`build_now` has run once on
-    this machine (the set-up does), PyTorch's kernels run and the warning says how to build."""
+def library() -> Path | None:
+    """The loaded kernels' library, or None when they cannot be had (:func:`unavailable` says why; a warning says it
+    once a process, unless they were turned off on purpose). Never builds them: until :func:`build_now` has run once
+    on this machine (the set-up does), PyTorch's kernels run and the warning says how to build."""
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
                 lib, why, name = _load()
                 _state["variant"], _state["why"] = name, why
-                _state["isa"] = lib.mh_isa() if lib is not None else 0
+                _state["isa"] = int(torch.ops.multihead.isa()) if lib is not None else 0
                 _state["lib"] = lib
                 if lib is None and why != "turned off by MULTIHEAD_NATIVE=0":
                     warnings.warn(f"multihead's native CPU kernels are not available ({why}): PyTorch's kernels run "
                                   "instead (the same results within rounding, slower decoding)", RuntimeWarning,
                                   stacklevel=2)
     loaded = _state["lib"]
-    return loaded if isinstance(loaded, ctypes.CDLL) else None
+    return loaded if isinstance(loaded, Path) else None
 
 
 def unavailable() -> str | None:
@@ -301,26 +302,9 @@ def avx512() -> bool:
     return isa > 0 and bool(isa & 1)
 
 
-def _required() -> ctypes.CDLL:
-    lib = library()
-    if lib is None:
+def _required() -> None:
+    if library() is None:
         raise RuntimeError(f"multihead's native kernels are not available: {unavailable()}")
-    return lib
-
-
-def scratch(floats: int) -> Tensor:
-    """Working memory (float32) of at least ``floats`` for one kernel call of this thread: the thread's buffer, kept
-    between calls and grown to the largest asked for, up to SCRATCH_KEPT floats; a new tensor beyond that. A decode
-    step's attention needs ~0.4-0.7 MB a layer at 8,192 keys (SmolLM2's heads), and a fresh allocation of that size is
-    a new mapping whose pages fault in on every call. On the 2-core host of 2026-12-02, 30 layers' 4-bit attention at
-    8,192 keys took 9.4 ms through the wrapper as it was (a fresh scratch, the checks, the tails converted a call) and
-    6.1 ms as bare kernel calls with every buffer prepared."""
-    if floats > SCRATCH_KEPT:
-        return torch.empty(floats, dtype=torch.float32)
-    buf: Tensor | None = getattr(_local, "scratch", None)
-    if buf is None or buf.numel() < floats:
-        buf = _local.scratch = torch.empty(floats, dtype=torch.float32)
-    return buf
 
 
 # ---------------------------------------------------------------------------------------------- gemv_bf16
@@ -331,15 +315,11 @@ def gemv_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: in
     intra-op count). No autograd: for inference (the caller checks). Raises RuntimeError when the kernels are not
     there (:func:`unavailable`) and ValueError naming what does not fit; ``check=False`` skips the checks, for a
     caller that made them (:func:`multihead.layers.linear.linear`: a wrong layout there reads the wrong memory)."""
-    lib = _required()
-    in_features = weight.shape[-1] if weight.ndim == 2 else -1
+    _required()
     if check:
-        _check_gemv(x, weight, bias, in_features)
-    out = weight.shape[0]
-    y = torch.empty((*x.shape[:-1], out), dtype=torch.bfloat16)
-    lib.mh_gemv_bf16(weight.data_ptr(), weight.stride(0), x.data_ptr(), None if bias is None else bias.data_ptr(),
-                     y.data_ptr(), out, in_features, torch.get_num_threads() if threads is None else threads)
-    return y
+        _check_gemv(x, weight, bias, weight.shape[-1] if weight.ndim == 2 else -1)
+    out: Tensor = torch.ops.multihead.gemv_bf16(x, weight, bias, 0 if threads is None else threads)
+    return out
 
 
 def _check_gemv(x: Tensor, weight: Tensor, bias: Tensor | None, in_features: int) -> None:
@@ -396,31 +376,15 @@ def _attend_codes(bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k:
                   scale_v: Tensor, min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
                   threads: int | None, check: bool, keep: Tensor | None = None) -> Tensor:
     """attend_q4 / attend_q8: the checks, then the kernel (mh_attend_quantized) for ``bits`` 4 or 8."""
-    name = f"attend_q{bits}"
-    lib = _required()
-    b, h, _, d = q.shape
-    g = codes_k.shape[1]
-    m = tail_k.shape[2]
+    _required()
     if check:
+        name = f"attend_q{bits}"
         _check_codes(name, bits, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n, group, tail_k, tail_v)
-        _check_keep(name, keep, b, n + m)
-    kept = _keep_bytes(keep)
-    f32 = torch.float32
-    qg = q.reshape(b, g, h // g, d).to(f32).contiguous()
-    tk, tv = tail_k.to(f32).contiguous(), tail_v.to(f32).contiguous()
-    out = torch.empty(b, g, h // g, d, dtype=f32)
-    work = scratch(lib.mh_attend_quantized_scratch(b, g, h // g, d, n, group, m))
-    args = QuantArgs(bits, b, g, h // g, d, n, group, m, qg.data_ptr(),
-                     codes_k.data_ptr(), codes_k.stride(0), codes_k.stride(1),
-                     scale_k.data_ptr(), min_k.data_ptr(), scale_k.stride(0), scale_k.stride(1),
-                     codes_v.data_ptr(), codes_v.stride(0), codes_v.stride(1),
-                     scale_v.data_ptr(), min_v.data_ptr(), scale_v.stride(0), scale_v.stride(1),
-                     tk.data_ptr(), tv.data_ptr(), scale, out.data_ptr(), work.data_ptr(),
-                     torch.get_num_threads() if threads is None else threads,
-                     None if kept is None else kept.data_ptr(), 0 if kept is None else kept.stride(0))
-    if lib.mh_attend_quantized(ctypes.byref(args)):
-        raise ValueError(f"{name}: the kernel refused head_dim {d}, group {group}, n {n}, m {m}")
-    return out.view(b, h, 1, d).to(q.dtype)
+        _check_keep(name, keep, q.shape[0], n + tail_k.shape[2])
+    out: Tensor = torch.ops.multihead.attend_quantized(bits, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n,
+                                                       group, tail_k, tail_v, scale, keep,
+                                                       0 if threads is None else threads)
+    return out
 
 
 def _check_codes(name: str, bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor,
@@ -490,27 +454,16 @@ def attend_dense(q: Tensor, k: Tensor, v: Tensor, scale: float, threads: int | N
     heads) this reads it once, near the memory's speed. ``keep`` (b, t) bool, where given, hides the keys it marks
     False (every row keeping at least one). Raises ValueError when :func:`dense_fits` says no
     (``check=False``: not asked, for a caller that asked it already, :func:`multihead.kernels.attend`)."""
-    lib = _required()
+    _required()
     if check and not dense_fits(q, k, v):
         raise ValueError(f"attend_dense: q {tuple(q.shape)} {q.dtype}, k {tuple(k.shape)} {k.dtype} strides "
                          f"{k.stride()}, v {tuple(v.shape)} {v.dtype} strides {v.stride()} do not fit (one query a "
                          f"head, head_dim in {DENSE_HEAD_DIMS}, at most {DENSE_MAX_GROUP} query heads a KV head, "
                          "float32 or bfloat16 k and v alike with contiguous rows, AVX-512)")
-    b, h, _, d = q.shape
-    g, t = k.shape[1], k.shape[2]
     if check:
-        _check_keep("attend_dense", keep, b, t)
-    kept = _keep_bytes(keep)
-    qg = q.reshape(b, g, h // g, d).to(torch.float32).contiguous()
-    out = torch.empty(b, g, h // g, d, dtype=torch.float32)
-    work = scratch(lib.mh_attend_dense_scratch(b, g, h // g, d, t))
-    args = DenseArgs(b, g, h // g, d, t, qg.data_ptr(), k.data_ptr(), k.stride(0), k.stride(1), k.stride(2),
-                     v.data_ptr(), v.stride(0), v.stride(1), v.stride(2), int(k.dtype == torch.bfloat16), scale,
-                     out.data_ptr(), work.data_ptr(), torch.get_num_threads() if threads is None else threads,
-                     None if kept is None else kept.data_ptr(), 0 if kept is None else kept.stride(0))
-    if lib.mh_attend_dense(ctypes.byref(args)):
-        raise ValueError(f"attend_dense: the kernel refused head_dim {d}, {h // g} query heads a KV head, {t} keys")
-    return out.view(b, h, 1, d).to(q.dtype)
+        _check_keep("attend_dense", keep, q.shape[0], k.shape[2])
+    out: Tensor = torch.ops.multihead.attend_dense(q, k, v, scale, keep, 0 if threads is None else threads)
+    return out
 
 
 def _check_keep(name: str, keep: Tensor | None, b: int, t: int) -> None:
@@ -525,57 +478,43 @@ def _check_keep(name: str, keep: Tensor | None, b: int, t: int) -> None:
         raise ValueError(f"{name}: keep hides every key of batch row(s) {empty}: each row must see at least one")
 
 
-def _keep_bytes(keep: Tensor | None) -> Tensor | None:
-    """The mask as the kernels read it: one byte a key, rows contiguous (a bool tensor already is)."""
-    if keep is None:
-        return None
-    return keep.contiguous().view(torch.uint8)
-
-
 # ---------------------------------------------------------------------------------------------- the operators
-_ops = torch.library.Library("multihead", "DEF")
-_ops.define("gemv_bf16(Tensor x, Tensor weight, Tensor? bias) -> Tensor")
-_ops.define("attend_dense(Tensor q, Tensor k, Tensor v, float scale) -> Tensor")
+# The schemas (ops.cpp registers the CPU kernels against them: a kernel whose signature differs fails to load, naming
+# the operator), a fallback that says why when the library is not loaded (a CPU kernel, once loaded, takes
+# precedence over it), and the fake kernels torch.compile traces with.
+_ops = torch.library.Library(NAMESPACE, "DEF")
+_ops.define("isa() -> int")
+_ops.define("gemv_bf16(Tensor x, Tensor weight, Tensor? bias, int threads=0) -> Tensor")
+_ops.define("attend_dense(Tensor q, Tensor k, Tensor v, float scale, Tensor? keep=None, int threads=0) -> Tensor")
 _ops.define("attend_quantized(int bits, Tensor q, Tensor codes_k, Tensor scale_k, Tensor min_k, Tensor codes_v, "
-            "Tensor scale_v, Tensor min_v, int n, int group, Tensor tail_k, Tensor tail_v, float scale) -> Tensor")
+            "Tensor scale_v, Tensor min_v, int n, int group, Tensor tail_k, Tensor tail_v, float scale, "
+            "Tensor? keep=None, int threads=0) -> Tensor")
 
 
-def _gemv_op(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    return gemv_bf16(x.contiguous(), weight, bias)
+def _not_loaded(*args: object, **kwargs: object) -> Tensor:
+    why = unavailable() or "they run on CPU tensors"
+    raise RuntimeError(f"multihead's native kernels are not available: {why}")
 
 
-def _dense_op(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
-    return attend_dense(q, k, v, scale)
+for _name in ("gemv_bf16", "attend_dense", "attend_quantized"):
+    _ops.impl(_name, _not_loaded, "CompositeExplicitAutograd")
 
 
-def _quantized_op(bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor,
-                  scale_v: Tensor, min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float
-                  ) -> Tensor:
-    if bits not in (4, 8):
-        raise ValueError(f"attend_quantized: bits {bits} (4 or 8)")
-    return _attend_codes(bits, q, codes_k, scale_k, min_k, codes_v, scale_v, min_v, n, group, tail_k, tail_v, scale,
-                         None, True)
-
-
-_ops.impl("gemv_bf16", _gemv_op, "CPU")
-_ops.impl("attend_dense", _dense_op, "CPU")
-_ops.impl("attend_quantized", _quantized_op, "CPU")
-
-
-def _gemv_fake(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+def _gemv_fake(x: Tensor, weight: Tensor, bias: Tensor | None, threads: int = 0) -> Tensor:
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _dense_fake(q: Tensor, k: Tensor, v: Tensor, scale: float) -> Tensor:
+def _dense_fake(q: Tensor, k: Tensor, v: Tensor, scale: float, keep: Tensor | None = None, threads: int = 0
+                ) -> Tensor:
     return q.new_empty(q.shape)
 
 
 def _quantized_fake(bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_k: Tensor, codes_v: Tensor,
-                    scale_v: Tensor, min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float
-                    ) -> Tensor:
+                    scale_v: Tensor, min_v: Tensor, n: int, group: int, tail_k: Tensor, tail_v: Tensor, scale: float,
+                    keep: Tensor | None = None, threads: int = 0) -> Tensor:
     return q.new_empty(q.shape)
 
 
-torch.library.register_fake("multihead::gemv_bf16", _gemv_fake)
-torch.library.register_fake("multihead::attend_dense", _dense_fake)
-torch.library.register_fake("multihead::attend_quantized", _quantized_fake)
+torch.library.register_fake(f"{NAMESPACE}::gemv_bf16", _gemv_fake, lib=_ops)
+torch.library.register_fake(f"{NAMESPACE}::attend_dense", _dense_fake, lib=_ops)
+torch.library.register_fake(f"{NAMESPACE}::attend_quantized", _quantized_fake, lib=_ops)

@@ -3,8 +3,9 @@
    "avx512", "avx512bf16"; the CPU's best one is loaded at run time): mh_gemv_bf16 (decoding's one-row bfloat16
    product), mh_attend_quantized (a decode step over a 4- or 8-bit cache's codes) and mh_attend_dense (a decode step
    over a float32/bfloat16 cache), each described where it is defined. The two attention kernels take their
-   arguments as one struct (mh_dense_args, mh_quant_args), which multihead.kernels.native mirrors field for field;
-   mh_isa says which instruction sets the variant was compiled with.
+   arguments as one struct (mh_dense_args, mh_quant_args), declared in kernels.h with every prototype and filled by
+   ops.cpp, the PyTorch operators linked with this file into one library a variant; mh_isa says which instruction
+   sets the variant was compiled with.
 
    mh_gemv_bf16: y = W x (+ bias) for one bfloat16 row x, float32 accumulation, rounded to bfloat16 once
    (round to nearest even), the same product as F.linear(x, W, bias) within bfloat16's rounding. The weight is read
@@ -15,6 +16,8 @@
    The rows are spread over `threads` OpenMP threads (the process's runtime: PyTorch's own libgomp when loaded). */
 #include <stdint.h>
 #include <string.h>
+
+#include "kernels.h" /* the structs and prototypes, shared with ops.cpp */
 #if defined(__AVX512F__) /* the AVX-512 paths; the bfloat16 products also need AVX512-BF16 */
 #include <immintrin.h>
 #endif
@@ -637,23 +640,6 @@ int64_t mh_attend_dense_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, in
     return B * G * per * (HPG * (D + 2) + HPG * MH_CHUNK);
 }
 
-/* the arguments of mh_attend_dense: q and out (B, G, HPG, D) float32 contiguous (query head h = g * HPG + i); k and
-   v (B, G, t, D) float32 or (bf16 = 1) bfloat16 with the given strides in elements (rows contiguous) */
-typedef struct {
-    int64_t B, G, HPG, D, t;
-    const float *q;
-    const void *k;
-    int64_t k_b, k_g, k_t;
-    const void *v;
-    int64_t v_b, v_g, v_t;
-    int64_t bf16;
-    float scale;
-    float *out, *scratch;
-    int64_t threads;
-    const uint8_t *keep; /* NULL: every key visible; else (B, t) bytes, row b at keep + b * keep_b, 0 = hidden */
-    int64_t keep_b;
-} mh_dense_args;
-
 int mh_attend_dense(const mh_dense_args *a) {
 #if defined(__AVX512F__)
     const int64_t B = a->B, G = a->G, HPG = a->HPG, D = a->D, t = a->t, k_t = a->k_t;
@@ -863,28 +849,6 @@ static void quantized_chunk(int bits, int64_t HPG, int64_t D, int64_t group, int
     else
         q8_chunk(HPG, D, group, t0, t1, q, ck, sk, mk, cv, sv, mv, scale, part, work, keep);
 }
-
-/* the arguments of mh_attend_quantized: q and out (B, G, HPG, D) float32 contiguous; code rows ck, cv of
-   D * bits / 8 bytes, key-scale rows sk, mk of D halves, value-scale rows sv, mv of D / group halves, with the given
-   batch and head strides (in elements); the m tail keys and values tk, tv (B, G, m, D) float32 contiguous */
-typedef struct {
-    int64_t bits, B, G, HPG, D, n, group, m;
-    const float *q;
-    const uint8_t *ck;
-    int64_t ck_b, ck_g;
-    const uint16_t *sk, *mk;
-    int64_t sk_b, sk_g;
-    const uint8_t *cv;
-    int64_t cv_b, cv_g;
-    const uint16_t *sv, *mv;
-    int64_t sv_b, sv_g;
-    const float *tk, *tv;
-    float scale;
-    float *out, *scratch;
-    int64_t threads;
-    const uint8_t *keep; /* NULL: every key visible; else (B, n + m) bytes, row b at keep + b * keep_b, 0 = hidden */
-    int64_t keep_b;
-} mh_quant_args;
 
 /* One decode step's attention over a `bits`-bit (4 or 8) KIVI store and its full-precision tail: work items (batch,
    KV head, chunk) and (batch, KV head, tail), merged per query head. Returns 1 (nothing computed) for a shape the
