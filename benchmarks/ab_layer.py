@@ -50,7 +50,7 @@ def cases(mh: Any, kernels: Any, masks: Any, new_api: bool) -> dict[str, Callabl
     q, k, v = (torch.randn(4, 12, 1024, 64) for _ in range(3))
     spec = masks.build_mask(batch=4, n_heads=12, s=1024, t=1024)
     torch.manual_seed(0)
-    latent = importlib.import_module(mh.__name__ + ".latent")
+    latent = _module(mh.__name__, "latent")
     mla = latent.MultiHeadLatentAttention(d_model=2048, n_heads=16, kv_lora_rank=512, qk_nope_head_dim=128,
                                           qk_rope_head_dim=64, v_head_dim=128).eval()
     latents = mh.cache.LatentCache(batch=1, kv_lora_rank=512, rope_dim=64, max_len=4097)
@@ -92,6 +92,14 @@ def cases(mh: Any, kernels: Any, masks: Any, new_api: bool) -> dict[str, Callabl
             "MLA prefill h16 r512 s512 (expanded)": mla_prefill}
 
 
+def _module(package: str, name: str) -> Any:
+    """A module of either tree: ``layers.<name>`` since the layers' room, ``<name>`` before it."""
+    try:
+        return importlib.import_module(f"{package}.layers.{name}")
+    except ModuleNotFoundError:
+        return importlib.import_module(f"{package}.{name}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--base", required=True, help="the git revision to compare against")
@@ -104,7 +112,7 @@ def main() -> None:
     sys.path.insert(0, str(tmp))
     head_rev = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], check=True,
                               capture_output=True, text=True).stdout.strip()
-    mods = {name: tuple(importlib.import_module(f"{name}{sub}") for sub in ("", ".kernels", ".masks"))
+    mods = {name: (importlib.import_module(name), importlib.import_module(f"{name}.kernels"), _module(name, "masks"))
             for name in ("multihead", "multihead_base")}
     new = cases(*mods["multihead"], new_api=True)
     base = cases(*mods["multihead_base"], new_api=hasattr(mods["multihead_base"][1], "AttentionCall"))

@@ -18,6 +18,7 @@ import argparse
 import collections
 import cProfile
 import importlib
+import importlib.util
 import pstats
 import sys
 import tempfile
@@ -52,7 +53,8 @@ def cases(pkg: str) -> dict[str, Callable[[], object]]:
     """The calls to count for one version of the package (same seeds, so the same weights and inputs)."""
     mh = importlib.import_module(pkg)
     llama = importlib.import_module(f"{pkg}.models.llama")
-    latent = importlib.import_module(f"{pkg}.latent")
+    latent = importlib.import_module(
+        f"{pkg}.layers.latent" if importlib.util.find_spec(f"{pkg}.layers") else f"{pkg}.latent")
     out: dict[str, Callable[[], object]] = {}
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)

@@ -18,6 +18,7 @@ import argparse
 import collections
 import datetime
 import importlib
+import importlib.util
 import subprocess
 import sys
 import tempfile
@@ -40,7 +41,9 @@ def count(step: Callable[[], object]) -> collections.Counter[str]:
 def cases(mh: Any, smol: dict[torch.dtype, Any]) -> dict[str, Callable[[], Callable[[], object]]]:
     """Each case prepares its model and cache (not counted) and returns the one step that is counted."""
     llama = importlib.import_module(f"{mh.__name__}.models.llama")
-    latent = importlib.import_module(f"{mh.__name__}.latent")
+    pkg = mh.__name__
+    room = f"{pkg}.layers" if importlib.util.find_spec(f"{pkg}.layers") else pkg  # the layers' room, or before it
+    latent = importlib.import_module(f"{room}.latent")
 
     def smollm(dtype: torch.dtype) -> Callable[[], object]:
         model = smol[dtype]
