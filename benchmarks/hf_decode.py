@@ -85,7 +85,8 @@ def plans(name: str, model: Any) -> dict[str, Any]:
 @contextlib.contextmanager
 def recording_kernels(found: list[str]) -> Iterator[None]:
     """Record what :func:`multihead.kernels.explain` says of each attention call made inside (the calls still run)."""
-    from multihead import hf, kernels
+    from multihead import kernels
+    from multihead.hf import attention as hf  # the module whose attention function calls the dispatcher
 
     real = hf.attend
 

@@ -491,13 +491,23 @@ _ops.define("attend_quantized(int bits, Tensor q, Tensor codes_k, Tensor scale_k
             "Tensor? keep=None, int threads=0) -> Tensor")
 
 
-def _not_loaded(*args: object, **kwargs: object) -> Tensor:
-    why = unavailable() or "they run on CPU tensors"
-    raise RuntimeError(f"multihead's native kernels are not available: {why}")
+def _fallback(name: str) -> Callable[..., Tensor]:
+    """The operator ``name`` before its CPU kernel is registered: the library is loaded here when it is built (a
+    first call straight to the operator), and the call goes to its kernel; otherwise it raises naming why."""
+
+    def first_use(*args: object, **kwargs: object) -> Tensor:
+        if (library() is not None and all(not isinstance(a, Tensor) or a.is_cpu for a in args)
+                and torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CPU")):
+            out: Tensor = getattr(getattr(torch.ops, NAMESPACE), name)(*args, **kwargs)
+            return out
+        why = unavailable() or "they run on CPU tensors"
+        raise RuntimeError(f"multihead's native kernels are not available: {why}")
+
+    return first_use
 
 
 for _name in ("gemv_bf16", "attend_dense", "attend_quantized"):
-    _ops.impl(_name, _not_loaded, "CompositeExplicitAutograd")
+    _ops.impl(_name, _fallback(_name), "CompositeExplicitAutograd")
 
 
 def _gemv_fake(x: Tensor, weight: Tensor, bias: Tensor | None, threads: int = 0) -> Tensor:
