@@ -175,6 +175,22 @@ def test_the_kernels_are_torch_operators_with_schemas_and_fake_kernels() -> None
         assert schema in str(getattr(torch.ops.multihead, name).default._schema)
 
 
+@pytest.mark.slow  # a child process that loads torch
+def test_a_first_call_straight_to_an_operator_loads_the_built_library() -> None:
+    """A fresh process whose first use of the kernels is the operator itself (no function of native called before)
+    gets the kernel's result; with the kernels turned off the operator raises naming why."""
+    code = ("import torch; from multihead.kernels import native; w = torch.randn(48, 64).bfloat16(); "
+            "x = torch.randn(1, 64).bfloat16(); y = torch.ops.multihead.gemv_bf16(x, w, None); "
+            "e = x.double() @ w.double().t(); print(float(((y.double() - e).abs() / e.abs().clamp_min(1)).max()) "
+            "< 2 ** -7, native.loaded_variant() is not None)")
+    assert _probe({}, code) == "True True"
+    off = ("import torch; from multihead.kernels import native\ntry:\n    torch.ops.multihead.gemv_bf16("
+           "torch.ones(1, 4).bfloat16(), torch.ones(2, 4).bfloat16(), None)\nexcept RuntimeError as e:\n"
+           "    print(e)")
+    assert _probe({"MULTIHEAD_NATIVE": "0"}, off) == (
+        "multihead's native kernels are not available: turned off by MULTIHEAD_NATIVE=0")
+
+
 def _probe(env: dict[str, str], code: str = "from multihead.kernels import native; print(native.unavailable())") -> str:
     import os
 
