@@ -499,7 +499,8 @@ def test_explain_says_when_the_quantized_cache_attends_itself(bits: int) -> None
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize(("b", "h", "g", "d", "t"), [(1, 9, 3, 64, 3000), (2, 8, 2, 128, 700), (1, 4, 4, 64, 1),
-                                                     (1, 3, 1, 64, 17), (3, 8, 1, 64, 256), (1, 2, 2, 128, 257)])
+                                                     (1, 3, 1, 64, 17), (3, 8, 1, 64, 256), (1, 2, 2, 128, 257),
+                                                     (1, 4, 1, 256, 1030), (2, 8, 4, 256, 33)])
 def test_attend_dense_is_sdpa_over_every_key(dtype: torch.dtype, b: int, h: int, g: int, d: int, t: int) -> None:
     """Against float64 attention of the same values: float32 within 1e-5; bfloat16 within its output's rounding
     (float32 sums rounded once). Keys and values as a cache holds them: views into a longer buffer."""

@@ -427,13 +427,13 @@ def _check_codes(name: str, bits: int, q: Tensor, codes_k: Tensor, scale_k: Tens
 
 
 # ---------------------------------------------------------------------------------------------- attend_dense
-DENSE_HEAD_DIMS = (64, 128)
+DENSE_HEAD_DIMS = (64, 128, 256)
 DENSE_MAX_GROUP = 8  # query heads a KV head serves, at most
 
 
 def dense_fits(q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether :func:`attend_dense` takes these tensors: the kernels built with AVX-512, one query a head, head_dim
-    64 or 128 for keys and values, at most DENSE_MAX_GROUP query heads a KV head, float32 or bfloat16 keys and
+    64, 128 or 256 for keys and values, at most DENSE_MAX_GROUP query heads a KV head, float32 or bfloat16 keys and
     values of one dtype on the CPU, each key and value row contiguous and k, v laid out alike."""
     if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
         return False

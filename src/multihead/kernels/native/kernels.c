@@ -547,7 +547,8 @@ static void f32_tail(int64_t HPG, int64_t D, int64_t m, const float *q, const fl
    read once for all the query heads it serves (GQA): softmax(q k^T * scale) v. Work items (batch, KV head, chunk of
    MH_CHUNK tokens), partial softmaxes merged per query head as in mh_attend_quantized. q and out (B, G, HPG, D) float32
    contiguous; k and v rows of D elements (float32, or bfloat16 when bf16 is 1) with the given batch, head and token
-   strides (in elements). AVX-512, D 64 or 128, HPG <= 8; returns 1 (nothing computed) for any other case. */
+   strides (in elements). AVX-512, D 64, 128 or 256 (Gemma's), HPG <= 8; returns 1 (nothing computed) for any other
+   case. */
 
 #if defined(__AVX512F__)
 static inline __m512 load16(const void *p, int bf16) {
@@ -578,7 +579,7 @@ static inline __attribute__((always_inline)) void dense_chunk(
         const char *restrict k, const char *restrict v, int64_t ts_bytes, float scale, float *restrict part,
         float *restrict sc, const uint8_t *restrict keep) {
     const int64_t D = 16 * P, n = t1 - t0, es = bf16 ? 2 : 4;
-    __m512 qv[8][8];
+    __m512 qv[8][16];
     for (int64_t h = 0; h < HPG; h++)
         for (int64_t p = 0; p < P; p++) qv[h][p] = _mm512_mul_ps(_mm512_loadu_ps(q + h * D + 16 * p), _mm512_set1_ps(scale));
     int64_t tb = t0;
@@ -587,7 +588,7 @@ static inline __attribute__((always_inline)) void dense_chunk(
             const char *ahead = k + (tb + 16 + i) * ts_bytes;
             for (int64_t off = 0; off < D * es; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
         }
-        float kf[16 * 16 * 8]; /* the 16 keys in float32, converted once for every query head */
+        float kf[16 * 16 * 16]; /* the 16 keys in float32, converted once for every query head */
         for (int64_t i = 0; i < 16; i++)
             for (int64_t p = 0; p < P; p++)
                 _mm512_storeu_ps(kf + (i * P + p) * 16, load16(k + (tb + i) * ts_bytes + 16 * p * es, bf16));
@@ -603,7 +604,7 @@ static inline __attribute__((always_inline)) void dense_chunk(
     }
     for (int64_t tt = tb; tt < t1; tt++) {
         const char *row = k + tt * ts_bytes;
-        __m512 kv[8];
+        __m512 kv[16];
         for (int64_t p = 0; p < P; p++) kv[p] = load16(row + 16 * p * es, bf16);
         for (int64_t h = 0; h < HPG; h++) {
             __m512 a = _mm512_mul_ps(kv[0], qv[h][0]);
@@ -612,7 +613,7 @@ static inline __attribute__((always_inline)) void dense_chunk(
         }
     }
     chunk_softmax(HPG, D, n, sc, part, keep);
-    __m512 o[8][8];
+    __m512 o[8][16];
     for (int64_t h = 0; h < HPG; h++)
         for (int64_t p = 0; p < P; p++) o[h][p] = _mm512_setzero_ps();
     for (int64_t tt = t0; tt < t1; tt++) {
@@ -623,7 +624,8 @@ static inline __attribute__((always_inline)) void dense_chunk(
             _mm_prefetch(row + 8 * ts_bytes + 128, _MM_HINT_T0);
             _mm_prefetch(row + 8 * ts_bytes + 192, _MM_HINT_T0);
         }
-        __m512 vv[8];
+        for (int64_t off = 256; off < D * es; off += 64) _mm_prefetch(row + 8 * ts_bytes + off, _MM_HINT_T0);
+        __m512 vv[16];
         for (int64_t p = 0; p < P; p++) vv[p] = load16(row + 16 * p * es, bf16);
         for (int64_t h = 0; h < HPG; h++) {
             __m512 w = _mm512_set1_ps(sc[h * n + (tt - t0)]);
@@ -645,7 +647,7 @@ int mh_attend_dense(const mh_dense_args *a) {
     const int64_t B = a->B, G = a->G, HPG = a->HPG, D = a->D, t = a->t, k_t = a->k_t;
     const int bf16 = (int)a->bf16;
     const float scale = a->scale;
-    if ((D != 64 && D != 128) || HPG < 1 || HPG > 8 || t < 1 || k_t != a->v_t) return 1;
+    if ((D != 64 && D != 128 && D != 256) || HPG < 1 || HPG > 8 || t < 1 || k_t != a->v_t) return 1;
     int64_t per = (t + MH_CHUNK - 1) / MH_CHUNK, items = B * G * per, es = bf16 ? 2 : 4;
     int64_t part_size = HPG * (D + 2);
     float *parts = a->scratch, *works = a->scratch + items * part_size;
@@ -665,8 +667,10 @@ int mh_attend_dense(const mh_dense_args *a) {
             dense_chunk(3, 4, 0, t0, t1, qg, kp, vp, k_t * es, scale, part, sc, kb);
         else if (D == 64)
             dense_chunk(HPG, 4, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc, kb);
-        else
+        else if (D == 128)
             dense_chunk(HPG, 8, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc, kb);
+        else
+            dense_chunk(HPG, 16, bf16, t0, t1, qg, kp, vp, k_t * es, scale, part, sc, kb);
     }
     merge_parts(B * G, HPG, D, per, parts, a->out);
     return 0;
