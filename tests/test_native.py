@@ -258,7 +258,7 @@ def _filled_cache(b: int, g: int, d: int, t: int, group: int, dtype: torch.dtype
                              dtype=dtype)
     if t:
         cache.update(0, torch.randn(b, g, t, d, dtype=dtype), torch.randn(b, g, t, d, dtype=dtype) * 3,
-                     cache.reserve(t, None, need_positions=False, window=None, validate=True))
+                     cache.reserve(t, None, need_positions=False, attention_window=None, validate=True))
         cache.advance(t)
     return cache
 

@@ -210,7 +210,7 @@ def test_a_hybrid_cache_refuses_parts_that_do_not_fit_its_layers() -> None:
         HybridCache({None: part}, [None, 4, None])
     cache = HybridCache({None: part, 4: ring}, [None, 4, None])
     with pytest.raises(MultiheadError, match="no layer of window 7"):
-        cache.reserve(1, window=7)
+        cache.reserve(1, attention_window=7)
 
 
 def test_every_sliding_preset_sizes_a_quantized_cache_below_the_full_one() -> None:

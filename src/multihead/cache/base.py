@@ -153,14 +153,14 @@ class BaseCache(nn.Module):
 
     # ------------------------------------------------------------------ the slots of a step
     def reserve(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
-                window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
+                attention_window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
         """Where the next s tokens of each sequence go and what each layer reads: made once per step, before any
         layer runs, and raises if the tokens would not fit.
 
         ``positions`` (b, s): the slots to write instead of each sequence's next ones (slot-addressed kinds only;
         integers in [0, max_len), range-checked when ``validate`` and not under torch.compile).
         ``need_positions``: the step reads the positions (RoPE), so they are made even where the write and the mask
-        would not need them. ``window``: the layers' attention window, for a kind that evicts. ``shortcuts``: sequences
+        would not need them. ``attention_window``: the layers' own, for a kind that evicts. ``shortcuts``: sequences
         that all continue at one host-known length are written as one slice copy, and one sequence continuing at its
         length attends with a plain bottom-right causal mask instead of a mask by positions (the same keys either
         way; never under torch.compile, where the full length and positions decide); the step passes
@@ -179,7 +179,7 @@ class BaseCache(nn.Module):
         pos = None
         if need_positions or start is None or not aligned:  # made only when RoPE, the write or the mask reads them
             pos = self.lengths[:, None] + torch.arange(s, device=self.lengths.device)  # (b, s)
-        keep = None if self.positional else self._keep(pos, s, window)
+        keep = None if self.positional else self._keep(pos, s, attention_window)
         return Slots(s=s, t=self._span(s), positions=pos, start=start, aligned=aligned, positional=self.positional,
                      keep=keep)
 
@@ -202,7 +202,7 @@ class BaseCache(nn.Module):
         assert self.max_len is not None
         return self.max_len if torch.compiler.is_compiling() else min(self.max_len, self._used + s)
 
-    def _keep(self, q_positions: Tensor | None, s: int, window: int | None) -> Tensor | None:
+    def _keep(self, q_positions: Tensor | None, s: int, attention_window: int | None) -> Tensor | None:
         """For a kind that evicts: which of the :meth:`_span` keys each query (b|1, s) may see, (b|1, 1, s, t)
         bool, or None when every query sees every key."""
         return None

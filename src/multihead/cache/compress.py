@@ -59,7 +59,7 @@ def compress(full: Cache, into: Cache) -> Cache:
     if n == 0:
         return into
     if isinstance(into, HybridCache):  # a step per window: each part reserves its own slots
-        by_window = {w: into.reserve(n, window=w) for w in dict.fromkeys(into.windows)}
+        by_window = {w: into.reserve(n, attention_window=w) for w in dict.fromkeys(into.windows)}
         slots = [by_window[w] for w in into.windows]
     else:
         slots = [into.reserve(n)] * full.n_layers

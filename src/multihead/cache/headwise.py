@@ -193,10 +193,10 @@ class HeadwiseCache(Cache):
 
     # ------------------------------------------------------------------ the slots of a step
     def reserve(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
-                window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
+                attention_window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
         """One Slots per kind of store, in ``parts`` (FULL, then each ring; None for a kind no layer has): the full
         stores' (t = the tokens held and the new ones, causal by position) and each ring's (t = its held slots + s,
-        ``keep`` by :func:`sink_keep` within ``window``, the step's attention window), each with its ``mask``
+        ``keep`` by :func:`sink_keep` within ``attention_window``, the step's), each with its ``mask``
         (validated as ``validate`` says), which the layers' views carry. The top-level fields are the first present
         part's.
 
@@ -214,12 +214,12 @@ class HeadwiseCache(Cache):
         if FULL in self._parts_used:
             t = self._span(s)
             aligned = not compiling  # one length for every sequence: the queries are the last s
-            mask = build_mask(batch=b, n_heads=h, s=s, t=t, causal=True, window=window,
+            mask = build_mask(batch=b, n_heads=h, s=s, t=t, causal=True, window=attention_window,
                               q_positions=None if aligned else pos, device=pos.device, validate=validate)
             parts[FULL] = Slots(s=s, t=t, positions=pos, start=None if compiling else self._used, aligned=aligned,
                                 mask=mask)
         for i, ring in enumerate(self.rings):
-            keep = held_keep(self._positions(i), self._held[i], pos, s, window, store_window=ring.window,
+            keep = held_keep(self._positions(i), self._held[i], pos, s, attention_window, window=ring.window,
                              sink_tokens=ring.sinks, at=None if compiling else self._used)
             t = self._held[i] + s
             parts[1 + i] = Slots(s=s, t=t, positions=pos, start=None, aligned=False, positional=False, keep=keep,

@@ -8,11 +8,12 @@ alternate sliding and global layers; Mistral slides every layer), so each layer 
               512: SinkCache(15 layers, window=512)}      a sliding layer of window W: a ring of its last W - 1 keys
 
 A model step is made once per window (:class:`multihead.hf.cache.MultiheadCache` keeps one step per window):
-``reserve(s, window=w)`` reserves the slots of the part of window ``w``, and a layer's ``update`` goes to its part
-with those slots. ``advance`` commits every part. The parts are of one kind (full, quantized, sinks + window) with
-each part's own form of it: :func:`multihead.hf.cache.new_cache` builds them (a full cache's sliding part is a ring of
-the window, a quantized cache's a ring of code groups, :class:`~.quantized.QuantizedKVCache` with ``window``), so
-``bytes`` equals transformers' own cache after the same tokens (its sliding layers keep ``window - 1`` keys).
+``reserve(s, attention_window=w)`` reserves the slots of the part of window ``w``, and a layer's ``update`` goes to
+its part with those slots. ``advance`` commits every part. The parts are of one kind (full, quantized, sinks +
+window) with each part's own form of it: :func:`multihead.hf.cache.new_cache` builds them (a full cache's sliding
+part is a ring of the window, a quantized cache's a ring of code groups, :class:`~.quantized.QuantizedKVCache` with
+``window``), so ``bytes`` equals transformers' own cache after the same tokens (its sliding layers keep
+``window - 1`` keys).
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ class HybridCache(Cache):
         if key not in self.parts:
             have = ", ".join(str(w) for w in dict.fromkeys(self.windows))
             raise MultiheadError(f"this HybridCache has no layer of window {window}: its layers' windows are {have} "
-                                 "(a step is made per window: reserve(s, window=w))")
+                                 "(a step is made per window: reserve(s, attention_window=w))")
         return cast(Cache, self.parts[key])
 
     def _parts(self) -> list[Cache]:
@@ -91,12 +92,13 @@ class HybridCache(Cache):
             part.reset()
 
     def reserve(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
-                window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
-        """The slots of the part whose layers have this ``window`` (the step's; None for the global layers): the
-        steps of one forward pass are made one per window, each checking that every part has room."""
+                attention_window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
+        """The slots of the part whose layers have this ``attention_window`` (the step's; None for the global
+        layers): the steps of one forward pass are made one per window, each checking that every part has room."""
         self.check_room(s)
-        return self.part(window).reserve(s, positions, need_positions=need_positions, window=window,
-                                         validate=validate, shortcuts=shortcuts)
+        return self.part(attention_window).reserve(s, positions, need_positions=need_positions,
+                                                   attention_window=attention_window, validate=validate,
+                                                   shortcuts=shortcuts)
 
     def next_positions(self, s: int) -> Tensor:
         self.check_room(s)

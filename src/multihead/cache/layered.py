@@ -45,9 +45,9 @@ class LayeredCache(Cache):
             self._part(i).reset()
 
     def reserve(self, s: int, positions: Tensor | None = None, *, need_positions: bool = False,
-                window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
-        return self._part(0).reserve(s, positions, need_positions=need_positions, window=window, validate=validate,
-                                     shortcuts=shortcuts)
+                attention_window: int | None = None, validate: bool = True, shortcuts: bool = True) -> Slots:
+        return self._part(0).reserve(s, positions, need_positions=need_positions, attention_window=attention_window,
+                                     validate=validate, shortcuts=shortcuts)
 
     def next_positions(self, s: int) -> Tensor:
         return self._part(0).next_positions(s)

@@ -117,18 +117,18 @@ class QuantizedKVCache(Cache):
     def _span(self, s: int) -> int:
         return self.held_codes + self._used - self._quantized + s
 
-    def _keep(self, q_positions: Tensor | None, s: int, window: int | None) -> Tensor | None:
+    def _keep(self, q_positions: Tensor | None, s: int, attention_window: int | None) -> Tensor | None:
         """A ring (``window``): the code rows by the positions they hold, then the tail and the new tokens in
-        order, each query seeing the keys of its layer's window (the step's, or the cache's own)."""
+        order, each query seeing the keys within its layer's ``attention_window`` and the ring's own."""
         assert self.window is not None and q_positions is not None
-        if s == 1 and self._used < self.window and (window is None or self._used < window):
+        if s == 1 and self._used < self.window and (attention_window is None or self._used < attention_window):
             return None  # one token and nothing has left the window yet: every held key is seen
         held = self.held_codes
         new = q_positions[0]  # (s,): the sequences hold one length
         tail = torch.arange(self._quantized, self._used + s, device=new.device)
         keys = torch.cat([self.code_positions[:held], tail])  # (t,)
-        horizon = self.window if window is None else min(window, self.window)
-        return sink_keep(new, keys, window=horizon, sink_tokens=0)[None, None]  # (1, 1, s, t)
+        seen = self.window if attention_window is None else min(attention_window, self.window)
+        return sink_keep(new, keys, window=seen, sink_tokens=0)[None, None]  # (1, 1, s, t)
 
     def quantized_tokens(self, used: int) -> int:
         """How many of ``used`` held tokens are quantized: whole groups, leaving ``residual`` or more in full."""

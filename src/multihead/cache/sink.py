@@ -80,8 +80,8 @@ class SinkCache(Cache):
     def _span(self, s: int) -> int:
         return self._held + s
 
-    def _keep(self, q_positions: Tensor | None, s: int, window: int | None) -> Tensor | None:
-        return held_keep(self.slot_positions, self._held, q_positions, s, window, store_window=self.window,
+    def _keep(self, q_positions: Tensor | None, s: int, attention_window: int | None) -> Tensor | None:
+        return held_keep(self.slot_positions, self._held, q_positions, s, attention_window, window=self.window,
                          sink_tokens=self.sink_tokens, at=None if torch.compiler.is_compiling() else self._used)
 
     def update(self, layer: int, k: Tensor, v: Tensor, slots: Slots, *, read_only: bool = False) -> DenseKV:
@@ -117,19 +117,21 @@ def ring_slot(p: int, *, sink_tokens: int, window: int) -> int:
     return sink_tokens + (p - sink_tokens) % (window - 1)
 
 
-def held_keep(slot_positions: Tensor, held: int, q_positions: Tensor | None, s: int, window: int | None, *,
-              store_window: int, sink_tokens: int, at: int | None = None) -> Tensor | None:
+def held_keep(slot_positions: Tensor, held: int, q_positions: Tensor | None, s: int, attention_window: int | None,
+              *, window: int, sink_tokens: int, at: int | None = None) -> Tensor | None:
     """The keep (1, 1, s, held + s) of ``s`` new queries over a sinks + window store's ``held`` slots (their
-    positions in ``slot_positions``) and the new keys, within ``window``, the layer's own attention window (None:
-    global; a key past it is not seen, sinks included), or None when each query sees every held slot. ``at``: the
-    first new position where the host knows it (a sink is within a window until the queries pass it)."""
-    sinks_seen = sink_tokens == 0 or (at is not None and at < window) if window is not None else True
-    if s == 1 and (window is None or (window >= store_window and sinks_seen)):
+    positions in ``slot_positions``) and the new keys: the store's ``sink_tokens`` and last ``window`` tokens,
+    within ``attention_window``, the layer's own (None: global; a key past it is not seen, sinks included), or None
+    when each query sees every held slot. ``at``: the first new position where the host knows it (a sink is within
+    the layer's window until the queries pass it)."""
+    sinks_seen = (sink_tokens == 0 or (at is not None and at < attention_window) if attention_window is not None
+                  else True)
+    if s == 1 and (attention_window is None or (attention_window >= window and sinks_seen)):
         return None  # one new token sees every held slot: the slots are exactly its sinks and window
     assert q_positions is not None
     new = q_positions[0]  # (s,): the sequences hold one length
     keys = torch.cat([slot_positions[:held], new])  # (t,)
-    return sink_keep(new, keys, window=store_window, sink_tokens=sink_tokens, horizon=window)[None, None]
+    return sink_keep(new, keys, window=window, sink_tokens=sink_tokens, attention_window=attention_window)[None, None]
 
 
 def keep_sinks_and_window(pending: Mapping[int, tuple[Tensor, Tensor]],
@@ -156,11 +158,12 @@ def keep_sinks_and_window(pending: Mapping[int, tuple[Tensor, Tensor]],
 
 
 def sink_keep(q_positions: Tensor, k_positions: Tensor, *, window: int, sink_tokens: int,
-              horizon: int | None = None) -> Tensor:
+              attention_window: int | None = None) -> Tensor:
     """(s, t) bool: query at position p may see the key at position j iff j <= p and (j > p - window or
-    j < sink_tokens), and, with a ``horizon`` (a sliding layer's own window), j > p - horizon. With k_positions =
-    q_positions = 0..n-1 it is the uncached model's mask for a :class:`SinkCache`."""
+    j < sink_tokens) (what a store of ``sink_tokens`` and the last ``window`` tokens holds), and, with an
+    ``attention_window`` (a sliding layer's own), j > p - attention_window. With k_positions = q_positions = 0..n-1
+    it is the uncached model's mask for a :class:`SinkCache`."""
     q = q_positions[:, None]  # (s, 1)
     j = k_positions[None, :]  # (1, t)
     keep = (j <= q) & ((j > q - window) | (j < sink_tokens)) & (j >= 0)
-    return keep if horizon is None else keep & (j > q - horizon)
+    return keep if attention_window is None else keep & (j > q - attention_window)

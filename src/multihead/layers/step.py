@@ -61,7 +61,7 @@ def build_step(x: Tensor, context: Tensor | None = None, *, n_heads: int, window
         check_cache_call(cache, context, mask, key_padding_mask, causal)
         kv = cache.cache if isinstance(cache, BaseLayerCache) else cache
         given = None if positions is None else check_positions(positions, b, s, x.device).expand(b, s)
-        slots = kv.reserve(s, given, need_positions=rotary is not None, window=window, validate=validate,
+        slots = kv.reserve(s, given, need_positions=rotary is not None, attention_window=window, validate=validate,
                            shortcuts=cpu.enabled())
         pos, t = slots.positions, slots.t
     elif rotary is not None:
