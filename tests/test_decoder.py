@@ -162,6 +162,31 @@ def test_tokenizers_come_from_one_loader_with_the_models_bos() -> None:
     assert wrapped.encode("ab") == [1, 10, 11] and wrapped.token_ids("ab") == [10, 11] and wrapped.bos_id == 1
 
 
+def test_any_class_that_satisfies_the_protocol_is_a_decoder_as_it_is() -> None:
+    """A user's own decoder (any class with the protocol's members) passes through as_decoder and DecoderHeads
+    unchanged: the tools ask for the protocol, not for one of multihead's classes."""
+    from multihead.heads.adapters import DecoderHeads
+
+    _, (port, _) = _decoders()
+
+    class Mine:  # delegates to the port, but is none of multihead's classes
+        engine, name, tokenizer, shape = "mine", "mine", port.tokenizer, port.shape
+        model = port.model
+        device, dtype = port.device, port.dtype
+
+        def __call__(self, ids: Any, **kw: Any) -> Any:
+            return port(ids, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(port, name)
+
+    mine = Mine()
+    assert as_decoder(mine) is mine
+    heads = DecoderHeads(mine)
+    batch = heads.encode(["abcab"])
+    assert heads.metric(batch) == pytest.approx(DecoderHeads(port).metric(batch), rel=1e-6)
+
+
 def test_bad_models_and_routes_are_refused_by_name(tmp_path: Any) -> None:
     with pytest.raises(MultiheadError, match="Linear is not a decoder"):
         as_decoder(torch.nn.Linear(2, 2))

@@ -142,7 +142,7 @@ class DecoderHeads(HeadModel):
     def __init__(self, decoder: Decoder | nn.Module, tokenizer: Any = None, name: str = "") -> None:
         self.decoder = as_decoder(decoder, tokenizer, name)
         self.name = name or self.decoder.name
-        self.engine = ENGINE_LABELS[self.decoder.engine]
+        self.engine = ENGINE_LABELS.get(self.decoder.engine, self.decoder.engine)  # a user's decoder: its own
         self.tokenizer = self.decoder.tokenizer
         self.max_tokens = self.decoder.shape.max_context or 2048
         tok: Any = self.tokenizer

@@ -329,7 +329,7 @@ class TransformersDecoder(_Parameters):
 def as_decoder(model: Any, tokenizer: Any = None, name: str = "") -> Decoder:
     """``model`` as a :class:`Decoder`: itself when it is one, else multihead's LlamaModel or a transformers causal
     LM with ``tokenizer`` (ours, or transformers' own, wrapped)."""
-    if isinstance(model, PortDecoder | TransformersDecoder):
+    if isinstance(model, PortDecoder | TransformersDecoder | Decoder):  # ours, or a user's own
         return cast(Decoder, model)
     from multihead.models.llama import LlamaModel
 

@@ -174,7 +174,7 @@ def run(settings: Settings, *, out: str | Path, progress: bool = True, model_pat
                              "port (engine ours)")
     result.update(model=model_path or ("a model given to run()" if own else
                                        "SmolLM2-135M-Instruct (Q4_1 GGUF, dequantised to float32)"),
-                  engine=ENGINE_LABELS[decoder.engine],
+                  engine=ENGINE_LABELS.get(decoder.engine, decoder.engine),
                   text=text_path or "Jargon File 4.4.7 (Debian jargon-text), held-out split",
                   seconds=round(time.perf_counter() - began, 1))
     _atomic_json(folder / "result.json", result)
