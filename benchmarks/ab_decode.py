@@ -46,6 +46,9 @@ def export(rev: str, into: Path) -> str:
     for path in (into / "multihead_base").rglob("*.py"):
         text = path.read_text(encoding="utf-8")
         text = re.sub(r"\b(from|import) multihead\b", r"\1 multihead_base", text)
+        # module names in strings too (the lazy loaders' import_module(f"multihead.{name}")): without this the
+        # base's lazily loaded names (multihead_base.MultiHeadAttention, its KVCache) came from this checkout
+        text = re.sub(r"(?<=[\"'])multihead\.", "multihead_base.", text)
         # its torch operators in a namespace of their own: one process cannot define multihead::x twice
         for old, new in (('"multihead::', '"multihead_base::'), ('Library("multihead"', 'Library("multihead_base"'),
                          ("torch.ops.multihead.", "torch.ops.multihead_base."),

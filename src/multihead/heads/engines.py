@@ -30,7 +30,6 @@ import json
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -386,12 +385,6 @@ def _argument_index(module: nn.Module, name: str) -> int | None:
     except (TypeError, ValueError):
         return None
     return names.index(name) if name in names else None
-
-
-def _model_name(model: nn.Module) -> str:
-    config: Any = getattr(model, "config", None)
-    path = str(getattr(config, "_name_or_path", "") or "")
-    return Path(path).name or path or type(model).__name__
 
 
 def _ranges(items: Sequence[int]) -> str:
