@@ -21,6 +21,7 @@ from multihead.kernels import AttentionCall, attend
 from multihead.layers.hooks import hook_points, run_with_cache
 from multihead.layers.masks import build_mask
 from multihead.verify.reference import Weights, multihead_attention
+from tests_support import aten_ops
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -113,6 +114,52 @@ def test_a_decoder_gives_the_eager_logits_and_tokens(arch: str) -> None:
     points = hook_points(model)
     n_layers = model.config.num_hidden_layers
     assert len([n for n in points if n.endswith("hook_k")]) == n_layers
+
+
+class _Adapted(nn.Linear):
+    """A user's own linear (an adapter's, a quantized one): enable leaves its class alone."""
+
+
+@pytest.mark.usefixtures("two_threads")  # the split product forced where a decode row's product may choose
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_enable_runs_our_products_on_the_linears_and_gives_them_back(dtype: torch.dtype) -> None:
+    from multihead.layers.linear import Linear
+
+    torch.manual_seed(0)
+    # widths at which the decode step's products may choose their kind (weights of >= SPLIT_MIN_WEIGHT elements)
+    model = _decoder("LlamaConfig", "LlamaForCausalLM", hidden_size=256, intermediate_size=512)().eval().to(dtype)
+    model.model.layers[1].mlp.down_proj.__class__ = _Adapted
+    plain = {n for n, m in model.named_modules() if type(m) is nn.Linear}
+    storage = {k: v.data_ptr() for k, v in model.state_dict().items()}
+    ids = torch.randint(3, V, (1, 12), generator=torch.Generator().manual_seed(1))
+
+    def decode() -> tuple[torch.Tensor, list[str]]:
+        """Logits of a 6-token prefill, then one token a step (the rows the products choose for)."""
+        model.set_attn_implementation("sdpa")  # transformers' attention on both sides: only the products differ
+        cache = transformers.DynamicCache(config=model.config)
+        out = []
+        with torch.no_grad(), aten_ops() as ops:
+            out.append(model(ids[:, :6], cache=cache).logits[:, -1])
+            for i in range(6, 12):
+                out.append(model(ids[:, i:i + 1], cache=cache).logits[:, -1])
+        return torch.stack(out), ops.names
+
+    hf.enable(model, products=False)
+    assert {n for n, m in model.named_modules() if type(m) is nn.Linear} == plain
+    theirs, their_ops = decode()
+    hf.enable(model)  # products=True, the default
+    mine = {n: m for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+    assert {n for n, m in mine.items() if type(m) is Linear} == plain  # the user's own subclass is left alone
+    assert type(mine["model.layers.1.mlp.down_proj"]) is _Adapted
+    assert {k: v.data_ptr() for k, v in model.state_dict().items()} == storage  # the same weights, no copy
+    ours, our_ops = decode()
+    assert "bmm.default" in our_ops and "bmm.default" not in their_ops  # the split product ran, and only with ours
+    scale = float(theirs.float().abs().max())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2  # the same sums in another order, rounded to the dtype
+    torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=tol * scale)
+    assert hf.switch_products(model, False) == len(plain)
+    assert {n for n, m in model.named_modules() if type(m) is nn.Linear} == plain
+    assert hf.switch_products(model, False) == 0
 
 
 def test_keys_stay_n_kv_heads_wide_into_the_kernel_with_a_padding_mask() -> None:

@@ -11,7 +11,8 @@ The package, one module a concern (each imported when first used: reading a conf
 kernels nor transformers):
 
     attention.py   the registered attention function and mask, over transformers' tensors or a cache's view
-    switch.py      enable: the implementation switched, hook points, residual points, each forward one CPU step
+    switch.py      enable: the implementation switched, hook points, residual points, the products, each forward
+                   one CPU step
     cache.py       multihead's caches as a transformers Cache (new_cache), each kind storing what a layer sees
     loader.py      load: a folder or .gguf through transformers, switched
     mla.py         our MLA layer standing in DeepSeek-V2/V3's attention
@@ -19,9 +20,11 @@ kernels nor transformers):
 
 transformers (5.x) calls the registered function with (module, query (b, h, s, d), key and value (b, g, t, d) after
 its own RoPE and cache, attention_mask, dropout, scaling, **kwargs). Hugging Face's modules and weights run
-unchanged; only the attention core is multihead's: keys and values stay g = n_kv_heads wide into the kernel (also
-with a padding mask, where transformers' own SDPA path repeats them), the same hook points as our layer
-(``model.layers.3.self_attn.hook_z``), exact per-head patterns on the fused path.
+unchanged but for two things: the attention core is multihead's (keys and values stay g = n_kv_heads wide into the
+kernel, also with a padding mask, where transformers' own SDPA path repeats them; the same hook points as our layer,
+``model.layers.3.self_attn.hook_z``; exact per-head patterns on the fused path), and each ``nn.Linear`` computes as
+our models' :class:`multihead.layers.linear.Linear` (the decode step's few-row products on the CPU as the fastest
+kind for the shape: same weights and state_dict; ``enable(model, products=False)`` keeps transformers' own).
 
 The mask is registered too (``AttentionMaskInterface``): without it transformers passes no mask. It is transformers'
 boolean mask (True = may attend, multihead's convention), or None where transformers proves none is needed.
@@ -61,6 +64,7 @@ if TYPE_CHECKING:
         decoder_layers,
         enable,
         model_type,
+        switch_products,
     )
 
 # the package's names, each from the module that defines it (imported on first use)
@@ -68,7 +72,7 @@ _HOMES = {
     "attention": ("IGNORED", "NAME", "VIEW", "attention_forward", "check_no_padding", "register"),
     "cache": ("MultiheadCache", "cache_shape", "layer_windows", "new_cache"),
     "switch": ("LAYOUTS", "RESID_FAMILIES", "BlockLayout", "attention_modules", "block_layout", "block_parts",
-               "decoder_layers", "enable", "model_type"),
+               "decoder_layers", "enable", "model_type", "switch_products"),
     "loader": ("load",),
     "mla": ("MLAInTransformers", "mla_from_transformers", "use_mla_layers"),
 }
@@ -77,7 +81,7 @@ _WHERE = {name: module for module, names in _HOMES.items() for name in names}
 __all__ = ["IGNORED", "LAYOUTS", "NAME", "RESID_FAMILIES", "VIEW", "BlockLayout", "MLAInTransformers", "MultiheadCache",
            "attention_forward", "attention_modules", "block_layout", "block_parts", "cache_shape", "check_no_padding",
            "decoder_layers", "enable", "layer_windows", "load", "mla_from_transformers", "model_type", "new_cache",
-           "register", "use_mla_layers"]
+           "register", "switch_products", "use_mla_layers"]
 
 
 def __getattr__(name: str) -> Any:

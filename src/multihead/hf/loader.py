@@ -14,10 +14,11 @@ from multihead.hf.switch import enable
 
 
 def load(path: str | Path, *, dtype: torch.dtype = torch.float32, task: str | None = None,
-         backend: str = "auto") -> nn.Module:
+         backend: str = "auto", products: bool = True) -> nn.Module:
     """A transformers model from a local folder (config.json and safetensors) or a .gguf file, already switched to
-    multihead's attention. ``task`` picks the head: "causal-lm" (default for decoders), "masked-lm", "base"
-    (AutoModel, default for encoders) or "seq2seq-lm"."""
+    multihead's attention (:func:`~multihead.hf.enable`, with ``backend`` and ``products``). ``task`` picks the
+    head: "causal-lm" (default for decoders), "masked-lm", "base" (AutoModel, default for encoders) or
+    "seq2seq-lm"."""
     require("transformers", "hf")
     import transformers
 
@@ -45,7 +46,7 @@ def load(path: str | Path, *, dtype: torch.dtype = torch.float32, task: str | No
         model = auto.from_pretrained(str(folder), **kwargs)
     except Exception as err:  # any failure of transformers' readers on a user's file is one clear error naming it
         raise MultiheadError(f"transformers could not load {str(p)!r}: {type(err).__name__}: {err}") from None
-    return enable(model.eval(), backend=backend)
+    return enable(model.eval(), backend=backend, products=products)
 
 
 _ENCODERS = {"bert", "roberta", "modernbert", "distilbert", "electra", "xlm-roberta", "mpnet"}

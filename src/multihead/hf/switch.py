@@ -171,13 +171,16 @@ def _add_resid_points(layer: nn.Module, attention: str = "self_attn", mlp: str =
     layer.register_forward_hook(on_output)
 
 
-def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
+def enable(model: nn.Module, *, backend: str = "auto", products: bool = True) -> nn.Module:
     """Switch a transformers model to multihead's attention (in place) and give each attention module the hook points
     ``hook_q`` .. ``hook_out`` (``hook_out`` is the module's own output), and each decoder layer of the
     :data:`RESID_FAMILIES` (Llama, Mistral, Qwen2, Qwen3, SmolLM3, OLMo, Phi-3, gpt-oss, Gemma 1/2/3, GPT-2) the
     residual-stream points
     ``hook_resid_pre`` .. ``hook_resid_post`` (``model.layers.3.hook_resid_post``; :mod:`multihead.layers.hooks`).
-    Returns the model."""
+
+    ``products`` (default True): the model's ``torch.nn.Linear`` modules compute as
+    :class:`multihead.layers.linear.Linear`, the class our own models use (:func:`switch_products`); False gives them
+    back. Calling ``enable`` again changes either setting. Returns the model."""
     register()
     if not (hasattr(model, "set_attn_implementation") and hasattr(model, "_can_set_attn_implementation")):
         raise MultiheadError(f"{type(model).__name__} is not a transformers model (no set_attn_implementation)")
@@ -200,11 +203,35 @@ def enable(model: nn.Module, *, backend: str = "auto") -> nn.Module:
     for layer in decoder_layers(model).values():
         if "_resid_points" not in layer.__dict__:
             _add_resid_points(layer, layout.attn_write, layout.mlp_write)
+    switch_products(model, products)
     if "_multihead_step_threads" not in model.__dict__:  # each forward is a step: its threads follow the load
         model.register_forward_pre_hook(_enter_step)
         model.register_forward_hook(_leave_step, always_call=True)
         model.__dict__["_multihead_step_threads"] = True
     return model
+
+
+def switch_products(model: nn.Module, on: bool) -> int:
+    """Make each ``torch.nn.Linear`` of ``model`` (the class itself, not a subclass: a quantized or adapted linear
+    keeps its own) a :class:`multihead.layers.linear.Linear` (``on``), or each of those a ``torch.nn.Linear`` again;
+    returns how many modules changed.
+
+    The module keeps its parameters, state_dict, hooks and ``isinstance(m, nn.Linear)``; only its forward changes:
+    the few-row products of a decode step on the CPU run the kind of product
+    :func:`multihead.kernels.cpu.product_kind` picks for the shape (for one bfloat16 row, the native kernel that
+    reads the weight at the memory's speed), a bfloat16 prefill's products run in float32 on a CPU without bfloat16
+    instructions (:func:`multihead.layers.linear.upcast`), and everything else (a GPU, autograd, other dtypes)
+    is ``F.linear``. The kinds agree with ``F.linear`` to the dtype's rounding (the same sums in another order), and
+    a shape runs one kind throughout a process."""
+    from multihead.layers.linear import Linear
+
+    before, after = (nn.Linear, Linear) if on else (Linear, nn.Linear)
+    changed = 0
+    for module in model.modules():
+        if type(module) is before:
+            module.__class__ = after
+            changed += 1
+    return changed
 
 
 _steps = threading.local()  # the step_threads contexts of the forwards running in this thread
