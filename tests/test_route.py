@@ -79,5 +79,5 @@ def test_embed_and_tune_name_the_port_they_run(capsys: pytest.CaptureFixture[str
     assert main(["embed", "hello", "--model", "gemma3"]) == 2
     assert "embed runs multihead's sentence-encoder port (BERT): gemma3 (gemma3 GGUF)" in capsys.readouterr().err
     assert main(["tune", "--model", "minilm"]) == 2
-    assert "tune measures the decisions of multihead's own Llama port: minilm (bert folder)" in (
+    assert "tune measures the decisions of a decoder's decoding: minilm (bert folder)" in (
         capsys.readouterr().err)

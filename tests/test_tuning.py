@@ -56,6 +56,44 @@ def test_tuning_a_model_writes_every_decision_it_looks_up_and_the_decisions_then
     assert tuning.clear_table() and cpu.table() == {} and not tuning.clear_table()
 
 
+def test_a_transformers_model_is_tuned_for_our_products_in_it_and_the_heads_its_config_names(table_dir: Path
+                                                                                            ) -> None:
+    """hf.enable makes a transformers model's nn.Linear multihead's Linear: tune measures their shapes as the port's,
+    and the decode attention of the heads the caller reads from its config."""
+    import transformers
+
+    from multihead import hf
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=512,
+                                      tie_word_embeddings=True)
+    model = hf.enable(transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval())
+    entries = tuning.tune_model(model, lengths=(100, 300), repeats=3, flush=False, heads=[(9, 3, 64)], n_layers=2,
+                                write=False)
+    shapes = {(576, 576), (192, 576), (1536, 576), (576, 1536), (512, 576)}  # as the port's: the head is tied
+    assert {tuple(map(int, k.split()[1].split("x"))) for k in entries if k.startswith("product")} == shapes
+    assert {k for k in entries if k.startswith("native-attention")} == {
+        cpu.attention_key("native-attention", 1, 9, 3, torch.bfloat16, t, 2) for t in (100, 300)}
+    for heads in ([(9, 2, 64)], [], [(9, 3)], [(9, 3, 0)]):
+        with pytest.raises(MultiheadError, match=r"heads \(.*\) must be \(h, g, d\) positive ints, g dividing h"):
+            tuning.tune_model(model, heads=heads, n_layers=2, write=False)
+    assert not cpu.table_path().exists()
+
+
+def test_the_cli_tunes_a_transformers_folder_on_transformers(table_dir: Path, tmp_path: Path,
+                                                             capsys: pytest.CaptureFixture[str]) -> None:
+    from multihead.cli import main
+    from multihead.cli import tune as tune_cli
+    from tiny_checkpoints import write_tiny_hf_qwen2
+
+    assert tune_cli.LENGTHS == tuning.LENGTHS  # the flag's default without importing torch
+    folder = write_tiny_hf_qwen2(tmp_path / "qwen2")
+    assert main(["tune", "--model", str(folder), "--dtype", "fp32", "--lengths", "64", "--repeats", "3"]) == 0
+    said = capsys.readouterr()
+    assert f"tuning {folder.name} on transformers" in said.err and "decisions written to" in said.out
+
+
 def test_bad_arguments_are_refused_by_name(table_dir: Path) -> None:
     model = _tiny(torch.float32)
     with pytest.raises(MultiheadError, match=r"lengths \(\[0\]\) must be positive ints"):

@@ -12,17 +12,25 @@ from typing import Any
 
 from multihead.cli import COMMANDS, flags
 from multihead.cli.model import DTYPE_HELP
+from multihead.names import ENGINES
+
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192)  # multihead.kernels.tuning.LENGTHS (this module imports no torch)
 
 
 def add(sub: Any) -> None:
     p = sub.add_parser("tune", help=COMMANDS["tune"])
     p.add_argument("--model", type=flags.PATH, metavar="PATH",
-                   help="smollm2 (default), or a Llama GGUF file or Hugging Face folder (the port's decisions)")
+                   help="smollm2 (default), gemma3, or a GGUF file or Hugging Face folder of a decoder: the "
+                        "decisions of the engine that runs it (--engine)")
+    p.add_argument("--engine", choices=ENGINES, default="auto",
+                   help="auto (default: our port where one applies, transformers otherwise), ours, or transformers "
+                        "(the model in transformers with multihead's attention and products, hf.enable)")
     p.add_argument("--dtype", type=flags.Dtype(("fp32", "bf16"), many=True), default=("fp32", "bf16"),
                    help=f"{DTYPE_HELP}, here those to tune: comma-separated of fp32, bf16 (default: both)")
-    p.add_argument("--lengths", type=flags.LENGTHS, default=(1024, 2048, 4096, 8192),
+    p.add_argument("--lengths", type=flags.LENGTHS, default=LENGTHS,
                    help="context lengths whose decode attention is tuned (each stands for its power-of-two range; "
-                        "default 1024,2048,4096,8192, capped at the model's context)")
+                        f"default {','.join(map(str, LENGTHS))}: 256 for a sinks + window ring or a 512-token "
+                        "sliding window; capped at the model's context)")
     p.add_argument("--batch", type=flags.POSITIVE, default=1, help="decoding batch (default 1)")
     p.add_argument("--repeats", type=flags.Integer(3, 101, "a count of repeats"), default=7,
                    help="timed passes of each choice, alternating; the median decides (default 7)")
@@ -53,23 +61,27 @@ def run(args: argparse.Namespace) -> int:
     import torch
 
     from multihead.kernels import native
-    from multihead.models import load_llama
+    from multihead.models.decoder import load_decoder
     from multihead.models.route import route
 
-    routed = route(args.model, "auto")
-    if routed.engine != "ours" or routed.port != "llama":
-        raise flags.CliError(f"tune measures the decisions of multihead's own Llama port: {routed.describe()}")
-    path = routed.path
+    routed = route(args.model, args.engine)
+    if routed.port == "bert":
+        raise flags.CliError(f"tune measures the decisions of a decoder's decoding: {routed.describe()}")
     native.build_now()  # the explicit build step: a forward never builds them
     found: dict[str, str] = {}
     say = None if args.json else (lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     for name in args.dtype:
-        model, _ = load_llama(path, dtype=getattr(torch, flags.TORCH_NAMES[name]))
-        lengths = sorted({min(t, model.config.max_context) for t in args.lengths})
+        decoder = load_decoder(routed.path, routed.engine, dtype=getattr(torch, flags.TORCH_NAMES[name]))
+        shape = decoder.shape
+        lengths = sorted({min(t, shape.max_context) for t in args.lengths})
         if say is not None:
-            print(f"tuning {name} (lengths {', '.join(map(str, lengths))}, batch {args.batch}):", file=sys.stderr)
-        found.update(tuning.tune_model(model.eval(), lengths=lengths, batch=args.batch, repeats=args.repeats,
-                                       progress=say))
+            print(f"tuning {decoder.name} on {decoder.engine}, {name} (lengths {', '.join(map(str, lengths))}, "
+                  f"batch {args.batch}):", file=sys.stderr)
+        theirs = routed.engine != "ours"  # a transformers model: its attention modules are not ours
+        found.update(tuning.tune_model(
+            decoder.model, lengths=lengths, batch=args.batch, repeats=args.repeats, progress=say,
+            heads=[(shape.n_heads, shape.n_kv_heads, shape.head_dim)] if theirs else None,
+            n_layers=shape.n_layers if theirs else None))
     if args.json:
         print(json.dumps({"path": str(cpu.table_path()), "host": cpu.host(), "entries": found}))
     else:

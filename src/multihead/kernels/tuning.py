@@ -243,20 +243,34 @@ def model_shapes(model: nn.Module) -> tuple[list[Tensor], list[tuple[int, int, i
     return weights, heads, len(layers)
 
 
-def tune_model(model: nn.Module, *, lengths: Sequence[int] = (1024, 2048, 4096, 8192), batch: int = 1,
-               repeats: int = REPEATS, flush: bool = True, write: bool = True,
-               progress: Callable[[str], None] | None = None) -> dict[str, str]:
+LENGTHS = (256, 512, 1024, 2048, 4096, 8192)  # each stands for its power-of-two range of keys (256: a 260-key ring)
+
+
+def tune_model(model: nn.Module, *, lengths: Sequence[int] = LENGTHS, batch: int = 1, repeats: int = REPEATS,
+               flush: bool = True, write: bool = True, progress: Callable[[str], None] | None = None,
+               heads: Sequence[tuple[int, int, int]] | None = None, n_layers: int | None = None) -> dict[str, str]:
     """Measure and record every decision a decoding ``model`` (batch ``batch``, contexts up to ``lengths``) looks
     up: its one-row products and its decode attention at each length, in the model's dtype. Writes the host's table
     (unless ``write`` is False) and returns the entries. Turned off speed paths (:func:`multihead.kernels.cpu.disabled`)
-    have nothing to tune."""
+    have nothing to tune.
+
+    ``heads`` (with ``n_layers``): the (h, g, d) of attention layers that are not multihead's own modules, as a
+    transformers model switched by :func:`multihead.hf.enable` has (its products are multihead's Linear there; the
+    caller reads the heads from its config, :attr:`multihead.models.decoder.Decoder.shape`)."""
     if not cpu.enabled():
         raise MultiheadError("the CPU speed paths are off (multihead.kernels.cpu.disabled): there is nothing to tune")
     if any(isinstance(t, bool) or not isinstance(t, int) or t < 1 for t in lengths) or not lengths:
         raise MultiheadError(f"lengths ({list(lengths)!r}) must be positive ints")
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise MultiheadError(f"batch ({batch!r}) must be a positive int")
-    weights, heads, n_layers = model_shapes(model)
+    weights, found_heads, found_layers = model_shapes(model)
+    if heads is None:
+        heads, n_layers = found_heads, found_layers
+    elif not heads or any(len(x) != 3 or any(isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in x)
+                          or x[0] % x[1] for x in heads):
+        raise MultiheadError(f"heads ({list(heads)!r}) must be (h, g, d) positive ints, g dividing h")
+    else:
+        heads, n_layers = sorted(set(heads)), n_layers or found_layers or 8
     if not weights and not heads:
         raise MultiheadError(f"{type(model).__name__} has no multihead Linear or attention layer to tune")
     dtype = weights[0].dtype if weights else torch.float32
