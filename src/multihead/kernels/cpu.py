@@ -282,10 +282,10 @@ DEFAULTS = {
                 "benchmarks/RESULTS.md)"),
     "fold": ("folded where the rule decides it (a KV head serving >= 4 query heads, or the b * g work items sharing "
              "evenly among the threads or at least two a thread); otherwise not folded (SDPA's own GQA)"),
-    "native-attention": ("the native kernel wherever it fits from 1,024 keys, SDPA below (it read a float32 cache "
+    "native-attention": ("the native kernel wherever it fits from 128 keys, SDPA below (it read a float32 cache "
                          "1.4-2.4x and a bfloat16 one 1.0-1.8x as fast as SDPA from 2,048 to 8,192 keys on the host "
-                         "of 2026-12-01, and 1,024 bfloat16 keys 1.5x as fast in whole steps on the host of "
-                         "2026-12-07; on shorter caches SDPA's call costs less)"),
+                         "of 2026-12-01, and 130-1,024 keys 1.2-2.7x as fast in both dtypes on the host of "
+                         "2026-12-07; under 128 keys not measured)"),
 }
 
 _table_lock = threading.Lock()
@@ -545,7 +545,7 @@ def fold_gqa_decode(batch: int, n_heads: int, n_kv_heads: int, s: int, device: t
                                                                threads)) == "folded"))
 
 
-NATIVE_DECODE_KEYS = {torch.float32: 1024, torch.bfloat16: 1024}  # untuned: native decode from this many keys
+NATIVE_DECODE_KEYS = {torch.float32: 128, torch.bfloat16: 128}  # untuned: native decode from this many keys
 
 
 def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: torch.dtype, t: int) -> str | None:
@@ -562,8 +562,14 @@ def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: to
     kernel then called through ctypes). On the 2-core AMD EPYC host of 2026-12-07 (the kernel a PyTorch operator),
     SDPA's unfolded bfloat16 decode took 1.0 ms a layer at 1,024 keys against the kernel's 0.07: whole steps 69.2 ms
     against 46.4 with the kernel, and a 260-key ring 5% faster natively. A 1-4% loss on one host against a 1.5x gain
-    on another: native from 1,024 keys in both dtypes. The table decides per (b, h, g, dtype, power-of-two range of
-    t, threads); without an entry, native from NATIVE_DECODE_KEYS keys (by dtype), SDPA below."""
+    on another: native from 1,024 keys in both dtypes. Then, the same AMD host, the kernel an operator
+    (:func:`multihead.kernels.tuning.tune_attention`, 8 layers' caches in turn, medians of 15, two rounds): SmolLM2's
+    9/3 heads at 130, 511 and 1,024 keys 1.3-2.6x as fast natively in float32, 1.6-2.3x in bfloat16; Gemma 3's 4/1
+    heads of 256 at the same lengths 1.7-2.7x and 1.2-1.8x (511 keys: Gemma's sliding window; a sinks + window
+    ring holds 260). The Intel figures above were whole steps through ctypes, within their noise: native from 128 keys in
+    both dtypes. The table decides per (b, h, g, dtype, power-of-two range of t, threads; ``multihead tune``
+    measures the ranges from 256 keys); without an entry, native from NATIVE_DECODE_KEYS keys (by dtype), SDPA
+    below (a call's fixed cost, not measured under 128 keys)."""
     if not _enabled or (not torch.compiler.is_compiling() and in_a_mode()):
         return None
     threads = intra_op_threads()
