@@ -23,7 +23,8 @@ from multihead.models.decoder import (
     load_decoder,
     load_tokenizer,
 )
-from multihead.models.llama import LlamaConfig, LlamaModel
+from multihead.models.llama import LlamaModel
+from tests_support import llama_pair
 
 VOCAB = 97
 
@@ -44,24 +45,8 @@ class Letters:
 def _pair() -> tuple[Any, LlamaModel, Any]:
     """A tiny random transformers Llama (its own sdpa attention, untouched), a copy of it for multihead's attention,
     and multihead's port with the same weights."""
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                                      rms_norm_eps=1e-5)
-    reference = transformers.LlamaForCausalLM(config).eval()
+    reference, ours = llama_pair(VOCAB, ffn=96, context=256, std=0.2)
     reference.set_attn_implementation("sdpa")
-    with torch.no_grad():
-        for p in reference.parameters():
-            torch.nn.init.normal_(p, std=0.2)
-    ours = LlamaModel(LlamaConfig(vocab_size=VOCAB, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=96,
-                                  rms_eps=1e-5, max_context=256, tie_embeddings=False)).eval()
-    state = {}
-    for name, tensor in reference.state_dict().items():
-        mine = (name.removeprefix("model.").replace("embed_tokens.", "embed.").replace("self_attn.", "attn.")
-                .replace("input_layernorm.", "attn_norm.").replace("post_attention_layernorm.", "ffn_norm.")
-                .replace("mlp.", ""))
-        state[mine] = tensor
-    ours.load_state_dict(state)
     return reference, ours, copy.deepcopy(reference)
 
 

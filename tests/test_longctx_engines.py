@@ -12,37 +12,21 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-import transformers
 
 from multihead.errors import MultiheadError
-from multihead.models.llama import LlamaConfig, LlamaModel
+from multihead.models.llama import LlamaModel
 from multihead.tradeoff import longctx as lc
 from test_longctx import CHARS, TOK, _prose
+from tests_support import llama_pair
 
 
 def _pair() -> tuple[Any, LlamaModel]:
-    """A tiny random transformers Llama on multihead's attention, and multihead's port with its weights."""
+    """A tiny random transformers Llama on multihead's attention, and multihead's port with its weights (large
+    weights: attention far from uniform, so evictions show)."""
     from multihead import hf
     from multihead.models.decoder import TransformersDecoder
 
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=len(CHARS), hidden_size=64, intermediate_size=64,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=1024, rms_norm_eps=1e-5)
-    theirs = transformers.LlamaForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in theirs.parameters():
-            torch.nn.init.normal_(p, std=0.3)  # large weights: attention far from uniform, so evictions show
-    ours = LlamaModel(LlamaConfig(vocab_size=len(CHARS), d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64,
-                                  rms_eps=1e-5, max_context=1024, tie_embeddings=False)).eval()
-    state = {}
-    for name, tensor in theirs.state_dict().items():
-        mine = (name.removeprefix("model.").replace("embed_tokens.", "embed.").replace("self_attn.", "attn.")
-                .replace("input_layernorm.", "attn_norm.").replace("post_attention_layernorm.", "ffn_norm.")
-                .replace("mlp.", ""))
-        state[mine] = tensor
-    ours.load_state_dict(state)
+    theirs, ours = llama_pair(len(CHARS), ffn=64, context=1024, std=0.3)
     return TransformersDecoder(hf.enable(theirs)), ours
 
 

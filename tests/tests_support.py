@@ -98,3 +98,31 @@ class attention:  # a context manager, named like torch.no_grad
 
     def __exit__(self, *exc: object) -> None:
         self.model.set_attn_implementation(self.before)
+
+
+def llama_pair(vocab: int, *, ffn: int, context: int, std: float) -> tuple[Any, Any]:
+    """A tiny random transformers Llama (2 layers, d_model 64, 4 query and 2 KV heads; weights drawn with ``std``)
+    and multihead's Llama port holding the same weights: (transformers model, port), both in eval mode."""
+    import torch
+    import transformers
+
+    from multihead.models.llama import LlamaConfig, LlamaModel
+
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=ffn, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=context,
+                                      rms_norm_eps=1e-5)
+    theirs = transformers.LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        for p in theirs.parameters():
+            torch.nn.init.normal_(p, std=std)
+    ours = LlamaModel(LlamaConfig(vocab_size=vocab, d_model=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=ffn,
+                                  rms_eps=1e-5, max_context=context, tie_embeddings=False)).eval()
+    state = {}
+    for name, tensor in theirs.state_dict().items():
+        mine = (name.removeprefix("model.").replace("embed_tokens.", "embed.").replace("self_attn.", "attn.")
+                .replace("input_layernorm.", "attn_norm.").replace("post_attention_layernorm.", "ffn_norm.")
+                .replace("mlp.", ""))
+        state[mine] = tensor
+    ours.load_state_dict(state)
+    return theirs, ours
