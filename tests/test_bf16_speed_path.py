@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from multihead.errors import MultiheadError
 from multihead.kernels import cpu
 from multihead.layers.linear import Linear
 from multihead.models.generate import generate_ids
@@ -135,7 +136,7 @@ def test_the_split_never_follows_the_load_only_the_thread_count_does() -> None:
         assert cpu.free_threads() == threads
         assert cpu.split_product(1, w, x) == 2  # the blocks are the configured threads', whatever the load
         assert cpu.split_product(1, w.bfloat16(), x.bfloat16()) == 2
-    cpu.follow_load(False)  # the default: the load is never read
+    cpu.follow_load(False)  # MULTIHEAD_FOLLOW_LOAD=0: the load is never read
     cpu.pin_spare_cores(0.0)
     assert cpu.free_threads() == 2
 
@@ -186,9 +187,32 @@ def test_a_stale_load_reading_is_taken_afresh_from_several(monkeypatch: pytest.M
         assert len(taken) == len(readings) + 1
 
 
+def test_the_load_is_followed_by_default_and_a_bad_setting_is_refused_by_name(monkeypatch: pytest.MonkeyPatch
+                                                                              ) -> None:
+    cpu.pin_spare_cores(None)
+    try:
+        for said, on in ((None, True), ("1", True), ("0", False)):
+            cpu.follow_load(None)
+            if said is None:
+                monkeypatch.delenv("MULTIHEAD_FOLLOW_LOAD", raising=False)
+            else:
+                monkeypatch.setenv("MULTIHEAD_FOLLOW_LOAD", said)
+            assert cpu.following_load() is on
+        for said in ("yes", "", "2"):
+            cpu.follow_load(None)
+            monkeypatch.setenv("MULTIHEAD_FOLLOW_LOAD", said)
+            with pytest.raises(MultiheadError, match=rf"MULTIHEAD_FOLLOW_LOAD={said!r}: set 1 .* or 0"):
+                cpu.following_load()
+        monkeypatch.setenv("MULTIHEAD_FOLLOW_LOAD", "0")
+        cpu.follow_load(True)  # the call wins over the environment
+        assert cpu.following_load()
+    finally:
+        cpu.follow_load(None)
+
+
 def test_without_following_the_load_nothing_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu.follow_load(None)
-    monkeypatch.delenv("MULTIHEAD_FOLLOW_LOAD", raising=False)
+    monkeypatch.setenv("MULTIHEAD_FOLLOW_LOAD", "0")
     monkeypatch.setattr(cpu._Load, "read", staticmethod(lambda: pytest.fail("the load was read")))
     cpu.pin_spare_cores(None)
     try:

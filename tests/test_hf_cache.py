@@ -272,7 +272,8 @@ def test_a_switched_models_step_follows_the_load_as_our_models_do_and_gives_the_
     """hf.enable makes each forward a step of multihead.kernels.cpu.step_threads: following the load with one core left
     free, the attention runs with one intra-op thread (an op spread over two waits for the thread the scheduler
     left off its core); the configured two come back after the forward, and after one that raised; idle, or not
-    following the load (the default), every step keeps the configured threads. The logits are the same each way."""
+    following the load (MULTIHEAD_FOLLOW_LOAD=0), every step keeps the configured threads. The logits are the same
+    each way."""
     from multihead.kernels import cpu
 
     model = _model("llama")

@@ -24,12 +24,15 @@ table is read once, when the process first needs it, and never written, so a pro
 first step to its last, and two processes on one host agree. A decision the table does not hold takes the rule written
 beside it (:data:`DEFAULTS` says which). Nothing in a forward pass reads the clock.
 
-**The machine's load** can change how many threads a step runs with, never what it computes: off by default;
-:func:`follow_load` (or ``MULTIHEAD_FOLLOW_LOAD=1``) runs each model step with the threads of the cores other
-processes leave free (:func:`step_threads`; a transformers model switched by :func:`multihead.hf.enable` too, each
-forward a step), and a split low-precision product in one thread where cores are busy.
-Every decision above keys by the process's configured thread count, not the step's, so the same kernels run and the
-outputs do not change (a test checks it bit for bit).
+**The machine's load** can change how many threads a step runs with, never what it computes: each model step runs
+with the threads of the cores other processes leave free (:func:`step_threads`; a transformers model switched by
+:func:`multihead.hf.enable` too, each forward a step), and a split low-precision product in one thread where cores
+are busy. On by default (a /proc reading at most every 0.1 s; nothing where /proc is absent); :func:`follow_load`
+(False) or ``MULTIHEAD_FOLLOW_LOAD=0`` keeps the configured threads whatever the load. An op spread over two
+threads waits at each barrier for the one the scheduler left off its core: with one other busy process on the 2-core
+AMD host, Gemma 3's float32 decode at 4k took 261 ms a step with the configured threads, 127 following the load,
+196 in transformers (benchmarks/RESULTS.md, 2026-12-07). Every decision above keys by the process's configured
+thread count, not the step's, so the same kernels run and the outputs do not change (a test checks it bit for bit).
 
 ``set_enabled(False)`` (or ``with disabled():``) turns every fast path of the package off (these, and the cache's
 slice write and plain decode mask, :meth:`multihead.cache.BaseCache.reserve`), so the plain path can be compared
@@ -196,8 +199,8 @@ _follow: bool | None = None  # None: read MULTIHEAD_FOLLOW_LOAD once
 
 
 def follow_load(on: bool | None) -> None:
-    """Let the machine's load set how many threads a model step runs with (True), or not (False, the default);
-    None: as ``MULTIHEAD_FOLLOW_LOAD`` says (1 = on)."""
+    """Let the machine's load set how many threads a model step runs with (True), or not (False); None: as
+    ``MULTIHEAD_FOLLOW_LOAD`` says (1 or unset: on, the default; 0: off)."""
     global _follow
     _follow = None if on is None else bool(on)
 
@@ -206,7 +209,11 @@ def following_load() -> bool:
     """Whether a step's thread count follows the machine's load (:func:`follow_load`)."""
     global _follow
     if _follow is None:
-        _follow = os.environ.get("MULTIHEAD_FOLLOW_LOAD", "0") == "1"
+        said = os.environ.get("MULTIHEAD_FOLLOW_LOAD", "1")
+        if said not in ("0", "1"):
+            raise MultiheadError(f"MULTIHEAD_FOLLOW_LOAD={said!r}: set 1 (each step's threads follow the machine's "
+                                 "load, the default) or 0 (the configured threads whatever the load)")
+        _follow = said == "1"
     return _follow
 
 
@@ -563,13 +570,13 @@ def native_decode_attention(batch: int, n_heads: int, n_kv_heads: int, dtype: to
     SDPA's unfolded bfloat16 decode took 1.0 ms a layer at 1,024 keys against the kernel's 0.07: whole steps 69.2 ms
     against 46.4 with the kernel, and a 260-key ring 5% faster natively. A 1-4% loss on one host against a 1.5x gain
     on another: native from 1,024 keys in both dtypes. Then, the same AMD host, the kernel an operator
-    (:func:`multihead.kernels.tuning.tune_attention`, 8 layers' caches in turn, medians of 15, two rounds): SmolLM2's
-    9/3 heads at 130, 511 and 1,024 keys 1.3-2.6x as fast natively in float32, 1.6-2.3x in bfloat16; Gemma 3's 4/1
-    heads of 256 at the same lengths 1.7-2.7x and 1.2-1.8x (511 keys: Gemma's sliding window; a sinks + window
-    ring holds 260). The Intel figures above were whole steps through ctypes, within their noise: native from 128 keys in
-    both dtypes. The table decides per (b, h, g, dtype, power-of-two range of t, threads; ``multihead tune``
-    measures the ranges from 256 keys); without an entry, native from NATIVE_DECODE_KEYS keys (by dtype), SDPA
-    below (a call's fixed cost, not measured under 128 keys)."""
+    (:func:`multihead.kernels.tuning.tune_attention`, 8 layers' caches in turn, medians of 15, two rounds):
+    SmolLM2's 9/3 heads at 130, 511 and 1,024 keys 1.3-2.6x as fast natively in float32, 1.6-2.3x in bfloat16; Gemma
+    3's 4/1 heads of 256 at the same lengths 1.7-2.7x and 1.2-1.8x (511 keys: Gemma's sliding window; a sinks +
+    window ring holds 260). The Intel figures above were whole steps through ctypes, within their noise: native from
+    128 keys in both dtypes. The table decides per (b, h, g, dtype, power-of-two range of t, threads; ``multihead
+    tune`` measures the ranges from 256 keys); without an entry, native from NATIVE_DECODE_KEYS keys (by dtype),
+    SDPA below (a call's fixed cost, not measured under 128 keys)."""
     if not _enabled or (not torch.compiler.is_compiling() and in_a_mode()):
         return None
     threads = intra_op_threads()
