@@ -7,10 +7,17 @@ each chunked prefill timed (one run each: seconds); the other kinds are then mad
 (:func:`multihead.cache.compress`: sinks + window, int8, int4, head-wise plans) and every variant decodes the same
 greedy continuation one token a step, the variants taking turns step by step (``--steps`` timed steps after one
 untimed step, which also records the kernel :func:`multihead.kernels.explain` names for each variant's first layer).
-The table gives each variant's median ms a step and its speed against transformers' (>1: faster), with the bytes
-each cache holds and each multihead kind's step against its bytes bound (:func:`bytes_bound`: the full cache's step
-scaled by the weights + cache bytes read). ``--load N`` repeats the decode with N busy processes (pure Python loops,
-one core each) started by the benchmark.
+multihead's variants run with its products (``hf.enable``'s default, ``products=True``); "multihead full, transformers'
+products" is the full cache with the model's own ``nn.Linear`` (``products=False``), and every transformers variant runs
+with those. The table gives each variant's median ms a step and its speed against transformers' (>1: faster), with the
+bytes each cache holds and each multihead kind's step against its bytes bound (:func:`bytes_bound`: the full cache's
+step scaled by the weights + cache bytes read).
+``--load N`` repeats the decode with N busy processes (pure Python loops,
+one core each) started by the benchmark; multihead's kinds follow the load (:func:`multihead.kernels.cpu.follow_load`,
+the default; ``--no-follow-load``: the configured threads, as ``MULTIHEAD_FOLLOW_LOAD=0``), transformers' steps never,
+and under the load a second full cache runs with the threads as configured, so both are measured against
+transformers there. ``--json`` is written after each cell;
+``--resume`` keeps the cells a file of an earlier run holds and measures the rest.
 
 transformers' compiled decoding runs beside them as a second anchor (issue 50 item 3): its StaticCache prefilled
 eagerly, then ``torch.compile(model.forward)`` one token a step (:class:`CompiledStatic`; compiled afresh for each
@@ -24,7 +31,8 @@ whatever a plan says), so its plans keep every key on 2 of the 3 global layers (
 streaming with 4 sinks + 256.
 
     .venv/bin/python benchmarks/hf_decode.py [--models smollm2 gemma3] [--dtypes float32 bfloat16]
-        [--lengths 1024 4096 8192] [--steps 12] [--load 0] [--no-compiled] [--json out/hf-decode.json] [--record]
+        [--lengths 1024 4096 8192] [--steps 12] [--load 0] [--no-follow-load] [--no-compiled]
+        [--json out/hf-decode.json] [--resume] [--record]
 """
 
 from __future__ import annotations
@@ -115,13 +123,14 @@ def bytes_bound(rows: list[dict[str, Any]], weights: int) -> None:
     """Each multihead kind's decode step against its bytes bound (issue 50 item 2): a step reads the weights and the
     cache, so a kind holding fewer bytes than the full cache should take the full cache's step time scaled by the
     bytes read, ``ms_full * (weights + cache) / (weights + cache_full)``; ``of_bound`` is the step's time over that
-    (1.0: at the bound; the issue asks 0.85-1.15). Added to the rows of each condition in place."""
+    (1.0: at the bound; the issue asks 0.85-1.15). Added to the rows of each condition in place, for the kinds (a
+    variant named "multihead <kind>, <how it runs>" is another way to run one: none)."""
     for condition in {r["condition"] for r in rows}:
         mine = [r for r in rows if r["condition"] == condition]
         full = next(r for r in mine if r["variant"] == "multihead full")
         for r in mine:
             r["bytes_read"] = weights + r["cache_bytes"]
-            if r["variant"].startswith("multihead"):
+            if r["variant"].startswith("multihead") and ", " not in r["variant"]:  # a kind, not a way to run one
                 bound = full["ms_per_step"] * r["bytes_read"] / (weights + full["cache_bytes"])
                 r["ms_bound"] = round(bound, 2)
                 r["of_bound"] = round(r["ms_per_step"] / bound, 3)
@@ -136,7 +145,7 @@ def prefill(model: Any, ids: torch.Tensor, cache: Any, chunk: int) -> float:
 
 
 def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, chunk: int, load: int,
-         plan_of: dict[str, Any], compiled: bool = True, follow: bool = False) -> dict[str, Any]:
+         plan_of: dict[str, Any], compiled: bool = True, follow: bool = True) -> dict[str, Any]:
     from transformers import DynamicCache
 
     from multihead import hf
@@ -153,15 +162,20 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
     ids = torch.randint(10, model.config.vocab_size, (1, length), generator=gen)
     room = length + extra
     model.set_attn_implementation("sdpa")
+    hf.switch_products(model, False)  # an earlier cell's hf.enable switched them
     theirs = DynamicCache(config=model.config)
     prefill_s = {"transformers sdpa + DynamicCache": prefill(model, ids, theirs, chunk)}
-    hf.enable(model)
+    hf.enable(model)  # multihead's attention and products (the default)
     full = hf.new_cache(model, room)
     prefill_s["multihead full"] = prefill(model, ids, full, chunk)
     caches: dict[str, Any] = {"transformers sdpa + DynamicCache": theirs, "multihead full": full}
     made = {"sinks + window": hf.new_cache(model, room, window=WINDOW, sink_tokens=SINKS),
             "int8": hf.new_cache(model, room, bits=8), "int4": hf.new_cache(model, room, bits=4),
             **{label: hf.new_cache(model, room, plan=p) for label, p in plan_of.items()}}
+    # the full kind with transformers' own products (hf.enable(model, products=False)): what multihead's add
+    made[THEIR_PRODUCTS.removeprefix("multihead ")] = hf.new_cache(model, room)
+    if load and follow:  # the full kind with the configured threads (MULTIHEAD_FOLLOW_LOAD=0), under the load
+        made[UNFOLLOWED.removeprefix("multihead ")] = hf.new_cache(model, room)
     for label, cache in made.items():
         compress(full.inner, cache.inner)
         caches[f"multihead {label}"] = cache
@@ -176,8 +190,11 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
     conditions = [("idle", 0)] + ([(f"{load} busy", load)] if load else [])
 
     def step(label: str, record: list[str] | None = None) -> float:
-        model.set_attn_implementation("sdpa" if label.startswith("transformers") else "multihead")
-        cpu.follow_load(follow and label.startswith("multihead"))  # transformers' own steps never follow it
+        mine = label.startswith("multihead")
+        model.set_attn_implementation("multihead" if mine else "sdpa")
+        hf.switch_products(model, mine and label != THEIR_PRODUCTS)  # transformers' steps: its own nn.Linear
+        # transformers' own steps never follow it, nor the full kind's second copy (the default's threads)
+        cpu.follow_load(follow and label.startswith("multihead") and label != UNFOLLOWED)
         if label == COMPILED:
             assert compiled_step is not None
             took, logits = compiled_step(token[label])
@@ -209,12 +226,15 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
         with bench_load(busy):
             for _ in range(steps):
                 for label in caches:
-                    times[condition][label].append(step(label))
+                    if busy or label != UNFOLLOWED:  # idle, the two full copies would run the same way
+                        times[condition][label].append(step(label))
     rows = []
     for condition, _ in conditions:
         anchor = statistics.median(times[condition]["transformers sdpa + DynamicCache"])
         fastest = statistics.median(times[condition][COMPILED]) if COMPILED in caches else None
         for label in caches:
+            if not times[condition][label]:
+                continue
             ms = statistics.median(times[condition][label])
             cache = caches[label]
             held = (sum(layer.keys.nbytes + layer.values.nbytes for layer in cache.layers if layer.keys is not None)
@@ -230,6 +250,8 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, steps: int, 
 
 
 COMPILED = "transformers sdpa + StaticCache, compiled"
+UNFOLLOWED = "multihead full, threads as configured"  # with --load N: MULTIHEAD_FOLLOW_LOAD=0, under the load
+THEIR_PRODUCTS = "multihead full, transformers' products"  # hf.enable(model, products=False)
 
 
 class CompiledStatic:
@@ -257,9 +279,12 @@ def _compiled_static(model: Any, ids: torch.Tensor, room: int, chunk: int) -> Co
     """transformers' StaticCache compiled, for this model, dtype and length, or why it does not run here."""
     from transformers import StaticCache
 
+    from multihead import hf
+
     torch._dynamo.reset()  # a fresh compile for this cell's shapes (each cell would otherwise count as a recompile)
     try:
         model.set_attn_implementation("sdpa")
+        hf.switch_products(model, False)  # transformers as it is: its own nn.Linear, traced once
         cache = StaticCache(config=model.config, max_cache_len=room)
         prefill(model, ids, cache, chunk)
         return CompiledStatic(model, cache, ids.shape[1])
@@ -310,13 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=12, help="timed decode steps of each variant (default 12)")
     p.add_argument("--prefill-chunk", type=int, default=512)
     p.add_argument("--load", type=int, default=0, help="also decode with N busy processes (default 0: idle only)")
-    p.add_argument("--follow-load", action="store_true",
-                   help="multihead's steps follow the machine's load (multihead.kernels.cpu.follow_load: as many "
+    p.add_argument("--no-follow-load", action="store_true",
+                   help="multihead's steps keep the configured threads (MULTIHEAD_FOLLOW_LOAD=0; by default they "
+                        "follow the machine's load, multihead.kernels.cpu.follow_load: as many "
                         "threads as cores are free); transformers' steps never do")
     p.add_argument("--no-compiled", action="store_true",
                    help="leave out transformers' compiled StaticCache (each cell compiles it: ~30 s on 2 cores)")
     p.add_argument("--json", type=Path, default=None, help="write the rows and the machine to this JSON file")
     p.add_argument("--record", action="store_true", help="append the table to benchmarks/RESULTS.md")
+    p.add_argument("--resume", action="store_true",
+                   help="keep the cells the --json file already holds (model, dtype, length asked) and run the rest")
     args = p.parse_args(argv)
     for name, value in (("--steps", args.steps), ("--prefill-chunk", args.prefill_chunk)):
         if value < 1:
@@ -326,34 +354,51 @@ def main(argv: list[str] | None = None) -> int:
     from multihead.kernels import native
 
     native.build_now()
+    if args.resume and args.json is None:
+        p.error("--resume needs --json (the file of the run it resumes)")
     rows: list[dict[str, Any]] = []
+    if args.resume and args.json.exists():
+        rows = json.loads(args.json.read_text())["rows"]
+    done = {(r["model"], r["dtype"], r.get("asked", r["cached"])) for r in rows}
     for name in args.models:
+        if all((name, d, n) in done for d in args.dtypes for n in args.lengths):
+            continue
         model = load(name)
         plan_of = plans(name, model)
         for dtype_name in args.dtypes:
             dtype = getattr(torch, dtype_name)
             model.to(dtype)
             for length in args.lengths:
+                if (name, dtype_name, length) in done:
+                    print(f"{name} {dtype_name} {length}: kept from {args.json}", flush=True)
+                    continue
                 found = cell(name, model, dtype, length, steps=args.steps, chunk=args.prefill_chunk,
                              load=args.load, plan_of=plan_of, compiled=not args.no_compiled,
-                             follow=args.follow_load)
-                rows.extend(found["rows"])
+                             follow=not args.no_follow_load)
+                rows.extend(dict(r, asked=length) for r in found["rows"])
                 print(table(found["rows"]), flush=True)
+                if args.json is not None:  # after each cell: a long run that stops keeps what it measured
+                    write_json(args.json, rows, not args.no_follow_load)
         del model
     stamp = datetime.date.today().isoformat()
     kernels = sorted({f"{r['variant']}: {r['kernel']}" for r in rows if r["cached"] == args.lengths[0]})
     text = (f"### The transformers path's decode against transformers' sdpa + DynamicCache ({stamp})\n"
             f"machine: {bench.machine()}; {args.steps} steps a variant, alternating step by step, median; "
-            + ("multihead's steps following the load (transformers' not); " if args.follow_load else "")
+            + ("multihead's steps following the load (transformers' not); " if not args.no_follow_load else
+               "every step with the configured threads; ")
             + f"prefill in chunks of {args.prefill_chunk}; `benchmarks/hf_decode.py`\n\n{table(rows)}\n\n"
             "kernels (first layer of the first step, at the shortest length):\n"
             + "\n".join(f"- {k}" for k in kernels) + "\n")
     publish(text, args.record)
     if args.json is not None:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps({"machine": bench.machine(), "date": stamp, "follow_load": args.follow_load,
-                                         "rows": rows}, indent=1))
+        write_json(args.json, rows, not args.no_follow_load)
     return 0
+
+
+def write_json(path: Path, rows: list[dict[str, Any]], follow: bool) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"machine": bench.machine(), "date": datetime.date.today().isoformat(),
+                                "follow_load": follow, "rows": rows}, indent=1))
 
 
 if __name__ == "__main__":

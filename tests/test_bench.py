@@ -123,9 +123,12 @@ def test_the_hf_decode_bytes_bound_scales_the_full_cache_step_by_the_bytes_read(
     rows = [{"condition": "idle", "variant": "transformers sdpa + DynamicCache", "ms_per_step": 10.0,
              "cache_bytes": 600},
             {"condition": "idle", "variant": "multihead full", "ms_per_step": 8.0, "cache_bytes": 600},
-            {"condition": "idle", "variant": "multihead half", "ms_per_step": 7.0, "cache_bytes": 300}]
+            {"condition": "idle", "variant": "multihead half", "ms_per_step": 7.0, "cache_bytes": 300},
+            {"condition": "idle", "variant": "multihead full, threads as configured", "ms_per_step": 9.0,
+             "cache_bytes": 600}]
     bytes_bound(rows, 400)
     assert rows[2]["ms_bound"] == 8.0 * 700 / 1000 and rows[2]["of_bound"] == round(7.0 / 5.6, 3)
+    assert "of_bound" not in rows[3]  # another way to run a kind, not a kind: no bound of its own
     assert rows[1]["of_bound"] == 1.0 and "of_bound" not in rows[0] and rows[0]["bytes_read"] == 1000
     config = dict(vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
                   num_key_value_heads=1)

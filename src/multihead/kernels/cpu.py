@@ -29,10 +29,9 @@ with the threads of the cores other processes leave free (:func:`step_threads`; 
 :func:`multihead.hf.enable` too, each forward a step), and a split low-precision product in one thread where cores
 are busy. On by default (a /proc reading at most every 0.1 s; nothing where /proc is absent); :func:`follow_load`
 (False) or ``MULTIHEAD_FOLLOW_LOAD=0`` keeps the configured threads whatever the load. An op spread over two
-threads waits at each barrier for the one the scheduler left off its core: with one other busy process on the 2-core
-AMD host, Gemma 3's float32 decode at 4k took 261 ms a step with the configured threads, 127 following the load,
-196 in transformers (benchmarks/RESULTS.md, 2026-12-07). Every decision above keys by the process's configured
-thread count, not the step's, so the same kernels run and the outputs do not change (a test checks it bit for bit).
+threads waits at each barrier for the one the scheduler left off its core (what that costs against transformers'
+own decode is in benchmarks/RESULTS.md). Every decision above keys by the process's configured thread count, not
+the step's, so the same kernels run and the outputs do not change (a test checks it bit for bit).
 
 ``set_enabled(False)`` (or ``with disabled():``) turns every fast path of the package off (these, and the cache's
 slice write and plain decode mask, :meth:`multihead.cache.BaseCache.reserve`), so the plain path can be compared
