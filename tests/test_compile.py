@@ -35,3 +35,40 @@ def test_flex_path_compiles_fullgraph_inside_a_compiled_model() -> None:
         got = compiled(x, causal=True, documents=docs)
         want = layer(x, causal=True, documents=docs, backend="math")
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("two_threads")  # the split product where a decode row's product may choose
+def test_a_transformers_model_on_our_attention_and_products_compiles_whole_over_its_static_cache() -> None:
+    """transformers' compiled decoding (its StaticCache, explicit cache positions) with multihead's attention and
+    products traces as one graph (fullgraph=True) and decodes transformers' own logits (its sdpa and nn.Linear, the
+    model before hf.enable), step by step. multihead's own caches do not take this path: their view rides on the
+    keys tensor (multihead.hf.cache says so, is_compileable False)."""
+    import transformers
+
+    from multihead import hf
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = transformers.LlamaForCausalLM(config).eval()
+    ids = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(1))
+
+    def decode(forward) -> torch.Tensor:  # type: ignore[no-untyped-def]
+        cache = transformers.StaticCache(config=model.config, max_cache_len=32)
+        out = []
+        with torch.no_grad():
+            model(ids[:, :8], cache=cache)
+            for i in range(8, 12):
+                at = torch.tensor([i])
+                out.append(forward(ids[:, i:i + 1], cache=cache, cache_position=at, position_ids=at[None]).logits)
+        return torch.cat(out, dim=1)
+
+    model.set_attn_implementation("sdpa")
+    want = decode(model.forward)
+    hf.enable(model)
+    assert type(model.model.layers[0].mlp.up_proj) is not torch.nn.Linear  # multihead's products
+    got = decode(torch.compile(model.forward, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch._dynamo.reset()

@@ -27,9 +27,12 @@ of the two windows: ``bytes`` equals transformers' DynamicCache after the same t
 The sequences of a batch hold one length (the kinds that evict and quantize hold one; a padded batch is refused, not
 silently mis-masked). Beam search, assisted decoding (``crop``) and ``num_return_sequences > 1`` change a cache in
 ways these kinds do not support: refused by name. The compiled (static-cache) path of transformers cannot take
-these caches: a view travels as an attribute of the tensor handed over, which a traced graph does not keep, and the
-head-wise and sink kinds' key counts change with every step. They say so (``is_compileable`` is False), and
-transformers' ``generate`` with a ``compile_config`` then skips compilation with its own warning and decodes eagerly.
+these caches: a view travels as an attribute of the tensor handed over, which a traced graph does not keep, a step's
+slots are Python numbers of the positions filled (a graph would be traced again each step), and the head-wise and
+sink kinds' key counts change with every step. They say so (``is_compileable`` is False), and transformers'
+``generate`` with a ``compile_config`` then skips compilation with its own warning and decodes eagerly. What does
+compile is transformers' own StaticCache with multihead's attention and products (one graph, a test checks it);
+eager decoding over these caches against both is measured in benchmarks/RESULTS.md (``benchmarks/hf_decode.py``).
 """
 
 from __future__ import annotations
