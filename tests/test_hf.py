@@ -157,6 +157,8 @@ def test_enable_runs_our_products_on_the_linears_and_gives_them_back(dtype: torc
     scale = float(theirs.float().abs().max())
     tol = 1e-5 if dtype == torch.float32 else 2e-2  # the same sums in another order, rounded to the dtype
     torch.testing.assert_close(ours.float(), theirs.float(), rtol=0, atol=tol * scale)
+    with pytest.raises(MultiheadError, match=r"products='no': give True .* or False"):
+        hf.enable(model, products="no")  # type: ignore[arg-type]
     assert hf.switch_products(model, False) == len(plain)
     assert {n for n, m in model.named_modules() if type(m) is nn.Linear} == plain
     assert hf.switch_products(model, False) == 0

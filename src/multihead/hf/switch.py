@@ -181,6 +181,9 @@ def enable(model: nn.Module, *, backend: str = "auto", products: bool = True) ->
     ``products`` (default True): the model's ``torch.nn.Linear`` modules compute as
     :class:`multihead.layers.linear.Linear`, the class our own models use (:func:`switch_products`); False gives them
     back. Calling ``enable`` again changes either setting. Returns the model."""
+    if not isinstance(products, bool):
+        raise MultiheadError(f"products={products!r}: give True (multihead's Linear for the model's nn.Linear) or "
+                             "False (transformers' own)")
     register()
     if not (hasattr(model, "set_attn_implementation") and hasattr(model, "_can_set_attn_implementation")):
         raise MultiheadError(f"{type(model).__name__} is not a transformers model (no set_attn_implementation)")
