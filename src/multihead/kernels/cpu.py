@@ -22,7 +22,7 @@ the user's cache folder (:func:`table_path`), keyed by the host (CPU model and f
 it, by decision and shape. :mod:`multihead.kernels.tuning` measures and writes it (``multihead tune``); at run time the
 table is read once, when the process first needs it, and never written, so a process computes the same way from its
 first step to its last, and two processes on one host agree. A decision the table does not hold takes the rule written
-beside it (:data:`DEFAULTS` says which). Nothing in a forward pass reads the clock.
+beside it (:data:`DEFAULTS` says which). No decision reads the clock (the load, below, sets only a step's threads).
 
 **The machine's load** can change how many threads a step runs with, never what it computes: each model step runs
 with the threads of the cores other processes leave free (:func:`step_threads`; a transformers model switched by
