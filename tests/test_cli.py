@@ -262,7 +262,7 @@ def test_generate_compile_flag_gives_the_same_tokens(smollm2, dtype: str, monkey
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """--compile decodes through the compiled step (traced by dynamo here, without inductor's minutes of code
     generation; benchmarks/decode.py --compile runs the real thing) and streams the eager tokens: one graph (no break,
-    no recompile), and in bfloat16 the graph calls the native product as its operator where the kernels have it."""
+    no recompile), and the graph calls the native one-row product as its operator where the kernels have it."""
     from torch._dynamo.testing import CompileCounter
 
     from multihead.kernels import native
@@ -284,6 +284,7 @@ def test_generate_compile_flag_gives_the_same_tokens(smollm2, dtype: str, monkey
     compiled = _json([*argv, "--compile"], capsys)
     assert compiled["tokens"] == plain["tokens"] and counter.frame_count == 1  # one graph: no break, no recompile
     assert ("multihead.gemv_bf16" in called) == (dtype == "bf16" and native.vectorised())
+    assert ("multihead.gemv_f32" in called) == (dtype == "fp32" and native.avx512())
     assert compiled["cache"]["positions"] % gen.CACHE_BUCKET == 0 and "positions" not in plain["cache"]
     if dtype == "fp32":
         assert compiled["cache"]["bytes"] == gen.full_cache_bytes(smollm2[0], 1, compiled["cache"]["positions"])

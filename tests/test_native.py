@@ -109,9 +109,55 @@ def test_gemv_bf16_names_what_does_not_fit() -> None:
         native.gemv_bf16(x, w, torch.randn(7).bfloat16())
 
 
+def _f32_error(got: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> float:
+    """The largest error of a float32 product against float64, in units of float32's epsilon times the sum of the
+    terms' magnitudes (a dot product of n terms summed in any order is within n of those)."""
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    scale = F.linear(x.double().abs(), w.double().abs(), None if b is None else b.double().abs())
+    return ((got.double() - exact).abs() / (scale * 2.0**-23).clamp_min(1e-300)).max().item()
+
+
+@pytest.mark.parametrize(("out", "inp"), [(1536, 576), (576, 1536), (7, 33), (5, 31), (4, 64), (1, 1), (3, 100),
+                                          (9, 17)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_gemv_f32_is_the_product_in_another_order(out: int, inp: int, bias: bool, threads: int) -> None:
+    """Each output within float32's rounding of the float64 product (a few epsilons of the terms' magnitudes, as
+    PyTorch's own product is); tails of rows and of columns (in % 16, in % 64) included."""
+    w = torch.randn(out, inp)
+    x = torch.randn(1, 1, inp)
+    b = torch.randn(out) if bias else None
+    got = native.gemv_f32(x, w, b, threads)
+    assert got.dtype == torch.float32 and got.shape == (1, 1, out) and got.is_contiguous()
+    assert _f32_error(got, x, w, b) <= 4.0
+    assert _f32_error(F.linear(x, w, b), x, w, b) <= 4.0  # the bound PyTorch's product meets too
+
+
+def test_gemv_f32_reads_rows_of_any_stride_carries_inf_and_nan_and_names_what_does_not_fit() -> None:
+    big = torch.randn(64, 200)
+    w = big[:, :130]  # rows 200 apart
+    x = torch.randn(130)
+    assert _f32_error(native.gemv_f32(x, w), x, w, None) <= 4.0
+    w = torch.randn(8, 40)
+    w[1, 3], w[2, 5] = float("inf"), float("nan")
+    got = native.gemv_f32(torch.ones(40), w)
+    assert got[1].item() == float("inf") and torch.isnan(got[2]) and torch.isfinite(got[[0, 3, 4, 5, 6, 7]]).all()
+    w, x = torch.randn(8, 16), torch.randn(1, 16)
+    with pytest.raises(ValueError, match=r"gemv_f32: dtypes torch.bfloat16 and torch.float32 \(float32 both\)"):
+        native.gemv_f32(x.bfloat16(), w)
+    with pytest.raises(ValueError, match=r"x of shape \(2, 16\) \(one contiguous row of 16\)"):
+        native.gemv_f32(torch.randn(2, 16), w)
+    with pytest.raises(ValueError, match=r"weight of shape \(8, 16\) and strides \(1, 8\)"):
+        native.gemv_f32(x, torch.randn(16, 8).t())
+    with pytest.raises(ValueError, match=r"bias of shape \(7,\) and dtype torch.float32 \(contiguous float32 of 8\)"):
+        native.gemv_f32(x, w, torch.randn(7))
+    with pytest.raises(ValueError, match=r"gemv_f32: x \[1, 16\] BFloat16 and weight \[8, 16\]"):
+        torch.ops.multihead.gemv_f32(x.bfloat16(), w, None)
+
+
 def test_linear_takes_the_native_kind_only_where_it_computes_the_same_thing() -> None:
-    """Forced "native": one bfloat16 row runs the kernel (no aten product seen), within a step of float64; with
-    autograd on, a strided row, or float32, it is PyTorch's product."""
+    """Forced "native": one bfloat16 or float32 row runs the kernel (no aten product seen), within the dtype's
+    rounding of float64; with autograd on, a strided row, two rows or float16, it is PyTorch's product."""
     from tests_support import aten_ops
 
     layer = Linear(576, 1536, bias=False, dtype=torch.bfloat16)
@@ -130,8 +176,14 @@ def test_linear_takes_the_native_kind_only_where_it_computes_the_same_thing() ->
         strided = torch.randn(1, 1152).bfloat16()[:, ::2]
         with torch.no_grad():
             assert torch.equal(linear(strided, layer.weight), F.linear(strided, layer.weight))
-            w32 = layer.weight.float()
-            assert torch.equal(linear(x.detach().float(), w32), F.linear(x.detach().float(), w32))
+            w16, x16 = layer.weight.half(), x.detach().half()
+            assert torch.equal(linear(x16, w16), F.linear(x16, w16))
+            w32, x32 = layer.weight.float(), x.detach().float()
+            assert torch.equal(linear(x32.expand(2, 576), w32), F.linear(x32.expand(2, 576), w32))
+            with aten_ops() as ops:
+                got32 = linear(x32, w32)
+            assert not {"mm.default", "addmm.default", "bmm.default", "mv.default"} & set(ops.names)
+            assert _f32_error(got32, x32, w32, None) <= 4.0
     finally:
         cpu.force_product(None)
 
@@ -150,6 +202,23 @@ def test_an_untuned_bfloat16_row_runs_the_native_kind_by_default(monkeypatch: py
     assert len(calls) == (5 if native.vectorised() else 0)
 
 
+def test_an_untuned_float32_row_runs_the_native_kind_by_default(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without a tuning entry, one float32 row of a weight the split takes is the native kernel's where it built
+    with AVX-512, every call, within float32's rounding; with autograd on, F.linear (the gradient flows)."""
+    calls = _counted(monkeypatch, "gemv_f32")
+    cpu.force_product(None)
+    layer = Linear(576, 1536, bias=True)
+    x = torch.randn(1, 576)
+    with torch.no_grad():
+        for _ in range(5):
+            assert _f32_error(layer(x), x, layer.weight, layer.bias) <= 4.0
+    assert len(calls) == (5 if native.avx512() and cpu.split_product(1, layer.weight, x) > 1 else 0)
+    y = layer(x.requires_grad_())
+    y.sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+    assert len(calls) == (5 if native.avx512() and cpu.split_product(1, layer.weight, x) > 1 else 0)
+
+
 def test_the_kernels_are_torch_operators_with_schemas_and_fake_kernels() -> None:
     """torch.ops.multihead.*: each equals its function, checks what it is given (a clear error, never a bad read),
     and has a fake kernel, so a compiled graph sees an operator of the right shape and dtype."""
@@ -157,6 +226,8 @@ def test_the_kernels_are_torch_operators_with_schemas_and_fake_kernels() -> None
 
     w, x = torch.randn(48, 64).bfloat16(), torch.randn(1, 64).bfloat16()
     assert torch.equal(torch.ops.multihead.gemv_bf16(x, w, None), native.gemv_bf16(x, w))
+    assert torch.equal(torch.ops.multihead.gemv_f32(x.float(), w.float(), None),
+                       native.gemv_f32(x.float(), w.float()))
     q, k, v = torch.randn(1, 6, 1, 64), torch.randn(1, 2, 40, 64), torch.randn(1, 2, 40, 64)
     if native.avx512():
         assert torch.equal(torch.ops.multihead.attend_dense(q, k, v, 0.125), native.attend_dense(q, k, v, 0.125))
@@ -166,11 +237,14 @@ def test_the_kernels_are_torch_operators_with_schemas_and_fake_kernels() -> None
         torch.ops.multihead.attend_dense(q, k[..., :32], v, 0.125)
     with pytest.raises(ValueError, match="attend_quantized: bits 3"):
         torch.ops.multihead.attend_quantized(3, q, k, k, k, k, k, k, 0, 32, k, v, 0.125)
+    x32, w32 = x.float(), w.float()
     with FakeTensorMode() as mode:
         fq, fk = mode.from_tensor(q), mode.from_tensor(k)
         assert torch.ops.multihead.attend_dense(fq, fk, fk, 0.125).shape == (1, 6, 1, 64)
         assert torch.ops.multihead.gemv_bf16(mode.from_tensor(x), mode.from_tensor(w), None).shape == (1, 48)
+        assert torch.ops.multihead.gemv_f32(mode.from_tensor(x32), mode.from_tensor(w32), None).dtype == torch.float32
     for name, schema in (("gemv_bf16", "Tensor x, Tensor weight, Tensor? bias, int threads=0"),
+                         ("gemv_f32", "Tensor x, Tensor weight, Tensor? bias, int threads=0"),
                          ("attend_dense", "Tensor q, Tensor k, Tensor v, float scale, Tensor? keep=None")):
         assert schema in str(getattr(torch.ops.multihead, name).default._schema)
 

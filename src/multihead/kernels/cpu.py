@@ -283,9 +283,11 @@ NATIVE_ATTENTION_KINDS = ("sdpa", "native")
 CHOICES: Mapping[str, tuple[str, ...]] = {"product": PRODUCT_KINDS, "fold": FOLD_KINDS,
                                           "native-attention": NATIVE_ATTENTION_KINDS}
 DEFAULTS = {
-    "product": ("F.linear (\"linear\"), except one bfloat16 row: multihead.kernels.native's kernel (\"native\") where "
-                "it built with AVX512-BF16 (the fastest for every one-row shape of SmolLM2 on both hosts of "
-                "benchmarks/RESULTS.md)"),
+    "product": ("F.linear (\"linear\"), except one row: multihead.kernels.native's kernel (\"native\") where it built "
+                "vectorised for the dtype (bfloat16: AVX512-BF16; float32: AVX-512). Over SmolLM2's and Gemma 3's "
+                "one-row products it read the weights 1.9-2.3x (bfloat16) and 2.0-2.8x (float32) as fast as F.linear "
+                "on the host of 2026-12-07, level with the fastest of PyTorch's kinds there (benchmarks/products.py), "
+                "and its loop is the same on every host, where which BLAS kind is fastest is not"),
     "fold": ("folded where the rule decides it (a KV head serving >= 4 query heads, or the b * g work items sharing "
              "evenly among the threads or at least two a thread); otherwise not folded (SDPA's own GQA)"),
     "native-attention": ("the native kernel wherever it fits from 128 keys, SDPA below (it read a float32 cache "
@@ -454,18 +456,19 @@ ProductShape = tuple[int, int, torch.dtype, int, int, int]  # (out, in, dtype, r
 def product_kind(shape: ProductShape, kinds: tuple[str, ...], *, native_default: bool) -> str:
     """Which of ``kinds`` (the same product computed differently; "linear" first) runs for the product of ``shape``
     (out, in, dtype, rows, blocks, threads; the table's key is :func:`product_key` of it): the forced kind
-    (:func:`force_product`), else the table's, else the rule (``native_default``: one bfloat16 row where the native
-    kernel is built, "native"; else "linear"). A kind the call cannot take falls back to "linear" in
-    :mod:`multihead.layers.linear`. Looked up once a shape (a dict look-up a call after that).
+    (:func:`force_product`), else the table's, else the rule (``native_default``: one bfloat16 or float32 row where
+    the native kernel is built vectorised for it, "native"; else "linear"). A kind the call cannot take falls back
+    to "linear" in :mod:`multihead.layers.linear`. Looked up once a shape (a dict look-up a call after that).
 
     The kinds: "linear" is ``F.linear``; "mv" (one row) ``torch.mv``, the matrix-vector kernel; "split" the batched
     product over row blocks of the weight; "blas" (bfloat16/float16 only) ``F.linear`` with oneDNN switched off for
     the call (PyTorch's own vectorised gemv/gemm instead of oneDNN's matmul, whose fixed cost per call, ~40 us on the
-    Xeon of 2026-12-01, dominates a one-row product of a small matrix); "native" (one bfloat16 row)
-    :func:`multihead.kernels.native.gemv_bf16`, a C kernel reading the weight at the memory's speed (1536 x 576 from
-    memory: 75-88 us against F.linear's 240-278 there). Why the table and not one rule: the same 2-core Xeon type gave
-    opposite answers on two hosts for float32 (SmolLM2's 210 one-row products 63 ms F.linear / 33 split on one,
-    21.8 / 48.6 on the other), and a weight in cache and one from memory rank the kinds differently.
+    Xeon of 2026-12-01, dominates a one-row product of a small matrix); "native" (one bfloat16 or float32 row)
+    :func:`multihead.kernels.native.gemv_bf16` / ``gemv_f32``, C kernels reading the weight at the memory's speed
+    (bfloat16 1536 x 576 from memory: 75-88 us against F.linear's 240-278 there). Why the table and not one rule:
+    the same 2-core Xeon type gave opposite answers on two hosts for float32 (SmolLM2's 210 one-row products 63 ms
+    F.linear / 33 split on one, 21.8 / 48.6 on the other), and a weight in cache and one from memory rank the kinds
+    differently. The native kernels are the untuned rule because their loop is ours on every host, not a BLAS's.
 
     Under torch.compile "blas" cannot run (oneDNN's switch is a process setting, not an op): the table's
     ``compiled`` choice for the key (the fastest other kind measured) or "linear" runs instead; "native" is the

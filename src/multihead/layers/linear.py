@@ -14,8 +14,9 @@ tuning table, :mod:`multihead.kernels.tuning`, or the rule beside it; never a ti
 
 - "blas" (bfloat16/float16): ``F.linear`` with oneDNN off for the call: PyTorch's own vectorised kernels, without
   oneDNN's fixed cost per call;
-- "native" (one bfloat16 row, inference): :func:`multihead.kernels.native.gemv_bf16`, a C kernel built on first use that
-  reads the weight at the memory's speed (AVX512-BF16 products, software prefetch); offered only where it built.
+- "native" (one bfloat16 or float32 row, inference): :func:`multihead.kernels.native.gemv_bf16` or
+  :func:`~multihead.kernels.native.gemv_f32`, C kernels built by the set-up that read the weight at the memory's
+  speed (AVX512-BF16 products or AVX-512 FMA, software prefetch); offered only where they built vectorised.
 
 A prefill's many-row bfloat16 product runs in float32 on x86 CPUs without bfloat16 instructions (:func:`upcast`,
 decided by :func:`multihead.kernels.cpu.upcast_product`): about 3x faster there.
@@ -38,14 +39,16 @@ from multihead.kernels import cpu, native
 # the kinds of product a call may take (multihead.kernels.cpu.product_kind): by dtype, and with "mv" at one row
 KINDS = {True: ("linear", "split"), False: ("linear", "split", "blas")}
 ONE_ROW_KINDS = {True: ("linear", "mv", "split"), False: ("linear", "mv", "split", "blas")}
-NATIVE_KINDS = ("linear", "mv", "split", "blas", "native")  # one bfloat16 row, when multihead.kernels.native is built
+# one row with multihead.kernels.native built and vectorised for the dtype (AVX512-BF16 for bfloat16, AVX-512 float32)
+NATIVE_KINDS = {True: ("linear", "mv", "split", "native"), False: ("linear", "mv", "split", "blas", "native")}
 
 
 def kinds(rows: int, dtype: torch.dtype) -> tuple[str, ...]:
     """The kinds of product a call of ``rows`` rows in ``dtype`` may take (the first, "linear", is F.linear)."""
     if rows == 1:
-        return NATIVE_KINDS if dtype == torch.bfloat16 and native.vectorised() else ONE_ROW_KINDS[
-            dtype == torch.float32]
+        if (dtype == torch.bfloat16 and native.vectorised()) or (dtype == torch.float32 and native.avx512()):
+            return NATIVE_KINDS[dtype == torch.float32]
+        return ONE_ROW_KINDS[dtype == torch.float32]
     return KINDS[dtype == torch.float32]
 
 
@@ -81,19 +84,22 @@ def run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, one: 
     """The product ``F.linear(x, weight, bias)`` as ``kind`` (:func:`multihead.kernels.cpu.product_kind`) with ``n`` row
     blocks for the split; "split", "blas", "mv" and "native" in one intra-op thread when ``one``. "blas" on float32
     is F.linear (MKL, no oneDNN there to switch off); "mv" with more than one row is F.linear; "native" is F.linear
-    unless it is one contiguous bfloat16 row without autograd and the kernel built (the kernel reads raw memory:
-    every layout it relies on is checked here)."""
+    unless it is one contiguous bfloat16 or float32 row without autograd and the kernels built (the kernels read raw
+    memory: every layout they rely on is checked here)."""
     in_features = x.shape[-1]
     rows = x.numel() // in_features if in_features else 0
     if kind == "linear" or (kind == "blas" and weight.dtype == torch.float32) or (kind == "mv" and rows != 1):
         return F.linear(x, weight, bias)
     if kind == "native":
-        if (rows == 1 and weight.dtype == torch.bfloat16 and x.is_contiguous() and native.available()
-                and (bias is None or (bias.dtype == torch.bfloat16 and bias.is_contiguous()
-                                      and bias.shape == weight.shape[:1]))
+        dtype = weight.dtype
+        if (rows == 1 and dtype in (torch.bfloat16, torch.float32) and x.dtype == dtype and x.is_contiguous()
+                and weight.stride(-1) == 1 and native.available()
+                and (bias is None or (bias.dtype == dtype and bias.is_contiguous() and bias.shape == weight.shape[:1]))
                 and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                       or (bias is not None and bias.requires_grad)))):
-            out: Tensor = torch.ops.multihead.gemv_bf16(x, weight, bias, 1 if one else 0)  # eager and compiled
+            ops = torch.ops.multihead  # looked up a call: eager and compiled alike
+            gemv = ops.gemv_bf16 if dtype == torch.bfloat16 else ops.gemv_f32
+            out: Tensor = gemv(x, weight, bias, 1 if one else 0)
             return out
         return F.linear(x, weight, bias)  # another dtype, autograd or a strided row: PyTorch's product
     threads = torch.get_num_threads() if one else 0

@@ -12,6 +12,9 @@ The operators (``torch.ops.multihead.*``, each also a function here with its che
   ``F.linear(x, W, bias)``, with software prefetch: it reads a bfloat16 weight at about twice the speed of
   PyTorch's one-row kernels on an AVX512-BF16 host (the figures, host and date: benchmarks/RESULTS.md, "The native
   CPU kernels"). The product kind "native" of :func:`multihead.kernels.cpu.product_kind`.
+- :func:`gemv_f32` (``gemv_f32(x, weight, bias, threads=0)``), the same for one float32 row on an AVX-512 host:
+  each weight row streamed once, level with the fastest of PyTorch's kinds on the host where MKL's is fast and
+  independent of which BLAS PyTorch carries (benchmarks/RESULTS.md). The kind "native" of a float32 row.
 - :func:`attend_dense` (``attend_dense(q, k, v, scale, keep=None, threads=0)``), a decode step's attention over a
   float32 or bfloat16 cache, each KV head read once for all its query heads.
 - :func:`attend_q4` and :func:`attend_q8` (``attend_quantized(bits, ...)``), a decode step's attention over a 4- or
@@ -307,7 +310,7 @@ def _required() -> None:
         raise RuntimeError(f"multihead's native kernels are not available: {unavailable()}")
 
 
-# ---------------------------------------------------------------------------------------------- gemv_bf16
+# ---------------------------------------------------------------------------------------------- gemv_bf16 / f32
 def gemv_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: int | None = None, *,
               check: bool = True) -> Tensor:
     """``F.linear(x, weight, bias)`` for one bfloat16 row ``x`` (any leading shape of one element) on the CPU, by the
@@ -317,15 +320,31 @@ def gemv_bf16(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: in
     caller that made them (:func:`multihead.layers.linear.linear`: a wrong layout there reads the wrong memory)."""
     _required()
     if check:
-        _check_gemv(x, weight, bias, weight.shape[-1] if weight.ndim == 2 else -1)
+        _check_gemv("gemv_bf16", torch.bfloat16, x, weight, bias)
     out: Tensor = torch.ops.multihead.gemv_bf16(x, weight, bias, 0 if threads is None else threads)
     return out
 
 
-def _check_gemv(x: Tensor, weight: Tensor, bias: Tensor | None, in_features: int) -> None:
+def gemv_f32(x: Tensor, weight: Tensor, bias: Tensor | None = None, threads: int | None = None, *,
+             check: bool = True) -> Tensor:
+    """``F.linear(x, weight, bias)`` for one float32 row ``x`` on the CPU, by the native kernel: each row of the
+    weight streamed once (AVX-512 FMA, software prefetch), the rows spread over ``threads`` OpenMP threads (default:
+    PyTorch's intra-op count). The same sums as PyTorch's in another order. Like :func:`gemv_bf16` otherwise: no
+    autograd, RuntimeError without the kernels, ValueError naming what does not fit, ``check=False`` for a caller
+    that checked. Only the AVX-512 variants vectorise it (:func:`avx512`); the generic one is a portable loop."""
+    _required()
+    if check:
+        _check_gemv("gemv_f32", torch.float32, x, weight, bias)
+    out: Tensor = torch.ops.multihead.gemv_f32(x, weight, bias, 0 if threads is None else threads)
+    return out
+
+
+def _check_gemv(name: str, dtype: torch.dtype, x: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    in_features = weight.shape[-1] if weight.ndim == 2 else -1
+    what = str(dtype).removeprefix("torch.")
     problems = []
-    if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16:
-        problems.append(f"dtypes {x.dtype} and {weight.dtype} (bfloat16 both)")
+    if x.dtype != dtype or weight.dtype != dtype:
+        problems.append(f"dtypes {x.dtype} and {weight.dtype} ({what} both)")
     if not (x.is_cpu and weight.is_cpu):
         problems.append(f"devices {x.device} and {weight.device} (cpu both)")
     if weight.ndim != 2 or weight.stride(-1) != 1:
@@ -333,12 +352,12 @@ def _check_gemv(x: Tensor, weight: Tensor, bias: Tensor | None, in_features: int
                         "(2-D, rows of unit stride)")
     if x.numel() != in_features or not x.is_contiguous():
         problems.append(f"x of shape {tuple(x.shape)} (one contiguous row of {in_features})")
-    if bias is not None and (bias.dtype != torch.bfloat16 or bias.shape != (weight.shape[0],)
+    if bias is not None and (bias.dtype != dtype or bias.shape != (weight.shape[0],)
                              or not bias.is_contiguous() or not bias.is_cpu):
         problems.append(f"bias of shape {tuple(bias.shape)} and dtype {bias.dtype} "
-                        f"(contiguous bfloat16 of {weight.shape[0]})")
+                        f"(contiguous {what} of {weight.shape[0]})")
     if problems:
-        raise ValueError("gemv_bf16: " + "; ".join(problems))
+        raise ValueError(f"{name}: " + "; ".join(problems))
 
 
 # ---------------------------------------------------------------------------------------------- attend_q4 / q8
@@ -485,6 +504,7 @@ def _check_keep(name: str, keep: Tensor | None, b: int, t: int) -> None:
 _ops = torch.library.Library(NAMESPACE, "DEF")
 _ops.define("isa() -> int")
 _ops.define("gemv_bf16(Tensor x, Tensor weight, Tensor? bias, int threads=0) -> Tensor")
+_ops.define("gemv_f32(Tensor x, Tensor weight, Tensor? bias, int threads=0) -> Tensor")
 _ops.define("attend_dense(Tensor q, Tensor k, Tensor v, float scale, Tensor? keep=None, int threads=0) -> Tensor")
 _ops.define("attend_quantized(int bits, Tensor q, Tensor codes_k, Tensor scale_k, Tensor min_k, Tensor codes_v, "
             "Tensor scale_v, Tensor min_v, int n, int group, Tensor tail_k, Tensor tail_v, float scale, "
@@ -506,7 +526,7 @@ def _fallback(name: str) -> Callable[..., Tensor]:
     return first_use
 
 
-for _name in ("gemv_bf16", "attend_dense", "attend_quantized"):
+for _name in ("gemv_bf16", "gemv_f32", "attend_dense", "attend_quantized"):
     _ops.impl(_name, _fallback(_name), "CompositeExplicitAutograd")
 
 
@@ -526,5 +546,6 @@ def _quantized_fake(bits: int, q: Tensor, codes_k: Tensor, scale_k: Tensor, min_
 
 
 torch.library.register_fake(f"{NAMESPACE}::gemv_bf16", _gemv_fake, lib=_ops)
+torch.library.register_fake(f"{NAMESPACE}::gemv_f32", _gemv_fake, lib=_ops)
 torch.library.register_fake(f"{NAMESPACE}::attend_dense", _dense_fake, lib=_ops)
 torch.library.register_fake(f"{NAMESPACE}::attend_quantized", _quantized_fake, lib=_ops)

@@ -1,19 +1,22 @@
 /* multihead's native CPU kernels, built by an explicit step (python -m multihead.kernels.native build, multihead
    tune, the set-up) once per instruction-set variant (cc -O3 -fopenmp and the variant's -m flags: "generic",
-   "avx512", "avx512bf16"; the CPU's best one is loaded at run time): mh_gemv_bf16 (decoding's one-row bfloat16
-   product), mh_attend_quantized (a decode step over a 4- or 8-bit cache's codes) and mh_attend_dense (a decode step
+   "avx512", "avx512bf16"; the CPU's best one is loaded at run time): mh_gemv_bf16 and mh_gemv_f32 (decoding's
+   one-row bfloat16 and float32 products), mh_attend_quantized (a decode step over a 4- or 8-bit cache's codes) and mh_attend_dense (a decode step
    over a float32/bfloat16 cache), each described where it is defined. The two attention kernels take their
    arguments as one struct (mh_dense_args, mh_quant_args), declared in kernels.h with every prototype and filled by
    ops.cpp, the PyTorch operators linked with this file into one library a variant; mh_isa says which instruction
    sets the variant was compiled with.
 
    mh_gemv_bf16: y = W x (+ bias) for one bfloat16 row x, float32 accumulation, rounded to bfloat16 once
-   (round to nearest even), the same product as F.linear(x, W, bias) within bfloat16's rounding. The weight is read
-   once, four rows at a time, with software prefetch PREFETCH_ROWS rows ahead: decoding's one-row product is bound by
-   reading the weight, and without the prefetch the loop reached ~9-10 GB/s on the 2-core Xeon of
-   benchmarks/RESULTS.md where a large sum reads 17-21 GB/s (measured with it: 21-25 GB/s). With AVX512-BF16 the
-   products are _mm512_dpbf16_ps (pairs of bfloat16 products added into float32 lanes); without it, a portable loop.
-   The rows are spread over `threads` OpenMP threads (the process's runtime: PyTorch's own libgomp when loaded). */
+   (round to nearest even), the same product as F.linear(x, W, bias) within bfloat16's rounding. Decoding's one-row
+   product is bound by reading the weight: each row is read once, straight through (one stream a thread, which the
+   hardware prefetchers follow), with a software prefetch GEMV_AHEAD_BYTES ahead. Without any prefetch the loop
+   reached ~9-10 GB/s on the 2-core Xeon of benchmarks/RESULTS.md where a large sum reads 17-21 GB/s; four rows
+   read side by side with a prefetch 16 rows ahead reached 21-25 GB/s there but 16-18 on the AMD host of 2026-12-07,
+   where this row by row loop reads as fast as PyTorch's best kind ("blas"; benchmarks/products.py). With
+   AVX512-BF16 the products are _mm512_dpbf16_ps (pairs of bfloat16 products added into float32 lanes); without it,
+   a portable loop. The rows are spread over `threads` OpenMP threads (the process's runtime: PyTorch's own libgomp
+   when loaded). */
 #include <stdint.h>
 #include <string.h>
 
@@ -22,7 +25,7 @@
 #include <immintrin.h>
 #endif
 
-#define PREFETCH_ROWS 16
+#define GEMV_AHEAD_BYTES 2048 /* the one-row products' prefetch distance along the weight */
 
 static inline float bf16_to_f32(uint16_t v) {
     uint32_t u = (uint32_t)v << 16;
@@ -45,53 +48,34 @@ static inline __m512bh load_bh_masked(__mmask32 m, const uint16_t *p) {
     return (__m512bh)_mm512_maskz_loadu_epi16(m, (const void *)p);
 }
 
-static inline void dot4(const uint16_t *w, int64_t ld, const uint16_t *x, int64_t in, float *o) {
-    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-    int64_t j = 0;
-    for (; j + 32 <= in; j += 32) {
-        __m512bh xv = load_bh(x + j);
-        _mm_prefetch((const char *)(w + PREFETCH_ROWS * ld + j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + (PREFETCH_ROWS + 1) * ld + j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + (PREFETCH_ROWS + 2) * ld + j), _MM_HINT_T0);
-        _mm_prefetch((const char *)(w + (PREFETCH_ROWS + 3) * ld + j), _MM_HINT_T0);
-        a0 = _mm512_dpbf16_ps(a0, load_bh(w + j), xv);
-        a1 = _mm512_dpbf16_ps(a1, load_bh(w + ld + j), xv);
-        a2 = _mm512_dpbf16_ps(a2, load_bh(w + 2 * ld + j), xv);
-        a3 = _mm512_dpbf16_ps(a3, load_bh(w + 3 * ld + j), xv);
-    }
-    if (j < in) {
-        __mmask32 m = (__mmask32)((1ull << (in - j)) - 1);
-        __m512bh xv = load_bh_masked(m, x + j);
-        a0 = _mm512_dpbf16_ps(a0, load_bh_masked(m, w + j), xv);
-        a1 = _mm512_dpbf16_ps(a1, load_bh_masked(m, w + ld + j), xv);
-        a2 = _mm512_dpbf16_ps(a2, load_bh_masked(m, w + 2 * ld + j), xv);
-        a3 = _mm512_dpbf16_ps(a3, load_bh_masked(m, w + 3 * ld + j), xv);
-    }
-    o[0] = _mm512_reduce_add_ps(a0);
-    o[1] = _mm512_reduce_add_ps(a1);
-    o[2] = _mm512_reduce_add_ps(a2);
-    o[3] = _mm512_reduce_add_ps(a3);
-}
-
+/* one row's dot product, the row streamed in 256-byte steps (four accumulators) with a prefetch GEMV_AHEAD_BYTES
+   ahead along the weight (the next rows' lines once near the row's end) */
 static inline float dot1(const uint16_t *w, const uint16_t *x, int64_t in) {
-    __m512 a = _mm512_setzero_ps();
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const char *ahead = (const char *)w + GEMV_AHEAD_BYTES;
     int64_t j = 0;
-    for (; j + 32 <= in; j += 32) a = _mm512_dpbf16_ps(a, load_bh(w + j), load_bh(x + j));
+    for (; j + 128 <= in; j += 128) {
+        _mm_prefetch(ahead + 2 * j, _MM_HINT_T0);
+        _mm_prefetch(ahead + 2 * j + 64, _MM_HINT_T0);
+        _mm_prefetch(ahead + 2 * j + 128, _MM_HINT_T0);
+        _mm_prefetch(ahead + 2 * j + 192, _MM_HINT_T0);
+        a0 = _mm512_dpbf16_ps(a0, load_bh(w + j), load_bh(x + j));
+        a1 = _mm512_dpbf16_ps(a1, load_bh(w + j + 32), load_bh(x + j + 32));
+        a2 = _mm512_dpbf16_ps(a2, load_bh(w + j + 64), load_bh(x + j + 64));
+        a3 = _mm512_dpbf16_ps(a3, load_bh(w + j + 96), load_bh(x + j + 96));
+    }
+    for (; j + 32 <= in; j += 32) a0 = _mm512_dpbf16_ps(a0, load_bh(w + j), load_bh(x + j));
     if (j < in) {
         __mmask32 m = (__mmask32)((1ull << (in - j)) - 1);
-        a = _mm512_dpbf16_ps(a, load_bh_masked(m, w + j), load_bh_masked(m, x + j));
+        a1 = _mm512_dpbf16_ps(a1, load_bh_masked(m, w + j), load_bh_masked(m, x + j));
     }
-    return _mm512_reduce_add_ps(a);
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
 }
 #else
 static inline float dot1(const uint16_t *w, const uint16_t *x, int64_t in) {
     float a = 0.0f;
     for (int64_t j = 0; j < in; j++) a += bf16_to_f32(w[j]) * bf16_to_f32(x[j]);
     return a;
-}
-
-static inline void dot4(const uint16_t *w, int64_t ld, const uint16_t *x, int64_t in, float *o) {
-    for (int k = 0; k < 4; k++) o[k] = dot1(w + k * ld, x, in);
 }
 #endif
 
@@ -111,19 +95,51 @@ int mh_isa(void) {
 /* y[r] = sum_j w[r * ld + j] * x[j] (+ bias[r]) for r < out; bias may be NULL */
 void mh_gemv_bf16(const uint16_t *w, int64_t ld, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t out,
                   int64_t in, int threads) {
-    int64_t blocks = out / 4;
     if (threads < 1) threads = 1;
 #pragma omp parallel for num_threads(threads) schedule(static)
-    for (int64_t b = 0; b < blocks; b++) {
-        float o[4];
-        dot4(w + 4 * b * ld, ld, x, in, o);
-        for (int k = 0; k < 4; k++) {
-            int64_t r = 4 * b + k;
-            y[r] = f32_to_bf16(o[k] + (bias ? bf16_to_f32(bias[r]) : 0.0f));
-        }
-    }
-    for (int64_t r = 4 * blocks; r < out; r++)
+    for (int64_t r = 0; r < out; r++)
         y[r] = f32_to_bf16(dot1(w + r * ld, x, in) + (bias ? bf16_to_f32(bias[r]) : 0.0f));
+}
+
+/* mh_gemv_f32: y = W x (+ bias) for one float32 row x, the same product as F.linear(x, W, bias) within float32's
+   rounding (the sums in another order). Read like mh_gemv_bf16: row by row, a prefetch GEMV_AHEAD_BYTES ahead, the
+   rows spread over `threads` OpenMP threads; AVX-512 FMA where the variant has AVX-512, else a portable loop. */
+#if defined(__AVX512F__)
+static inline float dot1_f32(const float *w, const float *x, int64_t in) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const char *ahead = (const char *)w + GEMV_AHEAD_BYTES;
+    int64_t j = 0;
+    for (; j + 64 <= in; j += 64) {
+        _mm_prefetch(ahead + 4 * j, _MM_HINT_T0);
+        _mm_prefetch(ahead + 4 * j + 64, _MM_HINT_T0);
+        _mm_prefetch(ahead + 4 * j + 128, _MM_HINT_T0);
+        _mm_prefetch(ahead + 4 * j + 192, _MM_HINT_T0);
+        a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), a0);
+        a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 16), _mm512_loadu_ps(x + j + 16), a1);
+        a2 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 32), _mm512_loadu_ps(x + j + 32), a2);
+        a3 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j + 48), _mm512_loadu_ps(x + j + 48), a3);
+    }
+    for (; j + 16 <= in; j += 16) a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + j), _mm512_loadu_ps(x + j), a0);
+    if (j < in) {
+        __mmask16 m = (__mmask16)((1u << (in - j)) - 1);
+        a1 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, w + j), _mm512_maskz_loadu_ps(m, x + j), a1);
+    }
+    return _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+#else
+static inline float dot1_f32(const float *w, const float *x, int64_t in) {
+    float a = 0.0f;
+    for (int64_t j = 0; j < in; j++) a += w[j] * x[j];
+    return a;
+}
+#endif
+
+/* y[r] = sum_j w[r * ld + j] * x[j] (+ bias[r]) for r < out; bias may be NULL */
+void mh_gemv_f32(const float *w, int64_t ld, const float *x, const float *bias, float *y, int64_t out, int64_t in,
+                 int threads) {
+    if (threads < 1) threads = 1;
+#pragma omp parallel for num_threads(threads) schedule(static)
+    for (int64_t r = 0; r < out; r++) y[r] = dot1_f32(w + r * ld, x, in) + (bias ? bias[r] : 0.0f);
 }
 
 /* ------------------------------------------------------------------------------------------------------------------

@@ -52,6 +52,8 @@ typedef struct {
 int mh_isa(void);
 void mh_gemv_bf16(const uint16_t *w, int64_t ld, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t out,
                   int64_t in, int threads);
+void mh_gemv_f32(const float *w, int64_t ld, const float *x, const float *bias, float *y, int64_t out, int64_t in,
+                 int threads);
 int64_t mh_attend_dense_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t t);
 int mh_attend_dense(const mh_dense_args *a);
 int64_t mh_attend_quantized_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group,

@@ -82,6 +82,31 @@ at::Tensor gemv_bf16(const at::Tensor &x, const at::Tensor &weight, const std::o
     return y;
 }
 
+at::Tensor gemv_f32(const at::Tensor &x, const at::Tensor &weight, const std::optional<at::Tensor> &bias,
+                    int64_t threads) {
+    TORCH_CHECK_VALUE(x.scalar_type() == at::kFloat && weight.scalar_type() == at::kFloat && x.is_cpu() &&
+                          weight.is_cpu() && weight.dim() == 2 && weight.stride(1) == 1 && x.is_contiguous() &&
+                          x.dim() >= 1 && x.numel() == weight.size(1),
+                      "gemv_f32: x ", x.sizes(), " ", x.scalar_type(), " and weight ", weight.sizes(), " strides ",
+                      weight.strides(), " ", weight.scalar_type(),
+                      " (one contiguous float32 row, a 2-D float32 weight of unit-stride rows, on the CPU)");
+    const float *b = nullptr;
+    if (bias.has_value()) {
+        const at::Tensor &bb = *bias;
+        TORCH_CHECK_VALUE(bb.scalar_type() == at::kFloat && bb.dim() == 1 && bb.size(0) == weight.size(0) &&
+                              bb.is_contiguous() && bb.is_cpu(),
+                          "gemv_f32: bias ", bb.sizes(), " ", bb.scalar_type(), " (contiguous float32 of ",
+                          weight.size(0), ")");
+        b = bb.const_data_ptr<float>();
+    }
+    auto sizes = x.sizes().vec();
+    sizes.back() = weight.size(0);
+    at::Tensor y = at::empty(sizes, x.options());
+    mh_gemv_f32(weight.const_data_ptr<float>(), weight.stride(0), x.const_data_ptr<float>(), b,
+                y.mutable_data_ptr<float>(), weight.size(0), weight.size(1), threads_of(threads));
+    return y;
+}
+
 at::Tensor attend_dense(const at::Tensor &q, const at::Tensor &k, const at::Tensor &v, double scale,
                         const std::optional<at::Tensor> &keep, int64_t threads) {
     TORCH_CHECK_VALUE(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.size(2) == 1 && k.size(1) > 0 &&
@@ -171,6 +196,7 @@ int64_t isa() { return mh_isa(); }
 
 TORCH_LIBRARY_IMPL(MH_NAMESPACE, CPU, m) {
     m.impl("gemv_bf16", &gemv_bf16);
+    m.impl("gemv_f32", &gemv_f32);
     m.impl("attend_dense", &attend_dense);
     m.impl("attend_quantized", &attend_quantized);
 }
