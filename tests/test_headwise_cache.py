@@ -32,8 +32,9 @@ def _plan(full: list[list[bool]], g: int, *, sinks: int = SINKS, window: int = W
                     method="test")
 
 
-PLANS = {  # per layer: mixed, all streaming, all full (the one-group layers), for MHA, GQA, MQA
-    4: [[True, False, False, True], [False] * 4, [True] * 4],
+PLANS = {  # per layer: mixed, all streaming, all full (the one-group layers), for MHA, GQA, MQA; a layer's groups
+    # are runs of consecutive KV heads (taken as views) or not (gathered), in head order or not
+    4: [[True, False, False, True], [False] * 4, [True] * 4, [True, True, False, False]],
     2: [[False, True], [False, False], [True, True]],
     1: [[True], [False], [False]],
 }
@@ -72,7 +73,7 @@ def test_mask_is_causal_for_full_heads_and_sink_keep_for_streaming() -> None:
 @pytest.mark.parametrize("chunks", [[1] * 18, [7, 3, 1, 6, 1], [18]],
                          ids=["token-by-token", "chunks-around-the-window", "one-prefill"])
 def test_decoding_equals_the_uncached_model_under_the_plans_mask(g: int, chunks: list[int]) -> None:
-    model, plan = _model(g), _plan(PLANS[g], g)
+    model, plan = _model(g, n_layers=len(PLANS[g])), _plan(PLANS[g], g)
     tokens = torch.randint(0, 64, (2, sum(chunks)))
     with torch.no_grad():
         want = _masked_logits(model, tokens, plan)
@@ -108,7 +109,7 @@ def test_bytes_are_the_real_tensors_and_the_cost_formula(dtype: torch.dtype) -> 
     cache = HeadwiseCache(plan, batch=3, max_len=50, dtype=dtype)
     real = sum(t.nbytes for t in cache.buffers() if t.is_floating_point())
     size = 2 if dtype == torch.bfloat16 else 4
-    by_hand = 2 * 3 * 8 * size * (6 * 50 + 6 * (SINKS + WINDOW - 1))  # 6 full and 6 streaming KV heads
+    by_hand = 2 * 3 * 8 * size * (8 * 50 + 8 * (SINKS + WINDOW - 1))  # 8 full and 8 streaming KV heads
     assert cache.bytes == real == by_hand
     assert cost.headwise_cache_bytes(plan, batch=3, max_len=50, dtype=str(dtype)) == by_hand
     full = HeadwiseCache(_plan([[True] * 4] * 3, 4), batch=3, max_len=50, dtype=dtype)
@@ -120,7 +121,7 @@ def test_a_plan_of_another_shape_is_refused_with_both_shapes_named() -> None:
     with pytest.raises(MultiheadError, match=r"made for tiny of shape \(n_layers 3, n_heads 4, n_kv_heads 4, "
                                              r"head_dim 8\) .* has shape \(n_layers 3, n_heads 4, n_kv_heads 2, "
                                              r"head_dim 8\)"):
-        model.new_cache(1, 10, plan=_plan(PLANS[4], 4))
+        model.new_cache(1, 10, plan=_plan(PLANS[4][:3], 4))
     with pytest.raises(MultiheadError, match="without window=, sink_tokens= or bits="):
         model.new_cache(1, 10, plan=_plan(PLANS[2], 2), bits=4)
 
@@ -183,6 +184,7 @@ def test_a_layer_update_returns_each_group_of_kv_heads_with_its_keys_and_the_ord
     assert isinstance(view, GroupedKV) and view.n_kv_heads == 4
     full, stream = view.groups
     assert full.heads.tolist() == [1, 2] and stream.heads.tolist() == [0, 3]  # type: ignore[union-attr]
+    assert full.first == 1 and stream.first is None  # heads 1, 2 are one run (a view of the step's keys)
     assert torch.equal(full.kv.keys[0, :, 0, 0], torch.tensor([1.0, 2.0]))
     assert torch.equal(stream.kv.values[0, :, 0, 0], torch.tensor([-0.0, -3.0]))
     q, key = torch.arange(5)[:, None], torch.arange(5)[None]

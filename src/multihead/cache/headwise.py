@@ -38,6 +38,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 from torch import Tensor
@@ -69,6 +70,12 @@ class Ring:
 class _Group:
     part: int  # FULL or 1 + the ring's index
     heads: tuple[int, ...]  # the layer's KV heads in this store, in order
+
+    @cached_property
+    def first(self) -> int | None:
+        """The first head when the heads are consecutive (one run), else None."""
+        run = self.heads == tuple(range(self.heads[0], self.heads[0] + len(self.heads)))
+        return self.heads[0] if run else None
 
 
 class HeadwiseCache(Cache):
@@ -241,7 +248,13 @@ class HeadwiseCache(Cache):
         groups: list[KVGroup] = []
         for gi, group in enumerate(layout):
             heads = getattr(self, f"heads_{layer}_{gi}") if several else None
-            kg, vg = (k, v) if heads is None else (k.index_select(1, heads), v.index_select(1, heads))
+            first = group.first if several else None
+            if heads is None:
+                kg, vg = k, v
+            elif first is not None:  # consecutive KV heads: views
+                kg, vg = k.narrow(1, first, len(group.heads)), v.narrow(1, first, len(group.heads))
+            else:
+                kg, vg = k.index_select(1, heads), v.index_select(1, heads)
             keys, values = self._tensors(layer, gi)
             if group.part == FULL:
                 part = slots.parts[FULL]
@@ -258,7 +271,7 @@ class HeadwiseCache(Cache):
                     self._pending[(layer, gi)] = (kg, vg)
             reserved = slots.parts[group.part]
             assert reserved is not None and reserved.mask is not None
-            groups.append(KVGroup(kv, heads, reserved.mask))
+            groups.append(KVGroup(kv, heads, reserved.mask, first))
         if not read_only:
             self._placed.add(layer)
         return GroupedKV(tuple(groups), getattr(self, f"order_{layer}") if several else None, self.n_kv_heads)

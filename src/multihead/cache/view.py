@@ -81,11 +81,13 @@ class KVGroup:
     """One group of a head-wise layer's KV heads: its keys and values, which KV heads they are ((n,) long, in
     order; None when the group is the whole layer) and ``mask``, which of its keys each query sees (full heads:
     causal by position; streaming heads: their sinks and window), made once a step by the cache and shared by every
-    layer's group of that kind."""
+    layer's group of that kind. ``first``: the first of ``heads`` when they are a run of consecutive KV heads (the
+    kernels then take the group's queries as a view, not a copy), else None."""
 
     kv: DenseKV
     heads: Tensor | None
     mask: MaskSpec
+    first: int | None = None
 
 
 @dataclass(slots=True)

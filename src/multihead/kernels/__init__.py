@@ -402,10 +402,15 @@ def _attend_groups(call: AttentionCall) -> Tensor:
     if hooks is not None and hooks.q is not None:
         call = dataclasses.replace(call, q=hooks.q(call.q))
     calls, order = group_calls(call)
+    assert isinstance(call.kv, GroupedKV)
+    groups = call.kv.groups
     b, h, s, _ = call.q.shape
     outs = [attend(c)[0] for c in calls]  # (b, |group| * h / g, s, dv) each
     if order is None:
         z = outs[0]  # (b, h, s, dv): the layer is one group
+    elif len(firsts := [group.first for group in groups if group.first is not None]) == len(groups):
+        # runs of consecutive KV heads: put side by side in the order of their first heads, no gather
+        z = torch.cat([outs[i] for i in sorted(range(len(outs)), key=firsts.__getitem__)], dim=1)  # (b, h, s, dv)
     else:
         r = h // call.kv.n_kv_heads  # query heads per KV head
         z = torch.cat([out.reshape(b, -1, r, s, out.shape[-1]) for out in outs], dim=1)  # (b, g, r, s, dv)

@@ -72,11 +72,15 @@ def group_calls(call: AttentionCall) -> tuple[list[AttentionCall], Tensor | None
     g = kv.n_kv_heads
     calls = []
     for group in kv.groups:
-        qg = q if group.heads is None else (
-            q.view(b, g, h // g, s, d).index_select(1, group.heads).reshape(b, -1, s, d))  # (b, |group| r, s, d)
-        sinks = call.sinks
-        if sinks is not None and group.heads is not None:
-            sinks = sinks.view(g, h // g).index_select(0, group.heads).reshape(-1)
+        if group.heads is None:
+            qg, sinks = q, call.sinks
+        elif group.first is not None:  # consecutive KV heads: their query heads are a view
+            n = group.heads.shape[0]
+            qg = q.view(b, g, h // g, s, d).narrow(1, group.first, n).reshape(b, -1, s, d)  # (b, |group| r, s, d)
+            sinks = None if call.sinks is None else call.sinks.view(g, h // g).narrow(0, group.first, n).reshape(-1)
+        else:
+            qg = q.view(b, g, h // g, s, d).index_select(1, group.heads).reshape(b, -1, s, d)  # (b, |group| r, s, d)
+            sinks = None if call.sinks is None else call.sinks.view(g, h // g).index_select(0, group.heads).reshape(-1)
         assert group.mask.t == group.kv.t
         calls.append(dataclasses.replace(call, q=qg, kv=group.kv, mask=group.mask, hooks=None, sinks=sinks))
     return calls, kv.order
