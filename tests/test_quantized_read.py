@@ -12,7 +12,7 @@ from multihead import quant
 from multihead.cache import QuantizedKV, QuantizedKVCache, Slots, unpack
 from multihead.kernels import dense_view
 from multihead.models import LlamaConfig, LlamaModel
-from multihead.quant import unpack_fast
+from multihead.quant import pack, pack_fast, unpack_fast
 from multihead.sizing import cost
 
 
@@ -20,6 +20,21 @@ from multihead.sizing import cost
 def test_the_fast_unpack_equals_unpack(bits: int) -> None:
     packed = torch.randint(0, 256, (2, 3, 7, 16), dtype=torch.uint8, generator=torch.Generator().manual_seed(bits))
     assert torch.equal(unpack_fast(packed, bits), unpack(packed, bits))
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+def test_the_fast_pack_equals_pack_for_every_code(bits: int) -> None:
+    """Every code in every place of a byte (all 2^bits codes at each of the 8 / bits places), and a strided input."""
+    per = 8 // bits
+    every = torch.cartesian_prod(*[torch.arange(1 << bits)] * per).to(torch.uint8)  # (2^8, per): every byte
+    codes = every.reshape(1, -1).expand(3, -1)  # (3, 256 * per)
+    assert torch.equal(pack_fast(codes, bits), pack(codes, bits))
+    assert torch.equal(unpack(pack_fast(codes, bits), bits), codes)
+    strided = codes.t().contiguous().t()  # the same codes, not contiguous
+    assert torch.equal(pack_fast(strided, bits), pack(codes, bits))
+    if bits < 8:  # the bytes themselves: code i at bits i * bits ..
+        byte = sum(int(every[5, i]) << (i * bits) for i in range(per))
+        assert int(pack_fast(every[5], bits)[0]) == byte
 
 
 def _filled(bits: int, dtype: torch.dtype) -> QuantizedKVCache:

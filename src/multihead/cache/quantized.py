@@ -12,7 +12,7 @@ from multihead.cache.base import Cache, Slots, check_count
 from multihead.cache.sink import sink_keep
 from multihead.cache.view import QuantizedKV
 from multihead.errors import MultiheadError
-from multihead.quant import check_bits, pack, quantize
+from multihead.quant import check_bits, pack_fast, quantize
 
 
 class QuantizedKVCache(Cache):
@@ -212,11 +212,11 @@ class QuantizedKVCache(Cache):
         key-scale groups g0 .. g1 (the tokens' own, or their ring slots), scales and minimums (no gradient: codes are
         rounded values)."""
         ck, sk, mk = quantize(keys.unflatten(-2, (-1, self.group)), self.bits, dim=-2)
-        self.codes_k[layer, :, :, n0:n1] = pack(ck.flatten(-3, -2), self.bits)
+        self.codes_k[layer, :, :, n0:n1] = pack_fast(ck.flatten(-3, -2), self.bits)
         self.scale_k[layer, :, :, g0:g1] = sk.squeeze(-2)
         self.min_k[layer, :, :, g0:g1] = mk.squeeze(-2)
         cv, sv, mv = quantize(values.unflatten(-1, (-1, self.group)), self.bits, dim=-1)
-        self.codes_v[layer, :, :, n0:n1] = pack(cv.flatten(-2), self.bits)
+        self.codes_v[layer, :, :, n0:n1] = pack_fast(cv.flatten(-2), self.bits)
         self.scale_v[layer, :, :, n0:n1] = sv.squeeze(-1)
         self.min_v[layer, :, :, n0:n1] = mv.squeeze(-1)
 
