@@ -120,7 +120,9 @@ class Dispatch(NamedTuple):
     path beside the fused kernel (a hook that returns a replacement makes the output its weighted sum, the math path's);
     ``dequantize`` that a quantized view is read back into dense keys and values first (then dispatched again as
     dense); ``native`` which native kernel runs: "dense" (:func:`multihead.kernels.native.attend_dense`) or "quantized"
-    (:func:`multihead.kernels.native.attend_q4` / :func:`~multihead.kernels.native.attend_q8`), else None.
+    (:func:`multihead.kernels.native.attend_q4` / :func:`~multihead.kernels.native.attend_q8`), else None;
+    ``blocks`` that SDPA runs the queries in blocks, each over only the keys its rows see
+    (:func:`multihead.kernels.sdpa.key_blocks`).
     """
 
     backend: str
@@ -129,6 +131,7 @@ class Dispatch(NamedTuple):
     pattern_beside: bool = False
     dequantize: bool = False
     native: str | None = None
+    blocks: bool = False
 
 
 @dataclass(frozen=True)

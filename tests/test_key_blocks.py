@@ -1,0 +1,163 @@
+"""A prefill's queries in blocks, each over only the keys its rows can see (multihead.kernels.sdpa.key_blocks): the
+same output as one SDPA call over the whole mask and as the float64 math reference, for a sliding window, a causal
+chunk after cached keys, a ring whose seen keys are not consecutive, and an empty row; decided only where it skips
+enough of the scores, never under autograd or dropout, and said by explain; and a tiny Gemma 3 prefilled in chunks
+through every cache kind gives transformers' logits while its sliding layers run in blocks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import transformers
+
+from multihead import hf
+from multihead.kernels import AttentionCall, DenseKV, attend, explain, math_attention, resolve_backend, sdpa
+from multihead.kernels.sdpa import AT_MOST, QUERY_BLOCK, key_blocks
+from multihead.layers.masks import MaskSpec, build_mask
+
+
+def _qkv(s: int, t: int, *, h: int = 4, g: int = 2, d: int = 16, dtype: torch.dtype = torch.float32
+         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(s * 1000 + t)
+    return tuple(torch.randn(1, n, m, d, generator=gen).to(dtype) for n, m in ((h, s), (g, t), (g, t)))  # type: ignore[return-value]
+
+
+def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
+    """The math path in float64, K and V repeated per query head."""
+    r = q.shape[1] // k.shape[1]
+    out, _ = math_attention(q.double(), k.double().repeat_interleave(r, 1), v.double().repeat_interleave(r, 1), spec,
+                            scale=q.shape[-1] ** -0.5)
+    return out
+
+
+def _one_call(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
+    return sdpa.sdpa_attention(q, k, v, spec, scale=q.shape[-1] ** -0.5)
+
+
+def _banded(s: int, t: int, window: int) -> torch.Tensor:
+    keep = build_mask(batch=1, n_heads=4, s=s, t=t, causal=True, window=window).dense(torch.device("cpu"),
+                                                                                      torch.float32)[0]
+    assert keep is not None
+    return keep
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_sliding_window_runs_in_blocks_and_equals_one_call_and_the_reference(dtype: torch.dtype) -> None:
+    s, t, window = 300, 331, 32  # a chunk of 300 after 31 cached keys, each query seeing its last 32
+    q, k, v = _qkv(s, t, dtype=dtype)
+    spec = build_mask(batch=1, n_heads=4, s=s, t=t, causal=True, window=window)
+    call = AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5)
+    decision = resolve_backend(call)
+    assert decision.backend == "sdpa" and decision.blocks
+    blocks = key_blocks(spec, q.device, q.dtype)
+    assert blocks is not None and [b.rows for b in blocks] == [slice(0, 128), slice(128, 256), slice(256, 300)]
+    assert blocks[0].keys == slice(0, 31 + 128)  # the 31 cached keys and the block's own
+    out, _ = attend(call)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), _reference(q, k, v, spec), atol=tol, rtol=0)
+    torch.testing.assert_close(out, _one_call(q, k, v, spec), atol=tol, rtol=0)
+    assert "blocks of 128 rows" in explain(call).reason
+
+
+def test_a_ring_whose_seen_keys_are_not_consecutive_reads_them_by_index() -> None:
+    """A cache ring holds keys out of position order: the band's columns shuffled."""
+    s, t = 256, 400
+    q, k, v = _qkv(s, t)
+    order = torch.randperm(t, generator=torch.Generator().manual_seed(1))
+    keep = _banded(s, t, window=20)[:, order]  # (s, t): column j holds the key at position order[j]
+    spec = MaskSpec(batch=1, n_heads=4, s=s, t=t, keep=keep[None, None])
+    blocks = key_blocks(spec, q.device, q.dtype)
+    assert blocks is not None and all(isinstance(b.keys, torch.Tensor) for b in blocks)
+    out, _ = attend(AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5))
+    torch.testing.assert_close(out.double(), _reference(q, k, v, spec), atol=1e-5, rtol=0)
+
+
+def test_a_row_with_no_key_gives_zeros_in_blocks_too() -> None:
+    s, t = 256, 256
+    q, k, v = _qkv(s, t)
+    keep = _banded(s, t, window=8).clone()
+    keep[5] = False
+    spec = MaskSpec(batch=1, n_heads=4, s=s, t=t, keep=keep)
+    call = AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5)
+    assert resolve_backend(call).blocks  # the opened row sees every key; the others few
+    out, _ = attend(call)
+    assert torch.equal(out[:, :, 5], torch.zeros_like(out[:, :, 5]))
+    torch.testing.assert_close(out.double(), _reference(q, k, v, spec), atol=1e-5, rtol=0)
+
+
+def test_blocks_run_only_where_they_skip_enough_and_never_under_autograd_or_dropout() -> None:
+    # a chunk of 256 after 3,840 keys sees nearly every score: one call
+    spec = build_mask(batch=1, n_heads=4, s=256, t=4096, causal=True)
+    assert key_blocks(spec, torch.device("cpu"), torch.float32) is None
+    # a chunk of 256 after 256 keys: (128 * 384 + 128 * 512) / (256 * 512) = 0.875 > AT_MOST
+    assert AT_MOST < 0.875 and key_blocks(build_mask(batch=1, n_heads=4, s=256, t=512, causal=True),
+                                          torch.device("cpu"), torch.float32) is None
+    # one block of rows, a plain causal square (the kernel's own flag) and a float bias: none
+    assert key_blocks(build_mask(batch=1, n_heads=4, s=QUERY_BLOCK, t=400, causal=True, window=8),
+                      torch.device("cpu"), torch.float32) is None
+    assert key_blocks(build_mask(batch=1, n_heads=4, s=300, t=300, causal=True), torch.device("cpu"),
+                      torch.float32) is None
+    bias = torch.zeros(300, 300).masked_fill(~_banded(300, 300, 8), float("-inf"))
+    assert key_blocks(MaskSpec(batch=1, n_heads=4, s=300, t=300, bias=bias), torch.device("cpu"),
+                      torch.float32) is None
+    # a mask that differs by sequence: none
+    two = torch.stack([_banded(300, 300, 8), _banded(300, 300, 16)])[:, None]
+    assert key_blocks(MaskSpec(batch=2, n_heads=4, s=300, t=300, keep=two), torch.device("cpu"),
+                      torch.float32) is None
+    q, k, v = _qkv(300, 331)
+    spec = build_mask(batch=1, n_heads=4, s=300, t=331, causal=True, window=32)
+    assert resolve_backend(AttentionCall(q, DenseKV(k, v), spec, scale=0.25)).blocks
+    assert not resolve_backend(AttentionCall(q.requires_grad_(), DenseKV(k, v), spec, scale=0.25)).blocks
+    assert not resolve_backend(AttentionCall(q.detach(), DenseKV(k, v), spec, scale=0.25, dropout_p=0.1)).blocks
+
+
+# ------------------------------------------------------------------------------------------ a real prefill, chunked
+W = 24  # the tiny model's sliding window
+CHUNK, CHUNKS = 160, 3
+
+
+def _gemma3() -> Any:
+    config = transformers.Gemma3TextConfig(
+        vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=1, head_dim=32, max_position_embeddings=1024, sliding_window=W,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+def _prefill(model: Any, tokens: torch.Tensor, kind: dict[str, Any]) -> torch.Tensor:
+    cache = hf.new_cache(model, tokens.shape[1], **kind)
+    with torch.no_grad():
+        for i in range(0, tokens.shape[1], CHUNK):
+            last: torch.Tensor = model(tokens[:, i:i + CHUNK], cache=cache).logits[0, -1]
+    return last
+
+
+@pytest.mark.parametrize("kind", [{}, {"bits": 4}, {"window": 64, "sink_tokens": 4}])
+def test_a_chunked_prefill_through_each_kind_runs_its_sliding_layers_in_blocks(
+        kind: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same logits with and without blocks (and, for the full kind, transformers' uncached logits)."""
+    model = _gemma3()
+    tokens = torch.randint(0, 97, (1, CHUNK * CHUNKS), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        plain = model(tokens).logits[0, -1]  # transformers' sdpa, uncached
+    ran: list[int] = []
+    over = sdpa._over_blocks
+
+    def counted(*args: Any, **kwargs: Any) -> torch.Tensor:
+        ran.append(len(args[3]))
+        return over(*args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "_over_blocks", counted)
+    hf.enable(model)
+    blocked = _prefill(model, tokens, kind)
+    assert len(ran) >= 2 * CHUNKS and set(ran) == {2}  # the sliding layers of every chunk, in two blocks
+    ran.clear()
+    monkeypatch.setattr(sdpa, "AT_MOST", -1.0)  # no call runs in blocks
+    whole = _prefill(model, tokens, kind)
+    assert ran == []
+    torch.testing.assert_close(blocked, whole, atol=2e-5, rtol=0)
+    if not kind:  # every key: the uncached model's logits
+        torch.testing.assert_close(blocked, plain, atol=2e-5, rtol=0)
