@@ -1,8 +1,9 @@
-"""A prefill's queries in blocks, each over only the keys its rows can see (multihead.kernels.sdpa.key_blocks): the
-same output as one SDPA call over the whole mask and as the float64 math reference, for a sliding window, a causal
-chunk after cached keys, a ring whose seen keys are not consecutive, and an empty row; decided only where it skips
-enough of the scores, never under autograd or dropout, and said by explain; and a tiny Gemma 3 prefilled in chunks
-through every cache kind gives transformers' logits while its sliding layers run in blocks."""
+"""A prefill's queries in blocks, each over only the keys its rows can see (multihead.kernels.sdpa.key_blocks), and a
+chunk after cached keys split into the prefix and its own keys, merged by their log-sum-exp (sdpa.splits): the same
+output as one SDPA call over the whole mask and as the float64 math reference (a sliding window, a ring whose seen
+keys are not consecutive, an empty row; GQA and MHA chunks after a long prefix); decided only where they pay, never
+under autograd or dropout, and said by explain; and tiny Gemma 3 and Llama models prefilled in chunks through the
+cache kinds give the same logits with and without them (and transformers' own for the full kind)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import transformers
 
 from multihead import hf
 from multihead.kernels import AttentionCall, DenseKV, attend, explain, math_attention, resolve_backend, sdpa
-from multihead.kernels.sdpa import AT_MOST, QUERY_BLOCK, key_blocks
+from multihead.kernels.sdpa import AT_MOST, QUERY_BLOCK, SPLIT_FROM, key_blocks, splits
 from multihead.layers.masks import MaskSpec, build_mask
 
 
@@ -113,6 +114,40 @@ def test_blocks_run_only_where_they_skip_enough_and_never_under_autograd_or_drop
     assert not resolve_backend(AttentionCall(q.detach(), DenseKV(k, v), spec, scale=0.25, dropout_p=0.1)).blocks
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("h", "g"), [(6, 2), (4, 4)])
+def test_a_chunk_after_a_long_prefix_splits_and_equals_one_call_and_the_reference(dtype: torch.dtype, h: int,
+                                                                                   g: int) -> None:
+    s, t = 64, 64 + 200  # 200 cached keys, at least SPLIT_FROM chunks' worth
+    q, k, v = _qkv(s, t, h=h, g=g, dtype=dtype)
+    spec = build_mask(batch=1, n_heads=h, s=s, t=t, causal=True)
+    call = AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5)
+    decision = resolve_backend(call)
+    assert decision.split and not decision.blocks
+    out, _ = attend(call)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), _reference(q, k, v, spec), atol=tol, rtol=0)
+    torch.testing.assert_close(out, _one_call(q, k, v, spec), atol=tol, rtol=0)
+    assert "200 cached keys" in explain(call).reason
+
+
+def test_the_split_is_refused_for_a_short_prefix_a_window_positions_float64_autograd_and_dropout() -> None:
+    s = 64
+    q, k, v = _qkv(s, s + SPLIT_FROM * s)
+    assert splits(build_mask(batch=1, n_heads=4, s=s, t=s + SPLIT_FROM * s, causal=True), q, k, v)
+    short = build_mask(batch=1, n_heads=4, s=s, t=s + SPLIT_FROM * s - 1, causal=True)
+    assert not splits(short, q, k[:, :, 1:], v[:, :, 1:])
+    windowed = build_mask(batch=1, n_heads=4, s=s, t=3 * s, causal=True, window=100)
+    by_position = build_mask(batch=1, n_heads=4, s=s, t=3 * s, causal=True,
+                             q_positions=torch.arange(2 * s, 3 * s)[None])
+    assert not splits(windowed, q, k, v) and not splits(by_position, q, k, v)
+    spec = build_mask(batch=1, n_heads=4, s=s, t=3 * s, causal=True)
+    assert not splits(spec, q.double(), k.double(), v.double())
+    assert resolve_backend(AttentionCall(q, DenseKV(k, v), spec, scale=0.25)).split
+    assert not resolve_backend(AttentionCall(q.requires_grad_(), DenseKV(k, v), spec, scale=0.25)).split
+    assert not resolve_backend(AttentionCall(q.detach(), DenseKV(k, v), spec, scale=0.25, dropout_p=0.1)).split
+
+
 # ------------------------------------------------------------------------------------------ a real prefill, chunked
 W = 24  # the tiny model's sliding window
 CHUNK, CHUNKS = 160, 3
@@ -161,3 +196,37 @@ def test_a_chunked_prefill_through_each_kind_runs_its_sliding_layers_in_blocks(
     torch.testing.assert_close(blocked, whole, atol=2e-5, rtol=0)
     if not kind:  # every key: the uncached model's logits
         torch.testing.assert_close(blocked, plain, atol=2e-5, rtol=0)
+
+
+def _llama() -> Any:
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=192, intermediate_size=128, num_hidden_layers=2,
+                                      num_attention_heads=6, num_key_value_heads=2, max_position_embeddings=1024)
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("kind", [{}, {"bits": 8}])
+def test_a_chunked_prefill_of_a_llama_splits_its_late_chunks(kind: dict[str, Any],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks 3 and 4 of 160 tokens follow 320 and 480 cached ones: split, with the same logits as unsplit."""
+    model = _llama()
+    tokens = torch.randint(0, 97, (1, CHUNK * 4), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        plain = model(tokens).logits[0, -1]
+    ran: list[int] = []
+    split = sdpa._split_prefix
+
+    def counted(q: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        ran.append(q.shape[2])
+        return split(q, *args, **kwargs)
+
+    monkeypatch.setattr(sdpa, "_split_prefix", counted)
+    hf.enable(model)
+    merged = _prefill(model, tokens, kind)
+    assert ran == [CHUNK] * 4  # two chunks, two layers
+    monkeypatch.setattr(sdpa, "SPLIT_FROM", 10**6)
+    whole = _prefill(model, tokens, kind)
+    assert len(ran) == 4
+    torch.testing.assert_close(merged, whole, atol=2e-5, rtol=0)
+    if not kind:
+        torch.testing.assert_close(merged, plain, atol=2e-5, rtol=0)

@@ -60,7 +60,7 @@ from multihead.kernels.call import (
 )
 from multihead.kernels.latent import LATENT_PATHS, LatentCore, latent_call, mla_path
 from multihead.kernels.matmul import attention_weights, math_attention, weighted_sum, weighted_values
-from multihead.kernels.sdpa import QUERY_BLOCK, key_blocks, sdpa_attention
+from multihead.kernels.sdpa import QUERY_BLOCK, key_blocks, sdpa_attention, splits
 from multihead.kernels.views import dense_view, group_calls
 from multihead.layers.masks import MaskSpec
 
@@ -165,10 +165,12 @@ def _resolve(call: AttentionCall, device: torch.device) -> Dispatch:
         why = _native_dense(call)
         if why is not None:
             backend, reason, fold, native_kind = "native", NATIVE_DECODE.format(why=why), False, "dense"
-    blocks = (backend == "sdpa" and device.type == "cpu" and not fold and call.dropout_p == 0.0
-              and not call.needs_grad and key_blocks(call.mask, device, call.q.dtype) is not None)
+    plain = backend == "sdpa" and device.type == "cpu" and not fold and call.dropout_p == 0.0 and not call.needs_grad
+    split = plain and splits(call.mask, call.q, call.k, call.v)
+    blocks = plain and not split and key_blocks(call.mask, device, call.q.dtype) is not None
     beside = call.hooks is not None and call.hooks.pattern is not None and backend != "math"
-    return Dispatch(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside, False, native_kind, blocks)
+    return Dispatch(backend, reason + PATTERN_BESIDE if beside else reason, fold, beside, False, native_kind, blocks,
+                    split)
 
 
 def _native_quantized_refused(call: AttentionCall, kv: QuantizedKV, device: torch.device) -> str | None:
@@ -357,7 +359,7 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     else:
         blocks = key_blocks(spec, q.device, q.dtype) if decision.blocks else None  # (kept on the spec)
         out = sdpa_attention(q, call.k, call.v, spec, scale=call.scale, dropout_p=call.dropout_p, fold=decision.fold,
-                             blocks=blocks)
+                             blocks=blocks, split=decision.split)
     if decision.pattern_beside:
         assert pattern is not None
         out = _pattern_beside(call, out, pattern)
@@ -531,6 +533,10 @@ def _sdpa_details(call: AttentionCall, decision: Dispatch, kernel: str) -> str:
                                                     else b.keys.numel()) for b in blocks) / (spec.s * spec.t)
         reason += (f"; the queries run in {len(blocks)} blocks of {QUERY_BLOCK} rows, each over only the keys its rows "
                    f"can see ({share:.0%} of the scores one call would compute)")
+    if decision.split:
+        reason += (f"; the {spec.t - spec.s} cached keys, which every query sees, run in one call with each KV head's "
+                   f"{q.shape[1] // k.shape[1]} query heads as its rows and no mask, the chunk's own {spec.s} keys in "
+                   "another with the kernel's causal flag, the two merged by their log-sum-exp")
     if spec.is_empty or spec.is_plain_causal:
         reason += "; no dense mask is made" + (" (the kernel's own causal path)" if spec.causal else "")
     else:

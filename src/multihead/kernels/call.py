@@ -122,7 +122,8 @@ class Dispatch(NamedTuple):
     dense); ``native`` which native kernel runs: "dense" (:func:`multihead.kernels.native.attend_dense`) or "quantized"
     (:func:`multihead.kernels.native.attend_q4` / :func:`~multihead.kernels.native.attend_q8`), else None;
     ``blocks`` that SDPA runs the queries in blocks, each over only the keys its rows see
-    (:func:`multihead.kernels.sdpa.key_blocks`).
+    (:func:`multihead.kernels.sdpa.key_blocks`); ``split`` that it runs a chunk after cached keys as the prefix and
+    the chunk's own keys, merged by their log-sum-exp (:func:`multihead.kernels.sdpa.splits`).
     """
 
     backend: str
@@ -132,6 +133,7 @@ class Dispatch(NamedTuple):
     dequantize: bool = False
     native: str | None = None
     blocks: bool = False
+    split: bool = False
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,7 @@
 """The SDPA backend: PyTorch's fused scaled_dot_product_attention with GQA passed natively, a GQA decode step
 folded (each KV head's query heads as its rows), or a prefill's queries in blocks that each read only the keys their
-rows can see (:func:`key_blocks`)."""
+rows can see (:func:`key_blocks`), or a chunk after cached keys as the prefix and the chunk's own keys, merged
+(:func:`splits`)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,49 @@ the 2-core AMD host, 2026-12-07; blocks of 64: 0.70x / 0.65x, 256: 0.75x / 0.79x
 AT_MOST = 0.8
 """Blocks run only where they compute at most this share of the scores one call would (a 512-token chunk after
 3,584 keys: 0.94, one call; after 512 keys: 0.81; a sliding layer's: 0.62)."""
+
+
+SPLIT_FROM = 2
+"""A chunk after cached keys splits (:func:`splits`) where the cached keys are at least this many times the chunk:
+at 512 queries after 2,048 to 7,680 keys the split ran 0.69-0.94x one masked call (SmolLM2's and Gemma 3's shapes,
+both dtypes; one case 1.12x), after 256 to 1,024 keys 0.71-1.37x (the 2-core AMD host, 2026-12-07)."""
+
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def splits(spec: MaskSpec, q: Tensor, k: Tensor, v: Tensor) -> bool:
+    """Whether a chunk of queries after cached keys (causal, aligned bottom-right, nothing else in the mask) runs
+    as two calls of PyTorch's CPU flash kernel merged by their log-sum-exp (:func:`_split_prefix`): the cached keys,
+    which every query sees, with each KV head's query heads as its rows and no mask, and the chunk's own keys with
+    the kernel's causal flag. Not for one query row, a short prefix (:data:`SPLIT_FROM`), float64, values of another
+    width than the keys, or a PyTorch without that kernel."""
+    s, t = spec.s, spec.t
+    return (_FLASH_CPU is not None and spec.causal and spec.window is None and spec.keep is None
+            and spec.bias is None and spec.documents is None and spec.padding is None and spec.q_positions is None
+            and s > 1 and t - s >= SPLIT_FROM * s and q.dtype in (torch.float32, torch.bfloat16)
+            and k.shape[-1] == v.shape[-1] == q.shape[-1] and q.shape[0] == k.shape[0]
+            and not torch.compiler.is_compiling())
+
+
+def _split_prefix(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+    """Attention of the last s of t keys' queries (b, h, s, d) as :func:`splits` says: (b, h, s, d). Each part's
+    output is rounded to q's dtype by the kernel before the merge (in float32)."""
+    assert _FLASH_CPU is not None
+    b, h, s, d = q.shape
+    g, t = k.shape[1], k.shape[2]
+    r, p = h // g, t - s
+    rows = q.reshape(b, g, r * s, d)  # each KV head's query heads as its rows: every one sees the whole prefix
+    before, lse_before = _FLASH_CPU(rows, k[:, :, :p], v[:, :, :p], scale=scale)[:2]
+    before, lse_before = before.reshape(b, h, s, d), lse_before.reshape(b, h, s)
+    kc, vc = k[:, :, p:], v[:, :, p:]
+    if r > 1:
+        kc, vc = kc.repeat_interleave(r, 1), vc.repeat_interleave(r, 1)
+    own, lse_own = _FLASH_CPU(q, kc, vc, is_causal=True, scale=scale)[:2]  # the chunk's own keys, causal
+    top = torch.maximum(lse_before, lse_own)
+    w_before = (lse_before - top).exp_().unsqueeze(-1)  # (b, h, s, 1)
+    w_own = (lse_own - top).exp_().unsqueeze(-1)
+    out: Tensor = before.float().mul_(w_before).add_(own.float().mul_(w_own)).div_(w_before + w_own)
+    return out.to(q.dtype)
 
 
 @dataclass(frozen=True)
@@ -76,7 +120,7 @@ def _key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> lis
 
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, spec: MaskSpec, *, scale: float, dropout_p: float = 0.0, fold: bool = False,
-    blocks: list[KeyBlock] | None = None
+    blocks: list[KeyBlock] | None = None, split: bool = False
 ) -> Tensor:
     """PyTorch's fused kernel with native GQA: out (b, h, s, d).
 
@@ -87,6 +131,7 @@ def sdpa_attention(
 
     ``blocks`` (:func:`key_blocks`, no dropout) runs each block of query rows over only the keys they can see: the
     keys no row of the block sees weigh nothing in its softmax, so leaving them out changes nothing but the work.
+    ``split`` (:func:`splits`, no dropout) runs a chunk after cached keys as two calls merged by their log-sum-exp.
     """
     b, h, s, d = q.shape
     g = k.shape[1]
@@ -97,6 +142,8 @@ def sdpa_attention(
             run_q, k, v, dropout_p=dropout_p, is_causal=spec.is_plain_causal, scale=scale, enable_gqa=gqa
         )
         return out.view(b, h, s, v.shape[-1]) if fold else out
+    if split:
+        return _split_prefix(q, k, v, scale=scale)
     keep, bias, has_key = spec.dense(q.device, q.dtype)
     if blocks is not None:
         out = _over_blocks(q, k, v, blocks, scale=scale, gqa=gqa)
