@@ -14,7 +14,7 @@ import torch
 import transformers
 
 from multihead import hf
-from multihead.kernels import AttentionCall, DenseKV, attend, explain, math_attention, resolve_backend, sdpa
+from multihead.kernels import AttentionCall, DenseKV, attend, cpu, explain, math_attention, resolve_backend, sdpa
 from multihead.kernels.sdpa import AT_MOST, QUERY_BLOCK, SPLIT_FROM, key_blocks, splits
 from multihead.layers.masks import MaskSpec, build_mask
 
@@ -112,6 +112,8 @@ def test_blocks_run_only_where_they_skip_enough_and_never_under_autograd_or_drop
     assert resolve_backend(AttentionCall(q, DenseKV(k, v), spec, scale=0.25)).blocks
     assert not resolve_backend(AttentionCall(q.requires_grad_(), DenseKV(k, v), spec, scale=0.25)).blocks
     assert not resolve_backend(AttentionCall(q.detach(), DenseKV(k, v), spec, scale=0.25, dropout_p=0.1)).blocks
+    with cpu.disabled():  # the CPU speed paths' switch: the plain path, one call
+        assert not resolve_backend(AttentionCall(q, DenseKV(k, v), spec, scale=0.25)).blocks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -146,6 +148,8 @@ def test_the_split_is_refused_for_a_short_prefix_a_window_positions_float64_auto
     assert resolve_backend(AttentionCall(q, DenseKV(k, v), spec, scale=0.25)).split
     assert not resolve_backend(AttentionCall(q.requires_grad_(), DenseKV(k, v), spec, scale=0.25)).split
     assert not resolve_backend(AttentionCall(q.detach(), DenseKV(k, v), spec, scale=0.25, dropout_p=0.1)).split
+    with cpu.disabled():
+        assert not resolve_backend(AttentionCall(q.detach(), DenseKV(k, v), spec, scale=0.25)).split
 
 
 # ------------------------------------------------------------------------------------------ a real prefill, chunked

@@ -146,7 +146,7 @@ def _dispatch_key(call: AttentionCall, device: torch.device) -> tuple[Any, ...] 
     else:
         return None
     return ("dispatch", device, q.shape, q.dtype, q.device, q.requires_grad, torch.is_grad_enabled(), view,
-            call.dropout_p, call.backend, call.need_weights, call.softcap, call.rows_are_heads)
+            call.dropout_p, call.backend, call.need_weights, call.softcap, call.rows_are_heads, cpu.enabled())
 
 
 def _resolve(call: AttentionCall, device: torch.device) -> Dispatch:
@@ -165,7 +165,8 @@ def _resolve(call: AttentionCall, device: torch.device) -> Dispatch:
         why = _native_dense(call)
         if why is not None:
             backend, reason, fold, native_kind = "native", NATIVE_DECODE.format(why=why), False, "dense"
-    plain = backend == "sdpa" and device.type == "cpu" and not fold and call.dropout_p == 0.0 and not call.needs_grad
+    plain = (backend == "sdpa" and device.type == "cpu" and cpu.enabled() and not cpu.in_a_mode() and not fold
+             and call.dropout_p == 0.0 and not call.needs_grad)  # off with the CPU speed paths, and in a mode
     split = plain and splits(call.mask, call.q, call.k, call.v)
     blocks = plain and not split and key_blocks(call.mask, device, call.q.dtype) is not None
     beside = call.hooks is not None and call.hooks.pattern is not None and backend != "math"
@@ -537,11 +538,12 @@ def _sdpa_details(call: AttentionCall, decision: Dispatch, kernel: str) -> str:
         reason += (f"; the {spec.t - spec.s} cached keys, which every query sees, run in one call with each KV head's "
                    f"{q.shape[1] // k.shape[1]} query heads as its rows and no mask, the chunk's own {spec.s} keys in "
                    "another with the kernel's causal flag, the two merged by their log-sum-exp")
-    if spec.is_empty or spec.is_plain_causal:
+    if spec.is_empty or spec.is_plain_causal or decision.split:
         reason += "; no dense mask is made" + (" (the kernel's own causal path)" if spec.causal else "")
     else:
         reason += (
-            "; the mask is passed as a dense tensor, which keeps some fused kernels out"
+            ("; each block's part of the mask" if blocks is not None else "; the mask")
+            + " is passed as a dense tensor, which keeps some fused kernels out"
             + (" (causal with s != t or a window has no flag in SDPA)" if spec.causal else "")
         )
         if (structure(spec) is not None and flex.available() and spec.s >= flex.BLOCK
