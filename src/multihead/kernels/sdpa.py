@@ -27,7 +27,7 @@ AT_MOST = 0.8
 SPLIT_FROM = 2
 """A chunk after cached keys splits (:func:`splits`) where the cached keys are at least this many times the chunk:
 at 512 queries after 2,048 to 7,680 keys the split ran 0.69-0.94x one masked call (SmolLM2's and Gemma 3's shapes,
-both dtypes; one case 1.12x), after 256 to 1,024 keys 0.71-1.37x (the 2-core AMD host, 2026-12-07)."""
+both dtypes; two cases 1.05x and 1.12x), after 256 to 1,024 keys 0.71-1.37x (the 2-core AMD host, 2026-12-07)."""
 
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
