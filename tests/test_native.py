@@ -4,6 +4,7 @@ happens without them (not built yet, no compiler, a failed build, turned off).""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from pathlib import Path
@@ -47,9 +48,9 @@ def test_the_kernels_build_here_as_the_best_variant_this_cpu_runs() -> None:
 @pytest.mark.slow  # child processes that build or load torch: seconds each
 @pytest.mark.parametrize("variant", ["generic", "avx512"])
 def test_a_lower_variant_builds_loads_and_computes_the_same(variant: str, tmp_path: Path) -> None:
-    """MULTIHEAD_NATIVE_VARIANT picks a lower variant (the portable loops): it builds apart, loads, and its bfloat16
-    product is the same function (within a step of float64); a variant the CPU lacks, or no such name, is refused
-    with the reason."""
+    """MULTIHEAD_NATIVE_VARIANT picks a lower variant (the portable loops): it builds apart, loads, its bfloat16
+    product is the same function (within a step of float64) and its codec writes and reads the same bits as
+    multihead.quant; a variant the CPU lacks, or no such name, is refused with the reason."""
     if not native.supported(variant):
         pytest.skip(f"this CPU does not run the {variant} variant")  # (every x86-64 CPU runs generic)
     code = ("import torch; from multihead.kernels import native; native.build_now(); "
@@ -57,9 +58,12 @@ def test_a_lower_variant_builds_loads_and_computes_the_same(variant: str, tmp_pa
             "e = (w.double() @ x.double().t()).t(); "
             "y = native.gemv_bf16(x, w); "
             "print(native.loaded_variant(), native.vectorised(), float(((y.double() - e).abs() / "
-            "e.abs().clamp_min(1)).max()) < 2 ** -7)")
+            "e.abs().clamp_min(1)).max()) < 2 ** -7); "
+            "import sys; sys.path.insert(0, 'tests'); from test_native import _codec_case; "
+            "print(all(_codec_case(dt, bits, d, group, axis) for dt in (torch.float32, torch.bfloat16) "
+            "for bits in (2, 4, 8) for d, group in ((64, 32), (24, 8)) for axis in (0, 1)))")
     out = _probe({"MULTIHEAD_NATIVE_VARIANT": variant, "MULTIHEAD_NATIVE_DIR": str(tmp_path)}, code)
-    assert out == f"{variant} False True"
+    assert out == f"{variant} False True\nTrue"  # the product, and the codec's bits (its portable loops)
     assert any(f.name.startswith(f"kernels-{variant}-") for f in tmp_path.iterdir())
     assert "is not a variant: choose one of avx512bf16, avx512, generic" in _probe(
         {"MULTIHEAD_NATIVE_VARIANT": "sse9"})
@@ -724,3 +728,113 @@ def test_a_first_forward_never_builds_and_the_build_step_does(tmp_path: Path) ->
     bad = subprocess.run([sys.executable, "-m", "multihead.kernels.native", "compile"], capture_output=True, text=True,
                          timeout=120)
     assert bad.returncode == 2 and "usage: python -m multihead.kernels.native [build] (got 'compile')" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------- the codec
+def _codec_case(dtype: torch.dtype, bits: int, d: int, group: int, axis: int, scale: float = 1.0) -> bool:
+    """quantize_into and dequantize_into on strided keys or values (a constant group among them) against
+    multihead.quant's PyTorch code: the same codes, scales, minimums and read-back, bit for bit."""
+    b, g = 2, 3
+    n = 4 * group if axis == 0 else 40
+    gen = torch.Generator().manual_seed(bits * 1000 + d + axis)
+    x = (torch.randn(b, g, n + 5, d, generator=gen) * scale).to(dtype)[:, :, 2:2 + n]  # rows of a larger tensor
+    x[0, 0, :group] = 0.5  # a constant group (keys) or row (values): scale 1, codes 0
+    if axis == 0:
+        c, sc, lo = quant.quantize(x.unflatten(-2, (-1, group)), bits, dim=-2)
+        want = (quant.pack(c.flatten(-3, -2), bits), sc.squeeze(-2), lo.squeeze(-2))
+    else:
+        c, sc, lo = quant.quantize(x.unflatten(-1, (-1, group)), bits, dim=-1)
+        want = (quant.pack(c.flatten(-2), bits), sc.squeeze(-1), lo.squeeze(-1))
+    rows = want[1].shape[2]
+    store = [torch.zeros(b, g, rows + 3, t.shape[3], dtype=t.dtype) for t in want[1:]]  # a store's buffers
+    codes = torch.zeros(b, g, n + 7, want[0].shape[3], dtype=torch.uint8)
+    views = (codes[:, :, 4:4 + n], store[0][:, :, 1:1 + rows], store[1][:, :, 1:1 + rows])  # written where they lie
+    native.quantize_into(x, *views, bits=bits, group=group, axis=axis)
+    out = torch.full((b, g, n, d), float("nan"), dtype=dtype)
+    native.dequantize_into(out, *views, bits=bits, group=group, axis=axis)
+    reference = (quant.read_keys if axis == 0 else quant.read_values)(*want, n, bits=bits, group=group, dtype=dtype)
+    untouched = (codes[:, :, :4] == 0).all() and (codes[:, :, 4 + n:] == 0).all() and (store[0][:, :, 0] == 0).all()
+    return (all(torch.equal(got, w) for got, w in zip(views, want, strict=True)) and torch.equal(out, reference)
+            and bool(untouched))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize(("d", "group", "scale"), [
+    (64, 32, 1.0),  # SmolLM2's head and the cache's default group: the AVX-512 paths
+    (256, 16, 300.0), (128, 128, 1e-6),  # Gemma 3's head; a group as wide as the head; scales below float16's normals
+    (24, 8, 1.0),  # the portable loops (head_dim and group not multiples of 16)
+])
+@pytest.mark.parametrize("axis", [0, 1])
+def test_the_codec_writes_and_reads_the_bits_multihead_quant_does(dtype: torch.dtype, bits: int, d: int, group: int,
+                                                                  scale: float, axis: int) -> None:
+    assert _codec_case(dtype, bits, d, group, axis, scale)
+
+
+def test_the_codec_names_what_does_not_fit() -> None:
+    x = torch.randn(1, 2, 64, 64)
+    codes, sc = torch.zeros(1, 2, 64, 32, dtype=torch.uint8), torch.zeros(1, 2, 2, 64, dtype=torch.float16)
+    native.quantize_into(x, codes, sc, sc.clone(), bits=4, group=32, axis=0)  # fits
+    for args, kwargs, said in [
+        ((x.double(), codes, sc, sc.clone()), {}, r"x as torch.float64"),
+        ((x, codes[..., :16], sc, sc.clone()), {}, r"codes of shape \(1, 2, 64, 16\)"),
+        ((x, codes, sc.float(), sc.clone()), {}, r"scale of shape \(1, 2, 2, 64\), .*torch.float32"),
+        ((x, codes, sc, sc.clone()), {"group": 48}, r"group dividing n \(64\)"),
+        ((x, codes, sc, sc.clone()), {"bits": 3}, r"bits 3"),
+        ((x.transpose(2, 3), codes, sc, sc.clone()), {}, r"channels of unit stride"),
+    ]:
+        with pytest.raises(ValueError, match="quantize_into: .*" + said):
+            native.quantize_into(*args, **{"bits": 4, "group": 32, "axis": 0, **kwargs})
+    with pytest.raises(ValueError, match=r"dequantize_into: x of shape \(64, 64\)"):
+        native.dequantize_into(x[0, 0], codes, sc, sc, bits=4, group=32, axis=0)
+    wide = torch.randn(1, 1, 32, 2048)
+    assert not native.codec_fits(wide, torch.zeros(1, 1, 32, 1024, dtype=torch.uint8),
+                                 torch.zeros(1, 1, 1, 2048, dtype=torch.float16),
+                                 torch.zeros(1, 1, 1, 2048, dtype=torch.float16), bits=4, group=32, axis=0)
+    with pytest.raises(ValueError, match=r"quantize_into: x \[1, 2, 64, 64\] .* bits 4, group 32, axis 0 do not fit"):
+        torch.ops.multihead.quantize_into(4, 32, 0, x, codes[..., :16], sc, sc.clone())  # the operator's own check
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fakes = (x, codes, sc, sc.clone())
+    with FakeTensorMode() as mode:  # a compiled graph traces the in-place operators
+        torch.ops.multihead.quantize_into(4, 32, 0, *(mode.from_tensor(t) for t in fakes))
+    assert "Tensor(a!) codes" in str(torch.ops.multihead.quantize_into.default._schema)
+
+
+@pytest.mark.parametrize("bits", [2, 4, 8])
+@pytest.mark.parametrize("window", [None, 40])
+def test_a_quantized_cache_writes_the_same_store_through_the_native_codec(monkeypatch: pytest.MonkeyPatch, bits: int,
+                                                                          window: int | None) -> None:
+    """A cache filled in chunks and decode steps (a ring of code groups with a window) holds the same bytes whether
+    its writes ran in the native codec (counted) or in PyTorch (the fast paths off), and reads them back alike."""
+    from multihead.cache import QuantizedKVCache, Slots
+    from multihead.kernels import dense_view
+
+    calls = _counted(monkeypatch, "quantize_into")
+
+    def filled(fast: bool) -> QuantizedKVCache:
+        cache = QuantizedKVCache(batch=2, n_kv_heads=2, head_dim=64, max_len=120, bits=bits, group=16, residual=8,
+                                 n_layers=2, dtype=torch.bfloat16, window=window)
+        gen = torch.Generator().manual_seed(bits)
+        with torch.no_grad(), (contextlib.nullcontext() if fast else cpu.disabled()):
+            for s in (37, 21, 1, 1, 1, 30):
+                pos = torch.arange(cache.used, cache.used + s).expand(2, s)
+                for layer in range(2):
+                    k, v = (torch.randn(2, 2, s, 64, generator=gen).bfloat16() for _ in range(2))
+                    cache.update(layer, k, v, Slots(s=s, t=cache.used + s, positions=pos, start=None,
+                                                    aligned=True))
+                cache.advance(s)
+        return cache
+
+    fast, plain = filled(True), filled(False)
+    assert calls and fast.quantized == plain.quantized > 0
+    for (name, a), (_, b) in zip(fast.named_buffers(), plain.named_buffers(), strict=True):
+        assert torch.equal(a, b), name
+    with torch.no_grad():
+        got = dense_view(fast.update(1, *(torch.ones(2, 2, 1, 64).bfloat16(),) * 2, Slots(
+            s=1, t=fast.used + 1, positions=torch.full((2, 1), fast.used), start=None, aligned=True), read_only=True))
+        with cpu.disabled():
+            want = dense_view(plain.update(1, *(torch.ones(2, 2, 1, 64).bfloat16(),) * 2, Slots(
+                s=1, t=plain.used + 1, positions=torch.full((2, 1), plain.used), start=None, aligned=True),
+                read_only=True))
+    assert torch.equal(got.keys, want.keys) and torch.equal(got.values, want.values)

@@ -10,7 +10,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from multihead import quant
 from multihead.cache import QuantizedKV, QuantizedKVCache, Slots, unpack
-from multihead.kernels import dense_view
+from multihead.kernels import cpu, dense_view
 from multihead.models import LlamaConfig, LlamaModel
 from multihead.quant import pack, pack_fast, unpack_fast
 from multihead.sizing import cost
@@ -73,13 +73,22 @@ def test_the_read_equals_the_reference_read_bit_for_bit(bits: int, dtype: torch.
 
 
 def test_the_read_makes_no_concatenation() -> None:
+    """The read-back writes the codes' keys and values into one new tensor each: the native codec's one op a tensor
+    where the kernels are built (they are here), PyTorch's one multiply-add a tensor with the fast paths off; never a
+    concatenation or a separate multiply and add."""
     cache = _filled(4, torch.float32)
     k = torch.randn(2, 3, 1, 16)
     view = cache.update(0, k, k, Slots(s=1, t=61, positions=None, start=None, aligned=True), read_only=True)
-    with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
-        dense_view(view)
-    ops = {e.key for e in prof.key_averages()}
-    assert "aten::addcmul" in ops and not ops & {"aten::cat", "aten::mul", "aten::add"}, sorted(ops)
+    for fast in (True, False):
+        with torch.no_grad(), profile(activities=[ProfilerActivity.CPU]) as prof:
+            if fast:
+                dense_view(view)
+            else:
+                with cpu.disabled():
+                    dense_view(view)
+        ops = {e.key: e.count for e in prof.key_averages()}
+        read = "multihead::dequantize_into" if fast else "aten::addcmul"
+        assert ops.get(read) == 2 and not set(ops) & {"aten::cat", "aten::mul", "aten::add"}, (fast, sorted(ops))
 
 
 def test_decoding_gives_the_autograd_paths_tokens_and_logits_and_the_same_bytes() -> None:

@@ -6,15 +6,19 @@
     values  per token over groups of ``group`` channels:    v[.., j, c] ~ codes * scale[.., j, c // group] + min
     codes   ``bits`` (8, 4 or 2) bits each, packed low bits first into bytes: (.., n, d * bits / 8) uint8
 
-Both sides use it: :class:`multihead.cache.QuantizedKVCache` writes codes (:func:`quantize`, :func:`pack`) and
+Both sides use it: :class:`multihead.cache.QuantizedKVCache` writes codes (:func:`quantize_into`) and
 :mod:`multihead.kernels` reads them back where a kernel needs keys and values (:func:`dequantize_keys_into`,
-:func:`dequantize_values_into`); :func:`read_keys` and :func:`read_values` are the reference reads, one op after
-another as the formula reads. ``fake_quantize_*`` give the uncached model's equal of a quantized cache.
+:func:`dequantize_values_into`, or its native codec). This module sits below both on the forward's route and imports
+neither: the kernels' room plugs its native write in (:func:`use_native_writer`, the same bits in one pass), and
+:func:`quantize_into` runs it where it takes the call, else :func:`quantize` and :func:`pack_fast`.
+:func:`read_keys` and :func:`read_values` are the reference reads, one op after another as the formula reads.
+``fake_quantize_*`` give the uncached model's equal of a quantized cache.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -135,6 +139,41 @@ def read_values(codes: Tensor, scale: Tensor, minimum: Tensor, n: int, *, bits: 
     (b, g, >= n, d / group) -> (b, g, n, d) in ``dtype``."""
     c = unpack(codes[:, :, :n], bits).unflatten(-1, (-1, group))  # (b, g, n, d / group, group)
     return dequantize(c, scale[:, :, :n, :, None], minimum[:, :, :n, :, None], dtype).flatten(-2)
+
+
+Writer = Callable[[Tensor, Tensor, Tensor, Tensor, int, int, int], bool]
+_writer: list[Writer] = []  # the native write the kernels' room plugged in (multihead.kernels.codec), if any
+
+
+def use_native_writer(write: Writer | None) -> None:
+    """Plug in (or, None, take out) a faster write for :func:`quantize_into`: ``write(x, codes, scale, minimum, bits,
+    group, axis)`` writes the same codes, scales and minimums as the PyTorch code here and returns True, or returns
+    False having written nothing (a call it does not take). :mod:`multihead.kernels` plugs in its native codec when
+    imported."""
+    _writer.clear()
+    if write is not None:
+        _writer.append(write)
+
+
+def quantize_into(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor, *, bits: int, group: int, axis: int
+                  ) -> None:
+    """Quantize x (b, g, n, d) into a store's ``codes`` (b, g, n, d * bits / 8), ``scale`` and ``minimum`` (float16;
+    each a view of the store's rows, written in place): keys (``axis`` 0) per channel over groups of ``group`` tokens,
+    scale and minimum (b, g, n / group, d); values (``axis`` 1) per token over groups of ``group`` channels,
+    (b, g, n, d / group). The plugged-in native write where it takes the call (:func:`use_native_writer`), else
+    :func:`quantize` and :func:`pack_fast`: the same codes, scales and minimums."""
+    if _writer and _writer[0](x, codes, scale, minimum, bits, group, axis):
+        return
+    if axis == 0:
+        c, s, lo = quantize(x.unflatten(-2, (-1, group)), bits, dim=-2)
+        codes.copy_(pack_fast(c.flatten(-3, -2), bits))
+        scale.copy_(s.squeeze(-2))
+        minimum.copy_(lo.squeeze(-2))
+    else:
+        c, s, lo = quantize(x.unflatten(-1, (-1, group)), bits, dim=-1)
+        codes.copy_(pack_fast(c.flatten(-2), bits))
+        scale.copy_(s.squeeze(-1))
+        minimum.copy_(lo.squeeze(-1))
 
 
 def dequantize_keys_into(out: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor, *, bits: int, group: int

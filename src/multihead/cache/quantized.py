@@ -12,7 +12,7 @@ from multihead.cache.base import Cache, Slots, check_count
 from multihead.cache.sink import sink_keep
 from multihead.cache.view import QuantizedKV
 from multihead.errors import MultiheadError
-from multihead.quant import check_bits, pack_fast, quantize
+from multihead.quant import check_bits, quantize_into
 
 
 class QuantizedKVCache(Cache):
@@ -210,15 +210,11 @@ class QuantizedKVCache(Cache):
     def _store_codes(self, layer: int, keys: Tensor, values: Tensor, n0: int, n1: int, g0: int, g1: int) -> None:
         """Quantize a layer's keys and values (b, g, n1 - n0, d), whole groups, into its code rows n0 .. n1 and
         key-scale groups g0 .. g1 (the tokens' own, or their ring slots), scales and minimums (no gradient: codes are
-        rounded values)."""
-        ck, sk, mk = quantize(keys.unflatten(-2, (-1, self.group)), self.bits, dim=-2)
-        self.codes_k[layer, :, :, n0:n1] = pack_fast(ck.flatten(-3, -2), self.bits)
-        self.scale_k[layer, :, :, g0:g1] = sk.squeeze(-2)
-        self.min_k[layer, :, :, g0:g1] = mk.squeeze(-2)
-        cv, sv, mv = quantize(values.unflatten(-1, (-1, self.group)), self.bits, dim=-1)
-        self.codes_v[layer, :, :, n0:n1] = pack_fast(cv.flatten(-2), self.bits)
-        self.scale_v[layer, :, :, n0:n1] = sv.squeeze(-1)
-        self.min_v[layer, :, :, n0:n1] = mv.squeeze(-1)
+        rounded values), by :func:`multihead.quant.quantize_into`."""
+        quantize_into(keys, self.codes_k[layer, :, :, n0:n1], self.scale_k[layer, :, :, g0:g1],
+                      self.min_k[layer, :, :, g0:g1], bits=self.bits, group=self.group, axis=0)
+        quantize_into(values, self.codes_v[layer, :, :, n0:n1], self.scale_v[layer, :, :, n0:n1],
+                      self.min_v[layer, :, :, n0:n1], bits=self.bits, group=self.group, axis=1)
 
     def extra_repr(self) -> str:
         return (f"n_layers={self.n_layers}, batch={self.batch}, n_kv_heads={self.n_kv_heads}, max_len={self.max_len}, "

@@ -48,7 +48,7 @@ from torch import Tensor
 
 from multihead.cache.view import DenseKV, GroupedKV, LatentKV, QuantizedKV
 from multihead.errors import MultiheadError
-from multihead.kernels import cpu, flex, native
+from multihead.kernels import codec, cpu, flex, native
 from multihead.kernels.call import (
     BACKENDS,
     AttentionCall,
@@ -65,8 +65,8 @@ from multihead.kernels.views import dense_view, group_calls
 from multihead.layers.masks import MaskSpec
 
 __all__ = ["BACKENDS", "LATENT_PATHS", "AttentionCall", "CallHooks", "DenseKV", "Dispatch", "KernelChoice",
-           "LatentCore", "TensorFn", "attend", "attention_weights", "check_backend", "cpu", "dense_view", "explain",
-           "flex", "group_calls", "latent_call", "math_attention", "mla_path", "native", "prepare",
+           "LatentCore", "TensorFn", "attend", "attention_weights", "check_backend", "codec", "cpu", "dense_view",
+           "explain", "flex", "group_calls", "latent_call", "math_attention", "mla_path", "native", "prepare",
            "resolve_backend", "sdpa_attention", "structure", "weighted_sum", "weighted_values"]
 
 

@@ -12,6 +12,7 @@ code (within the dtype's rounding) and was measured faster on the 2-core machine
   which kernel runs and how);
 - :func:`native_decode_attention`: a decode step attends in a native kernel that reads each KV head once;
 - :func:`native_quantized_decode`: a decode step over a 4- or 8-bit cache attends over the codes in a native kernel;
+- :func:`native_codec`: a quantized cache's write and read-back run in the native codec (the same bits, one pass);
 - :func:`fused_low_precision_norm`: a bfloat16/float16 RMSNorm as PyTorch's ``F.rms_norm``;
 - :func:`upcast_product`: a many-row bfloat16 product (a prefill's) computed in float32 on an x86 CPU without
   bfloat16 instructions, where PyTorch's bfloat16 matmul runs at a third of float32's speed.
@@ -602,6 +603,21 @@ def native_quantized_decode(bits: int) -> bool:
     the hosts of 2026-12-01 and 12-02): 4 bits float32 38 ms against 176 ms dequantised + SDPA, 8 bits 9.3 against
     103; 2 bits always dequantise."""
     if not _enabled or bits not in (4, 8) or (not torch.compiler.is_compiling() and in_a_mode()):
+        return False
+    from multihead.kernels import native
+
+    return native.available()
+
+
+def native_codec(x: Tensor) -> bool:
+    """Whether a :class:`~multihead.cache.QuantizedKVCache`'s write of whole groups and a kernel's read of its codes
+    back into keys and values run in :func:`multihead.kernels.native.quantize_into` /
+    :func:`~multihead.kernels.native.dequantize_into` (one pass, the same bits as :mod:`multihead.quant`'s PyTorch
+    code; the caller checks the layouts with :func:`~multihead.kernels.native.codec_fits`): on the CPU wherever the
+    kernels are built. Measured (SmolLM2's 3 KV heads, head_dim 64, a 1,024-token prefill in chunks of 512, 30 layers,
+    the AMD host of 2026-12-07): the quantizing and reading back of a chunked prefill in PyTorch ops took 30-37 ms
+    of its ~1.1 s (benchmarks/RESULTS.md has the native figures)."""
+    if not _enabled or not x.is_cpu or (not torch.compiler.is_compiling() and in_a_mode()):
         return False
     from multihead.kernels import native
 

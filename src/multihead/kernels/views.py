@@ -11,7 +11,7 @@ from torch import Tensor
 from multihead.cache.view import DenseKV, GroupedKV, KVView, LatentKV, QuantizedKV
 from multihead.errors import MultiheadError
 from multihead.kernels.call import AttentionCall
-from multihead.quant import dequantize_keys_into, dequantize_values_into
+from multihead.kernels.codec import read
 
 
 def dense_view(kv: KVView) -> DenseKV:
@@ -44,8 +44,8 @@ def dense_view(kv: KVView) -> DenseKV:
 
 def _dequantize(kv: QuantizedKV, keys: Tensor, values: Tensor) -> None:
     if kv.n:
-        dequantize_keys_into(keys, kv.codes_k, kv.scale_k, kv.min_k, bits=kv.bits, group=kv.group)
-        dequantize_values_into(values, kv.codes_v, kv.scale_v, kv.min_v, bits=kv.bits, group=kv.group)
+        read(keys, kv.codes_k, kv.scale_k, kv.min_k, bits=kv.bits, group=kv.group, axis=0)
+        read(values, kv.codes_v, kv.scale_v, kv.min_v, bits=kv.bits, group=kv.group, axis=1)
 
 
 def group_calls(call: AttentionCall) -> tuple[list[AttentionCall], Tensor | None]:

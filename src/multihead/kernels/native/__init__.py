@@ -19,6 +19,9 @@ The operators (``torch.ops.multihead.*``, each also a function here with its che
   float32 or bfloat16 cache, each KV head read once for all its query heads.
 - :func:`attend_q4` and :func:`attend_q8` (``attend_quantized(bits, ...)``), a decode step's attention over a 4- or
   8-bit KIVI cache's codes, read once inside the attention and never dequantised into memory.
+- :func:`quantize_into` and :func:`dequantize_into`, the KIVI codec of :mod:`multihead.quant` in one pass: a quantized
+  cache's write of whole groups into its codes, scales and minimums, and the read of codes back into keys and values
+  where a kernel needs them (a prefill's SDPA). The same bits as the PyTorch code of :mod:`multihead.quant`.
 
 Variants (:data:`VARIANTS`): "avx512bf16" (AVX-512 F/BW/DQ/VL and AVX512-BF16: every fast path), "avx512" (the
 attention kernels' AVX-512 chunks; the bfloat16 product's portable loop) and "generic" (no -m flag: the compiler's
@@ -497,6 +500,82 @@ def _check_keep(name: str, keep: Tensor | None, b: int, t: int) -> None:
         raise ValueError(f"{name}: keep hides every key of batch row(s) {empty}: each row must see at least one")
 
 
+# ---------------------------------------------------------------------------------------------- the codec
+CODEC_MAX_HEAD_DIM = 1024  # the codec kernels' row buffers (MH_CODEC_MAX_D)
+_CODEC_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def _codec_problems(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor, bits: int, group: int, axis: int
+                    ) -> list[str]:
+    """What does not fit the codec kernels: x (b, g, n, d); codes (b, g, n, d * bits / 8) uint8; scale and minimum
+    float16, (b, g, n / group, d) for keys (axis 0), (b, g, n, d / group) for values (axis 1)."""
+    if x.ndim != 4:
+        return [f"x of shape {tuple(x.shape)} ((b, g, n, d))"]
+    b, g, n, d = x.shape
+    problems = []
+    if bits not in (2, 4, 8) or axis not in (0, 1) or group < 1:
+        problems.append(f"bits {bits}, group {group}, axis {axis} (2, 4 or 8 bits; a group of 1 or more; axis 0 keys, "
+                        "1 values)")
+        return problems
+    if (d * bits) % 8 or d > CODEC_MAX_HEAD_DIM or (n % group if axis == 0 else d % group):
+        what = f"n ({n})" if axis == 0 else f"head_dim ({d})"
+        problems.append(f"head_dim {d}, {n} tokens, group {group} (head_dim * bits whole bytes, head_dim at most "
+                        f"{CODEC_MAX_HEAD_DIM}, group dividing {what})")
+    if x.dtype not in _CODEC_DTYPES or x.stride(3) != 1:
+        problems.append(f"x as {x.dtype} with strides {x.stride()} (float32, bfloat16 or float16, channels of unit "
+                        "stride)")
+    rows = n // group if axis == 0 else n
+    cols = d if axis == 0 else d // group
+    for label, t, shape, dtype in (("codes", codes, (b, g, n, d * bits // 8), torch.uint8),
+                                   ("scale", scale, (b, g, rows, cols), torch.float16),
+                                   ("minimum", minimum, (b, g, rows, cols), torch.float16)):
+        if t.dtype != dtype or tuple(t.shape) != shape or t.stride(-1) != 1:
+            problems.append(f"{label} of shape {tuple(t.shape)}, strides {t.stride()}, {t.dtype} ({shape} {dtype}, "
+                            "unit-stride rows)")
+    if scale.stride() != minimum.stride():
+        problems.append("scale and minimum laid out differently")
+    if not all(t.is_cpu for t in (x, codes, scale, minimum)):
+        problems.append("tensors off the CPU")
+    return problems
+
+
+def codec_fits(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor, *, bits: int, group: int, axis: int) -> bool:
+    """Whether :func:`quantize_into` / :func:`dequantize_into` take these tensors and the kernels are loaded."""
+    return available() and not _codec_problems(x, codes, scale, minimum, bits, group, axis)
+
+
+def quantize_into(x: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor, *, bits: int, group: int, axis: int,
+                  threads: int | None = None, check: bool = True) -> None:
+    """Quantize ``x`` (b, g, n, d) into ``codes``, ``scale`` and ``minimum`` in place, as a
+    :class:`~multihead.cache.QuantizedKVCache` stores keys (``axis`` 0: per channel over groups of ``group`` tokens,
+    n a multiple of group) or values (``axis`` 1: per token over groups of ``group`` channels): the codes, scales and
+    minimums :func:`multihead.quant.quantize` and :func:`multihead.quant.pack` give, bit for bit, in one pass.
+
+    x float32, bfloat16 or float16, any strides with channels of unit stride; codes (b, g, n, d * bits / 8) uint8;
+    scale and minimum float16, (b, g, n / group, d) for keys, (b, g, n, d / group) for values, laid out alike: each
+    may be a view of a larger store (a slice of its rows), written where it lies. ``threads``: OpenMP threads
+    (default PyTorch's intra-op count). No autograd (codes are rounded values). Raises RuntimeError without the
+    kernels (:func:`unavailable`) and ValueError naming what does not fit (``check=False``: a caller that checked,
+    :func:`codec_fits`)."""
+    _required()
+    if check and (problems := _codec_problems(x, codes, scale, minimum, bits, group, axis)):
+        raise ValueError("quantize_into: " + "; ".join(problems))
+    torch.ops.multihead.quantize_into(bits, group, axis, x, codes, scale, minimum, 0 if threads is None else threads)
+
+
+def dequantize_into(out: Tensor, codes: Tensor, scale: Tensor, minimum: Tensor, *, bits: int, group: int, axis: int,
+                    threads: int | None = None, check: bool = True) -> None:
+    """Write the keys (``axis`` 0) or values (``axis`` 1) a store's codes hold into ``out`` (b, g, n, d), float32,
+    bfloat16 or float16, channels of unit stride: codes * scale + minimum in float32, rounded once to out's dtype,
+    the values of :func:`multihead.quant.read_keys` / :func:`~multihead.quant.read_values` bit for bit. The layouts
+    are :func:`quantize_into`'s (the first n rows of a store: a view of them). Raises as :func:`quantize_into`."""
+    _required()
+    if check and (problems := _codec_problems(out, codes, scale, minimum, bits, group, axis)):
+        raise ValueError("dequantize_into: " + "; ".join(problems))
+    torch.ops.multihead.dequantize_into(bits, group, axis, codes, scale, minimum, out,
+                                        0 if threads is None else threads)
+
+
 # ---------------------------------------------------------------------------------------------- the operators
 # The schemas (ops.cpp registers the CPU kernels against them: a kernel whose signature differs fails to load, naming
 # the operator), a fallback that says why when the library is not loaded (a CPU kernel, once loaded, takes
@@ -509,16 +588,20 @@ _ops.define("attend_dense(Tensor q, Tensor k, Tensor v, float scale, Tensor? kee
 _ops.define("attend_quantized(int bits, Tensor q, Tensor codes_k, Tensor scale_k, Tensor min_k, Tensor codes_v, "
             "Tensor scale_v, Tensor min_v, int n, int group, Tensor tail_k, Tensor tail_v, float scale, "
             "Tensor? keep=None, int threads=0) -> Tensor")
+_ops.define("quantize_into(int bits, int group, int axis, Tensor x, Tensor(a!) codes, Tensor(b!) scale, "
+            "Tensor(c!) minimum, int threads=0) -> ()")
+_ops.define("dequantize_into(int bits, int group, int axis, Tensor codes, Tensor scale, Tensor minimum, "
+            "Tensor(a!) out, int threads=0) -> ()")
 
 
-def _fallback(name: str) -> Callable[..., Tensor]:
+def _fallback(name: str) -> Callable[..., Tensor | None]:
     """The operator ``name`` before its CPU kernel is registered: the library is loaded here when it is built (a
     first call straight to the operator), and the call goes to its kernel; otherwise it raises naming why."""
 
-    def first_use(*args: object, **kwargs: object) -> Tensor:
+    def first_use(*args: object, **kwargs: object) -> Tensor | None:
         if (library() is not None and all(not isinstance(a, Tensor) or a.is_cpu for a in args)
                 and torch._C._dispatch_has_kernel_for_dispatch_key(f"{NAMESPACE}::{name}", "CPU")):
-            out: Tensor = getattr(getattr(torch.ops, NAMESPACE), name)(*args, **kwargs)
+            out: Tensor | None = getattr(getattr(torch.ops, NAMESPACE), name)(*args, **kwargs)
             return out
         why = unavailable() or "they run on CPU tensors"
         raise RuntimeError(f"multihead's native kernels are not available: {why}")
@@ -526,7 +609,7 @@ def _fallback(name: str) -> Callable[..., Tensor]:
     return first_use
 
 
-for _name in ("gemv_bf16", "gemv_f32", "attend_dense", "attend_quantized"):
+for _name in ("gemv_bf16", "gemv_f32", "attend_dense", "attend_quantized", "quantize_into", "dequantize_into"):
     _ops.impl(_name, _fallback(_name), "CompositeExplicitAutograd")
 
 
@@ -549,3 +632,12 @@ torch.library.register_fake(f"{NAMESPACE}::gemv_bf16", _gemv_fake, lib=_ops)
 torch.library.register_fake(f"{NAMESPACE}::gemv_f32", _gemv_fake, lib=_ops)
 torch.library.register_fake(f"{NAMESPACE}::attend_dense", _dense_fake, lib=_ops)
 torch.library.register_fake(f"{NAMESPACE}::attend_quantized", _quantized_fake, lib=_ops)
+
+
+def _codec_fake(bits: int, group: int, axis: int, a: Tensor, b: Tensor, c: Tensor, d: Tensor, threads: int = 0
+                ) -> None:
+    return None  # writes its (a!) arguments in place: nothing new to describe
+
+
+torch.library.register_fake(f"{NAMESPACE}::quantize_into", _codec_fake, lib=_ops)
+torch.library.register_fake(f"{NAMESPACE}::dequantize_into", _codec_fake, lib=_ops)

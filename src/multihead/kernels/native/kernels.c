@@ -1,11 +1,12 @@
 /* multihead's native CPU kernels, built by an explicit step (python -m multihead.kernels.native build, multihead
    tune, the set-up) once per instruction-set variant (cc -O3 -fopenmp and the variant's -m flags: "generic",
    "avx512", "avx512bf16"; the CPU's best one is loaded at run time): mh_gemv_bf16 and mh_gemv_f32 (decoding's
-   one-row bfloat16 and float32 products), mh_attend_quantized (a decode step over a 4- or 8-bit cache's codes) and mh_attend_dense (a decode step
-   over a float32/bfloat16 cache), each described where it is defined. The two attention kernels take their
-   arguments as one struct (mh_dense_args, mh_quant_args), declared in kernels.h with every prototype and filled by
-   ops.cpp, the PyTorch operators linked with this file into one library a variant; mh_isa says which instruction
-   sets the variant was compiled with.
+   one-row bfloat16 and float32 products), mh_attend_quantized (a decode step over a 4- or 8-bit cache's codes),
+   mh_attend_dense (a decode step over a float32/bfloat16 cache) and mh_quantize / mh_dequantize (a quantized
+   cache's codec, written and read back in one pass), each described where it is defined. The attention kernels and
+   the codec take their arguments as one struct (mh_dense_args, mh_quant_args, mh_codec_args), declared in kernels.h
+   with every prototype and filled by ops.cpp, the PyTorch operators linked with this file into one library a
+   variant; mh_isa says which instruction sets the variant was compiled with.
 
    mh_gemv_bf16: y = W x (+ bias) for one bfloat16 row x, float32 accumulation, rounded to bfloat16 once
    (round to nearest even), the same product as F.linear(x, W, bias) within bfloat16's rounding. Decoding's one-row
@@ -902,5 +903,335 @@ int mh_attend_quantized(const mh_quant_args *a) {
         }
     }
     merge_parts(a->B * G, HPG, D, per, parts, a->out);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------------------------
+   mh_quantize and mh_dequantize: KIVI's codec (multihead.quant) in one pass over a layer's keys or values, what a
+   quantized cache runs when it stores whole groups and when a kernel reads its codes back as keys and values.
+
+   mh_quantize: asymmetric min-max codes, each step the float32 operation multihead.quant.quantize runs, in its order,
+   so the codes, scales and minimums are the same bits: the group's minimum rounded to float16 (lo), the scale
+   (max - lo) / (2^bits - 1) rounded to float16 (1 where that is not above 0), the codes round-half-even((x - lo) /
+   scale) clamped to [0, 2^bits - 1] and packed low bits first (multihead.quant.pack). Keys (axis 0) per channel over
+   groups of `group` tokens (n a multiple of group), values (axis 1) per token over groups of `group` channels.
+   mh_dequantize: codes * scale + lo in float32 (the product of a code below 256 and a float16 scale is exact in
+   float32, so a fused multiply-add gives the same sum), rounded once to x's dtype (round to nearest even): the values
+   of multihead.quant.read_keys / read_values. D at most MH_CODEC_MAX_D, D * bits a multiple of 8, group dividing D
+   for values; returns 1 (nothing done) otherwise. Work items (batch, KV head, token group) for keys, (batch, KV head,
+   token) for values, spread over `threads` OpenMP threads when there are MH_CODEC_PARALLEL elements or more. */
+
+#define MH_CODEC_MAX_D 1024
+#define MH_CODEC_PARALLEL 32768
+
+static inline uint16_t f32_to_f16(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    uint32_t sign = (u >> 16) & 0x8000u, a = u & 0x7fffffffu;
+    if (a > 0x7f800000u) return (uint16_t)(sign | 0x7e00u); /* NaN */
+    if (a >= 0x477ff000u) return (uint16_t)(sign | 0x7c00u); /* 65520 and above round to infinity */
+    if (a < 0x38800000u) {                                    /* below 2^-14: a subnormal half (or zero) */
+        float v;
+        memcpy(&v, &a, sizeof v);
+        return (uint16_t)(sign | (uint32_t)nearbyintf(v * 16777216.0f)); /* in units of 2^-24, half to even */
+    }
+    uint32_t r = a - 0x38000000u; /* the exponent rebiased from 127 to 15 */
+    r += 0x0fffu + ((r >> 13) & 1u);
+    return (uint16_t)(sign | (r >> 13));
+}
+
+static inline float x_at(const void *x, int64_t dtype, int64_t i) {
+    if (dtype == 0) return ((const float *)x)[i];
+    if (dtype == 1) return bf16_to_f32(((const uint16_t *)x)[i]);
+    return f16_to_f32(((const uint16_t *)x)[i]);
+}
+
+static inline void x_put(void *x, int64_t dtype, int64_t i, float f) {
+    if (dtype == 0)
+        ((float *)x)[i] = f;
+    else if (dtype == 1)
+        ((uint16_t *)x)[i] = f32_to_bf16(f);
+    else
+        ((uint16_t *)x)[i] = f32_to_f16(f);
+}
+
+/* D codes (each below 2^bits, one a byte) -> D * bits / 8 packed bytes, low bits first; 8 codes a step as one
+   little-endian 64-bit word whose code bytes are folded into the low byte of each 16-bit (4 bits) or 32-bit (2 bits)
+   part, as multihead.quant.pack_fast folds them */
+static inline void pack_row(const uint8_t *restrict c, int64_t D, int bits, uint8_t *restrict out) {
+    if (bits == 8) {
+        memcpy(out, c, (size_t)D);
+        return;
+    }
+    int64_t j = 0;
+    for (; j + 8 <= D; j += 8) {
+        uint64_t u;
+        memcpy(&u, c + j, 8);
+        if (bits == 4) {
+            u |= u >> 4;
+            uint32_t w = (uint32_t)((u & 0xffu) | ((u >> 8) & 0xff00u) | ((u >> 16) & 0xff0000u) |
+                                    ((u >> 24) & 0xff000000u));
+            memcpy(out + j / 2, &w, 4);
+        } else {
+            u |= u >> 6;
+            u |= u >> 12;
+            out[j / 4] = (uint8_t)u;
+            out[j / 4 + 1] = (uint8_t)(u >> 32);
+        }
+    }
+    for (; j < D; j++) { /* a row of fewer than 8 codes left (D not a multiple of 8) */
+        int per = 8 / bits, k = (int)(j % per);
+        if (k == 0) out[j / per] = 0;
+        out[j / per] |= (uint8_t)(c[j] << (k * bits));
+    }
+}
+
+/* D * bits / 8 packed bytes -> D codes, one a byte (multihead.quant.unpack) */
+static inline void unpack_row(const uint8_t *restrict p, int64_t D, int bits, uint8_t *restrict c) {
+    if (bits == 8) {
+        memcpy(c, p, (size_t)D);
+        return;
+    }
+    int64_t j = 0;
+    for (; j + 8 <= D; j += 8) {
+        uint64_t x;
+        if (bits == 4) { /* 4 bytes: each spread to every other byte, then its high half into the byte after */
+            uint32_t w;
+            memcpy(&w, p + j / 2, 4);
+            x = w;
+            x = (x | (x << 16)) & 0x0000ffff0000ffffull;
+            x = (x | (x << 8)) & 0x00ff00ff00ff00ffull;
+            x = (x & 0x000f000f000f000full) | ((x << 4) & 0x0f000f000f000f00ull);
+        } else { /* 2 bytes: each to the low byte of a 32-bit part, then its four codes into that part's bytes */
+            x = (uint64_t)p[j / 4] | ((uint64_t)p[j / 4 + 1] << 32);
+            x = (x & 0x0000000300000003ull) | ((x << 6) & 0x0000030000000300ull) |
+                ((x << 12) & 0x0003000000030000ull) | ((x << 18) & 0x0300000003000000ull);
+        }
+        memcpy(c + j, &x, 8);
+    }
+    for (; j < D; j++) {
+        int per = 8 / bits, k = (int)(j % per);
+        c[j] = (uint8_t)((p[j / per] >> (k * bits)) & ((1 << bits) - 1));
+    }
+}
+
+/* a group's float16 minimum and scale from its float32 min and max, as multihead.quant.quantize rounds them */
+static inline void lo_scale(float mn, float mx, float levels, uint16_t *lo_h, uint16_t *sc_h, float *lo, float *sc) {
+    *lo_h = f32_to_f16(mn);
+    *lo = f16_to_f32(*lo_h);
+    *sc_h = f32_to_f16((mx - *lo) / levels);
+    *sc = f16_to_f32(*sc_h);
+    if (*sc <= 0.0f) { /* a constant group: scale 1, codes 0 */
+        *sc_h = 0x3c00u;
+        *sc = 1.0f;
+    }
+}
+
+static inline uint8_t code_of(float x, float lo, float sc, float levels) {
+    float q = nearbyintf((x - lo) / sc);
+    q = q < 0.0f ? 0.0f : (q > levels ? levels : q);
+    return (uint8_t)q;
+}
+
+#if defined(__AVX512F__)
+static inline __m512 load16x(const void *x, int64_t dtype, int64_t i) {
+    if (dtype == 0) return _mm512_loadu_ps((const float *)x + i);
+    __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)x + i));
+    if (dtype == 1) return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    return _mm512_cvtph_ps(h);
+}
+
+static inline void store16x(void *x, int64_t dtype, int64_t i, __m512 v) {
+    if (dtype == 0) {
+        _mm512_storeu_ps((float *)x + i, v);
+        return;
+    }
+    __m256i h;
+    if (dtype == 2) {
+        h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    } else {
+#if defined(__AVX512BF16__)
+        h = (__m256i)_mm512_cvtneps_pbh(v);
+#else
+        __m512i u = _mm512_castps_si512(v); /* round to nearest even (finite values; the codec makes no NaN) */
+        u = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff),
+                                                 _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1))));
+        h = _mm512_cvtepi32_epi16(_mm512_srli_epi32(u, 16));
+#endif
+    }
+    _mm256_storeu_si256((__m256i *)((uint16_t *)x + i), h);
+}
+
+static inline __m512 f16_round(__m512 v) {
+    return _mm512_cvtph_ps(_mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+/* 16 lanes' float16 minimum and scale (lo_scale's rounding) stored at lo_h, sc_h; lo and sc as float32 */
+static inline void lo_scale16(__m512 mn, __m512 mx, __m512 levels, uint16_t *lo_h, uint16_t *sc_h, __m512 *lo,
+                              __m512 *sc) {
+    __m256i lh = _mm512_cvtps_ph(mn, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    *lo = _mm512_cvtph_ps(lh);
+    __m512 s = f16_round(_mm512_div_ps(_mm512_sub_ps(mx, *lo), levels));
+    s = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(s, _mm512_setzero_ps(), _CMP_LE_OQ), s, _mm512_set1_ps(1.0f));
+    *sc = s;
+    _mm256_storeu_si256((__m256i *)lo_h, lh);
+    _mm256_storeu_si256((__m256i *)sc_h, _mm512_cvtps_ph(s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
+
+static inline void quantize16(__m512 v, __m512 lo, __m512 sc, __m512 levels, uint8_t *out) {
+    __m512 q = _mm512_roundscale_ps(_mm512_div_ps(_mm512_sub_ps(v, lo), sc),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    q = _mm512_min_ps(_mm512_max_ps(q, _mm512_setzero_ps()), levels);
+    _mm_storeu_si128((__m128i *)out, _mm512_cvtepi32_epi8(_mm512_cvtps_epi32(q)));
+}
+#endif
+
+/* one key group: `group` token rows of x (row stride xt) -> their code rows (stride ct) and one scale/min row */
+static void quantize_key_group(const mh_codec_args *a, const void *x, int64_t xt, uint8_t *codes, int64_t ct,
+                               uint16_t *sc_h, uint16_t *lo_h) {
+    const int64_t D = a->D, group = a->group, dtype = a->dtype;
+    const int bits = (int)a->bits;
+    const float levels = (float)((1 << bits) - 1);
+    const size_t esize = dtype == 0 ? 4 : 2;
+    float lo[MH_CODEC_MAX_D], sc[MH_CODEC_MAX_D];
+    uint8_t c[MH_CODEC_MAX_D];
+    int64_t c0 = 0;
+#if defined(__AVX512F__)
+    const __m512 lv = _mm512_set1_ps(levels);
+    for (; c0 + 16 <= D; c0 += 16) {
+        __m512 mn = load16x(x, dtype, c0), mx = mn;
+        for (int64_t t = 1; t < group; t++) {
+            __m512 v = load16x((const char *)x + t * xt * esize, dtype, c0);
+            mn = _mm512_min_ps(mn, v);
+            mx = _mm512_max_ps(mx, v);
+        }
+        __m512 l, s;
+        lo_scale16(mn, mx, lv, lo_h + c0, sc_h + c0, &l, &s);
+        _mm512_storeu_ps(lo + c0, l);
+        _mm512_storeu_ps(sc + c0, s);
+    }
+#endif
+    for (int64_t ch = c0; ch < D; ch++) {
+        float mn = x_at(x, dtype, ch), mx = mn;
+        for (int64_t t = 1; t < group; t++) {
+            float v = x_at((const char *)x + t * xt * esize, dtype, ch);
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+        }
+        lo_scale(mn, mx, levels, lo_h + ch, sc_h + ch, lo + ch, sc + ch);
+    }
+    for (int64_t t = 0; t < group; t++) {
+        const void *row = (const char *)x + t * xt * esize;
+        int64_t ch = 0;
+#if defined(__AVX512F__)
+        for (; ch + 16 <= D; ch += 16)
+            quantize16(load16x(row, dtype, ch), _mm512_loadu_ps(lo + ch), _mm512_loadu_ps(sc + ch), lv, c + ch);
+#endif
+        for (; ch < D; ch++) c[ch] = code_of(x_at(row, dtype, ch), lo[ch], sc[ch], levels);
+        pack_row(c, D, bits, codes + t * ct);
+    }
+}
+
+/* one value token: its row of x -> its code row and D / group scales and minimums */
+static void quantize_value_row(const mh_codec_args *a, const void *x, uint8_t *codes, uint16_t *sc_h,
+                               uint16_t *lo_h) {
+    const int64_t D = a->D, group = a->group, dtype = a->dtype;
+    const int bits = (int)a->bits;
+    const float levels = (float)((1 << bits) - 1);
+    uint8_t c[MH_CODEC_MAX_D];
+    for (int64_t g0 = 0, k = 0; g0 < D; g0 += group, k++) {
+        float mn, mx, lo, sc;
+#if defined(__AVX512F__)
+        if (group % 16 == 0) {
+            __m512 vmn = load16x(x, dtype, g0), vmx = vmn;
+            for (int64_t ch = g0 + 16; ch < g0 + group; ch += 16) {
+                __m512 v = load16x(x, dtype, ch);
+                vmn = _mm512_min_ps(vmn, v);
+                vmx = _mm512_max_ps(vmx, v);
+            }
+            mn = _mm512_reduce_min_ps(vmn);
+            mx = _mm512_reduce_max_ps(vmx);
+            lo_scale(mn, mx, levels, lo_h + k, sc_h + k, &lo, &sc);
+            __m512 l = _mm512_set1_ps(lo), s = _mm512_set1_ps(sc), lv = _mm512_set1_ps(levels);
+            for (int64_t ch = g0; ch < g0 + group; ch += 16) quantize16(load16x(x, dtype, ch), l, s, lv, c + ch);
+            continue;
+        }
+#endif
+        mn = mx = x_at(x, dtype, g0);
+        for (int64_t ch = g0 + 1; ch < g0 + group; ch++) {
+            float v = x_at(x, dtype, ch);
+            mn = v < mn ? v : mn;
+            mx = v > mx ? v : mx;
+        }
+        lo_scale(mn, mx, levels, lo_h + k, sc_h + k, &lo, &sc);
+        for (int64_t ch = g0; ch < g0 + group; ch++) c[ch] = code_of(x_at(x, dtype, ch), lo, sc, levels);
+    }
+    pack_row(c, D, bits, codes);
+}
+
+/* one token's code row -> its row of x: codes * scale + minimum, scale and minimum per channel (keys: stride 1,
+   per 1) or per group of channels (values: per `group`) */
+static void dequantize_row(const mh_codec_args *a, const uint8_t *codes, const uint16_t *sc_h, const uint16_t *lo_h,
+                           int per, void *x) {
+    const int64_t D = a->D, dtype = a->dtype;
+    uint8_t c[MH_CODEC_MAX_D];
+    unpack_row(codes, D, (int)a->bits, c);
+    int64_t ch = 0;
+#if defined(__AVX512F__)
+    if (per == 1 || per % 16 == 0) {
+        for (; ch + 16 <= D; ch += 16) {
+            __m512 s, l;
+            if (per == 1) {
+                s = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(sc_h + ch)));
+                l = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(lo_h + ch)));
+            } else {
+                s = _mm512_set1_ps(f16_to_f32(sc_h[ch / per]));
+                l = _mm512_set1_ps(f16_to_f32(lo_h[ch / per]));
+            }
+            __m512 v = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(c + ch))));
+            store16x(x, dtype, ch, _mm512_fmadd_ps(v, s, l));
+        }
+    }
+#endif
+    for (; ch < D; ch++) x_put(x, dtype, ch, (float)c[ch] * f16_to_f32(sc_h[ch / per]) + f16_to_f32(lo_h[ch / per]));
+}
+
+static int codec_refused(const mh_codec_args *a) {
+    return (a->bits != 2 && a->bits != 4 && a->bits != 8) || a->D < 1 || a->D > MH_CODEC_MAX_D ||
+           (a->D * a->bits) % 8 || a->group < 1 || a->dtype < 0 || a->dtype > 2 || a->axis < 0 || a->axis > 1 ||
+           (a->axis == 0 && a->n % a->group) || (a->axis == 1 && a->D % a->group);
+}
+
+int mh_quantize(const mh_codec_args *a) {
+    if (codec_refused(a)) return 1;
+    const int64_t G = a->G, keys = a->axis == 0, per = keys ? a->n / a->group : a->n, items = a->B * G * per;
+    const size_t esize = a->dtype == 0 ? 4 : 2;
+    int threads = a->threads < 1 ? 1 : (int)a->threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (a->B * G * a->n * a->D >= MH_CODEC_PARALLEL)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t b = it / (G * per), g = (it / per) % G, j = it % per, t = keys ? j * a->group : j;
+        const void *x = (const char *)a->x + (b * a->x_b + g * a->x_g + t * a->x_t) * esize;
+        uint8_t *codes = a->codes + b * a->c_b + g * a->c_g + t * a->c_t;
+        int64_t s = b * a->s_b + g * a->s_g + j * a->s_t;
+        if (keys)
+            quantize_key_group(a, x, a->x_t, codes, a->c_t, a->scale + s, a->minimum + s);
+        else
+            quantize_value_row(a, x, codes, a->scale + s, a->minimum + s);
+    }
+    return 0;
+}
+
+int mh_dequantize(const mh_codec_args *a) {
+    if (codec_refused(a)) return 1;
+    const int64_t G = a->G, n = a->n, items = a->B * G * n, keys = a->axis == 0;
+    const size_t esize = a->dtype == 0 ? 4 : 2;
+    int threads = a->threads < 1 ? 1 : (int)a->threads;
+#pragma omp parallel for num_threads(threads) schedule(static) if (a->B * G * n * a->D >= MH_CODEC_PARALLEL)
+    for (int64_t it = 0; it < items; it++) {
+        int64_t b = it / (G * n), g = (it / n) % G, t = it % n;
+        int64_t s = b * a->s_b + g * a->s_g + (keys ? t / a->group : t) * a->s_t;
+        dequantize_row(a, a->codes + b * a->c_b + g * a->c_g + t * a->c_t, a->scale + s, a->minimum + s,
+                       keys ? 1 : (int)a->group, (char *)a->x + (b * a->x_b + g * a->x_g + t * a->x_t) * esize);
+    }
     return 0;
 }

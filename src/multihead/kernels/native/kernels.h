@@ -49,6 +49,22 @@ typedef struct {
     int64_t keep_b;
 } mh_quant_args;
 
+/* the arguments of mh_quantize and mh_dequantize (KIVI's codec, multihead.quant): `x` (B, G, n, D) in float32
+   (dtype 0), bfloat16 (1) or float16 (2) with the given element strides (channels of unit stride), read by
+   mh_quantize and written by mh_dequantize; code rows of D * bits / 8 bytes at `codes` with the given strides; float16
+   scale and minimum rows (alike laid out) at `scale`, `minimum`: axis 0 (keys) one row of D a group of `group` tokens,
+   axis 1 (values) one row of D / group a token */
+typedef struct {
+    int64_t bits, B, G, n, D, group, axis, dtype;
+    void *x;
+    int64_t x_b, x_g, x_t;
+    uint8_t *codes;
+    int64_t c_b, c_g, c_t;
+    uint16_t *scale, *minimum;
+    int64_t s_b, s_g, s_t;
+    int64_t threads;
+} mh_codec_args;
+
 int mh_isa(void);
 void mh_gemv_bf16(const uint16_t *w, int64_t ld, const uint16_t *x, const uint16_t *bias, uint16_t *y, int64_t out,
                   int64_t in, int threads);
@@ -59,6 +75,8 @@ int mh_attend_dense(const mh_dense_args *a);
 int64_t mh_attend_quantized_scratch(int64_t B, int64_t G, int64_t HPG, int64_t D, int64_t n, int64_t group,
                                     int64_t m);
 int mh_attend_quantized(const mh_quant_args *a);
+int mh_quantize(const mh_codec_args *a);
+int mh_dequantize(const mh_codec_args *a);
 
 #ifdef __cplusplus
 }

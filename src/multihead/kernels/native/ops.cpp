@@ -190,6 +190,63 @@ at::Tensor attend_quantized(int64_t bits, const at::Tensor &q, const at::Tensor 
     return out.view({b, h, 1, d}).to(q.scalar_type());
 }
 
+// the element code of x's dtype for the codec (0 float32, 1 bfloat16, 2 float16), -1 for any other
+int64_t codec_dtype(const at::Tensor &x) {
+    switch (x.scalar_type()) {
+        case at::kFloat: return 0;
+        case at::kBFloat16: return 1;
+        case at::kHalf: return 2;
+        default: return -1;
+    }
+}
+
+// x (b, g, n, d) and the codes, scales and minimums of a quantized store (multihead.kernels.native.quantize_into's
+// docstring has the layouts) into the codec's arguments; raises naming the values when they do not fit
+mh_codec_args codec_args(const char *name, int64_t bits, int64_t group, int64_t axis, const at::Tensor &x,
+                         const at::Tensor &codes, const at::Tensor &scale, const at::Tensor &minimum,
+                         int64_t threads) {
+    const bool shaped = x.dim() == 4 && codes.dim() == 4 && scale.dim() == 4 && minimum.dim() == 4;
+    const int64_t b = shaped ? x.size(0) : 0, g = shaped ? x.size(1) : 0, n = shaped ? x.size(2) : 0,
+                  d = shaped ? x.size(3) : 0;
+    const int64_t scale_rows = axis == 0 && group > 0 ? n / group : n,
+                  scale_cols = axis == 0 || group < 1 ? d : d / group;
+    bool ok = shaped && (bits == 2 || bits == 4 || bits == 8) && (axis == 0 || axis == 1) && group > 0 &&
+              codec_dtype(x) >= 0 && codes.scalar_type() == at::kByte && scale.scalar_type() == at::kHalf &&
+              minimum.scalar_type() == at::kHalf && x.is_cpu() && codes.is_cpu() && scale.is_cpu() &&
+              minimum.is_cpu() && x.stride(3) == 1 && codes.stride(3) == 1 && scale.stride(3) == 1 &&
+              scale.strides() == minimum.strides() && scale.sizes() == minimum.sizes() && (d * bits) % 8 == 0 &&
+              (axis == 0 ? n % group == 0 : d % group == 0) && codes.size(0) == b && codes.size(1) == g &&
+              codes.size(2) == n && codes.size(3) == d * bits / 8 && scale.size(0) == b && scale.size(1) == g &&
+              scale.size(2) == scale_rows && scale.size(3) == scale_cols;
+    TORCH_CHECK_VALUE(ok, name, ": x ", x.sizes(), " strides ", x.strides(), " ", x.scalar_type(), ", codes ",
+                      codes.sizes(), " strides ", codes.strides(), ", scale ", scale.sizes(), " strides ",
+                      scale.strides(), ", minimum ", minimum.sizes(), ", bits ", bits, ", group ", group, ", axis ",
+                      axis, " do not fit (multihead.kernels.native.quantize_into's docstring has the layouts)");
+    mh_codec_args a{};
+    a.bits = bits, a.B = b, a.G = g, a.n = n, a.D = d, a.group = group, a.axis = axis, a.dtype = codec_dtype(x);
+    a.x = const_cast<void *>(x.const_data_ptr()), a.x_b = x.stride(0), a.x_g = x.stride(1), a.x_t = x.stride(2);
+    a.codes = static_cast<uint8_t *>(const_cast<void *>(codes.const_data_ptr())), a.c_b = codes.stride(0),
+    a.c_g = codes.stride(1), a.c_t = codes.stride(2);
+    a.scale = static_cast<uint16_t *>(const_cast<void *>(scale.const_data_ptr())),
+    a.minimum = static_cast<uint16_t *>(const_cast<void *>(minimum.const_data_ptr())), a.s_b = scale.stride(0),
+    a.s_g = scale.stride(1), a.s_t = scale.stride(2);
+    a.threads = threads_of(threads);
+    return a;
+}
+
+void quantize_into(int64_t bits, int64_t group, int64_t axis, const at::Tensor &x, const at::Tensor &codes,
+                   const at::Tensor &scale, const at::Tensor &minimum, int64_t threads) {
+    mh_codec_args a = codec_args("quantize_into", bits, group, axis, x, codes, scale, minimum, threads);
+    TORCH_CHECK_VALUE(mh_quantize(&a) == 0, "quantize_into: the kernel refused head_dim ", a.D, " (at most 1024)");
+}
+
+void dequantize_into(int64_t bits, int64_t group, int64_t axis, const at::Tensor &codes, const at::Tensor &scale,
+                     const at::Tensor &minimum, const at::Tensor &out, int64_t threads) {
+    mh_codec_args a = codec_args("dequantize_into", bits, group, axis, out, codes, scale, minimum, threads);
+    TORCH_CHECK_VALUE(mh_dequantize(&a) == 0, "dequantize_into: the kernel refused head_dim ", a.D,
+                      " (at most 1024)");
+}
+
 int64_t isa() { return mh_isa(); }
 
 }  // namespace
@@ -199,6 +256,8 @@ TORCH_LIBRARY_IMPL(MH_NAMESPACE, CPU, m) {
     m.impl("gemv_f32", &gemv_f32);
     m.impl("attend_dense", &attend_dense);
     m.impl("attend_quantized", &attend_quantized);
+    m.impl("quantize_into", &quantize_into);
+    m.impl("dequantize_into", &dequantize_into);
 }
 
 TORCH_LIBRARY_IMPL(MH_NAMESPACE, CompositeExplicitAutograd, m) { m.impl("isa", &isa); }
