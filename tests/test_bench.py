@@ -136,3 +136,21 @@ def test_the_hf_decode_bytes_bound_scales_the_full_cache_step_by_the_bytes_read(
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config, tie_word_embeddings=tied))
         every = sum(p.numel() * p.element_size() for p in model.parameters())
         assert weights_read(model) == every - (0 if tied else 50 * 16 * 4)
+
+
+def test_the_codec_benchmark_checks_both_paths_wrote_the_same_store_and_times_each(capsys: pytest.CaptureFixture[str]
+                                                                                   ) -> None:
+    """benchmarks/codec.py: its arguments are checked; a tiny run compares the native codec's store with PyTorch's
+    (the same bytes, or it stops) and gives each path's writes and reads."""
+    import codec
+
+    with pytest.raises(SystemExit):
+        codec.main(["--rounds", "0"])
+    assert "--rounds (0) must be at least 1" in capsys.readouterr().err
+    assert codec.main(["--models", "gemma3", "--dtypes", "bfloat16", "--bits", "4", "--length", "200", "--chunk", "80",
+                       "--rounds", "1"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("| gemma3 | bfloat16 | 4 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert all(float(c.rstrip("x")) > 0 for c in cells[3:]), row
+    wrote, read, cache = codec.prefill(codec.SHAPES["gemma3"], torch.float32, 8, 200, 80, True)
+    assert wrote > 0 and read > 0 and cache.quantized == 64  # 200 - 128 tokens past the residual: 2 groups
