@@ -15,7 +15,7 @@ import transformers
 
 from multihead import hf
 from multihead.kernels import AttentionCall, DenseKV, attend, cpu, explain, math_attention, resolve_backend, sdpa
-from multihead.kernels.sdpa import AT_MOST, QUERY_BLOCK, SPLIT_FROM, key_blocks, splits
+from multihead.kernels.sdpa import AT_MOST, CAUSAL_BLOCKS, QUERY_BLOCK, SPLIT_FROM, key_blocks, splits
 from multihead.layers.masks import MaskSpec, build_mask
 
 
@@ -44,6 +44,17 @@ def _banded(s: int, t: int, window: int) -> torch.Tensor:
     return keep
 
 
+def _agrees(call: AttentionCall, dtype: torch.dtype) -> None:
+    """The call's output (its blocks or its split) equals the float64 reference and one SDPA call over the whole
+    mask, within the dtype's rounding."""
+    assert isinstance(call.kv, DenseKV)
+    q, k, v, spec = call.q, call.kv.keys, call.kv.values, call.mask
+    out, _ = attend(call)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.double(), _reference(q, k, v, spec), atol=tol, rtol=0)
+    torch.testing.assert_close(out, _one_call(q, k, v, spec), atol=tol, rtol=0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_sliding_window_runs_in_blocks_and_equals_one_call_and_the_reference(dtype: torch.dtype) -> None:
     s, t, window = 300, 331, 32  # a chunk of 300 after 31 cached keys, each query seeing its last 32
@@ -55,11 +66,25 @@ def test_a_sliding_window_runs_in_blocks_and_equals_one_call_and_the_reference(d
     blocks = key_blocks(spec, q.device, q.dtype)
     assert blocks is not None and [b.rows for b in blocks] == [slice(0, 128), slice(128, 256), slice(256, 300)]
     assert blocks[0].keys == slice(0, 31 + 128)  # the 31 cached keys and the block's own
-    out, _ = attend(call)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), _reference(q, k, v, spec), atol=tol, rtol=0)
-    torch.testing.assert_close(out, _one_call(q, k, v, spec), atol=tol, rtol=0)
+    _agrees(call, dtype)
     assert "blocks of 128 rows" in explain(call).reason
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_causal_chunk_on_its_own_runs_in_blocks_where_the_kernel_skips_little(dtype: torch.dtype) -> None:
+    """A plain causal square of CAUSAL_BLOCKS' sizes (a first chunk of up to 512 tokens) runs in blocks of 128 rows,
+    each over the keys up to its last row: the same attention as the kernel's causal flag and the reference."""
+    s = 300
+    q, k, v = _qkv(s, s, dtype=dtype)
+    spec = build_mask(batch=1, n_heads=4, s=s, t=s, causal=True)
+    assert spec.is_plain_causal and CAUSAL_BLOCKS[0] < s <= CAUSAL_BLOCKS[1]
+    call = AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5)
+    assert resolve_backend(call).blocks
+    blocks = key_blocks(spec, q.device, q.dtype)
+    assert blocks is not None and [(b.rows, b.keys) for b in blocks] == [
+        (slice(0, 128), slice(0, 128)), (slice(128, 256), slice(0, 256)), (slice(256, 300), slice(0, 300))]
+    _agrees(call, dtype)
+    assert "3 blocks of 128 rows" in explain(call).reason
 
 
 def test_a_ring_whose_seen_keys_are_not_consecutive_reads_them_by_index() -> None:
@@ -98,8 +123,9 @@ def test_blocks_run_only_where_they_skip_enough_and_never_under_autograd_or_drop
     # one block of rows, a plain causal square (the kernel's own flag) and a float bias: none
     assert key_blocks(build_mask(batch=1, n_heads=4, s=QUERY_BLOCK, t=400, causal=True, window=8),
                       torch.device("cpu"), torch.float32) is None
-    assert key_blocks(build_mask(batch=1, n_heads=4, s=300, t=300, causal=True), torch.device("cpu"),
-                      torch.float32) is None
+    for square in (CAUSAL_BLOCKS[0], CAUSAL_BLOCKS[1] + 1):  # a plain causal square outside CAUSAL_BLOCKS
+        assert key_blocks(build_mask(batch=1, n_heads=4, s=square, t=square, causal=True), torch.device("cpu"),
+                          torch.float32) is None
     bias = torch.zeros(300, 300).masked_fill(~_banded(300, 300, 8), float("-inf"))
     assert key_blocks(MaskSpec(batch=1, n_heads=4, s=300, t=300, bias=bias), torch.device("cpu"),
                       torch.float32) is None
@@ -117,20 +143,17 @@ def test_blocks_run_only_where_they_skip_enough_and_never_under_autograd_or_drop
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("h", "g"), [(6, 2), (4, 4)])
+@pytest.mark.parametrize(("h", "g", "s"), [(6, 2, 64), (4, 4, 64), (6, 2, 300)])  # 300: its own keys in blocks
 def test_a_chunk_after_a_long_prefix_splits_and_equals_one_call_and_the_reference(dtype: torch.dtype, h: int,
-                                                                                   g: int) -> None:
-    s, t = 64, 64 + 200  # 200 cached keys, at least SPLIT_FROM chunks' worth
+                                                                                   g: int, s: int) -> None:
+    t = s + max(200, SPLIT_FROM * s)  # at least SPLIT_FROM chunks' worth of cached keys
     q, k, v = _qkv(s, t, h=h, g=g, dtype=dtype)
     spec = build_mask(batch=1, n_heads=h, s=s, t=t, causal=True)
     call = AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5)
     decision = resolve_backend(call)
     assert decision.split and not decision.blocks
-    out, _ = attend(call)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(out.double(), _reference(q, k, v, spec), atol=tol, rtol=0)
-    torch.testing.assert_close(out, _one_call(q, k, v, spec), atol=tol, rtol=0)
-    assert "200 cached keys" in explain(call).reason
+    _agrees(call, dtype)
+    assert f"{t - s} cached keys" in explain(call).reason
 
 
 def test_the_split_is_refused_for_a_short_prefix_a_window_positions_float64_autograd_and_dropout() -> None:

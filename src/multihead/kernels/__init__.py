@@ -60,7 +60,7 @@ from multihead.kernels.call import (
 )
 from multihead.kernels.latent import LATENT_PATHS, LatentCore, latent_call, mla_path
 from multihead.kernels.matmul import attention_weights, math_attention, weighted_sum, weighted_values
-from multihead.kernels.sdpa import QUERY_BLOCK, key_blocks, sdpa_attention, splits
+from multihead.kernels.sdpa import CAUSAL_BLOCKS, QUERY_BLOCK, key_blocks, sdpa_attention, splits
 from multihead.kernels.views import dense_view, group_calls
 from multihead.layers.masks import MaskSpec
 
@@ -535,10 +535,14 @@ def _sdpa_details(call: AttentionCall, decision: Dispatch, kernel: str) -> str:
         reason += (f"; the queries run in {len(blocks)} blocks of {QUERY_BLOCK} rows, each over only the keys its rows "
                    f"can see ({share:.0%} of the scores one call would compute)")
     if decision.split:
+        own = (f"one call a block of {QUERY_BLOCK} rows over the keys up to its last row"
+               if CAUSAL_BLOCKS[0] < spec.s <= CAUSAL_BLOCKS[1] else "another with the kernel's causal flag")
         reason += (f"; the {spec.t - spec.s} cached keys, which every query sees, run in one call with each KV head's "
                    f"{q.shape[1] // k.shape[1]} query heads as its rows and no mask, the chunk's own {spec.s} keys in "
-                   "another with the kernel's causal flag, the two merged by their log-sum-exp")
-    if spec.is_empty or spec.is_plain_causal or decision.split:
+                   f"{own}, the parts merged by their log-sum-exp")
+    if spec.is_plain_causal and blocks is not None:
+        reason += "; each block's part of the causal mask is passed as a dense tensor"
+    elif spec.is_empty or spec.is_plain_causal or decision.split:
         reason += "; no dense mask is made" + (" (the kernel's own causal path)" if spec.causal else "")
     else:
         reason += (

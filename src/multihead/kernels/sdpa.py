@@ -19,6 +19,13 @@ masked or not; a chunk of a sliding layer (512 queries over the 511 keys before 
 them, and blocks of 128 rows computed it in 0.73x the time of one call in bfloat16 (0.71x float32; Gemma 3's shape on
 the 2-core AMD host, 2026-12-07; blocks of 64: 0.70x / 0.65x, 256: 0.75x / 0.79x)."""
 
+CAUSAL_BLOCKS = (256, 512)
+"""A plain causal square of more than 256 and at most 512 rows (a chunk of up to 512 tokens with nothing cached
+before it) runs in query blocks too. PyTorch's CPU flash kernel reads the keys in splits of up to 512, and computed
+such a square in about the time of the unmasked one; blocks of 128 rows, each over the keys up to its last row, took
+0.80-0.93x the time of one causal call at 384 and 512 rows, 0.98-1.08x at 256 and 1.02-1.19x from 768 to 2,048
+(SmolLM2's and Gemma 3's heads, both dtypes, the 2-core AMD host, 2026-12-07)."""
+
 AT_MOST = 0.8
 """Blocks run only where they compute at most this share of the scores one call would (a 512-token chunk after
 3,584 keys: 0.94, one call; after 512 keys: 0.81; a sliding layer's: 0.62)."""
@@ -46,9 +53,10 @@ def splits(spec: MaskSpec, q: Tensor, k: Tensor, v: Tensor) -> bool:
             and not torch.compiler.is_compiling())
 
 
-def _split_prefix(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
+def _split_prefix(q: Tensor, k: Tensor, v: Tensor, *, scale: float, memo: dict[object, object]) -> Tensor:
     """Attention of the last s of t keys' queries (b, h, s, d) as :func:`splits` says: (b, h, s, d). Each part's
-    output is rounded to q's dtype by the kernel before the merge (in float32)."""
+    output is rounded to q's dtype by the kernel before the merge (in float32). The chunk's own keys run in query
+    blocks where :data:`CAUSAL_BLOCKS` says (their masks kept in ``memo``, the step's)."""
     assert _FLASH_CPU is not None
     b, h, s, d = q.shape
     g, t = k.shape[1], k.shape[2]
@@ -59,12 +67,38 @@ def _split_prefix(q: Tensor, k: Tensor, v: Tensor, *, scale: float) -> Tensor:
     kc, vc = k[:, :, p:], v[:, :, p:]
     if r > 1:
         kc, vc = kc.repeat_interleave(r, 1), vc.repeat_interleave(r, 1)
-    own, lse_own = _FLASH_CPU(q, kc, vc, is_causal=True, scale=scale)[:2]  # the chunk's own keys, causal
+    own, lse_own = _causal_with_lse(q, kc, vc, scale=scale, memo=memo)  # the chunk's own keys, causal
     top = torch.maximum(lse_before, lse_own)
     w_before = (lse_before - top).exp_().unsqueeze(-1)  # (b, h, s, 1)
     w_own = (lse_own - top).exp_().unsqueeze(-1)
     out: Tensor = before.float().mul_(w_before).add_(own.float().mul_(w_own)).div_(w_before + w_own)
     return out.to(q.dtype)
+
+
+def _causal_with_lse(q: Tensor, k: Tensor, v: Tensor, *, scale: float, memo: dict[object, object]
+                     ) -> tuple[Tensor, Tensor]:
+    """Causal attention of q (b, h, s, d) over its own s keys k, v (b, h, s, d), and each row's log-sum-exp (b, h, s):
+    one call of PyTorch's CPU flash kernel with its causal flag, or, for a square :data:`CAUSAL_BLOCKS` takes, one
+    call a block of :data:`QUERY_BLOCK` rows over the keys up to its last row, with a float mask hiding the later
+    ones (made once, kept in ``memo``)."""
+    assert _FLASH_CPU is not None
+    s = q.shape[2]
+    if not CAUSAL_BLOCKS[0] < s <= CAUSAL_BLOCKS[1]:
+        out, lse = _FLASH_CPU(q, k, v, is_causal=True, scale=scale)[:2]
+        return out, lse
+    out = q.new_empty(q.shape)
+    parts = []
+    for a in range(0, s, QUERY_BLOCK):
+        e = min(a + QUERY_BLOCK, s)
+        key = ("causal block", a, e, q.dtype, q.device)
+        if key not in memo:
+            hidden = ~torch.ones(e - a, e, dtype=torch.bool, device=q.device).tril(a)
+            memo[key] = torch.zeros(e - a, e, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
+        mask = memo[key]
+        assert isinstance(mask, Tensor)
+        out[:, :, a:e], lse = _FLASH_CPU(q[:, :, a:e], k[:, :, :e], v[:, :, :e], attn_mask=mask, scale=scale)[:2]
+        parts.append(lse)
+    return out, torch.cat(parts, dim=2)
 
 
 @dataclass(frozen=True)
@@ -84,7 +118,9 @@ def key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> list
     sequence or head, or under torch.compile. Made once a step and kept on the spec."""
     if spec.s <= QUERY_BLOCK or spec.bias is not None or torch.compiler.is_compiling():
         return None
-    key = ("key blocks", device, dtype)
+    if spec.is_plain_causal and not CAUSAL_BLOCKS[0] < spec.s <= CAUSAL_BLOCKS[1]:
+        return None  # the kernel's own causal path (its splits of keys skip the hidden ones at these sizes)
+    key = ("key blocks", device)  # the blocks read the boolean mask alone: one plan for every dtype
     if key in spec.memo:
         found: list[KeyBlock] | None = spec.memo[key]
         return found
@@ -93,8 +129,13 @@ def key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> list
 
 
 def _key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> list[KeyBlock] | None:
-    if spec.is_empty or spec.is_plain_causal:
-        return None  # no dense mask: the kernel's own causal path skips the hidden blocks
+    if spec.is_plain_causal:  # (CAUSAL_BLOCKS): block i's rows see the keys up to its last row, the last block causal
+        return [KeyBlock(slice(a, min(a + QUERY_BLOCK, spec.s)), slice(0, min(a + QUERY_BLOCK, spec.s)),
+                         torch.ones(min(QUERY_BLOCK, spec.s - a), min(a + QUERY_BLOCK, spec.s), dtype=torch.bool,
+                                    device=device).tril(a))
+                for a in range(0, spec.s, QUERY_BLOCK)]
+    if spec.is_empty:
+        return None
     keep, bias, _ = spec.dense(device, dtype)
     if keep is None or bias is not None or any(n != 1 for n in keep.shape[:-2]):
         return None
@@ -137,13 +178,15 @@ def sdpa_attention(
     g = k.shape[1]
     run_q = q.reshape(b, g, h // g, d) if fold else q
     gqa = g != h and not fold
+    if spec.is_plain_causal and blocks is not None:
+        return _over_blocks(q, k, v, blocks, scale=scale, gqa=gqa)
     if spec.is_empty or spec.is_plain_causal:
         out = F.scaled_dot_product_attention(
             run_q, k, v, dropout_p=dropout_p, is_causal=spec.is_plain_causal, scale=scale, enable_gqa=gqa
         )
         return out.view(b, h, s, v.shape[-1]) if fold else out
     if split:
-        return _split_prefix(q, k, v, scale=scale)
+        return _split_prefix(q, k, v, scale=scale, memo=spec.memo)
     keep, bias, has_key = spec.dense(q.device, q.dtype)
     if blocks is not None:
         out = _over_blocks(q, k, v, blocks, scale=scale, gqa=gqa)
