@@ -15,7 +15,16 @@ import transformers
 
 from multihead import hf
 from multihead.kernels import AttentionCall, DenseKV, attend, cpu, explain, math_attention, resolve_backend, sdpa
-from multihead.kernels.sdpa import AT_MOST, CAUSAL_BLOCKS, QUERY_BLOCK, SPLIT_FROM, key_blocks, splits
+from multihead.kernels.sdpa import (
+    AT_MOST,
+    CAUSAL_BLOCKS,
+    QUERY_BLOCK,
+    SPLIT_BLOCKED_FROM,
+    SPLIT_FROM,
+    causal_blocks,
+    key_blocks,
+    splits,
+)
 from multihead.layers.masks import MaskSpec, build_mask
 
 
@@ -71,20 +80,25 @@ def test_a_sliding_window_runs_in_blocks_and_equals_one_call_and_the_reference(d
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_causal_chunk_on_its_own_runs_in_blocks_where_the_kernel_skips_little(dtype: torch.dtype) -> None:
-    """A plain causal square of CAUSAL_BLOCKS' sizes (a first chunk of up to 512 tokens) runs in blocks of 128 rows,
-    each over the keys up to its last row: the same attention as the kernel's causal flag and the reference."""
+def test_a_bfloat16_causal_chunk_on_its_own_runs_in_blocks_where_the_kernel_skips_little(dtype: torch.dtype) -> None:
+    """A plain causal bfloat16 square of CAUSAL_BLOCKS' sizes (a first chunk of up to 512 tokens) runs in blocks of
+    128 rows, each over the keys up to its last row; float32 keeps the kernel's causal flag. Either way the same
+    attention as one causal call and the reference."""
     s = 300
     q, k, v = _qkv(s, s, dtype=dtype)
     spec = build_mask(batch=1, n_heads=4, s=s, t=s, causal=True)
     assert spec.is_plain_causal and CAUSAL_BLOCKS[0] < s <= CAUSAL_BLOCKS[1]
     call = AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5)
-    assert resolve_backend(call).blocks
+    blocked = dtype == torch.bfloat16
+    assert resolve_backend(call).blocks == blocked == causal_blocks(s, dtype)
     blocks = key_blocks(spec, q.device, q.dtype)
-    assert blocks is not None and [(b.rows, b.keys) for b in blocks] == [
-        (slice(0, 128), slice(0, 128)), (slice(128, 256), slice(0, 256)), (slice(256, 300), slice(0, 300))]
+    if blocked:
+        assert blocks is not None and [(b.rows, b.keys) for b in blocks] == [
+            (slice(0, 128), slice(0, 128)), (slice(128, 256), slice(0, 256)), (slice(256, 300), slice(0, 300))]
+        assert "3 blocks of 128 rows" in explain(call).reason
+    else:
+        assert blocks is None and "kernel's own causal path" in explain(call).reason
     _agrees(call, dtype)
-    assert "3 blocks of 128 rows" in explain(call).reason
 
 
 def test_a_ring_whose_seen_keys_are_not_consecutive_reads_them_by_index() -> None:
@@ -125,7 +139,7 @@ def test_blocks_run_only_where_they_skip_enough_and_never_under_autograd_or_drop
                       torch.device("cpu"), torch.float32) is None
     for square in (CAUSAL_BLOCKS[0], CAUSAL_BLOCKS[1] + 1):  # a plain causal square outside CAUSAL_BLOCKS
         assert key_blocks(build_mask(batch=1, n_heads=4, s=square, t=square, causal=True), torch.device("cpu"),
-                          torch.float32) is None
+                          torch.bfloat16) is None
     bias = torch.zeros(300, 300).masked_fill(~_banded(300, 300, 8), float("-inf"))
     assert key_blocks(MaskSpec(batch=1, n_heads=4, s=300, t=300, bias=bias), torch.device("cpu"),
                       torch.float32) is None
@@ -143,17 +157,26 @@ def test_blocks_run_only_where_they_skip_enough_and_never_under_autograd_or_drop
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("h", "g", "s"), [(6, 2, 64), (4, 4, 64), (6, 2, 300)])  # 300: its own keys in blocks
+@pytest.mark.parametrize(("h", "g", "s", "p"), [
+    (6, 2, 64, 200), (4, 4, 64, 200), (6, 2, 300, 600),  # at least SPLIT_FROM chunks' worth of cached keys
+    (6, 2, 300, 150),  # bfloat16: its own keys in blocks, SPLIT_BLOCKED_FROM; float32: one masked call
+])
 def test_a_chunk_after_a_long_prefix_splits_and_equals_one_call_and_the_reference(dtype: torch.dtype, h: int,
-                                                                                   g: int, s: int) -> None:
-    t = s + max(200, SPLIT_FROM * s)  # at least SPLIT_FROM chunks' worth of cached keys
+                                                                                   g: int, s: int, p: int) -> None:
+    t = s + p
     q, k, v = _qkv(s, t, h=h, g=g, dtype=dtype)
     spec = build_mask(batch=1, n_heads=h, s=s, t=t, causal=True)
     call = AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5)
     decision = resolve_backend(call)
+    if p < SPLIT_FROM * s and not causal_blocks(s, dtype):
+        assert not decision.split
+        _agrees(call, dtype)
+        return
+    assert p >= (SPLIT_BLOCKED_FROM if causal_blocks(s, dtype) else SPLIT_FROM) * s
     assert decision.split and not decision.blocks
     _agrees(call, dtype)
-    assert f"{t - s} cached keys" in explain(call).reason
+    reason = explain(call).reason
+    assert f"{t - s} cached keys" in reason and (("one call a block of 128 rows" in reason) == causal_blocks(s, dtype))
 
 
 def test_the_split_is_refused_for_a_short_prefix_a_window_positions_float64_autograd_and_dropout() -> None:

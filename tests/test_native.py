@@ -547,9 +547,7 @@ def test_smollm2_decodes_over_its_quantized_codes_as_the_dequantising_path_does(
     with cpu.disabled():
         want, plain_tokens = decode()
     assert tokens == plain_tokens
-    # the 400-token prefill runs in query blocks on the fast path (CAUSAL_BLOCKS), one causal call on the plain one:
-    # float32 sums in another order through 30 layers (logits of magnitude ~10)
-    torch.testing.assert_close(got, want, atol=5e-4, rtol=1e-4)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("bits", [4, 8, 2])

@@ -60,7 +60,7 @@ from multihead.kernels.call import (
 )
 from multihead.kernels.latent import LATENT_PATHS, LatentCore, latent_call, mla_path
 from multihead.kernels.matmul import attention_weights, math_attention, weighted_sum, weighted_values
-from multihead.kernels.sdpa import CAUSAL_BLOCKS, QUERY_BLOCK, key_blocks, sdpa_attention, splits
+from multihead.kernels.sdpa import QUERY_BLOCK, causal_blocks, key_blocks, sdpa_attention, splits
 from multihead.kernels.views import dense_view, group_calls
 from multihead.layers.masks import MaskSpec
 
@@ -536,7 +536,7 @@ def _sdpa_details(call: AttentionCall, decision: Dispatch, kernel: str) -> str:
                    f"can see ({share:.0%} of the scores one call would compute)")
     if decision.split:
         own = (f"one call a block of {QUERY_BLOCK} rows over the keys up to its last row"
-               if CAUSAL_BLOCKS[0] < spec.s <= CAUSAL_BLOCKS[1] else "another with the kernel's causal flag")
+               if causal_blocks(spec.s, q.dtype) else "another with the kernel's causal flag")
         reason += (f"; the {spec.t - spec.s} cached keys, which every query sees, run in one call with each KV head's "
                    f"{q.shape[1] // k.shape[1]} query heads as its rows and no mask, the chunk's own {spec.s} keys in "
                    f"{own}, the parts merged by their log-sum-exp")

@@ -20,11 +20,17 @@ them, and blocks of 128 rows computed it in 0.73x the time of one call in bfloat
 the 2-core AMD host, 2026-12-07; blocks of 64: 0.70x / 0.65x, 256: 0.75x / 0.79x)."""
 
 CAUSAL_BLOCKS = (256, 512)
-"""A plain causal square of more than 256 and at most 512 rows (a chunk of up to 512 tokens with nothing cached
-before it) runs in query blocks too. PyTorch's CPU flash kernel reads the keys in splits of up to 512, and computed
-such a square in about the time of the unmasked one; blocks of 128 rows, each over the keys up to its last row, took
-0.80-0.93x the time of one causal call at 384 and 512 rows, 0.98-1.08x at 256 and 1.02-1.19x from 768 to 2,048
-(SmolLM2's and Gemma 3's heads, both dtypes, the 2-core AMD host, 2026-12-07)."""
+"""A bfloat16 causal square of more than 256 and at most 512 rows (a chunk of up to 512 tokens with nothing cached
+before it, or a split's own keys) runs in query blocks (:func:`causal_blocks`). PyTorch's CPU flash kernel reads the
+keys in splits of up to 512 and computed such a square in about the time of the unmasked one; blocks of 128 rows,
+each over the keys up to its last row, took 0.80-0.90x the time of one causal call at 384 and 512 rows in bfloat16,
+0.98-1.10x at 256 and from 768 up (SmolLM2's and Gemma 3's heads, the 2-core AMD host, 2026-12-07). In float32 they
+took 0.83-0.94x alone but a SmolLM2 512-token chunk's whole forward 1.03x one call's: float32 keeps one call."""
+
+SPLIT_BLOCKED_FROM = 0.5
+"""A chunk whose own keys run in blocks (:func:`causal_blocks`) splits after at least this many times its length of
+cached keys: 512 bfloat16 queries after 256 to 768 keys ran split in 0.90-0.93x one masked call (both models' heads,
+the same host and day)."""
 
 AT_MOST = 0.8
 """Blocks run only where they compute at most this share of the scores one call would (a 512-token chunk after
@@ -39,6 +45,11 @@ both dtypes; two cases 1.05x and 1.12x), after 256 to 1,024 keys 0.71-1.37x (the
 _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
+def causal_blocks(s: int, dtype: torch.dtype) -> bool:
+    """Whether a causal square of ``s`` rows in ``dtype`` runs in query blocks (:data:`CAUSAL_BLOCKS`)."""
+    return dtype == torch.bfloat16 and CAUSAL_BLOCKS[0] < s <= CAUSAL_BLOCKS[1]
+
+
 def splits(spec: MaskSpec, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether a chunk of queries after cached keys (causal, aligned bottom-right, nothing else in the mask) runs
     as two calls of PyTorch's CPU flash kernel merged by their log-sum-exp (:func:`_split_prefix`): the cached keys,
@@ -48,7 +59,8 @@ def splits(spec: MaskSpec, q: Tensor, k: Tensor, v: Tensor) -> bool:
     s, t = spec.s, spec.t
     return (_FLASH_CPU is not None and spec.causal and spec.window is None and spec.keep is None
             and spec.bias is None and spec.documents is None and spec.padding is None and spec.q_positions is None
-            and s > 1 and t - s >= SPLIT_FROM * s and q.dtype in (torch.float32, torch.bfloat16)
+            and s > 1 and t - s >= (SPLIT_BLOCKED_FROM if causal_blocks(s, q.dtype) else SPLIT_FROM) * s
+            and q.dtype in (torch.float32, torch.bfloat16)
             and k.shape[-1] == v.shape[-1] == q.shape[-1] and q.shape[0] == k.shape[0]
             and not torch.compiler.is_compiling())
 
@@ -83,7 +95,7 @@ def _causal_with_lse(q: Tensor, k: Tensor, v: Tensor, *, scale: float, memo: dic
     ones (made once, kept in ``memo``)."""
     assert _FLASH_CPU is not None
     s = q.shape[2]
-    if not CAUSAL_BLOCKS[0] < s <= CAUSAL_BLOCKS[1]:
+    if not causal_blocks(s, q.dtype):
         out, lse = _FLASH_CPU(q, k, v, is_causal=True, scale=scale)[:2]
         return out, lse
     out = q.new_empty(q.shape)
@@ -118,8 +130,8 @@ def key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> list
     sequence or head, or under torch.compile. Made once a step and kept on the spec."""
     if spec.s <= QUERY_BLOCK or spec.bias is not None or torch.compiler.is_compiling():
         return None
-    if spec.is_plain_causal and not CAUSAL_BLOCKS[0] < spec.s <= CAUSAL_BLOCKS[1]:
-        return None  # the kernel's own causal path (its splits of keys skip the hidden ones at these sizes)
+    if spec.is_plain_causal and not causal_blocks(spec.s, dtype):
+        return None  # the kernel's own causal path
     key = ("key blocks", device)  # the blocks read the boolean mask alone: one plan for every dtype
     if key in spec.memo:
         found: list[KeyBlock] | None = spec.memo[key]
@@ -129,7 +141,7 @@ def key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> list
 
 
 def _key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> list[KeyBlock] | None:
-    if spec.is_plain_causal:  # (CAUSAL_BLOCKS): block i's rows see the keys up to its last row, the last block causal
+    if spec.is_plain_causal:  # (causal_blocks): block i's rows see the keys up to its last row, the last ones causal
         return [KeyBlock(slice(a, min(a + QUERY_BLOCK, spec.s)), slice(0, min(a + QUERY_BLOCK, spec.s)),
                          torch.ones(min(QUERY_BLOCK, spec.s - a), min(a + QUERY_BLOCK, spec.s), dtype=torch.bool,
                                     device=device).tril(a))
