@@ -54,8 +54,9 @@ def splits(spec: MaskSpec, q: Tensor, k: Tensor, v: Tensor) -> bool:
     """Whether a chunk of queries after cached keys (causal, aligned bottom-right, nothing else in the mask) runs
     as two calls of PyTorch's CPU flash kernel merged by their log-sum-exp (:func:`_split_prefix`): the cached keys,
     which every query sees, with each KV head's query heads as its rows and no mask, and the chunk's own keys with
-    the kernel's causal flag. Not for one query row, a short prefix (:data:`SPLIT_FROM`), float64, values of another
-    width than the keys, or a PyTorch without that kernel."""
+    the kernel's causal flag (in query blocks where :func:`causal_blocks` says). Not for one query row, a short
+    prefix (:data:`SPLIT_FROM`; :data:`SPLIT_BLOCKED_FROM` for a chunk whose own keys run in blocks), float64, values
+    of another width than the keys, or a PyTorch without that kernel."""
     s, t = spec.s, spec.t
     return (_FLASH_CPU is not None and spec.causal and spec.window is None and spec.keep is None
             and spec.bias is None and spec.documents is None and spec.padding is None and spec.q_positions is None
