@@ -154,3 +154,19 @@ def test_the_codec_benchmark_checks_both_paths_wrote_the_same_store_and_times_ea
     assert all(float(c.rstrip("x")) > 0 for c in cells[3:]), row
     wrote, read, cache = codec.prefill(codec.SHAPES["gemma3"], torch.float32, 8, 200, 80, True)
     assert wrote > 0 and read > 0 and cache.quantized == 64  # 200 - 128 tokens past the residual: 2 groups
+
+
+def test_the_prefill_attention_benchmark_checks_each_pair_and_names_the_path_the_library_takes(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/prefill_attention.py (the figures behind sdpa's CAUSAL_BLOCKS and SPLIT_BLOCKED_FROM): its arguments
+    are checked; a one-round run agrees path by path and says which path the dispatcher takes."""
+    import prefill_attention
+
+    with pytest.raises(SystemExit):
+        prefill_attention.main(["--rounds", "0"])
+    assert "--rounds (0) must be at least 1" in capsys.readouterr().err
+    assert prefill_attention.main(["--models", "smollm2", "--dtypes", "bfloat16", "--rounds", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "| causal square of 512 | " in out and "blocks of 128 (taken)" in out
+    assert "| causal square of 256 | " in out and "blocks of 128 (not taken)" in out
+    assert "512 queries after 256 keys" in out and "split, own keys in blocks (taken)" in out

@@ -24,13 +24,14 @@ CAUSAL_BLOCKS = (256, 512)
 before it, or a split's own keys) runs in query blocks (:func:`causal_blocks`). PyTorch's CPU flash kernel reads the
 keys in splits of up to 512 and computed such a square in about the time of the unmasked one; blocks of 128 rows,
 each over the keys up to its last row, took 0.80-0.90x the time of one causal call at 384 and 512 rows in bfloat16,
-0.98-1.10x at 256 and from 768 up (SmolLM2's and Gemma 3's heads, the 2-core AMD host, 2026-12-07). In float32 they
+0.98-1.10x at 256 and from 768 up (SmolLM2's and Gemma 3's heads, the 2-core AMD host, 2026-12-07;
+benchmarks/prefill_attention.py measures it). In float32 they
 took 0.83-0.94x alone but a SmolLM2 512-token chunk's whole forward 1.03x one call's: float32 keeps one call."""
 
 SPLIT_BLOCKED_FROM = 0.5
 """A chunk whose own keys run in blocks (:func:`causal_blocks`) splits after at least this many times its length of
-cached keys: 512 bfloat16 queries after 256 to 768 keys ran split in 0.90-0.93x one masked call (both models' heads,
-the same host and day)."""
+cached keys: 512 bfloat16 queries after 256 to 768 keys ran split in 0.89-0.94x one masked call (both models' heads,
+the same host and day; benchmarks/prefill_attention.py)."""
 
 AT_MOST = 0.8
 """Blocks run only where they compute at most this share of the scores one call would (a 512-token chunk after
@@ -105,13 +106,19 @@ def _causal_with_lse(q: Tensor, k: Tensor, v: Tensor, *, scale: float, memo: dic
         e = min(a + QUERY_BLOCK, s)
         key = ("causal block", a, e, q.dtype, q.device)
         if key not in memo:
-            hidden = ~torch.ones(e - a, e, dtype=torch.bool, device=q.device).tril(a)
+            hidden = ~_causal_keep(a, e, q.device)
             memo[key] = torch.zeros(e - a, e, dtype=q.dtype, device=q.device).masked_fill(hidden, float("-inf"))
         mask = memo[key]
         assert isinstance(mask, Tensor)
         out[:, :, a:e], lse = _FLASH_CPU(q[:, :, a:e], k[:, :, :e], v[:, :, :e], attn_mask=mask, scale=scale)[:2]
         parts.append(lse)
     return out, torch.cat(parts, dim=2)
+
+
+def _causal_keep(a: int, e: int, device: torch.device) -> Tensor:
+    """The causal mask of query rows a .. e - 1 over keys 0 .. e - 1 (a block of a causal square): (e - a, e) bool, row
+    i seeing the keys up to a + i."""
+    return torch.ones(e - a, e, dtype=torch.bool, device=device).tril(a)
 
 
 @dataclass(frozen=True)
@@ -142,11 +149,9 @@ def key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> list
 
 
 def _key_blocks(spec: MaskSpec, device: torch.device, dtype: torch.dtype) -> list[KeyBlock] | None:
-    if spec.is_plain_causal:  # (causal_blocks): block i's rows see the keys up to its last row, the last ones causal
-        return [KeyBlock(slice(a, min(a + QUERY_BLOCK, spec.s)), slice(0, min(a + QUERY_BLOCK, spec.s)),
-                         torch.ones(min(QUERY_BLOCK, spec.s - a), min(a + QUERY_BLOCK, spec.s), dtype=torch.bool,
-                                    device=device).tril(a))
-                for a in range(0, spec.s, QUERY_BLOCK)]
+    if spec.is_plain_causal:  # (causal_blocks)
+        spans = [(a, min(a + QUERY_BLOCK, spec.s)) for a in range(0, spec.s, QUERY_BLOCK)]
+        return [KeyBlock(slice(a, e), slice(0, e), _causal_keep(a, e, device)) for a, e in spans]
     if spec.is_empty:
         return None
     keep, bias, _ = spec.dense(device, dtype)
