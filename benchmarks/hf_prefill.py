@@ -4,8 +4,11 @@ variants taking turns.
 
 For each model, dtype and length: the same random context (seeded) is prefilled in chunks of ``--chunk`` tokens
 (``logits_to_keep=1``, as ``generate`` does), into a new cache of each variant, ``--rounds`` times after one untimed
-round, the variants taking turns chunk by chunk; the table gives each variant's median seconds (its chunks summed)
-and its speed against transformers' (>1: faster). The variants are those of ``benchmarks/hf_decode.py``:
+round, the variants taking turns chunk by chunk, in an order that rotates round by round (no variant always runs
+after the same one); the table gives each variant's median seconds (its chunks summed) and its speed against
+transformers' (>1: faster) as the median over the rounds of each round's ratio (transformers' seconds over the
+variant's, the pair timed side by side), with the lowest and highest of those ratios: a speed whose range straddles
+1.0 is not told apart from transformers' on that run. The variants are those of ``benchmarks/hf_decode.py``:
 transformers' sdpa + DynamicCache with its own ``nn.Linear``; multihead's attention (``hf.enable``) with its
 products over each kind (full, sinks + window, int8, int4, head-wise 50% and 25%); and the full kind with
 transformers' products. Each
@@ -65,12 +68,15 @@ def use(model: Any, label: str) -> None:
     cpu.follow_load(mine)
 
 
-def prefill_round(model: Any, made: dict[str, Any], ids: torch.Tensor, chunk: int
+def prefill_round(model: Any, made: dict[str, Any], ids: torch.Tensor, chunk: int, turn: int = 0
                   ) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     """One chunked prefill of ``ids`` into a new cache of every variant, the variants taking turns chunk by chunk
-    (a slow moment of the host falls on all of them alike): each variant's seconds, summed over its chunks, and its
-    last logits (float32)."""
-    caches = {label: make() for label, make in made.items()}
+    (a slow moment of the host falls on all of them alike), the first to run being the ``turn``-th (modulo their
+    number): each variant's seconds, summed over its chunks, and its last logits (float32)."""
+    use(model, "multihead full")  # a multihead cache is made for a model on multihead's attention
+    labels = list(made)
+    first = turn % len(labels)
+    caches = {label: made[label]() for label in labels[first:] + labels[:first]}
     took = dict.fromkeys(made, 0.0)
     last: dict[str, torch.Tensor] = {}
     with torch.no_grad():
@@ -98,27 +104,30 @@ def cell(name: str, model: Any, dtype: torch.dtype, length: int, *, chunk: int, 
         times: dict[str, list[float]] = {label: [] for label in made}
         with bench_load(busy):
             for r in range(rounds + 1):  # the first round untimed
-                took, last = prefill_round(model, made, ids, chunk)
+                took, last = prefill_round(model, made, ids, chunk, turn=r)
                 if r:
                     for label, seconds in took.items():
                         times[label].append(seconds)
         cpu.follow_load(None)
-        anchor = statistics.median(times[ANCHOR])
         for label in made:
-            s = statistics.median(times[label])
+            ratios = [a / s for a, s in zip(times[ANCHOR], times[label], strict=True)]  # round by round
             rows.append({"model": name, "dtype": str(dtype).removeprefix("torch."), "length": length,
-                         "condition": condition, "variant": label, "seconds": round(s, 3),
-                         "speed_vs_transformers": round(anchor / s, 3),
+                         "condition": condition, "variant": label,
+                         "seconds": round(statistics.median(times[label]), 3),
+                         "speed_vs_transformers": round(statistics.median(ratios), 3),
+                         "speed_low": round(min(ratios), 3), "speed_high": round(max(ratios), 3),
                          "max_logit_diff": round((last[label] - last[ANCHOR]).abs().max().item(), 4)})
     return rows
 
 
 def table(rows: list[dict[str, Any]]) -> str:
-    lines = ["| model | dtype | tokens | condition | variant | prefill s | vs transformers | last logits vs "
-             "transformers' |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | dtype | tokens | condition | variant | prefill s | vs transformers | rounds' range | last "
+             "logits vs transformers' |", "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
+        spread = f"{r['speed_low']:.2f}-{r['speed_high']:.2f}" if "speed_low" in r else "-"
         lines.append(f"| {r['model']} | {r['dtype']} | {r['length']:,} | {r['condition']} | {r['variant']} | "
-                     f"{r['seconds']:.2f} | {r['speed_vs_transformers']:.2f}x | {r['max_logit_diff']:.3g} |")
+                     f"{r['seconds']:.2f} | {r['speed_vs_transformers']:.2f}x | {spread} | "
+                     f"{r['max_logit_diff']:.3g} |")
     return "\n".join(lines)
 
 
@@ -167,8 +176,9 @@ def main(argv: list[str] | None = None) -> int:
         del model
     text = (f"### The transformers path's chunked prefill against transformers' sdpa + DynamicCache "
             f"({datetime.date.today()})\nmachine: {bench.machine()}; chunks of {args.chunk} tokens, "
-            f"logits_to_keep=1, a new cache each round, the variants taking turns chunk by chunk, median of "
-            f"{args.rounds} rounds after one untimed; `benchmarks/hf_prefill.py`\n\n{table(rows)}\n")
+            f"logits_to_keep=1, a new cache each round, the variants taking turns chunk by chunk in an order rotating "
+            f"round by round; seconds: the median of {args.rounds} rounds after one untimed; speed: the median of the "
+            f"rounds' ratios, with their range; `benchmarks/hf_prefill.py`\n\n{table(rows)}\n")
     publish(text, args.record)
     if args.json is not None:
         write_json(args.json, rows)

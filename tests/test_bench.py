@@ -170,3 +170,35 @@ def test_the_prefill_attention_benchmark_checks_each_pair_and_names_the_path_the
     assert "| causal square of 512 | " in out and "blocks of 128 (taken)" in out
     assert "| causal square of 256 | " in out and "blocks of 128 (not taken)" in out
     assert "512 queries after 256 keys" in out and "split, own keys in blocks (taken)" in out
+
+
+def test_the_hf_prefill_benchmark_rotates_the_order_and_gives_each_rounds_ratio_range() -> None:
+    """benchmarks/hf_prefill.py on a tiny random Llama: the first variant to run rotates round by round (none always
+    runs after the same one), each variant's speed is the median of its rounds' paired ratios with their range, and
+    the full kind's last logits agree with transformers' own."""
+    import hf_prefill
+    import transformers
+
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2)).eval()
+    rows = hf_prefill.cell("tiny", model, torch.float32, 24, chunk=8, rounds=3, load=0, plan_of={})
+    by = {r["variant"]: r for r in rows}
+    assert next(iter(by)) == hf_prefill.ANCHOR and by[hf_prefill.ANCHOR]["speed_vs_transformers"] == 1.0
+    for r in rows:
+        assert r["speed_low"] <= r["speed_vs_transformers"] <= r["speed_high"], r
+    assert by["multihead full"]["max_logit_diff"] < 1e-4
+    assert "| rounds' range |" in hf_prefill.table(rows) and "| 1.00x | 1.00-1.00 |" in hf_prefill.table(rows)
+    made = hf_prefill.variants(model, 24, {})
+    ids = torch.randint(10, 64, (1, 24), generator=torch.Generator().manual_seed(0))
+    used: list[str] = []
+    real = hf_prefill.use
+    hf_prefill.use = lambda m, label: (used.append(label), real(m, label))[1]  # type: ignore[assignment]
+    try:
+        for turn in range(len(made) + 1):
+            used.clear()
+            took, _ = hf_prefill.prefill_round(model, made, ids, 8, turn=turn)
+            assert used[1:len(made) + 1] == list(made)[turn % len(made):] + list(made)[:turn % len(made)]
+            assert len(used) == 1 + 3 * len(made) and set(took) == set(made)
+    finally:
+        hf_prefill.use = real
