@@ -26,7 +26,10 @@ keys in splits of up to 512 and computed such a square in about the time of the 
 each over the keys up to its last row, took 0.80-0.90x the time of one causal call at 384 and 512 rows in bfloat16,
 0.98-1.10x at 256 and from 768 up (SmolLM2's and Gemma 3's heads, the 2-core AMD host, 2026-12-07;
 benchmarks/prefill_attention.py measures it). In float32 they
-took 0.83-0.94x alone but a SmolLM2 512-token chunk's whole forward 1.03x one call's: float32 keeps one call."""
+took 0.83-0.94x alone, but at the model level no gain stood out of this host's spread: a SmolLM2 512-token chunk's
+whole forward took 1.03x one call's time, and whole 1k prefills in chunks of 512 (benchmarks/prefill_blocks.py, the
+same day) ran 0.95-1.00x in one run and 1.01-1.06x in the next (SmolLM2 and Gemma 3, full and 4-bit caches; single
+rounds 0.77-1.46x): float32 keeps one call, the path with fewer calls."""
 
 SPLIT_BLOCKED_FROM = 0.5
 """A chunk whose own keys run in blocks (:func:`causal_blocks`) splits after at least this many times its length of
