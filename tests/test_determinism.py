@@ -1,6 +1,6 @@
 """A run's numbers never depend on timing: SmolLM2 decodes to bit-identical logits from a process's first step to
-its last, and in two fresh processes, with the host's tuning table or without one (multihead.kernels.cpu,
-multihead.kernels.tuning).
+its last, with the machine idle or busy (the steps' thread count following the load), and in two fresh processes,
+with the host's tuning table or without one (multihead.kernels.cpu, multihead.kernels.tuning).
 """
 
 from __future__ import annotations
@@ -17,11 +17,13 @@ pytestmark = pytest.mark.slow  # the real model, in fresh processes
 
 DECODE = """
 import sys, torch
+from multihead.kernels import cpu
 from multihead.models import load_llama
 model, tok = load_llama(dtype=getattr(torch, sys.argv[1]))
 ids = torch.tensor([tok.encode("The capital of France is Paris. The capital of Italy is")])
 runs = []
-for _ in range(2):  # the same prompt twice in one process, each with a fresh cache
+for spare in (64.0, 1.0):  # the same prompt twice in one process, each with a fresh cache: as if the machine were
+    cpu.pin_spare_cores(spare)  # idle, then as if another process kept a core busy (steps in one thread)
     cache = model.new_cache(1, 64)
     with torch.no_grad():
         steps = [model(ids, cache=cache)[:, -1]]
@@ -76,7 +78,7 @@ def test_two_fresh_processes_decode_to_the_same_bits_and_so_do_a_processs_first_
         _run_together([(DECODE, dtype, str(tmp_path / f"tuned-{i}.pt")) for i in range(2)], tuning_dir=tables)
         outs += [torch.load(tmp_path / f"tuned-{i}.pt", weights_only=True) for i in range(2)]
     for out in outs:
-        assert torch.equal(out[0], out[1])  # the first decode of a process and its second: the same bits
+        assert torch.equal(out[0], out[1])  # the first decode of a process and its second (busy): the same bits
     assert torch.equal(outs[0], outs[1])  # two processes without a table
     if dtype == "bfloat16":
         assert torch.equal(outs[2], outs[3])  # two processes reading one table

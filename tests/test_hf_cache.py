@@ -304,6 +304,37 @@ def test_a_switched_models_step_follows_the_load_as_our_models_do_and_gives_the_
         cpu.follow_load(None)
 
 
+@pytest.mark.usefixtures("two_threads")
+@pytest.mark.parametrize("products", [True, False])
+def test_a_switched_float32_models_logits_are_the_same_bits_on_an_idle_and_a_busy_machine(products: bool) -> None:
+    """A float32 prefill of 13 tokens through SmolLM2-wide products (576 into 576: MKL's float32 product sums those by
+    its thread count on the AMD EPYC host) gives the same logits, bit for bit, with two cores free and with one:
+    multihead's products keep the configured threads inside a step that follows the load; a model that kept
+    transformers' own products (products=False) keeps the configured threads for the whole step."""
+    from multihead.kernels import cpu
+
+    cpu.force_product(None)  # the default rules, not the fixture's forced split
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=97, hidden_size=576, intermediate_size=1536, num_hidden_layers=2,
+                                      num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=64)
+    model = hf.enable(transformers.AutoModelForCausalLM.from_config(config).eval(), products=products)
+    seen: list[int] = []
+    model.model.layers[0].self_attn.register_forward_pre_hook(lambda *_: seen.append(torch.get_num_threads()))
+    tokens = torch.randint(0, 97, (1, 13))
+    outs = []
+    try:
+        cpu.follow_load(True)
+        for spare in (2.0, 1.0):
+            cpu.pin_spare_cores(spare)
+            with torch.no_grad():
+                outs.append(model(tokens).logits)
+    finally:
+        cpu.pin_spare_cores(None)
+        cpu.follow_load(None)
+    assert seen == [2, 1 if products else 2] and torch.get_num_threads() == 2
+    assert torch.equal(outs[0], outs[1])
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_a_quantized_caches_decode_steps_write_in_place_and_equal_the_concatenating_path(bits: int) -> None:
     """Decode steps of a quantized cache write their token into the residual buffer in place (no gradient asked); with

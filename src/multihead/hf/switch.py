@@ -10,6 +10,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
@@ -229,6 +230,7 @@ def switch_products(model: nn.Module, on: bool) -> int:
     from multihead.layers.linear import Linear
 
     before, after = (nn.Linear, Linear) if on else (Linear, nn.Linear)
+    model.__dict__["_multihead_products"] = on  # read by each step (_enter_step)
     changed = 0
     for module in model.modules():
         if type(module) is before:
@@ -240,12 +242,17 @@ def switch_products(model: nn.Module, on: bool) -> int:
 _steps = threading.local()  # the step_threads contexts of the forwards running in this thread
 
 
-def _enter_step(_module: nn.Module, _args: Any) -> None:
+def _enter_step(module: nn.Module, _args: Any) -> None:
     """Before a switched model's forward: its step runs with the threads :func:`multihead.kernels.cpu.step_threads`
     gives (fewer than configured only when following the load, :func:`multihead.kernels.cpu.follow_load`, on a busy
-    machine), as a step of multihead's own models does."""
+    machine), as a step of multihead's own models does. A float32 model that kept transformers' own products
+    (``enable(products=False)``) keeps the configured threads: MKL sums those by its thread count."""
     entered: list[AbstractContextManager[int]] = _steps.__dict__.setdefault("entered", [])
-    context = cpu.step_threads()
+    follow = module.__dict__.get("_multihead_products", False)
+    if not follow:
+        weight = next(module.parameters(), None)
+        follow = weight is None or weight.dtype != torch.float32
+    context = cpu.step_threads(follow)
     context.__enter__()
     entered.append(context)
 

@@ -32,7 +32,9 @@ are busy. On by default (a /proc reading at most every 0.1 s; nothing where /pro
 (False) or ``MULTIHEAD_FOLLOW_LOAD=0`` keeps the configured threads whatever the load. An op spread over two
 threads waits at each barrier for the one the scheduler left off its core (what that costs against transformers'
 own decode is in benchmarks/RESULTS.md). Every decision above keys by the process's configured thread count, not
-the step's, so the same kernels run and the outputs do not change (a test checks it bit for bit).
+the step's, so the same kernels run, and a float32 product of more than one row (whose sums MKL splits by its thread
+count) runs with the configured threads (:func:`configured_threads`): the outputs do not change (tests check it bit
+for bit, in one process and in two side by side).
 
 ``set_enabled(False)`` (or ``with disabled():``) turns every fast path of the package off (these, and the cache's
 slice write and plain decode mask, :meth:`multihead.cache.BaseCache.reserve`), so the plain path can be compared
@@ -234,7 +236,7 @@ def pin_spare_cores(spare: float | None) -> None:
 
 
 @contextmanager
-def step_threads() -> Iterator[int]:
+def step_threads(follow: bool = True) -> Iterator[int]:
     """Run a model step with only as many intra-op threads as cores are free (:func:`free_threads`) when
     :func:`following_load`, and give the count back after; yields the count the step runs with. Decisions inside
     the step key by the configured count (:func:`intra_op_threads`), so the same kernels run either way.
@@ -242,9 +244,10 @@ def step_threads() -> Iterator[int]:
     On a loaded machine an op spread over two threads waits for whichever thread the scheduler left off its core:
     measured in SmolLM2's bfloat16 decode with two busy processes on the 2 cores (decode.py --load 2 --profile),
     SDPA's CPU kernel took 70 ms a token and oneDNN's products pushed plain PyTorch and transformers to 0.5 tok/s.
-    Not following the load, under torch.compile (a process setting, not an op), or with the speed paths off,
-    nothing changes."""
-    if not _enabled or not following_load() or torch.compiler.is_compiling():
+    Not following the load, under torch.compile (a process setting, not an op), with the speed paths off, or
+    ``follow`` False (a step whose products are not multihead's, where :func:`configured_threads` cannot keep their
+    sums), nothing changes."""
+    if not follow or not _enabled or not following_load() or torch.compiler.is_compiling():
         yield intra_op_threads()
         return
     threads = torch.get_num_threads()
@@ -259,6 +262,29 @@ def step_threads() -> Iterator[int]:
     finally:
         _step.configured = None
         torch.set_num_threads(threads)
+
+
+@contextmanager
+def configured_threads() -> Iterator[None]:
+    """Inside a step that :func:`step_threads` runs with fewer intra-op threads: the process's configured count for
+    the call, then the step's again; elsewhere (no step, a step at the configured count, torch.compile) nothing.
+
+    For the products whose sums depend on the thread count: MKL's float32 GEMM of a few to a few hundred rows splits
+    the inner dimension among its threads. Measured with torch 2.13 on the 2-core AMD EPYC host (2026-12-07) over 11
+    of SmolLM2's and Gemma 3's weight shapes at 1-1,024 rows, 1 and 2 threads gave other bits from 4 to 256 rows
+    (13 rows of 576 into 576; 64 of 1,536 into 576; 256 of 2,048 into 640), the same at 1-3 rows and 488-1,024;
+    oneDNN's bfloat16 product the same bits at every one. So a float32 prefill on a busy machine computes what it
+    computes idle."""
+    configured: int | None = getattr(_step, "configured", None)
+    if configured is None or torch.compiler.is_compiling():
+        yield
+        return
+    step = torch.get_num_threads()
+    torch.set_num_threads(configured)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(step)
 
 
 def product_in_one_thread(blocks: int, weight: Tensor) -> bool:

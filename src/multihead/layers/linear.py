@@ -21,6 +21,10 @@ tuning table, :mod:`multihead.kernels.tuning`, or the rule beside it; never a ti
 A prefill's many-row bfloat16 product runs in float32 on x86 CPUs without bfloat16 instructions (:func:`upcast`,
 decided by :func:`multihead.kernels.cpu.upcast_product`): about 3x faster there.
 
+A float32 product of more than one row (upcast ones too) runs with the process's configured intra-op threads, also
+inside a step that follows a busy machine's load with fewer (:func:`multihead.kernels.cpu.configured_threads`): MKL
+splits those sums by its thread count, and a step's bits never depend on the load.
+
 Same weights, same parameters and state_dict, no copy of W; the kinds differ at the last bits of the dtype's
 rounding (the same sums in another order), and a shape always runs the same kind in a process. What each kind
 gains in SmolLM2-135M's greedy decoding (benchmarks/decode.py, one process, alternating) is recorded with its host
@@ -59,10 +63,19 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     rows = x.numel() // in_features if in_features else 0
     n = cpu.split_product(rows, weight, x)
     if n == 1:  # not a decode step's product: a prefill's may run upcast (asked only here, off decoding's path)
-        return upcast(x, weight, bias) if cpu.upcast_product(rows, weight, x) else F.linear(x, weight, bias)
+        if cpu.upcast_product(rows, weight, x):
+            with cpu.configured_threads():  # float32 sums, split by MKL's thread count
+                return upcast(x, weight, bias)
+        if rows > 1 and weight.dtype == torch.float32:
+            with cpu.configured_threads():
+                return F.linear(x, weight, bias)
+        return F.linear(x, weight, bias)
     allowed = kinds(rows, weight.dtype)
     kind = cpu.product_kind((weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads()), allowed,
                             native_default=rows == 1 and "native" in allowed)
+    if rows > 1 and weight.dtype == torch.float32:
+        with cpu.configured_threads():
+            return run(kind, x, weight, bias, n)
     return run(kind, x, weight, bias, n, cpu.product_in_one_thread(n, weight))
 
 
