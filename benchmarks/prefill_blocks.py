@@ -1,6 +1,5 @@
 """A whole chunked prefill on the transformers path with a dtype's causal squares in query blocks and without (the
-model-level figure behind :data:`multihead.kernels.sdpa.CAUSAL_BLOCKS` keeping float32 on one call), alternating in
-one process.
+model-level figure behind :data:`multihead.kernels.sdpa.CAUSAL_BLOCKS`), alternating in one process.
 
 ``benchmarks/prefill_attention.py`` times the attention calls alone; here a model (SmolLM2 or Gemma 3 in transformers,
 ``hf.enable``) prefills a seeded random context in chunks into a new multihead cache of each kind (full, 4-bit), once

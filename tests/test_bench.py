@@ -205,21 +205,23 @@ def test_the_hf_prefill_benchmark_rotates_the_order_and_gives_each_rounds_ratio_
 
 
 def test_the_prefill_blocks_benchmark_turns_a_dtypes_blocks_on_and_off_and_compares_whole_prefills() -> None:
-    """benchmarks/prefill_blocks.py (the model-level figure behind float32 keeping one causal call): its switch turns
-    one dtype's blocks on or off and gives the shipped rule back; a tiny Llama's prefill with a 384-token first chunk
-    (in blocks when on) gives both arms' rows, the same last logits within float32 rounding."""
+    """benchmarks/prefill_blocks.py (the model-level figure behind CAUSAL_BLOCKS): its switch turns one dtype's blocks
+    on or off and gives the shipped rule back; a tiny Llama's prefill with a 384-token first chunk (in blocks when on)
+    gives both arms' rows, the same last logits within float32 rounding."""
     import prefill_blocks
     import transformers
 
     from multihead.kernels import sdpa
 
     shipped = sdpa.causal_blocks
-    with prefill_blocks.blocks(torch.float32, True):
-        assert sdpa.causal_blocks(384, torch.float32) and not sdpa.causal_blocks(600, torch.float32)
+    with prefill_blocks.blocks(torch.float32, False):
+        assert not sdpa.causal_blocks(384, torch.float32)
         assert sdpa.causal_blocks(384, torch.bfloat16)  # another dtype: as shipped
-    with prefill_blocks.blocks(torch.bfloat16, False):
-        assert not sdpa.causal_blocks(384, torch.bfloat16)
-    assert sdpa.causal_blocks is shipped and not shipped(384, torch.float32)
+    with prefill_blocks.blocks(torch.bfloat16, True):
+        assert sdpa.causal_blocks(384, torch.bfloat16) and not sdpa.causal_blocks(600, torch.bfloat16)
+    with prefill_blocks.blocks(torch.float64, True):
+        assert sdpa.causal_blocks(384, torch.float64)
+    assert sdpa.causal_blocks is shipped and shipped(384, torch.float32) and not shipped(384, torch.float64)
     model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=64, hidden_size=128, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2)).eval()

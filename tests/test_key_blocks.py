@@ -79,17 +79,17 @@ def test_a_sliding_window_runs_in_blocks_and_equals_one_call_and_the_reference(d
     assert "blocks of 128 rows" in explain(call).reason
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_bfloat16_causal_chunk_on_its_own_runs_in_blocks_where_the_kernel_skips_little(dtype: torch.dtype) -> None:
-    """A plain causal bfloat16 square of CAUSAL_BLOCKS' sizes (a first chunk of up to 512 tokens) runs in blocks of
-    128 rows, each over the keys up to its last row; float32 keeps the kernel's causal flag. Either way the same
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_causal_chunk_on_its_own_runs_in_blocks_where_the_kernel_skips_little(dtype: torch.dtype) -> None:
+    """A plain causal float32 or bfloat16 square of CAUSAL_BLOCKS' sizes (a first chunk of up to 512 tokens) runs in
+    blocks of 128 rows, each over the keys up to its last row; float64 keeps the kernel's causal flag. The same
     attention as one causal call and the reference."""
     s = 300
     q, k, v = _qkv(s, s, dtype=dtype)
     spec = build_mask(batch=1, n_heads=4, s=s, t=s, causal=True)
     assert spec.is_plain_causal and CAUSAL_BLOCKS[0] < s <= CAUSAL_BLOCKS[1]
     call = AttentionCall(q, DenseKV(k, v), spec, scale=q.shape[-1] ** -0.5)
-    blocked = dtype == torch.bfloat16
+    blocked = dtype != torch.float64
     assert resolve_backend(call).blocks == blocked == causal_blocks(s, dtype)
     blocks = key_blocks(spec, q.device, q.dtype)
     if blocked:
@@ -159,7 +159,7 @@ def test_blocks_run_only_where_they_skip_enough_and_never_under_autograd_or_drop
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("h", "g", "s", "p"), [
     (6, 2, 64, 200), (4, 4, 64, 200), (6, 2, 300, 600),  # at least SPLIT_FROM chunks' worth of cached keys
-    (6, 2, 300, 150),  # bfloat16: its own keys in blocks, SPLIT_BLOCKED_FROM; float32: one masked call
+    (6, 2, 300, 150),  # its own keys in blocks: splits from SPLIT_BLOCKED_FROM
 ])
 def test_a_chunk_after_a_long_prefix_splits_and_equals_one_call_and_the_reference(dtype: torch.dtype, h: int,
                                                                                    g: int, s: int, p: int) -> None:

@@ -20,21 +20,22 @@ them, and blocks of 128 rows computed it in 0.73x the time of one call in bfloat
 the 2-core AMD host, 2026-12-07; blocks of 64: 0.70x / 0.65x, 256: 0.75x / 0.79x)."""
 
 CAUSAL_BLOCKS = (256, 512)
-"""A bfloat16 causal square of more than 256 and at most 512 rows (a chunk of up to 512 tokens with nothing cached
-before it, or a split's own keys) runs in query blocks (:func:`causal_blocks`). PyTorch's CPU flash kernel reads the
-keys in splits of up to 512 and computed such a square in about the time of the unmasked one; blocks of 128 rows,
-each over the keys up to its last row, took 0.80-0.90x the time of one causal call at 384 and 512 rows in bfloat16,
-0.98-1.10x at 256 and from 768 up (SmolLM2's and Gemma 3's heads, the 2-core AMD host, 2026-12-07;
-benchmarks/prefill_attention.py measures it). In float32 they
-took 0.83-0.94x alone, but at the model level no gain stood out of this host's spread: a SmolLM2 512-token chunk's
-whole forward took 1.03x one call's time, and whole 1k prefills in chunks of 512 (benchmarks/prefill_blocks.py, the
-same day) ran 0.95-1.00x in one run and 1.01-1.06x in the next (SmolLM2 and Gemma 3, full and 4-bit caches; single
-rounds 0.77-1.46x): float32 keeps one call, the path with fewer calls."""
+"""A float32 or bfloat16 causal square of more than 256 and at most 512 rows (a chunk of up to 512 tokens with
+nothing cached before it, or a split's own keys) runs in query blocks (:func:`causal_blocks`). PyTorch's CPU flash
+kernel reads the keys in splits of up to 512 and computed such a square in about the time of the unmasked one;
+blocks of 128 rows, each over the keys up to its last row, took 0.80-0.90x the time of one causal call at 384 and 512
+rows in bfloat16 and 0.80-0.94x in float32, 0.98-1.10x at 256 and from 768 up (SmolLM2's and Gemma 3's heads, the
+2-core AMD host, 2026-12-07; benchmarks/prefill_attention.py measures it). float32 kept one call for a while, since
+at the model level no gain stood out of this host's spread (whole 1k prefills in chunks of 512,
+benchmarks/prefill_blocks.py: 0.95-1.00x in one run, 1.01-1.06x in the next; single rounds 0.77-1.46x); but the
+float32 MLA layer's 512-token prefill ran 1.06x and 1.09x the time it took with blocks (benchmarks/ab_layer.py against
+the tree before that choice), and 0.99x once they were back."""
 
 SPLIT_BLOCKED_FROM = 0.5
 """A chunk whose own keys run in blocks (:func:`causal_blocks`) splits after at least this many times its length of
-cached keys: 512 bfloat16 queries after 256 to 768 keys ran split in 0.89-0.94x one masked call (both models' heads,
-the same host and day; benchmarks/prefill_attention.py)."""
+cached keys: 512 queries after 256 to 768 keys ran split in 0.89-0.94x one masked call in bfloat16 and 0.81-1.00x in
+float32 (512 after 512 of SmolLM2's: 0.88x; both models' heads, the same host and day;
+benchmarks/prefill_attention.py)."""
 
 AT_MOST = 0.8
 """Blocks run only where they compute at most this share of the scores one call would (a 512-token chunk after
@@ -51,7 +52,7 @@ _FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cp
 
 def causal_blocks(s: int, dtype: torch.dtype) -> bool:
     """Whether a causal square of ``s`` rows in ``dtype`` runs in query blocks (:data:`CAUSAL_BLOCKS`)."""
-    return dtype == torch.bfloat16 and CAUSAL_BLOCKS[0] < s <= CAUSAL_BLOCKS[1]
+    return dtype in (torch.float32, torch.bfloat16) and CAUSAL_BLOCKS[0] < s <= CAUSAL_BLOCKS[1]
 
 
 def splits(spec: MaskSpec, q: Tensor, k: Tensor, v: Tensor) -> bool:
