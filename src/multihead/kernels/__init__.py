@@ -41,6 +41,7 @@ paths; ``cpu`` the CPU decisions as data and ``tuning`` the step that measures t
 from __future__ import annotations
 
 import dataclasses
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -337,8 +338,23 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     if isinstance(call.kv, GroupedKV):
         return _attend_groups(call), None
     if isinstance(call.kv, LatentKV):
-        return _attend_latent(call)
+        with _their_threads(call.q):  # the latent's products: PyTorch's
+            return _attend_latent(call)
     call, decision, _ = prepare(call, run_hooks=True)
+    with nullcontext() if decision.native else _their_threads(call.q):
+        return _attend(call, decision)
+
+
+def _their_threads(q: Tensor) -> AbstractContextManager[None]:
+    """The configured threads for PyTorch's kernels over ``q``'s dtype inside a step with fewer, where their sums
+    depend on the thread count (:func:`multihead.kernels.cpu.configured_threads`); elsewhere nothing."""
+    if q.dtype in cpu.KEEPS_THREADS and q.is_cpu and cpu.fewer_threads():
+        return cpu.configured_threads()
+    return nullcontext()
+
+
+def _attend(call: AttentionCall, decision: Dispatch) -> tuple[Tensor, Tensor | None]:
+    """:func:`attend` of a prepared call with its decision."""
     hooks = call.hooks
     q, spec = call.q, call.mask
     pattern = None if hooks is None else hooks.pattern

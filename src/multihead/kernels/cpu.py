@@ -264,17 +264,34 @@ def step_threads(follow: bool = True) -> Iterator[int]:
         torch.set_num_threads(threads)
 
 
+def fewer_threads() -> bool:
+    """Whether this call runs inside a step that :func:`step_threads` runs with fewer intra-op threads than the
+    process is configured with (never under torch.compile)."""
+    return not torch.compiler.is_compiling() and getattr(_step, "configured", None) is not None
+
+
+KEEPS_THREADS = (torch.float32, torch.float64)
+"""The dtypes whose PyTorch kernels run with the configured threads inside a step with fewer
+(:func:`configured_threads`): their sums depend on the thread count on some CPUs. bfloat16 and float16 follow the
+load in every kernel (oneDNN's products and SDPA gave the same bits in one thread and two, on the AMD EPYC and the
+Intel Xeon hosts), and so do multihead's native kernels in every dtype (their work is cut into fixed items)."""
+
+
 @contextmanager
 def configured_threads() -> Iterator[None]:
     """Inside a step that :func:`step_threads` runs with fewer intra-op threads: the process's configured count for
     the call, then the step's again; elsewhere (no step, a step at the configured count, torch.compile) nothing.
 
-    For the products whose sums depend on the thread count: MKL's float32 GEMM of a few to a few hundred rows splits
-    the inner dimension among its threads. Measured with torch 2.13 on the 2-core AMD EPYC host (2026-12-07) over 11
-    of SmolLM2's and Gemma 3's weight shapes at 1-1,024 rows, 1 and 2 threads gave other bits from 4 to 256 rows
-    (13 rows of 576 into 576; 64 of 1,536 into 576; 256 of 2,048 into 640), the same at 1-3 rows and 488-1,024;
-    oneDNN's bfloat16 product the same bits at every one. So a float32 prefill on a busy machine computes what it
-    computes idle."""
+    For PyTorch's kernels whose sums depend on the thread count (:data:`KEEPS_THREADS`' dtypes):
+    - MKL's float32 GEMM of a few to a few hundred rows splits the inner dimension among its threads. Measured with
+      torch 2.13 on a 2-core Intel Xeon (AVX-512, 2026-12-07) over 11 of SmolLM2's and Gemma 3's weight shapes at
+      1-1,024 rows, 1 and 2 threads gave other bits at 4-256 rows (13 rows of 576 into 576; 64 of 1,536 into 576;
+      256 of 2,048 into 640), the same at 1-3 rows and 488-1,024; oneDNN's bfloat16 product the same bits at every
+      one.
+    - PyTorch's CPU SDPA in float32 gave other bits for a decode step ((1, 9, 1, 64) over 21 keys) in one thread and
+      two on the 2-core AMD EPYC host (2026-12-06), though not on the Intel Xeon.
+    So a float32 step on a busy machine computes what it computes idle (multihead's Linear and
+    :func:`multihead.kernels.attend` ask for it)."""
     configured: int | None = getattr(_step, "configured", None)
     if configured is None or torch.compiler.is_compiling():
         yield

@@ -64,16 +64,16 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     n = cpu.split_product(rows, weight, x)
     if n == 1:  # not a decode step's product: a prefill's may run upcast (asked only here, off decoding's path)
         if cpu.upcast_product(rows, weight, x):
-            with cpu.configured_threads():  # float32 sums, split by MKL's thread count
+            with cpu.configured_threads():  # float32 sums, which MKL splits by its thread count
                 return upcast(x, weight, bias)
-        if rows > 1 and weight.dtype == torch.float32:
+        if rows > 1 and weight.dtype in cpu.KEEPS_THREADS and cpu.fewer_threads():
             with cpu.configured_threads():
                 return F.linear(x, weight, bias)
         return F.linear(x, weight, bias)
     allowed = kinds(rows, weight.dtype)
     kind = cpu.product_kind((weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads()), allowed,
                             native_default=rows == 1 and "native" in allowed)
-    if rows > 1 and weight.dtype == torch.float32:
+    if rows > 1 and weight.dtype in cpu.KEEPS_THREADS and cpu.fewer_threads():
         with cpu.configured_threads():
             return run(kind, x, weight, bias, n)
     return run(kind, x, weight, bias, n, cpu.product_in_one_thread(n, weight))
