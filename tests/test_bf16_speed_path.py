@@ -270,8 +270,8 @@ def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_computes_the_s
     """Following the load changes how many threads a step runs with, never which kernels it runs nor what it
     computes: the decisions key by the configured count, so every step explains the same kernels, and a float32
     product of more than one row (whose sums MKL splits by its thread count: on a 2-core Intel Xeon 13 rows of a
-    576 x 576 weight gave other bits in 1 thread than in 2) and PyTorch's float32 attention (a decode step's, on an
-    AMD EPYC) run with the configured threads. The logits are the same bits, prefill and decode, in both dtypes."""
+    576 x 576 weight gave other bits in 1 thread than in 2) and PyTorch's float32 decode attention (on an AMD EPYC)
+    run with the configured threads. The logits are the same bits, prefill and decode, in both dtypes."""
     from multihead.models import LlamaConfig, LlamaModel
 
     torch.manual_seed(0)
@@ -289,13 +289,13 @@ def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_computes_the_s
     assert seen == [2, 1, 2] and torch.get_num_threads() == 2
     assert torch.equal(loaded, idle)  # the same kernels, in one thread
     products: list[tuple[int, torch.dtype, int]] = []  # (rows, dtype, threads) of each F.linear a loaded step runs
-    attentions: list[tuple[torch.dtype, int]] = []  # (dtype, threads) of each SDPA call a loaded step runs
+    attentions: list[tuple[int, torch.dtype, int]] = []  # (rows, dtype, threads) of each SDPA a loaded step runs
     plain, plain_sdpa = F.linear, F.scaled_dot_product_attention
     cpu.force_product(None)  # the default rules' products (F.linear), not the module's forced split
     monkeypatch.setattr(F, "linear", lambda x, w, b=None: (cpu.free_threads() == 1 and products.append(
         (x.numel() // x.shape[-1], w.dtype, torch.get_num_threads()))) or plain(x, w, b))
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: (cpu.free_threads() == 1 and (
-        attentions.append((q.dtype, torch.get_num_threads())))) or plain_sdpa(q, *a, **kw))
+        attentions.append((q.shape[-2], q.dtype, torch.get_num_threads())))) or plain_sdpa(q, *a, **kw))
     for dtype in (torch.float32, torch.bfloat16):
         big = LlamaModel(LlamaConfig(vocab_size=256, d_model=576, n_layers=2, n_heads=9, n_kv_heads=3,
                                      ffn_dim=1536, max_context=64), dtype=dtype).eval()
@@ -316,11 +316,12 @@ def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_computes_the_s
         assert choices[0] == choices[1], dtype
         for a, b in zip(*runs, strict=True):  # the prefill, then each decode step
             assert torch.equal(a, b), dtype
-    # in a loaded step the float32 products of 13 rows and PyTorch's float32 attention ran with the configured two
-    # threads (on some CPUs their sums depend on the count), the bfloat16 ones in one
+    # in a loaded step the float32 products of 13 rows and PyTorch's float32 decode attention ran with the configured
+    # two threads (on some CPUs their sums depend on the count); the prefill's attention and bfloat16 in one
     assert {(rows, dtype, threads) for rows, dtype, threads in products if rows > 1} == {
         (13, torch.float32, 2), (13, torch.bfloat16, 1)}
-    assert set(attentions) == {(torch.float32, 2), (torch.bfloat16, 1)}
+    assert set(attentions) == {(1, torch.float32, 2), (13, torch.float32, 1), (1, torch.bfloat16, 1),
+                               (13, torch.bfloat16, 1)}
     cpu.pin_spare_cores(1.0)
     with cpu.step_threads() as inside:
         assert inside == 1 == torch.get_num_threads()

@@ -341,13 +341,15 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
         with _their_threads(call.q):  # the latent's products: PyTorch's
             return _attend_latent(call)
     call, decision, _ = prepare(call, run_hooks=True)
-    with nullcontext() if decision.native else _their_threads(call.q):
+    with nullcontext() if decision.native or call.q.shape[-2] != 1 else _their_threads(call.q):
         return _attend(call, decision)
 
 
 def _their_threads(q: Tensor) -> AbstractContextManager[None]:
     """The configured threads for PyTorch's kernels over ``q``'s dtype inside a step with fewer, where their sums
-    depend on the thread count (:func:`multihead.kernels.cpu.configured_threads`); elsewhere nothing."""
+    depend on the thread count (:func:`multihead.kernels.cpu.configured_threads`): a decode step's attention (one
+    query row a head; a prefill's SDPA gave the same bits in one thread and two on both hosts) and MLA's latent
+    products; elsewhere nothing."""
     if q.dtype in cpu.KEEPS_THREADS and q.is_cpu and cpu.fewer_threads():
         return cpu.configured_threads()
     return nullcontext()

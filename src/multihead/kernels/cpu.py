@@ -289,7 +289,8 @@ def configured_threads() -> Iterator[None]:
       256 of 2,048 into 640), the same at 1-3 rows and 488-1,024; oneDNN's bfloat16 product the same bits at every
       one.
     - PyTorch's CPU SDPA in float32 gave other bits for a decode step ((1, 9, 1, 64) over 21 keys) in one thread and
-      two on the 2-core AMD EPYC host (2026-12-06), though not on the Intel Xeon.
+      two on the 2-core AMD EPYC host (2026-12-06), though not on the Intel Xeon; a float32 prefill's (20 tokens of
+      SmolLM2's heads) the same bits on both, so a prefill's attention keeps following the load.
     So a float32 step on a busy machine computes what it computes idle (multihead's Linear and
     :func:`multihead.kernels.attend` ask for it)."""
     configured: int | None = getattr(_step, "configured", None)
