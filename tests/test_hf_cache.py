@@ -310,7 +310,8 @@ def test_a_switched_float32_models_logits_are_the_same_bits_on_an_idle_and_a_bus
     """A float32 prefill of 13 tokens through SmolLM2-wide products (576 into 576: MKL's float32 product sums those by
     its thread count on the AMD EPYC host) gives the same logits, bit for bit, with two cores free and with one:
     multihead's products keep the configured threads inside a step that follows the load; a model that kept
-    transformers' own products (products=False) keeps the configured threads for the whole step."""
+    transformers' own products (products=False) keeps the configured threads for the whole step. A one-token step
+    follows the load either way."""
     from multihead.kernels import cpu
 
     cpu.force_product(None)  # the default rules, not the fixture's forced split
@@ -328,10 +329,12 @@ def test_a_switched_float32_models_logits_are_the_same_bits_on_an_idle_and_a_bus
             cpu.pin_spare_cores(spare)
             with torch.no_grad():
                 outs.append(model(tokens).logits)
+        with torch.no_grad():
+            model(input_ids=tokens[:, :1])  # one token, as a decode step
     finally:
         cpu.pin_spare_cores(None)
         cpu.follow_load(None)
-    assert seen == [2, 1 if products else 2] and torch.get_num_threads() == 2
+    assert seen == [2, 1 if products else 2, 1] and torch.get_num_threads() == 2
     assert torch.equal(outs[0], outs[1])
 
 

@@ -10,7 +10,6 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 from multihead.errors import MultiheadError
@@ -209,7 +208,7 @@ def enable(model: nn.Module, *, backend: str = "auto", products: bool = True) ->
             _add_resid_points(layer, layout.attn_write, layout.mlp_write)
     switch_products(model, products)
     if "_multihead_step_threads" not in model.__dict__:  # each forward is a step: its threads follow the load
-        model.register_forward_pre_hook(_enter_step)
+        model.register_forward_pre_hook(_enter_step, with_kwargs=True)
         model.register_forward_hook(_leave_step, always_call=True)
         model.__dict__["_multihead_step_threads"] = True
     return model
@@ -242,19 +241,29 @@ def switch_products(model: nn.Module, on: bool) -> int:
 _steps = threading.local()  # the step_threads contexts of the forwards running in this thread
 
 
-def _enter_step(module: nn.Module, _args: Any) -> None:
+def _enter_step(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """Before a switched model's forward: its step runs with the threads :func:`multihead.kernels.cpu.step_threads`
     gives (fewer than configured only when following the load, :func:`multihead.kernels.cpu.follow_load`, on a busy
     machine), as a step of multihead's own models does. A float32 model that kept transformers' own products
-    (``enable(products=False)``) keeps the configured threads: MKL sums those by its thread count."""
+    (``enable(products=False)``) keeps the configured threads in a step of more than one token: MKL sums those
+    products by its thread count (one row a product, a decode step, gave the same bits in one thread and two)."""
     entered: list[AbstractContextManager[int]] = _steps.__dict__.setdefault("entered", [])
     follow = module.__dict__.get("_multihead_products", False)
     if not follow:
         weight = next(module.parameters(), None)
-        follow = weight is None or weight.dtype != torch.float32
+        follow = weight is None or weight.dtype not in cpu.KEEPS_THREADS or _tokens(args, kwargs) == 1
     context = cpu.step_threads(follow)
     context.__enter__()
     entered.append(context)
+
+
+def _tokens(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int | None:
+    """The tokens of a forward's batch (batch x positions), from its input_ids or inputs_embeds; None if neither."""
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    if isinstance(ids, Tensor):
+        return ids.numel()
+    embeds = kwargs.get("inputs_embeds")
+    return embeds.shape[:-1].numel() if isinstance(embeds, Tensor) else None
 
 
 def _leave_step(_module: nn.Module, _args: Any, _output: Any) -> None:
