@@ -33,8 +33,9 @@ are busy. On by default (a /proc reading at most every 0.1 s; nothing where /pro
 threads waits at each barrier for the one the scheduler left off its core (what that costs against transformers'
 own decode is in benchmarks/RESULTS.md). Every decision above keys by the process's configured thread count, not
 the step's, so the same kernels run, and a float32 product of more than one row (whose sums MKL splits by its thread
-count) runs with the configured threads (:func:`configured_threads`): the outputs do not change (tests check it bit
-for bit, in one process and in two side by side).
+count) and a float32 decode step's attention in PyTorch's kernels run with the configured threads
+(:func:`configured_threads`): the outputs do not change (tests check it bit for bit, in one process and in two side
+by side).
 
 ``set_enabled(False)`` (or ``with disabled():``) turns every fast path of the package off (these, and the cache's
 slice write and plain decode mask, :meth:`multihead.cache.BaseCache.reserve`), so the plain path can be compared
