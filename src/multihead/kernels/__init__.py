@@ -41,7 +41,6 @@ paths; ``cpu`` the CPU decisions as data and ``tuning`` the step that measures t
 from __future__ import annotations
 
 import dataclasses
-from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
@@ -338,21 +337,23 @@ def attend(call: AttentionCall) -> tuple[Tensor, Tensor | None]:
     if isinstance(call.kv, GroupedKV):
         return _attend_groups(call), None
     if isinstance(call.kv, LatentKV):
-        with _their_threads(call.q):  # the latent's products: PyTorch's
-            return _attend_latent(call)
+        if _their_threads(call.q):  # the latent's products: PyTorch's
+            with cpu.configured_threads():
+                return _attend_latent(call)
+        return _attend_latent(call)
     call, decision, _ = prepare(call, run_hooks=True)
-    with nullcontext() if decision.native or call.q.shape[-2] != 1 else _their_threads(call.q):
-        return _attend(call, decision)
+    if not decision.native and call.q.shape[-2] == 1 and _their_threads(call.q):
+        with cpu.configured_threads():
+            return _attend(call, decision)
+    return _attend(call, decision)
 
 
-def _their_threads(q: Tensor) -> AbstractContextManager[None]:
-    """The configured threads for PyTorch's kernels over ``q``'s dtype inside a step with fewer, where their sums
-    depend on the thread count (:func:`multihead.kernels.cpu.configured_threads`): a decode step's attention (one
-    query row a head; a prefill's SDPA gave the same bits in one thread and two on both hosts) and MLA's latent
-    products; elsewhere nothing."""
-    if q.dtype in cpu.KEEPS_THREADS and q.is_cpu and cpu.fewer_threads():
-        return cpu.configured_threads()
-    return nullcontext()
+def _their_threads(q: Tensor) -> bool:
+    """Whether PyTorch's kernels over ``q`` run with the configured threads: inside a step with fewer, for a dtype
+    whose sums depend on the thread count (:func:`multihead.kernels.cpu.configured_threads`). Asked for a decode
+    step's attention (one query row a head; a prefill's SDPA gave the same bits in one thread and two on both hosts)
+    and MLA's latent products; no context manager where none is needed (the idle path)."""
+    return cpu.fewer_threads() and q.dtype in cpu.KEEPS_THREADS and q.is_cpu
 
 
 def _attend(call: AttentionCall, decision: Dispatch) -> tuple[Tensor, Tensor | None]:
