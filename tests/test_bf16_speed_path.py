@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import Tensor
 
 from multihead.errors import MultiheadError
 from multihead.kernels import cpu
+from multihead.layers import linear
 from multihead.layers.linear import Linear
 from multihead.models.generate import generate_ids
 from tests_support import aten_ops, teacher_forced_logits
@@ -288,12 +290,17 @@ def test_a_model_step_runs_with_the_threads_of_the_free_cores_and_computes_the_s
             model(ids)
     assert seen == [2, 1, 2] and torch.get_num_threads() == 2
     assert torch.equal(loaded, idle)  # the same kernels, in one thread
-    products: list[tuple[int, torch.dtype, int]] = []  # (rows, dtype, threads) of each F.linear a loaded step runs
+    products: list[tuple[int, torch.dtype, int]] = []  # (rows, dtype, threads) of each product a loaded step runs
     attentions: list[tuple[int, torch.dtype, int]] = []  # (rows, dtype, threads) of each SDPA a loaded step runs
-    plain, plain_sdpa = F.linear, F.scaled_dot_product_attention
-    cpu.force_product(None)  # the default rules' products (F.linear), not the module's forced split
-    monkeypatch.setattr(F, "linear", lambda x, w, b=None: (cpu.free_threads() == 1 and products.append(
-        (x.numel() // x.shape[-1], w.dtype, torch.get_num_threads()))) or plain(x, w, b))
+    plain, plain_onednn, plain_sdpa = F.linear, linear.onednn_linear, F.scaled_dot_product_attention
+    cpu.force_product(None)  # the default rules' products (F.linear, oneDNN's on some CPUs), not the forced split
+
+    def product(run: Any) -> Any:
+        return lambda x, w, b=None: (cpu.free_threads() == 1 and products.append(
+            (x.numel() // x.shape[-1], w.dtype, torch.get_num_threads()))) or run(x, w, b)
+
+    monkeypatch.setattr(F, "linear", product(plain))
+    monkeypatch.setattr(linear, "onednn_linear", product(plain_onednn))
     monkeypatch.setattr(F, "scaled_dot_product_attention", lambda q, *a, **kw: (cpu.free_threads() == 1 and (
         attentions.append((q.shape[-2], q.dtype, torch.get_num_threads())))) or plain_sdpa(q, *a, **kw))
     for dtype in (torch.float32, torch.bfloat16):

@@ -11,8 +11,10 @@ from multihead.errors import MultiheadError
 from multihead.kernels import cpu, native
 from multihead.kernels.cpu import SPLIT_MAX_ROWS as MAX_ROWS
 from multihead.kernels.cpu import SPLIT_MIN_WEIGHT as MIN_WEIGHT
+from multihead.layers import linear as linear_module
 from multihead.layers.linear import Linear, linear
 from multihead.layers.linear import kinds as linear_kinds
+from multihead.layers.linear import run as linear_run
 from tests_support import aten_ops
 
 pytestmark = pytest.mark.usefixtures("two_threads")  # the split needs at least two threads, whatever the machine
@@ -288,3 +290,93 @@ def test_the_cpu_flags_are_read_once_a_process(monkeypatch: pytest.MonkeyPatch) 
     monkeypatch.setattr(native, "cpu_flags", lambda: reads.append(1) or frozenset({"sse2", "avx512f"}))
     monkeypatch.setattr(cpu, "_no_bf16", [])
     assert all(cpu._no_bf16_matmul() for _ in range(5)) and len(reads) == 1
+
+
+@pytest.mark.parametrize("rows", [2, 4, 13, 512])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_onednn_kind_is_the_float64_product_to_float32s_rounding(rows: int, bias: bool) -> None:
+    """oneDNN's float32 matmul (the kind "onednn") computes F.linear's product: within the float32 rounding F.linear
+    itself is off the float64 product by (the same sums in another order), any batch shape, a bias or none."""
+    torch.manual_seed(0)
+    w = torch.randn(640, 384) * 0.05
+    b = torch.randn(640) if bias else None
+    x = torch.randn(1, rows, 384)
+    assert cpu.onednn_fits(x, w, b)
+    exact = F.linear(x.double(), w.double(), None if b is None else b.double())
+    got = linear_run("onednn", x, w, b, 1)
+    assert got.shape == (1, rows, 640) and got.dtype == torch.float32 and got.is_contiguous()
+    theirs = (F.linear(x, w, b).double() - exact).abs().max().item()
+    assert (got.double() - exact).abs().max().item() <= 4 * theirs + 1e-6
+
+
+def test_the_onednn_kind_gives_way_to_f_linear_where_it_cannot_run() -> None:
+    """No backward, no other dtype, no mode watching: F.linear runs there (and a FLOP counter sees the product)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    w = torch.randn(256, 128, requires_grad=True)
+    x = torch.randn(8, 128)
+    assert not cpu.onednn_fits(x, w, None)  # a gradient is wanted
+    y = linear_run("onednn", x, w, None, 1)
+    y.sum().backward()
+    assert w.grad is not None and torch.equal(w.grad, x.sum(0).expand(256, 128))
+    with torch.no_grad():
+        assert cpu.onednn_fits(x, w, None)
+        assert not cpu.onednn_fits(x.bfloat16(), w.bfloat16(), None)
+        assert not cpu.onednn_fits(x, w, torch.zeros(255))  # F.linear says what is wrong with the bias
+        with FlopCounterMode(display=False) as counter:
+            assert not cpu.onednn_fits(x, w, None)
+            linear_run("onednn", x, w, None, 1)
+        assert counter.get_total_flops() == 2 * 8 * 256 * 128
+        with cpu.disabled():
+            assert not cpu.onednn_fits(x, w, None)
+
+
+def test_the_rule_runs_float32_products_of_four_rows_and_more_in_onednn_on_its_hosts(
+        tuning_table, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    """Where :func:`multihead.kernels.cpu.onednn_host` holds (AMD CPUs with AVX-512), a float32 product of 4 rows or
+    more runs in oneDNN, a decode step's few rows and a prefill's many alike; fewer rows, bfloat16 and other hosts
+    run as before; a tuning table's entry (a prefill's rows share one key) decides over the rule."""
+    cpu.force_product(None)
+    calls: list[int] = []
+    plain = linear_module.onednn_linear
+    monkeypatch.setattr(linear_module, "onednn_linear",
+                        lambda x, w, b: calls.append(x.numel() // x.shape[-1]) or plain(x, w, b))
+    layer = Linear(576, 1536)
+    for host in (True, False):
+        monkeypatch.setattr(cpu, "onednn_host", lambda host=host: host)
+        cpu.reload_table()  # the memo of decisions
+        calls.clear()
+        with torch.no_grad():
+            for rows in (1, 2, 3, 4, 13, 64, 65, 512):
+                x = torch.randn(rows, 576)
+                torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=2e-5, rtol=1e-5)
+            layer.bfloat16()(torch.randn(512, 576, dtype=torch.bfloat16))
+            layer.float()
+        assert calls == ([4, 13, 64, 65, 512] if host else [])
+    monkeypatch.setattr(cpu, "onednn_host", lambda: True)
+    tuning_table({cpu.product_key(1536, 576, torch.float32, 512, 1, 2): "linear",
+                  cpu.product_key(1536, 576, torch.float32, 2, 2, 2): "onednn"})
+    assert cpu.product_key(1536, 576, torch.float32, 65, 1, 2) == "product 1536x576 float32 rows=65+ blocks=1 threads=2"
+    calls.clear()
+    with torch.no_grad():
+        for rows in (2, 100, 512):
+            layer(torch.randn(rows, 576))
+    assert calls == [2]
+
+
+def test_onednn_hosts_are_amd_cpus_with_avx512(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The rule's hosts: an AMD CPU (where MKL's float32 GEMM ran at half oneDNN's speed), not an Intel one, and not
+    without AVX-512, read once a process."""
+    for vendor, flags, want in (("AuthenticAMD", {"avx512f", "avx2"}, True), ("GenuineIntel", {"avx512f"}, False),
+                                ("AuthenticAMD", {"avx2"}, False), ("", set(), False)):
+        monkeypatch.setattr(cpu, "_onednn_float32", [])
+        monkeypatch.setattr(cpu, "_cpu_vendor", lambda vendor=vendor: vendor)
+        monkeypatch.setattr(native, "cpu_flags", lambda flags=flags: frozenset(flags))
+        assert cpu._onednn_host() is want, vendor
+    monkeypatch.setattr(cpu, "_onednn_float32", [])
+    monkeypatch.setattr(cpu, "_cpu_vendor", lambda: "AuthenticAMD")
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx512f"}))
+    assert cpu._onednn_host() is True
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset())
+    assert cpu._onednn_host() is True  # read once a process: the first answer kept

@@ -166,3 +166,31 @@ def test_the_cli_tunes_smollm2_and_a_decode_reads_what_it_wrote(table_dir: Path)
     out = json.loads(done.stdout)
     assert out["path"] == str(cpu.table_path()) and len(out["entries"]) >= 6
     assert json.loads(cpu.table_path().read_text())["entries"] == out["entries"]
+
+
+def test_a_float32_model_is_tuned_for_its_prefills_products_too(table_dir: Path, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    """A float32 model's table also holds each weight shape's prefill product (512 rows: F.linear, MKL's, against
+    oneDNN's matmul), under the one key every prefill's rows share, and a prefill then runs the kind it holds."""
+    from multihead.layers import linear as linear_module
+
+    model = _tiny(torch.float32)
+    entries = tuning.tune_model(model, lengths=(100,), repeats=3, flush=False)
+    threads = cpu.intra_op_threads()
+    shapes = {(576, 576), (192, 576), (1536, 576), (576, 1536), (512, 576)}
+    prefill = {k: v for k, v in entries.items() if " rows=65+ " in k}
+    assert set(prefill) == {cpu.product_key(o, i, torch.float32, 512, 1, threads) for o, i in shapes}
+    assert set(prefill.values()) <= {"linear", "onednn"}
+    measured = json.loads(cpu.table_path().read_text())["measured"]
+    assert all(set(measured[k]) == {"linear", "onednn"} for k in prefill)
+    cpu.force_product(None)
+    key = cpu.product_key(1536, 576, torch.float32, 512, 1, threads)
+    calls: list[int] = []
+    plain = linear_module.onednn_linear
+    monkeypatch.setattr(linear_module, "onednn_linear", lambda x, w, b: calls.append(x.shape[0]) or plain(x, w, b))
+    for kind in ("onednn", "linear"):
+        tuning.write_table({key: kind})
+        calls.clear()
+        with torch.no_grad():
+            linear_module.linear(torch.randn(300, 576), torch.randn(1536, 576))
+        assert calls == ([300] if kind == "onednn" else [])

@@ -322,7 +322,7 @@ def product_in_one_thread(blocks: int, weight: Tensor) -> bool:
 # ---------------------------------------------------------------------------------------------- the tuning table
 TABLE_FORMAT = "multihead-tuning"
 TABLE_VERSION = 1
-PRODUCT_KINDS = ("linear", "mv", "split", "blas", "native")
+PRODUCT_KINDS = ("linear", "mv", "split", "blas", "native", "onednn")
 FOLD_KINDS = ("unfolded", "folded")
 NATIVE_ATTENTION_KINDS = ("sdpa", "native")
 # what a key of each decision may hold, by the key's first word
@@ -333,7 +333,9 @@ DEFAULTS = {
                 "vectorised for the dtype (bfloat16: AVX512-BF16; float32: AVX-512). Over SmolLM2's and Gemma 3's "
                 "one-row products it read the weights 1.9-2.3x (bfloat16) and 2.0-2.8x (float32) as fast as F.linear "
                 "on the host of 2026-12-07, level with the fastest of PyTorch's kinds there (benchmarks/products.py), "
-                "and its loop is the same on every host, where which BLAS kind is fastest is not"),
+                "and its loop is the same on every host, where which BLAS kind is fastest is not; and a float32 "
+                "product of 4 rows or more, a prefill's too, in oneDNN (\"onednn\") on AMD CPUs with AVX-512, where "
+                "MKL's float32 GEMM ran at half its speed (1.4-2.8x at 4-512 rows, the host of 2026-12-07)"),
     "fold": ("folded where the rule decides it (a KV head serving >= 4 query heads, or the b * g work items sharing "
              "evenly among the threads or at least two a thread); otherwise not folded (SDPA's own GQA)"),
     "native-attention": ("the native kernel wherever it fits from 128 keys, SDPA below (it read a float32 cache "
@@ -477,8 +479,10 @@ def forced_product() -> str | None:
 
 def product_key(out_features: int, in_features: int, dtype: torch.dtype, rows: int, blocks: int, threads: int
                 ) -> str:
-    """The table's key of a product: its weight's shape and dtype, rows, the split's blocks and the threads."""
-    return (f"product {out_features}x{in_features} {str(dtype).removeprefix('torch.')} rows={rows} blocks={blocks} "
+    """The table's key of a product: its weight's shape and dtype, rows, the split's blocks and the threads. Rows
+    past :data:`SPLIT_MAX_ROWS` (a prefill's) share one key, ``rows=65+``."""
+    count = f"{SPLIT_MAX_ROWS + 1}+" if rows > SPLIT_MAX_ROWS else str(rows)
+    return (f"product {out_features}x{in_features} {str(dtype).removeprefix('torch.')} rows={count} blocks={blocks} "
             f"threads={threads}")
 
 
@@ -506,12 +510,16 @@ def product_kind(shape: ProductShape, kinds: tuple[str, ...], *, native_default:
     the native kernel is built vectorised for it, "native"; else "linear"). A kind the call cannot take falls back
     to "linear" in :mod:`multihead.layers.linear`. Looked up once a shape (a dict look-up a call after that).
 
+    The rule's other kind: "onednn" for a float32 product of at least :data:`ONEDNN_MIN_ROWS` rows where
+    :func:`onednn_host` says oneDNN's float32 matmul is the faster (F.linear is MKL's there).
+
     The kinds: "linear" is ``F.linear``; "mv" (one row) ``torch.mv``, the matrix-vector kernel; "split" the batched
     product over row blocks of the weight; "blas" (bfloat16/float16 only) ``F.linear`` with oneDNN switched off for
     the call (PyTorch's own vectorised gemv/gemm instead of oneDNN's matmul, whose fixed cost per call, ~40 us on the
     Xeon of 2026-12-01, dominates a one-row product of a small matrix); "native" (one bfloat16 or float32 row)
     :func:`multihead.kernels.native.gemv_bf16` / ``gemv_f32``, C kernels reading the weight at the memory's speed
-    (bfloat16 1536 x 576 from memory: 75-88 us against F.linear's 240-278 there). Why the table and not one rule:
+    (bfloat16 1536 x 576 from memory: 75-88 us against F.linear's 240-278 there); "onednn" (float32, more than one
+    row) oneDNN's matmul, ``torch.ops.mkldnn._linear_pointwise`` (:func:`onednn_fits`). Why the table and not one rule:
     the same 2-core Xeon type gave opposite answers on two hosts for float32 (SmolLM2's 210 one-row products 63 ms
     F.linear / 33 split on one, 21.8 / 48.6 on the other), and a weight in cache and one from memory rank the kinds
     differently. The native kernels are the untuned rule because their loop is ours on every host, not a BLAS's.
@@ -530,7 +538,11 @@ def product_kind(shape: ProductShape, kinds: tuple[str, ...], *, native_default:
         key = product_key(*shape)
         found = _entries().get(key)
         if found is None or found not in kinds:
-            return "native" if native_default and "native" in kinds else "linear"
+            if native_default and "native" in kinds:
+                return "native"
+            _out, _in, dtype, rows, _blocks, _threads = shape
+            onednn = "onednn" in kinds and dtype == torch.float32 and rows >= ONEDNN_MIN_ROWS and onednn_host()
+            return "onednn" if onednn else "linear"
         if found == "blas" and compiling:
             compiled = _entries().get(key + " compiled")
             return compiled if compiled is not None and compiled in kinds and compiled != "blas" else "linear"
@@ -717,3 +729,70 @@ def upcast_product(rows: int, weight: Tensor, x: Tensor) -> bool:
     ):
         return False
     return no_bf16_matmul()
+
+
+ONEDNN_MIN_ROWS = 4  # the rule's "onednn" from this many rows
+_onednn_float32: list[bool] = []  # the answer, once /proc/cpuinfo has been read
+
+
+def _onednn_host() -> bool:
+    if not _onednn_float32:  # /proc/cpuinfo read once a process, not once a product
+        from multihead.kernels import native
+
+        _onednn_float32.append(_cpu_vendor() == "AuthenticAMD" and "avx512f" in native.cpu_flags()
+                               and onednn_available())
+    return _onednn_float32[0]
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor as /proc/cpuinfo names it ("GenuineIntel", "AuthenticAMD"; "" where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            name, _, value = line.partition(":")
+            if name.strip() == "vendor_id":
+                return value.strip()
+    except OSError:
+        pass
+    return ""
+
+
+# Whether the untuned rule runs a float32 product of ONEDNN_MIN_ROWS rows or more in oneDNN: an x86 CPU of AMD's with
+# AVX-512. There MKL's float32 GEMM (F.linear) does not run at the AVX-512 speed that oneDNN's does: measured on a
+# 2-core AMD EPYC (family 26, AVX-512, torch 2.13, 2026-12-07), F.linear's time over oneDNN's at 4 / 13 / 64 / 256 /
+# 512 rows: 2048 x 640 1.42 / 1.58 / 2.80 / 2.66 / 2.29, 640 x 2048 1.62 / 2.16 / 2.42 / 2.58 / 2.28, 576 x 576
+# 1.37 / 1.33 / 1.36 / 2.15 / 2.21 (2 threads; in one thread 1.0-2.3), 140-180 GFLOP/s against 320-400 at 512 rows.
+# On the 2-core Intel Xeon of the same day F.linear was not slower (its MKL takes its AVX-512 path). Elsewhere the
+# tuning table decides (multihead tune measures a prefill's rows too). A constant under torch.compile.
+onednn_host: Callable[[], bool] = torch.compiler.assume_constant_result(_onednn_host)
+
+
+def onednn_available() -> bool:
+    """Whether this PyTorch has oneDNN's linear operator (``torch.ops.mkldnn._linear_pointwise``)."""
+    return bool(torch.backends.mkldnn.is_available()) and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+def onednn_fits(x: Tensor, weight: Tensor, bias: Tensor | None) -> bool:
+    """Whether ``F.linear(x, weight, bias)`` may run as oneDNN's float32 matmul (the kind "onednn"): float32 CPU
+    tensors of the plain tensor types, a (out, in) weight matching x's last dimension, a float32 bias of out
+    elements or none, no gradient wanted (the operator has no backward), eager with no mode watching (a FLOP
+    counter counts F.linear) and the operator built into this PyTorch. The same sums as MKL's in another order:
+    measured over 8 weight shapes at 1-1,024 rows, the largest error to float64 was level with F.linear's
+    (1e-6 to 9e-6), and oneDNN gave the same bits in one thread and two at every one."""
+    return (
+        _enabled
+        and x.dtype == torch.float32
+        and weight.dtype == torch.float32
+        and x.is_cpu
+        and weight.is_cpu
+        and type(weight) in (Tensor, torch.nn.Parameter)
+        and type(x) is Tensor
+        and weight.ndim == 2
+        and x.ndim >= 1
+        and weight.shape[1] == x.shape[-1]
+        and (bias is None or (bias.dtype == torch.float32 and bias.shape == weight.shape[:1] and bias.is_cpu))
+        and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                              or (bias is not None and bias.requires_grad)))
+        and not torch.compiler.is_compiling()
+        and not in_a_mode()
+        and onednn_available()
+    )

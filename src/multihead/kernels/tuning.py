@@ -11,7 +11,8 @@ What is measured, each choice against the others in one process, alternating, th
 - every one-row product shape of the model (its :class:`multihead.layers.linear.Linear` weights, and the tied
   head), each kind its cell allows (:func:`multihead.layers.linear.kinds`), over all of the model's weights of that
   shape in turn, with the CPU's last-level cache flushed before each pass, so the weights come from memory as they
-  do in decoding (a weight in cache ranks the kinds differently);
+  do in decoding (a weight in cache ranks the kinds differently); and for a float32 model each shape's product at a
+  prefill chunk's 512 rows, F.linear (MKL's) against oneDNN's matmul;
 - every decode attention shape of the model at each length asked (its power-of-two range of key counts): SDPA's
   GQA fold where the rule leaves it open, and the native dense kernel against SDPA where it fits, over one cache a
   layer in turn (flushed likewise).
@@ -140,7 +141,9 @@ def tune_products(weights: Iterable[Tensor], *, rows: int = 1, repeats: int = RE
     """Decide the product kind of each shape among ``weights`` (all the weights of a shape are run in turn, as a
     model's layers run), for ``rows`` rows: the entries and the medians measured, by
     :func:`multihead.kernels.cpu.product_key`. Shapes the split does not take
-    (:func:`multihead.kernels.cpu.split_product`) are skipped: F.linear runs them anyway."""
+    (:func:`multihead.kernels.cpu.split_product`) choose between F.linear and oneDNN in float32
+    (:data:`multihead.layers.linear.MANY_ROW_KINDS`; a prefill's rows, past the split's, share one key) and are
+    skipped otherwise: F.linear runs them anyway."""
     by_shape: dict[tuple[int, int, torch.dtype], list[Tensor]] = {}
     for w in weights:
         by_shape.setdefault((w.shape[0], w.shape[1], w.dtype), []).append(w.detach())
@@ -150,10 +153,13 @@ def tune_products(weights: Iterable[Tensor], *, rows: int = 1, repeats: int = RE
     for (out_features, in_features, dtype), ws in sorted(by_shape.items(), key=lambda item: str(item[0])):
         x = torch.randn(rows, in_features).to(dtype)
         n = cpu.split_product(rows, ws[0], x)
-        if n == 1:
+        if n > 1:
+            allowed = linear.kinds(rows, dtype)
+        elif rows > 1 and cpu.onednn_fits(x, ws[0], None):  # a float32 product the split leaves: oneDNN's or MKL's
+            allowed = linear.MANY_ROW_KINDS
+        else:
             continue
         key = cpu.product_key(out_features, in_features, dtype, rows, n, cpu.intra_op_threads())
-        allowed = linear.kinds(rows, dtype)
         runs = {kind: _product_pass(kind, x, ws, n) for kind in allowed}
         medians = measure(runs, repeats=repeats, flush=flusher)
         entries[key] = fastest(medians, "linear")
@@ -243,6 +249,7 @@ def model_shapes(model: nn.Module) -> tuple[list[Tensor], list[tuple[int, int, i
     return weights, heads, len(layers)
 
 
+PREFILL_ROWS = 512  # a prefill chunk's rows, measured for every prefill's products (they share one key)
 LENGTHS = (256, 512, 1024, 2048, 4096, 8192)  # each stands for its power-of-two range of keys (256: a 260-key ring)
 
 
@@ -250,7 +257,8 @@ def tune_model(model: nn.Module, *, lengths: Sequence[int] = LENGTHS, batch: int
                flush: bool = True, write: bool = True, progress: Callable[[str], None] | None = None,
                heads: Sequence[tuple[int, int, int]] | None = None, n_layers: int | None = None) -> dict[str, str]:
     """Measure and record every decision a decoding ``model`` (batch ``batch``, contexts up to ``lengths``) looks
-    up: its one-row products and its decode attention at each length, in the model's dtype. Writes the host's table
+    up: its one-row products, a float32 prefill's products (:data:`PREFILL_ROWS` rows) and its decode attention at
+    each length, in the model's dtype. Writes the host's table
     (unless ``write`` is False) and returns the entries. Turned off speed paths (:func:`multihead.kernels.cpu.disabled`)
     have nothing to tune.
 
@@ -275,6 +283,11 @@ def tune_model(model: nn.Module, *, lengths: Sequence[int] = LENGTHS, batch: int
         raise MultiheadError(f"{type(model).__name__} has no multihead Linear or attention layer to tune")
     dtype = weights[0].dtype if weights else torch.float32
     entries, record = tune_products(weights, rows=batch, repeats=repeats, flush=flush, progress=progress)
+    if dtype == torch.float32:  # a prefill's float32 products: oneDNN's matmul or MKL's (the rule guesses by vendor)
+        more, more_record = tune_products(weights, rows=PREFILL_ROWS, repeats=repeats, flush=flush,
+                                          progress=progress)
+        entries.update(more)
+        record.update(more_record)
     more, more_record = tune_attention([(batch, h, g, d) for h, g, d in heads], lengths, dtype=dtype,
                                        layers=max(1, min(n_layers, 8)), repeats=repeats, flush=flush,
                                        progress=progress)

@@ -14,6 +14,10 @@ tuning table, :mod:`multihead.kernels.tuning`, or the rule beside it; never a ti
 
 - "blas" (bfloat16/float16): ``F.linear`` with oneDNN off for the call: PyTorch's own vectorised kernels, without
   oneDNN's fixed cost per call;
+- "onednn" (float32, more than one row, inference): oneDNN's matmul (``torch.ops.mkldnn._linear_pointwise``), where
+  MKL's float32 GEMM is not the faster: the rule takes it from :data:`multihead.kernels.cpu.ONEDNN_MIN_ROWS` rows on
+  AMD CPUs with AVX-512 (:func:`multihead.kernels.cpu.onednn_host`; 1.4-2.8x F.linear's speed there), the tuning
+  table elsewhere; also a prefill's many-row products, which no other kind takes;
 - "native" (one bfloat16 or float32 row, inference): :func:`multihead.kernels.native.gemv_bf16` or
   :func:`~multihead.kernels.native.gemv_f32`, C kernels built by the set-up that read the weight at the memory's
   speed (AVX512-BF16 products or AVX-512 FMA, software prefetch); offered only where they built vectorised.
@@ -41,7 +45,7 @@ from torch import Tensor, nn
 from multihead.kernels import cpu, native
 
 # the kinds of product a call may take (multihead.kernels.cpu.product_kind): by dtype, and with "mv" at one row
-KINDS = {True: ("linear", "split"), False: ("linear", "split", "blas")}
+KINDS = {True: ("linear", "split", "onednn"), False: ("linear", "split", "blas")}
 ONE_ROW_KINDS = {True: ("linear", "mv", "split"), False: ("linear", "mv", "split", "blas")}
 # one row with multihead.kernels.native built and vectorised for the dtype (AVX512-BF16 for bfloat16, AVX-512 float32)
 NATIVE_KINDS = {True: ("linear", "mv", "split", "native"), False: ("linear", "mv", "split", "blas", "native")}
@@ -56,20 +60,29 @@ def kinds(rows: int, dtype: torch.dtype) -> tuple[str, ...]:
     return KINDS[dtype == torch.float32]
 
 
+# a float32 product of more rows than the split takes (a prefill's), or of a weight it does not split
+MANY_ROW_KINDS = ("linear", "onednn")
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``F.linear(x, weight, bias)``, as the kind of product :func:`multihead.kernels.cpu.product_kind` decides for its
     shape where :func:`multihead.kernels.cpu.split_product` lets it choose (few rows on the CPU)."""
     in_features = x.shape[-1] if x.ndim else 0
     rows = x.numel() // in_features if in_features else 0
     n = cpu.split_product(rows, weight, x)
-    if n == 1:  # not a decode step's product: a prefill's may run upcast (asked only here, off decoding's path)
+    if n == 1:  # not a decode step's product: a prefill's may run upcast or in oneDNN (asked only off decoding's path)
         if cpu.upcast_product(rows, weight, x):
             with cpu.configured_threads():  # float32 sums, which MKL splits by its thread count
                 return upcast(x, weight, bias)
+        kind = "linear"
+        if rows > 1 and cpu.onednn_fits(x, weight, bias):
+            shape = (weight.shape[0], in_features, weight.dtype, min(rows, cpu.SPLIT_MAX_ROWS + 1), 1,
+                     cpu.intra_op_threads())
+            kind = "onednn" if cpu.product_kind(shape, MANY_ROW_KINDS, native_default=False) == "onednn" else kind
         if rows > 1 and weight.dtype in cpu.KEEPS_THREADS and cpu.fewer_threads():
             with cpu.configured_threads():
-                return F.linear(x, weight, bias)
-        return F.linear(x, weight, bias)
+                return run(kind, x, weight, bias, 1)
+        return run(kind, x, weight, bias, 1)
     allowed = kinds(rows, weight.dtype)
     kind = cpu.product_kind((weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads()), allowed,
                             native_default=rows == 1 and "native" in allowed)
@@ -103,6 +116,9 @@ def run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, one: 
     rows = x.numel() // in_features if in_features else 0
     if kind == "linear" or (kind == "blas" and weight.dtype == torch.float32) or (kind == "mv" and rows != 1):
         return F.linear(x, weight, bias)
+    if kind == "onednn":  # oneDNN's float32 matmul where the call fits it (cpu.onednn_fits checks), else F.linear
+        fits = rows > 1 and cpu.onednn_fits(x, weight, bias)
+        return onednn_linear(x, weight, bias) if fits else F.linear(x, weight, bias)
     if kind == "native":
         dtype = weight.dtype
         if (rows == 1 and dtype in (torch.bfloat16, torch.float32) and x.dtype == dtype and x.is_contiguous()
@@ -128,6 +144,13 @@ def run(kind: str, x: Tensor, weight: Tensor, bias: Tensor | None, n: int, one: 
     finally:
         if one:
             torch.set_num_threads(threads)
+
+
+def onednn_linear(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    """``F.linear(x, weight, bias)`` as oneDNN's float32 matmul (the kind "onednn"; the caller checks
+    :func:`multihead.kernels.cpu.onednn_fits`)."""
+    y: Tensor = torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return y
 
 
 def _without_onednn(x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
