@@ -308,6 +308,9 @@ def test_patch_pairs_keeps_each_pairs_figures() -> None:
     first = activation_patching(model, torch.tensor([[1, 2, 3, 4, 5]]), torch.tensor([[1, 2, 9, 4, 5]]),
                                 logit_difference(3, 5))
     np.testing.assert_allclose(result.per_pair_patching[0], first.effects, rtol=1e-6, atol=1e-7)
+    with pytest.raises(MultiheadError, match="nothing to compute"):
+        patch_pairs(forward, layers, lambda text: [int(t) for t in text.split()], pairs, patching=False,
+                    attribution=False)
 
 
 def test_printing_an_attribution_is_a_short_summary_not_every_tensor() -> None:

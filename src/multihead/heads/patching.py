@@ -407,11 +407,14 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
 
     if not pairs:
         raise MultiheadError("no prompt pairs given")
+    if not (patching or attribution):
+        raise MultiheadError("patch_pairs with patching=False and attribution=False has nothing to compute")
     sums: dict[str, np.ndarray] = {}
+    spans: dict[str, float] = {}  # each analysis's sum of clean - corrupted, over its own forwards
     each: dict[str, list[np.ndarray]] = {}
     cleans: list[float] = []
     corrupts: list[float] = []
-    span_total = clean_total = corrupt_total = 0.0
+    clean_total = corrupt_total = 0.0
     seconds = {"patching": 0.0, "attribution": 0.0}
     what = " and ".join(name for name, on in (("patching", patching), ("attribution", attribution)) if on)
     for i, pair in enumerate(progress_bar(pairs, desc=f"{what} over {len(pairs)} prompt pair(s)", unit="pair",
@@ -426,6 +429,7 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
                                  f"(they are {len(answer)} and {len(wrong)})")
         metric = logit_difference(answer[0], wrong[0])
         c, k = torch.tensor([clean]), torch.tensor([corrupt])
+        seen: list[Any] = []  # the analyses' results of this pair, in order
         for name, enabled in (("patching", patching), ("attribution", attribution)):
             if not enabled:
                 continue
@@ -438,14 +442,17 @@ def patch_pairs(forward: Forward, layers: Sequence[HookedAttention], encode: Cal
             span = result.clean - result.corrupted
             effects = result.effects.numpy()
             sums[name] = sums.get(name, 0.0) + effects * span  # patched - corrupted, per head
+            spans[name] = spans.get(name, 0.0) + span
             each.setdefault(name, []).append(effects)
-        span_total += span
-        clean_total += result.clean
-        corrupt_total += result.corrupted
-        cleans.append(result.clean)
-        corrupts.append(result.corrupted)
+            seen.append(result)
+        # the pair's logit differences as the first analysis measured them (patching's forward without autograd and
+        # attribution's with it may run other product kinds: the same sums to float32's rounding, not the same bits)
+        clean_total += seen[0].clean
+        corrupt_total += seen[0].corrupted
+        cleans.append(seen[0].clean)
+        corrupts.append(seen[0].corrupted)
     return PairsResult(point, len(pairs), clean_total / len(pairs), corrupt_total / len(pairs),
-                       sums["patching"] / span_total if patching else None,
-                       sums["attribution"] / span_total if attribution else None, seconds,
+                       sums["patching"] / spans["patching"] if patching else None,
+                       sums["attribution"] / spans["attribution"] if attribution else None, seconds,
                        np.stack(each["patching"]) if patching else None,
                        np.stack(each["attribution"]) if attribution else None, np.array(cleans), np.array(corrupts))
