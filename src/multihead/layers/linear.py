@@ -79,17 +79,14 @@ def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
             shape = (weight.shape[0], in_features, weight.dtype, min(rows, cpu.SPLIT_MAX_ROWS + 1), 1,
                      cpu.intra_op_threads())
             kind = "onednn" if cpu.product_kind(shape, MANY_ROW_KINDS, native_default=False) == "onednn" else kind
-        if rows > 1 and weight.dtype in cpu.KEEPS_THREADS and cpu.fewer_threads():
-            with cpu.configured_threads():
-                return run(kind, x, weight, bias, 1)
-        return run(kind, x, weight, bias, 1)
-    allowed = kinds(rows, weight.dtype)
-    kind = cpu.product_kind((weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads()), allowed,
-                            native_default=rows == 1 and "native" in allowed)
+    else:
+        allowed = kinds(rows, weight.dtype)
+        kind = cpu.product_kind((weight.shape[0], in_features, weight.dtype, rows, n, cpu.intra_op_threads()),
+                                allowed, native_default=rows == 1 and "native" in allowed)
     if rows > 1 and weight.dtype in cpu.KEEPS_THREADS and cpu.fewer_threads():
-        with cpu.configured_threads():
+        with cpu.configured_threads():  # sums that some kernels split by their thread count: the configured one
             return run(kind, x, weight, bias, n)
-    return run(kind, x, weight, bias, n, cpu.product_in_one_thread(n, weight))
+    return run(kind, x, weight, bias, n, n > 1 and cpu.product_in_one_thread(n, weight))
 
 
 def upcast(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
