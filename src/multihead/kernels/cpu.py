@@ -761,8 +761,9 @@ def _cpu_vendor() -> str:
 # 2-core AMD EPYC (family 26, AVX-512, torch 2.13, 2026-12-07), F.linear's time over oneDNN's at 4 / 13 / 64 / 256 /
 # 512 rows: 2048 x 640 1.42 / 1.58 / 2.80 / 2.66 / 2.29, 640 x 2048 1.62 / 2.16 / 2.42 / 2.58 / 2.28, 576 x 576
 # 1.37 / 1.33 / 1.36 / 2.15 / 2.21 (2 threads; in one thread 1.0-2.3), 140-180 GFLOP/s against 320-400 at 512 rows.
-# On the 2-core Intel Xeon of the same day F.linear was not slower (its MKL takes its AVX-512 path). Elsewhere the
-# tuning table decides (multihead tune measures a prefill's rows too). A constant under torch.compile.
+# On a 2-core Intel Xeon the same day oneDNN's float32 linear was not faster than F.linear. Other AMD CPUs are not
+# measured; a host's tuning table decides over the rule (multihead tune measures a prefill's rows too). A constant
+# under torch.compile.
 onednn_host: Callable[[], bool] = torch.compiler.assume_constant_result(_onednn_host)
 
 
